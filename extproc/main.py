@@ -1,0 +1,96 @@
+"""`gorgo extproc`: the ext_proc gRPC server, its signal tasks and its metrics endpoint."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+
+import grpc
+from aiohttp import web
+
+from extproc.http_api import make_app
+from extproc.service import ExtProcService
+from extproc.signals import Signals
+from extproc.telemetry import RouterMetrics
+from gorgo._xds.envoy.service.ext_proc.v3.external_processor_pb2_grpc import (
+    add_ExternalProcessorServicer_to_server,
+)
+from gorgo.core.fleet import load_fleet
+from gorgo.core.router import Router
+
+log = logging.getLogger("gorgo.extproc")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--fleet", required=True, help="fleet YAML file")
+    p.add_argument("--host", default="127.0.0.1", help="gRPC bind address (default loopback)")
+    p.add_argument("--port", type=int, default=50051, help="gRPC port for Envoy (0 = any)")
+    p.add_argument("--metrics-host", default="127.0.0.1", help="HTTP bind address")
+    p.add_argument("--metrics-port", type=int, default=9100,
+                   help="HTTP port for /metrics (0 = any, -1 = off)")
+    p.add_argument("--log-level", default="INFO")
+
+
+class ExtProcServer:
+    """Everything one router process runs; usable in-process by tests and the demo."""
+
+    def __init__(self, router: Router) -> None:
+        self.router = router
+        self.metrics = RouterMetrics(router.state, lambda: router.open_requests)
+        self.service = ExtProcService(router, self.metrics)
+        self.signals = Signals(router, self.metrics)
+        self.grpc_port = 0
+        self.metrics_port = 0
+        self._grpc: grpc.aio.Server | None = None
+        self._http: web.AppRunner | None = None
+
+    async def start(
+        self, host: str, port: int, metrics_host: str = "127.0.0.1", metrics_port: int = 0
+    ) -> None:
+        self._grpc = grpc.aio.server(options=[
+            ("grpc.max_receive_message_length", self.router.spec.limits.max_body_bytes + 65536),
+            ("grpc.max_concurrent_streams", 10000),
+        ])
+        add_ExternalProcessorServicer_to_server(self.service, self._grpc)
+        self.grpc_port = self._grpc.add_insecure_port(f"{host}:{port}")
+        await self._grpc.start()
+        if metrics_port >= 0:
+            self._http = web.AppRunner(make_app(self.metrics), access_log=None)
+            await self._http.setup()
+            site = web.TCPSite(self._http, metrics_host, metrics_port)
+            await site.start()
+            self.metrics_port = self._http.addresses[-1][1]
+        await self.signals.start()
+
+    async def stop(self, grace: float = 1.0) -> None:
+        await self.signals.stop()
+        if self._http is not None:
+            await self._http.cleanup()
+        if self._grpc is not None:
+            await self._grpc.stop(grace)
+
+
+async def serve(args: argparse.Namespace) -> int:
+    spec = load_fleet(args.fleet)
+    router = Router(spec, id_prefix=os.urandom(3).hex())
+    server = ExtProcServer(router)
+    await server.start(args.host, args.port, args.metrics_host, args.metrics_port)
+    log.info("gorgo extproc: gRPC on %s:%d, metrics on %s:%d, %d replicas, policy %s",
+             args.host, server.grpc_port, args.metrics_host, server.metrics_port,
+             len(spec.replicas), spec.policy)
+    print(f"READY grpc={server.grpc_port} metrics={server.metrics_port}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await server.stop()
+    return 0
+
+
+def main(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(message)s")
+    return asyncio.run(serve(args))

@@ -1,0 +1,87 @@
+"""Builders for the few ext_proc answers the router sends, so the servicer reads as flow."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from google.protobuf.struct_pb2 import Struct
+
+from gorgo._xds.envoy.config.core.v3.base_pb2 import HeaderValue, HeaderValueOption
+from gorgo._xds.envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from gorgo._xds.envoy.type.v3.http_status_pb2 import HttpStatus
+
+CLUSTER_HEADER = "x-gorgo-cluster"
+REPLICA_HEADER = "x-gorgo-replica"
+METADATA_NAMESPACE = "gorgo"
+
+CONTINUE_REQUEST_HEADERS = pb.ProcessingResponse(request_headers=pb.HeadersResponse())
+CONTINUE_RESPONSE_HEADERS = pb.ProcessingResponse(response_headers=pb.HeadersResponse())
+CONTINUE_REQUEST_BODY = pb.ProcessingResponse(request_body=pb.BodyResponse())
+
+
+def _set(key: str, value: str) -> HeaderValueOption:
+    return HeaderValueOption(
+        header=HeaderValue(key=key, raw_value=value.encode()),
+        append_action=HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
+    )
+
+
+def _route_common(cluster: str) -> pb.CommonResponse:
+    return pb.CommonResponse(
+        header_mutation=pb.HeaderMutation(set_headers=[_set(CLUSTER_HEADER, cluster)]),
+        clear_route_cache=True,
+    )
+
+
+def _metadata(fields: dict[str, Any]) -> Struct:
+    md = Struct()
+    md.update({METADATA_NAMESPACE: fields})
+    return md
+
+
+def route_on_body(cluster: str, fields: dict[str, Any]) -> pb.ProcessingResponse:
+    """Answer the request body: send it to ``cluster`` and publish the decision as metadata."""
+    return pb.ProcessingResponse(
+        request_body=pb.BodyResponse(response=_route_common(cluster)),
+        dynamic_metadata=_metadata(fields),
+    )
+
+
+def route_on_headers(cluster: str, fields: dict[str, Any]) -> pb.ProcessingResponse:
+    """Answer the headers of a body-less request (GET /v1/models, /health)."""
+    return pb.ProcessingResponse(
+        request_headers=pb.HeadersResponse(response=_route_common(cluster)),
+        dynamic_metadata=_metadata(fields),
+    )
+
+
+def tag_response(replica: str) -> pb.ProcessingResponse:
+    """Answer the response headers, telling the client which replica served it."""
+    common = pb.CommonResponse(
+        header_mutation=pb.HeaderMutation(set_headers=[_set(REPLICA_HEADER, replica)])
+    )
+    return pb.ProcessingResponse(response_headers=pb.HeadersResponse(response=common))
+
+
+def immediate(
+    status: int, body: dict[str, Any], details: str, headers: dict[str, str] | None = None
+) -> pb.ProcessingResponse:
+    """Answer the client directly (errors): JSON body, status, extra headers."""
+    hdrs = {"content-type": "application/json", **(headers or {})}
+    return pb.ProcessingResponse(
+        immediate_response=pb.ImmediateResponse(
+            status=HttpStatus(code=status),
+            headers=pb.HeaderMutation(set_headers=[_set(k, v) for k, v in hdrs.items()]),
+            body=json.dumps(body).encode(),
+            details=details,
+        )
+    )
+
+
+def header_dict(headers: pb.HttpHeaders) -> dict[str, str]:
+    """Envoy's header map as a lower-case dict (Envoy sends values in raw_value)."""
+    out: dict[str, str] = {}
+    for h in headers.headers.headers:
+        out[h.key.lower()] = h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value
+    return out

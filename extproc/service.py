@@ -1,0 +1,158 @@
+"""One ext_proc stream per HTTP request: headers, body, decision, response status, close.
+
+Envoy keeps the gRPC stream open until the HTTP stream ends, so the stream's end is the request's
+completion: in-flight accounting is released in `finally`, exactly once, whether the request
+finished, failed, or the client went away. Any unexpected error fails open (the request goes on to
+Envoy's default route) and is counted; the server never dies on input.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from extproc import messages
+from extproc.telemetry import RouterMetrics
+from gorgo._xds.envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from gorgo._xds.envoy.service.ext_proc.v3.external_processor_pb2_grpc import (
+    ExternalProcessorServicer,
+)
+from gorgo.core.decision import Decision, NoReplicaAvailable
+from gorgo.core.features import RequestError, RequestFeatures, extract_features
+from gorgo.core.router import Router
+
+log = logging.getLogger("gorgo.extproc")
+
+
+class _Stream:
+    """Per-request state carried between the messages of one ext_proc stream."""
+
+    __slots__ = ("decision", "headers", "path")
+
+    def __init__(self) -> None:
+        self.headers: dict[str, str] = {}
+        self.path = "/"
+        self.decision: Decision | None = None
+
+
+class ExtProcService(ExternalProcessorServicer):
+    def __init__(self, router: Router, metrics: RouterMetrics, clock=time.monotonic) -> None:
+        self.router = router
+        self.metrics = metrics
+        self.clock = clock
+        spec = router.spec
+        self.max_body = spec.limits.max_body_bytes
+        self.max_depth = spec.limits.max_json_depth
+
+    async def Process(
+        self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: Any
+    ) -> AsyncIterator[pb.ProcessingResponse]:
+        st = _Stream()
+        try:
+            async for req in request_iterator:
+                kind = req.WhichOneof("request")
+                if kind == "request_headers":
+                    yield self._on_request_headers(st, req.request_headers)
+                elif kind == "request_body":
+                    yield self._on_request_body(st, req.request_body)
+                elif kind == "response_headers":
+                    yield self._on_response_headers(st, req.response_headers)
+                elif kind == "request_trailers":
+                    yield pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
+                elif kind == "response_trailers":
+                    yield pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
+                elif kind == "response_body":
+                    yield pb.ProcessingResponse(response_body=pb.BodyResponse())
+        finally:
+            if st.decision is not None:
+                self.router.complete(st.decision.id)
+
+    # --- message handlers ---------------------------------------------------------------------
+
+    def _on_request_headers(self, st: _Stream, msg: pb.HttpHeaders) -> pb.ProcessingResponse:
+        st.headers = messages.header_dict(msg)
+        st.path = st.headers.get(":path", "/")
+        length = st.headers.get("content-length", "")
+        if length.isdigit() and int(length) > self.max_body:
+            return self._reject(RequestError(
+                413, f"Request body of {length} bytes exceeds the limit of {self.max_body}.",
+                code="request_too_large"))
+        if msg.end_of_stream:  # no body will follow: decide on the headers alone
+            return self._decide(st, b"", on_headers=True)
+        return messages.CONTINUE_REQUEST_HEADERS
+
+    def _on_request_body(self, st: _Stream, msg: pb.HttpBody) -> pb.ProcessingResponse:
+        if len(msg.body) > self.max_body:
+            return self._reject(RequestError(
+                413, f"Request body exceeds the limit of {self.max_body} bytes.",
+                code="request_too_large"))
+        return self._decide(st, msg.body, on_headers=False)
+
+    def _on_response_headers(self, st: _Stream, msg: pb.HttpHeaders) -> pb.ProcessingResponse:
+        d = st.decision
+        if d is None:
+            return messages.CONTINUE_RESPONSE_HEADERS
+        status = messages.header_dict(msg).get(":status", "")
+        replica = self.router.state.names[d.replica]
+        self.metrics.upstream_status.labels(replica, f"{status[:1]}xx").inc()
+        if status in ("502", "503", "504"):
+            self.router.state.record_failure(d.replica, self.clock())
+        elif status[:1] in ("2", "4"):
+            self.router.state.record_success(d.replica)
+        return messages.tag_response(replica)
+
+    # --- decisions ------------------------------------------------------------------------------
+
+    def _decide(self, st: _Stream, body: bytes, *, on_headers: bool) -> pb.ProcessingResponse:
+        t0 = time.perf_counter()
+        try:
+            f = extract_features(st.path, st.headers, body, self.router.state.tok, self.max_depth)
+            d = self.router.route(f, self.clock())
+        except RequestError as err:
+            return self._reject(err)
+        except NoReplicaAvailable as exc:
+            retry = f"{exc.retry_after_s:.0f}"
+            self.metrics.rejected.labels("503").inc()
+            return messages.immediate(
+                503,
+                RequestError(503, "No healthy replica is available.", type="server_error",
+                             code="no_healthy_replica").to_body(),
+                "gorgo_no_healthy_replica",
+                {"retry-after": retry},
+            )
+        except Exception:
+            log.exception("routing failed; failing open to the default route")
+            self.metrics.fail_open.inc()
+            return (messages.CONTINUE_REQUEST_HEADERS if on_headers
+                    else messages.CONTINUE_REQUEST_BODY)
+        st.decision = d
+        s = self.router.state
+        replica = s.names[d.replica]
+        fields = self._fields(d, f, replica)
+        answer = (messages.route_on_headers if on_headers else messages.route_on_body)(
+            s.clusters[d.replica], fields)
+        self.metrics.decisions.labels(d.policy, replica).inc()
+        self.metrics.decision_seconds.observe(time.perf_counter() - t0)
+        return answer
+
+    def _fields(self, d: Decision, f: RequestFeatures, replica: str) -> dict[str, Any]:
+        s = self.router.state
+        return {
+            "decision_id": d.id,
+            "replica": replica,
+            "region": s.regions[s.region_idx[d.replica]],
+            "policy": d.policy,
+            "weights_version": d.weights_version,
+            "predicted_ttft_ms": round(d.predicted_ms, 3),
+            "rtt_ms": round(d.rtt_ms, 3),
+            "queue_ms": round(d.queue_ms, 3),
+            "prefill_ms": round(d.prefill_ms, 3),
+            "uncached_tokens": d.uncached_tokens,
+            "prompt_tokens": d.prompt_tokens,
+        }
+
+    def _reject(self, err: RequestError) -> pb.ProcessingResponse:
+        self.metrics.rejected.labels(str(err.status)).inc()
+        return messages.immediate(err.status, err.to_body(), f"gorgo_{err.status}")

@@ -1,0 +1,97 @@
+"""Background signal tasks: RTT/health probes and engine metric scrapes, never on the request path.
+
+Each tick probes every due replica concurrently, so one slow region never delays the others. The
+probe runs over a keep-alive connection, so after the first sample it measures one round trip, the
+same cost a request pays on Envoy's pooled upstream connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import aiohttp
+
+from extproc.engine_metrics import parse_engine_metrics
+from extproc.telemetry import RouterMetrics
+from gorgo.core.router import Router
+
+log = logging.getLogger("gorgo.signals")
+
+
+class Signals:
+    def __init__(self, router: Router, metrics: RouterMetrics, clock=time.monotonic) -> None:
+        self.router = router
+        self.metrics = metrics
+        self.clock = clock
+        self.spec = router.spec
+        self._tasks: list[asyncio.Task] = []
+        self._session: aiohttp.ClientSession | None = None
+
+    async def start(self) -> None:
+        timeout = aiohttp.ClientTimeout(total=self.spec.timeouts.probe_ms / 1000)
+        conn = aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
+        self._session = aiohttp.ClientSession(timeout=timeout, connector=conn)
+        sig = self.spec.signals
+        self._tasks = [
+            asyncio.create_task(self._every(sig.probe_interval_s, self.probe_all)),
+            asyncio.create_task(self._every(sig.scrape_interval_s, self.scrape_all)),
+        ]
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._session is not None:
+            await self._session.close()
+
+    async def _every(self, interval: float, fn) -> None:
+        while True:
+            started = time.monotonic()
+            try:
+                await fn()
+            except Exception:  # a signal bug must not stop the signal loop
+                log.exception("signal tick failed")
+            await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
+
+    async def probe_all(self) -> None:
+        due = self.router.state.probe_due(self.clock())
+        await asyncio.gather(*(self.probe(i) for i in range(self.router.state.n) if due[i]))
+
+    async def probe(self, i: int) -> None:
+        s = self.router.state
+        replica = self.spec.replicas[i]
+        t0 = time.perf_counter()
+        try:
+            async with self._session.get(replica.health_url) as resp:
+                await resp.read()
+                ok = resp.status == 200
+        except (aiohttp.ClientError, TimeoutError, OSError):
+            ok = False
+        rtt_ms = (time.perf_counter() - t0) * 1000
+        if ok:
+            s.observe_rtt(i, rtt_ms)
+            s.record_success(i)
+        else:
+            self.metrics.probe_errors.labels(replica.name).inc()
+            s.record_failure(i, self.clock())
+
+    async def scrape_all(self) -> None:
+        await asyncio.gather(*(self.scrape(i) for i in range(self.router.state.n)))
+
+    async def scrape(self, i: int) -> None:
+        replica = self.spec.replicas[i]
+        try:
+            async with self._session.get(replica.metrics_url) as resp:
+                text = await resp.text()
+                if resp.status != 200:
+                    raise ValueError(f"status {resp.status}")
+            load = parse_engine_metrics(text, replica.metrics_flavor)
+        except Exception as exc:  # stale values age out on their own
+            self.metrics.scrape_errors.labels(replica.name).inc()
+            log.debug("scrape of %s failed: %s", replica.name, exc)
+            return
+        self.router.state.observe_engine(
+            i, self.clock(), load.queue_reqs, load.running_reqs, load.kv_usage
+        )

@@ -1,0 +1,265 @@
+"""What the router needs to know about one OpenAI-style request: path, headers and body.
+
+The prompt is serialised in the order an engine's chat template renders it: system (and
+developer) messages first, then tool definitions (chat templates of Qwen, Hermes and Llama 3.1
+render tools inside the system turn, before the conversation), then the conversation. Pieces are
+joined with a newline and carry no role markers, so a single-message prompt is exactly its text and
+turn N+1 of a conversation extends turn N's text: that is what makes prefix reuse visible.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from gorgo.core.tokens import Tokenization
+
+ENDPOINTS = {
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "completions",
+    "/v1/responses": "responses",
+}
+SESSION_HEADER = "x-session-id"
+POLICY_HEADER = "x-gorgo-policy"
+PRIORITY_HEADER = "x-gorgo-priority"
+DEFAULT_MAX_DEPTH = 64
+
+
+class RequestError(Exception):
+    """A client error with the HTTP status and OpenAI-style body the caller should answer with."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def to_body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class RequestFeatures:
+    """Routing inputs of one request; ``endpoint`` is None for non-inference paths.
+
+    Compared by identity: per-request memos key on the object itself.
+    """
+
+    endpoint: str | None
+    model: str | None
+    stream: bool
+    max_tokens: int | None
+    session_key: str | None
+    prompt_chars: int
+    prompt_tokens: int
+    block_hashes: np.ndarray
+    policy: str | None = None
+    priority: int | None = None
+
+    @property
+    def n_blocks(self) -> int:
+        return len(self.block_hashes)
+
+
+EMPTY_HASHES = np.empty(0, dtype=np.uint64)
+
+
+def endpoint_for_path(path: str) -> str | None:
+    """The inference endpoint a request path names, ignoring the query string."""
+    return ENDPOINTS.get(path.split("?", 1)[0].rstrip("/") or "/")
+
+
+def parse_json_body(raw: bytes, max_depth: int = DEFAULT_MAX_DEPTH) -> dict[str, Any]:
+    """Decode a JSON object body, refusing bad encodings and nesting deeper than ``max_depth``."""
+    if not raw:
+        raise RequestError(400, "Request body is empty; expected a JSON object.")
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise RequestError(400, f"Request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise RequestError(400, f"JSON nesting deeper than {max_depth} levels.") from None
+    if not isinstance(body, dict):
+        raise RequestError(400, "Request body must be a JSON object.")
+    # Cheap bound first: depth cannot exceed the number of opening brackets.
+    if raw.count(b"{") + raw.count(b"[") > max_depth and _depth(body) > max_depth:
+        raise RequestError(400, f"JSON nesting deeper than {max_depth} levels.")
+    return body
+
+
+def _depth(obj: Any) -> int:
+    deepest = 0
+    stack: list[tuple[Any, int]] = [(obj, 1)]
+    while stack:
+        node, d = stack.pop()
+        if d > deepest:
+            deepest = d
+        if isinstance(node, dict):
+            stack.extend((v, d + 1) for v in node.values() if isinstance(v, dict | list))
+        elif isinstance(node, list):
+            stack.extend((v, d + 1) for v in node if isinstance(v, dict | list))
+    return deepest
+
+
+def _content_text(content: Any, param: str) -> str:
+    """Text of a message's content: a string, or the text parts of a multi-part list."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for i, part in enumerate(content):
+            if isinstance(part, str):
+                parts.append(part)
+            elif isinstance(part, dict):
+                text = part.get("text")
+                if isinstance(text, str):
+                    parts.append(text)
+            else:
+                raise RequestError(400, f"Invalid content part at {param}[{i}].", param=param)
+        return "\n".join(parts)
+    raise RequestError(400, f"'{param}' must be a string or a list of parts.", param=param)
+
+
+def _messages_text(messages: Any, param: str) -> tuple[list[str], list[str]]:
+    """(system texts, conversation texts) of a message list."""
+    if not isinstance(messages, list):
+        raise RequestError(400, f"'{param}' must be a list of messages.", param=param)
+    system: list[str] = []
+    rest: list[str] = []
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict):
+            raise RequestError(400, f"'{param}[{i}]' must be an object.", param=f"{param}[{i}]")
+        text = _content_text(msg.get("content"), f"{param}[{i}].content")
+        for call in msg.get("tool_calls") or ():
+            if isinstance(call, dict):
+                text += json.dumps(call.get("function", call), sort_keys=True)
+        (system if msg.get("role") in ("system", "developer") else rest).append(text)
+    return system, rest
+
+
+def _tools_text(tools: Any) -> list[str]:
+    if tools is None:
+        return []
+    if not isinstance(tools, list):
+        raise RequestError(400, "'tools' must be a list.", param="tools")
+    return [json.dumps(t, sort_keys=True, separators=(",", ":")) for t in tools]
+
+
+def prompt_text(endpoint: str, body: Mapping[str, Any]) -> str:
+    """The prompt as the engine's template sees it (see module docstring for the order)."""
+    if endpoint == "chat":
+        if "messages" not in body:
+            raise RequestError(400, "Missing required parameter: 'messages'.", param="messages")
+        system, convo = _messages_text(body["messages"], "messages")
+        pieces = system + _tools_text(body.get("tools")) + convo
+    elif endpoint == "completions":
+        if "prompt" not in body:
+            raise RequestError(400, "Missing required parameter: 'prompt'.", param="prompt")
+        prompt = body["prompt"]
+        if isinstance(prompt, str):
+            pieces = [prompt]
+        elif isinstance(prompt, list) and all(isinstance(p, str) for p in prompt):
+            pieces = prompt
+        elif isinstance(prompt, list) and all(isinstance(p, int) for p in prompt):
+            # Token ids: keep them hashable and countable as text of the same length class.
+            pieces = [" ".join(map(str, prompt))]
+        else:
+            raise RequestError(400, "'prompt' must be a string or a list.", param="prompt")
+    elif endpoint == "responses":
+        if "input" not in body:
+            raise RequestError(400, "Missing required parameter: 'input'.", param="input")
+        instructions = body.get("instructions")
+        if instructions is not None and not isinstance(instructions, str):
+            raise RequestError(400, "'instructions' must be a string.", param="instructions")
+        inp = body["input"]
+        system, convo = ([], [inp]) if isinstance(inp, str) else _messages_text(inp, "input")
+        if instructions:
+            system.insert(0, instructions)
+        pieces = system + _tools_text(body.get("tools")) + convo
+    else:
+        raise ValueError(f"unknown endpoint {endpoint!r}")
+    return "\n".join(pieces)
+
+
+def _opt_int(body: Mapping[str, Any], *names: str) -> int | None:
+    for name in names:
+        value = body.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise RequestError(400, f"'{name}' must be a positive integer.", param=name)
+        return value
+    return None
+
+
+def _priority(headers: Mapping[str, str]) -> int | None:
+    raw = headers.get(PRIORITY_HEADER)
+    if raw is None:
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise RequestError(400, f"Header '{PRIORITY_HEADER}' must be an integer.") from None
+
+
+def extract_features(
+    path: str,
+    headers: Mapping[str, str],
+    raw_body: bytes,
+    tok: Tokenization,
+    max_depth: int = DEFAULT_MAX_DEPTH,
+) -> RequestFeatures:
+    """Features of one request; ``headers`` must have lower-case names. Raises RequestError."""
+    policy = headers.get(POLICY_HEADER) or None
+    priority = _priority(headers)
+    endpoint = endpoint_for_path(path)
+    if endpoint is None:
+        return RequestFeatures(None, None, False, None, headers.get(SESSION_HEADER) or None,
+                               0, 0, EMPTY_HASHES, policy, priority)
+    body = parse_json_body(raw_body, max_depth)
+    text = prompt_text(endpoint, body)
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise RequestError(400, "'model' must be a string.", param="model")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise RequestError(400, "'stream' must be a boolean.", param="stream")
+    max_tokens = _opt_int(body, "max_tokens", "max_completion_tokens", "max_output_tokens")
+    session = headers.get(SESSION_HEADER) or None
+    for key in ("prompt_cache_key", "user"):
+        if session is None and isinstance(body.get(key), str) and body[key]:
+            session = body[key]
+    return RequestFeatures(
+        endpoint=endpoint,
+        model=model,
+        stream=stream,
+        max_tokens=max_tokens,
+        session_key=session,
+        prompt_chars=len(text),
+        prompt_tokens=tok.count_tokens(len(text)),
+        block_hashes=tok.block_hashes(text),
+        policy=policy,
+        priority=priority,
+    )

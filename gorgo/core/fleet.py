@@ -1,0 +1,326 @@
+"""The fleet file: which replicas exist, where they are, and how the router treats them.
+
+One YAML file is read by the router (`gorgo extproc`), the Envoy config renderer and the simulated
+fleet launcher, so all three always agree on names, clusters and addresses. Validation is strict:
+an unknown or mistyped field is an error that names its path, because a silently ignored typo in a
+router config shows up much later as bad routing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ENGINE_KINDS = ("sglang", "vllm", "sim")
+DEFAULT_PROFILE = "h100-llama3-8b"
+LINK_PRESETS: dict[str, tuple[float, float]] = {
+    # GORGO paper's measured RTTs from a us-east proxy: (mean ms, sd ms).
+    "us-east": (37.0, 8.0),
+    "eu-frankfurt": (279.0, 80.0),
+    "ap-seoul": (456.0, 138.0),
+    "local": (1.0, 0.2),
+}
+
+
+class FleetError(ValueError):
+    """A fleet file problem; the message starts with the path of the offending field."""
+
+
+@dataclass(frozen=True, slots=True)
+class Weights:
+    """Weights of the `gorgo` cost terms; ``version`` is stamped into every decision."""
+
+    rtt: float = 1.0
+    queue: float = 1.0
+    version: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class RegionSpec:
+    name: str
+    rtt_ms: float  # emulated link RTT (simulation only; the router measures its own)
+    jitter_ms: float
+
+
+@dataclass(frozen=True, slots=True)
+class SimEngineSpec:
+    profile: str = DEFAULT_PROFILE
+    flavor: str = "sglang"
+    port: int = 0  # engine port behind the link emulator; 0 = pick one
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaSpec:
+    name: str
+    region: str
+    cluster: str
+    address: str  # host:port that Envoy and the router's probes connect to
+    engine: str
+    health_url: str
+    metrics_url: str
+    prefill_rate: float  # tokens/s, a hint the tuner refines
+    kv_capacity_tokens: int
+    sim: SimEngineSpec | None = None
+
+    @property
+    def host(self) -> str:
+        return self.address.rsplit(":", 1)[0]
+
+    @property
+    def port(self) -> int:
+        return int(self.address.rsplit(":", 1)[1])
+
+    @property
+    def metrics_flavor(self) -> str:
+        return self.sim.flavor if self.sim is not None else self.engine
+
+
+@dataclass(frozen=True, slots=True)
+class Timeouts:
+    message_ms: int = 1000  # Envoy's ext_proc message_timeout
+    connect_ms: int = 2000
+    request_s: float = 600.0
+    probe_ms: int = 2000
+
+
+@dataclass(frozen=True, slots=True)
+class Signals:
+    probe_interval_s: float = 2.0
+    scrape_interval_s: float = 1.0
+    metrics_stale_s: float = 5.0
+    rtt_ewma_alpha: float = 0.3
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    max_body_bytes: int = 8 * 1024 * 1024
+    max_json_depth: int = 64
+
+
+@dataclass(frozen=True, slots=True)
+class FleetSpec:
+    replicas: tuple[ReplicaSpec, ...]
+    regions: tuple[RegionSpec, ...]
+    proxy_region: str
+    policy: str = "gorgo"
+    allow_policy_override: bool = False
+    weights: Weights = field(default_factory=Weights)
+    block_tokens: int = 64
+    chars_per_token: float = 4.0
+    default_cluster: str = ""
+    timeouts: Timeouts = field(default_factory=Timeouts)
+    signals: Signals = field(default_factory=Signals)
+    limits: Limits = field(default_factory=Limits)
+    name: str = "fleet"
+
+    @property
+    def region_names(self) -> list[str]:
+        return [r.name for r in self.regions]
+
+    def replica(self, name: str) -> ReplicaSpec:
+        for r in self.replicas:
+            if r.name == name:
+                return r
+        raise KeyError(name)
+
+
+# --- validation helpers -------------------------------------------------------------------------
+
+
+def _mapping(value: Any, path: str) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise FleetError(f"{path}: expected a mapping, got {type(value).__name__}")
+    return value
+
+
+def _check_keys(obj: Mapping[str, Any], allowed: set[str], path: str) -> None:
+    unknown = sorted(set(obj) - allowed)
+    if unknown:
+        raise FleetError(
+            f"{path}.{unknown[0]}: unknown field (allowed: {', '.join(sorted(allowed))})"
+        )
+
+
+def _num(
+    obj: Mapping[str, Any], key: str, path: str, default: float, *, minimum: float = 0.0,
+    strict: bool = False, cast: Callable[[Any], float] = float,
+) -> Any:
+    value = obj.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise FleetError(f"{path}.{key}: expected a number, got {value!r}")
+    if value < minimum or (strict and value == minimum):
+        op = ">" if strict else ">="
+        raise FleetError(f"{path}.{key}: must be {op} {minimum}, got {value!r}")
+    if cast is int and value != int(value):
+        raise FleetError(f"{path}.{key}: expected an integer, got {value!r}")
+    return cast(value)
+
+
+def _str(obj: Mapping[str, Any], key: str, path: str, default: str | None = None) -> str:
+    value = obj.get(key, default)
+    if value is None:
+        raise FleetError(f"{path}.{key}: required")
+    if not isinstance(value, str) or not value:
+        raise FleetError(f"{path}.{key}: expected a non-empty string, got {value!r}")
+    return value
+
+
+def _region(name: str, raw: Any, path: str) -> RegionSpec:
+    if raw is None:
+        raw = {}
+    raw = _mapping(raw, path)
+    _check_keys(raw, {"link", "rtt_ms", "jitter_ms"}, path)
+    if "link" in raw:
+        preset = raw["link"]
+        if preset not in LINK_PRESETS:
+            raise FleetError(
+                f"{path}.link: unknown preset {preset!r} (known: {', '.join(LINK_PRESETS)})"
+            )
+        rtt, jitter = LINK_PRESETS[preset]
+    else:
+        rtt, jitter = LINK_PRESETS.get(name, LINK_PRESETS["local"])
+    return RegionSpec(
+        name=name,
+        rtt_ms=_num(raw, "rtt_ms", path, rtt),
+        jitter_ms=_num(raw, "jitter_ms", path, jitter),
+    )
+
+
+def _address(value: str, path: str) -> str:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise FleetError(f"{path}: expected host:port, got {value!r}")
+    return value
+
+
+def _replica(raw: Any, path: str, regions: set[str]) -> ReplicaSpec:
+    raw = _mapping(raw, path)
+    _check_keys(
+        raw,
+        {"name", "region", "cluster", "address", "engine", "health_url", "metrics_url",
+         "prefill_rate", "kv_capacity_tokens", "sim"},
+        path,
+    )
+    name = _str(raw, "name", path)
+    region = _str(raw, "region", path)
+    if region not in regions:
+        raise FleetError(f"{path}.region: unknown region {region!r} (known: {sorted(regions)})")
+    engine = _str(raw, "engine", path, "sim")
+    if engine not in ENGINE_KINDS:
+        raise FleetError(f"{path}.engine: must be one of {ENGINE_KINDS}, got {engine!r}")
+    address = _address(_str(raw, "address", path), f"{path}.address")
+    sim = None
+    if engine == "sim":
+        sraw = _mapping(raw.get("sim") or {}, f"{path}.sim")
+        _check_keys(sraw, {"profile", "flavor", "port"}, f"{path}.sim")
+        flavor = _str(sraw, "flavor", f"{path}.sim", "sglang")
+        if flavor not in ("sglang", "vllm"):
+            raise FleetError(f"{path}.sim.flavor: must be sglang or vllm, got {flavor!r}")
+        sim = SimEngineSpec(
+            profile=_str(sraw, "profile", f"{path}.sim", DEFAULT_PROFILE),
+            flavor=flavor,
+            port=_num(sraw, "port", f"{path}.sim", 0, cast=int),
+        )
+    elif "sim" in raw:
+        raise FleetError(f"{path}.sim: only allowed with engine: sim")
+    return ReplicaSpec(
+        name=name,
+        region=region,
+        cluster=_str(raw, "cluster", path, name),
+        address=address,
+        engine=engine,
+        health_url=_str(raw, "health_url", path, f"http://{address}/health"),
+        metrics_url=_str(raw, "metrics_url", path, f"http://{address}/metrics"),
+        prefill_rate=_num(raw, "prefill_rate", path, 10000.0, strict=True),
+        kv_capacity_tokens=_num(raw, "kv_capacity_tokens", path, 500_000, minimum=1, cast=int),
+        sim=sim,
+    )
+
+
+def _section(raw: Mapping[str, Any], key: str, cls: type, path: str) -> Any:
+    sraw = _mapping(raw.get(key) or {}, f"{path}.{key}")
+    defaults = cls()
+    names = set(cls.__dataclass_fields__)
+    _check_keys(sraw, names, f"{path}.{key}")
+    values = {}
+    for name in names:
+        default = getattr(defaults, name)
+        cast = int if isinstance(default, int) else float
+        values[name] = _num(sraw, name, f"{path}.{key}", default, cast=cast)
+    return cls(**values)
+
+
+def parse_fleet(raw: Any, source: str = "fleet") -> FleetSpec:
+    """Validate a decoded fleet document; every error names the field it is about."""
+    raw = _mapping(raw, source)
+    _check_keys(
+        raw,
+        {"name", "proxy_region", "regions", "replicas", "policy", "allow_policy_override",
+         "weights", "block_tokens", "chars_per_token", "default_cluster", "timeouts", "signals",
+         "limits"},
+        source,
+    )
+    regions_raw = _mapping(raw.get("regions"), f"{source}.regions")
+    if not regions_raw:
+        raise FleetError(f"{source}.regions: at least one region is required")
+    regions = tuple(_region(str(k), v, f"{source}.regions.{k}") for k, v in regions_raw.items())
+    region_names = {r.name for r in regions}
+    replicas_raw = raw.get("replicas")
+    if not isinstance(replicas_raw, list) or not replicas_raw:
+        raise FleetError(f"{source}.replicas: expected a non-empty list of replicas")
+    replicas = tuple(
+        _replica(r, f"{source}.replicas[{i}]", region_names) for i, r in enumerate(replicas_raw)
+    )
+    for attr in ("name", "cluster", "address"):
+        seen: set[str] = set()
+        for i, r in enumerate(replicas):
+            value = getattr(r, attr)
+            if value in seen:
+                raise FleetError(f"{source}.replicas[{i}].{attr}: duplicate {value!r}")
+            seen.add(value)
+    proxy_region = _str(raw, "proxy_region", source, regions[0].name)
+    if proxy_region not in region_names:
+        raise FleetError(f"{source}.proxy_region: unknown region {proxy_region!r}")
+    policy = _str(raw, "policy", source, "gorgo")
+    wraw = _mapping(raw.get("weights") or {}, f"{source}.weights")
+    _check_keys(wraw, {"rtt", "queue"}, f"{source}.weights")
+    weights = Weights(
+        rtt=_num(wraw, "rtt", f"{source}.weights", 1.0),
+        queue=_num(wraw, "queue", f"{source}.weights", 1.0),
+    )
+    allow = raw.get("allow_policy_override", False)
+    if not isinstance(allow, bool):
+        raise FleetError(f"{source}.allow_policy_override: expected true or false")
+    clusters = [r.cluster for r in replicas]
+    default_cluster = _str(raw, "default_cluster", source, clusters[0])
+    if default_cluster not in clusters:
+        raise FleetError(f"{source}.default_cluster: {default_cluster!r} is not a replica cluster")
+    return FleetSpec(
+        name=_str(raw, "name", source, "fleet"),
+        replicas=replicas,
+        regions=regions,
+        proxy_region=proxy_region,
+        policy=policy,
+        allow_policy_override=allow,
+        weights=weights,
+        block_tokens=_num(raw, "block_tokens", source, 64, minimum=1, cast=int),
+        chars_per_token=_num(raw, "chars_per_token", source, 4.0, strict=True),
+        default_cluster=default_cluster,
+        timeouts=_section(raw, "timeouts", Timeouts, source),
+        signals=_section(raw, "signals", Signals, source),
+        limits=_section(raw, "limits", Limits, source),
+    )
+
+
+def load_fleet(path: str | Path) -> FleetSpec:
+    """Read and validate a fleet YAML file."""
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise FleetError(f"{path}: not valid YAML: {exc}") from None
+    return parse_fleet(raw, source=path.name)

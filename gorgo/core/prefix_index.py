@@ -1,0 +1,90 @@
+"""Which prompt prefixes each replica has been sent, as the router's model of its KV cache.
+
+Per replica, an LRU of chained block hashes bounded in blocks (to approximate KV capacity); across
+replicas, one map from block hash to a bitmask of holders, so a lookup walks the prompt's blocks
+once for the whole fleet instead of once per replica. Because block k's hash covers blocks 0..k, a
+replica that holds block k's hash holds that prefix: matching stops for a replica at its first
+missing block. Blocks of a request are touched leaf first and root last, so LRU evicts leaves
+before the shared roots, as a radix cache does.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+
+
+class PrefixIndex:
+    """Bounded per-replica prefix-block sets with a fleet-wide hash -> holders map."""
+
+    def __init__(self, n_replicas: int, capacity_blocks: list[int] | None) -> None:
+        """``capacity_blocks[i]`` bounds replica i; None means unbounded (the paper's trie)."""
+        self.n = n_replicas
+        self.capacity = capacity_blocks
+        self._lru: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(n_replicas)]
+        self._holders: dict[int, int] = {}
+
+    def blocks_held(self, replica: int) -> int:
+        return len(self._lru[replica])
+
+    def sizes(self) -> np.ndarray:
+        return np.fromiter((len(x) for x in self._lru), dtype=np.int64, count=self.n)
+
+    def match(self, hashes: np.ndarray) -> np.ndarray:
+        """Matched prefix length in blocks, per replica (int64 array of length n)."""
+        depth = np.zeros(self.n, dtype=np.int64)
+        if len(hashes) == 0 or not self._holders:
+            return depth
+        full = (1 << self.n) - 1
+        alive = full
+        get = self._holders.get
+        k = 0
+        for k, h in enumerate(hashes.tolist()):
+            nxt = alive & get(h, 0)
+            lost = alive & ~nxt
+            while lost:
+                low = lost & -lost
+                depth[low.bit_length() - 1] = k
+                lost ^= low
+            alive = nxt
+            if not alive:
+                return depth
+        while alive:  # matched every block
+            low = alive & -alive
+            depth[low.bit_length() - 1] = k + 1
+            alive ^= low
+        return depth
+
+    def insert(self, replica: int, hashes: np.ndarray) -> None:
+        """Record that ``replica`` now caches these blocks, evicting its LRU blocks if full."""
+        lru = self._lru[replica]
+        bit = 1 << replica
+        holders = self._holders
+        for h in reversed(hashes.tolist()):
+            if h in lru:
+                lru.move_to_end(h)
+            else:
+                lru[h] = None
+                holders[h] = holders.get(h, 0) | bit
+        if self.capacity is not None:
+            cap = self.capacity[replica]
+            while len(lru) > cap:
+                old, _ = lru.popitem(last=False)
+                rest = holders[old] & ~bit
+                if rest:
+                    holders[old] = rest
+                else:
+                    del holders[old]
+
+    def clear(self, replica: int) -> None:
+        """Forget a replica's cache (it restarted, or was ejected)."""
+        bit = 1 << replica
+        holders = self._holders
+        for h in self._lru[replica]:
+            rest = holders[h] & ~bit
+            if rest:
+                holders[h] = rest
+            else:
+                del holders[h]
+        self._lru[replica].clear()

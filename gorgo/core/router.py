@@ -1,0 +1,88 @@
+"""The request -> decision contract and its bookkeeping, shared by ext_proc and the simulator.
+
+`route` picks a replica with the configured (or, where allowed, the requested) policy, prices the
+winner with the cost model so every decision carries its predicted TTFT and terms, and counts the
+request in flight. `complete` releases that accounting exactly once, whatever ended the request.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+from gorgo.core.cost import cost_terms
+from gorgo.core.decision import Decision
+from gorgo.core.features import RequestFeatures
+from gorgo.core.fleet import FleetError, FleetSpec
+from gorgo.core.policies import REGISTRY, make_policy
+from gorgo.core.policies.base import Policy
+from gorgo.core.state import FleetState
+
+
+@dataclass(frozen=True, slots=True)
+class _Open:
+    replica: int
+    prompt_tokens: int
+
+
+class Router:
+    """One per router process (or per simulated router)."""
+
+    def __init__(
+        self,
+        spec: FleetSpec,
+        *,
+        id_prefix: str = "d",
+        unbounded_prefix: bool = False,
+        extra_policies: dict[str, Policy] | None = None,
+    ) -> None:
+        if spec.policy not in REGISTRY and spec.policy not in (extra_policies or {}):
+            raise FleetError(
+                f"policy: unknown policy {spec.policy!r} (known: {', '.join(REGISTRY)})"
+            )
+        self.spec = spec
+        self.state = FleetState(spec, unbounded_prefix=unbounded_prefix)
+        self.policies: dict[str, Policy] = {n: make_policy(n, spec) for n in REGISTRY}
+        self.policies.update(extra_policies or {})
+        self.default_policy = spec.policy
+        self._ids = itertools.count(1)
+        self._id_prefix = id_prefix
+        self._open: dict[str, _Open] = {}
+
+    def policy_for(self, f: RequestFeatures) -> Policy:
+        """The requested policy when the fleet allows overrides and knows it, else the default."""
+        if f.policy and self.spec.allow_policy_override and f.policy in self.policies:
+            return self.policies[f.policy]
+        return self.policies[self.default_policy]
+
+    def route(self, f: RequestFeatures, now: float) -> Decision:
+        """Choose a replica and count the request in flight. Raises NoReplicaAvailable."""
+        s = self.state
+        s.now = now
+        d = self.policy_for(f).choose(f, s)
+        terms = cost_terms(f, s)
+        i = d.replica
+        w = s.weights
+        d.rtt_ms = float(terms.rtt_ms[i])
+        d.queue_ms = float(terms.queue_ms[i])
+        d.prefill_ms = float(terms.prefill_ms[i])
+        d.predicted_ms = w.rtt * d.rtt_ms + w.queue * d.queue_ms + d.prefill_ms
+        d.uncached_tokens = int(terms.uncached_tokens[i])
+        d.prompt_tokens = f.prompt_tokens
+        d.weights_version = w.version
+        d.id = f"{self._id_prefix}-{next(self._ids)}"
+        s.record_sent(i, f, d.uncached_tokens)
+        self._open[d.id] = _Open(i, f.prompt_tokens)
+        return d
+
+    def complete(self, decision_id: str) -> bool:
+        """Release a request's in-flight accounting; False if it was already released."""
+        entry = self._open.pop(decision_id, None)
+        if entry is None:
+            return False
+        self.state.release_inflight(entry.replica, entry.prompt_tokens)
+        return True
+
+    @property
+    def open_requests(self) -> int:
+        return len(self._open)

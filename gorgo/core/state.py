@@ -1,0 +1,165 @@
+"""Fleet state as numpy arrays indexed by replica: what every policy scores from.
+
+Written by the router's accounting (route/complete), the signal tasks (RTT probes, engine metric
+scrapes, health) and the tuner's published weights; read by policies. No I/O and no clock: the
+caller passes ``now`` (seconds, any monotonic origin) so the simulator can drive it on a virtual
+clock.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from gorgo.core.features import RequestFeatures
+from gorgo.core.fleet import FleetSpec, Weights
+from gorgo.core.prefix_index import PrefixIndex
+from gorgo.core.tokens import Tokenization
+
+FAILURES_TO_EJECT = 3
+BACKOFF_BASE_S = 1.0
+BACKOFF_MAX_S = 30.0
+
+
+class FleetState:
+    """Per-replica arrays plus the prefix index; one instance per router process."""
+
+    def __init__(self, spec: FleetSpec, *, unbounded_prefix: bool = False) -> None:
+        self.spec = spec
+        self.tok = Tokenization(spec.chars_per_token, spec.block_tokens)
+        n = self.n = len(spec.replicas)
+        self.names = [r.name for r in spec.replicas]
+        self.clusters = [r.cluster for r in spec.replicas]
+        self.regions = spec.region_names
+        self.region_idx = np.array([self.regions.index(r.region) for r in spec.replicas])
+        self.weights: Weights = spec.weights
+        self.now = 0.0
+        # Network: RTT EWMA in ms; NaN until the first probe answers.
+        self.rtt_ms = np.full(n, np.nan)
+        self.rtt_samples = np.zeros(n, dtype=np.int64)
+        # Capacity model: prefill tokens/s per replica (fleet hint, refined by the tuner).
+        self.prefill_rate = np.array([r.prefill_rate for r in spec.replicas], dtype=float)
+        # This router's own accounting of what it has sent.
+        self.inflight_reqs = np.zeros(n, dtype=np.int64)
+        self.inflight_prompt_tokens = np.zeros(n, dtype=np.int64)
+        self.backlog_tokens = np.zeros(n)  # uncached prompt tokens waiting for prefill ...
+        self.backlog_at = np.zeros(n)  # ... as of this time; it drains at prefill_rate
+        self.sent_since_scrape = np.zeros(n)  # uncached tokens routed since the last scrape
+        self.mean_uncached = np.full(n, 1000.0)  # EWMA of uncached tokens per request
+        # Engine metrics from scrapes; NaN when unknown, with the time they were read.
+        self.eng_queue_reqs = np.full(n, np.nan)
+        self.eng_running_reqs = np.full(n, np.nan)
+        self.eng_kv_usage = np.full(n, np.nan)
+        self.eng_scraped_at = np.full(n, -np.inf)
+        # Health: routable or not, consecutive failures, and when to try again.
+        self.healthy = np.ones(n, dtype=bool)
+        self.failures = np.zeros(n, dtype=np.int64)
+        self.retry_at = np.zeros(n)
+        blocks = [max(1, r.kv_capacity_tokens // spec.block_tokens) for r in spec.replicas]
+        self.prefix = PrefixIndex(n, None if unbounded_prefix else blocks)
+        # Bumped by every writer, so per-request memos (prefix match, cost terms) never go stale.
+        self.version = 0
+        self.terms_memo: tuple | None = None
+        self._match_for: tuple | None = None
+        self._match: np.ndarray = np.zeros(n, dtype=np.int64)
+
+    # --- derived per-request and per-replica quantities -------------------------------------
+
+    def matched_blocks(self, features: RequestFeatures) -> np.ndarray:
+        """Prefix blocks each replica is believed to cache for this request (memoised)."""
+        key = (features, self.version)
+        if self._match_for != key:
+            self._match = self.prefix.match(features.block_hashes)
+            self._match_for = key
+        return self._match
+
+    def uncached_tokens(self, features: RequestFeatures) -> np.ndarray:
+        cached = self.matched_blocks(features) * self.spec.block_tokens
+        return np.maximum(features.prompt_tokens - cached, 0)
+
+    def rtt_or_default(self) -> np.ndarray:
+        """RTT in ms with unprobed replicas priced at the worst known RTT (never as free)."""
+        known = ~np.isnan(self.rtt_ms)
+        fill = float(self.rtt_ms[known].max()) if known.any() else 0.0
+        return np.where(known, self.rtt_ms, fill)
+
+    def waiting_tokens(self) -> np.ndarray:
+        """Prompt tokens waiting for prefill per replica, at ``self.now``.
+
+        Our own backlog drains at the replica's prefill rate. A fresh scrape of the engine queue
+        also counts requests other routers sent, so where it is fresh it is used if larger, plus
+        what we sent after it was read.
+        """
+        drained = self.backlog_tokens - self.prefill_rate * (self.now - self.backlog_at)
+        local = np.maximum(drained, 0.0)
+        fresh = (self.now - self.eng_scraped_at) <= self.spec.signals.metrics_stale_s
+        scraped = np.nan_to_num(self.eng_queue_reqs) * self.mean_uncached + self.sent_since_scrape
+        return np.where(fresh, np.maximum(local, scraped), local)
+
+    def routable(self) -> np.ndarray:
+        return self.healthy
+
+    # --- writers ------------------------------------------------------------------------------
+
+    def record_sent(self, i: int, f: RequestFeatures, uncached: int) -> None:
+        """A request was routed to replica i: count it in flight and in its prefix cache."""
+        self.prefix.insert(i, f.block_hashes)
+        self.add_inflight(i, f.prompt_tokens, uncached)
+
+    def add_inflight(self, i: int, prompt_tokens: int, uncached: int) -> None:
+        self.version += 1
+        drained = self.backlog_tokens[i] - self.prefill_rate[i] * (self.now - self.backlog_at[i])
+        self.backlog_tokens[i] = max(drained, 0.0) + uncached
+        self.backlog_at[i] = self.now
+        self.sent_since_scrape[i] += uncached
+        self.mean_uncached[i] += 0.1 * (uncached - self.mean_uncached[i])
+        self.inflight_reqs[i] += 1
+        self.inflight_prompt_tokens[i] += prompt_tokens
+
+    def release_inflight(self, i: int, prompt_tokens: int) -> None:
+        self.version += 1
+        self.inflight_reqs[i] -= 1
+        self.inflight_prompt_tokens[i] -= prompt_tokens
+
+    def observe_rtt(self, i: int, rtt_ms: float) -> None:
+        self.version += 1
+        alpha = self.spec.signals.rtt_ewma_alpha
+        old = self.rtt_ms[i]
+        self.rtt_ms[i] = rtt_ms if np.isnan(old) else old + alpha * (rtt_ms - old)
+        self.rtt_samples[i] += 1
+
+    def observe_engine(
+        self, i: int, now: float, queue_reqs: float, running_reqs: float, kv_usage: float
+    ) -> None:
+        self.version += 1
+        self.eng_queue_reqs[i] = queue_reqs
+        self.eng_running_reqs[i] = running_reqs
+        self.eng_kv_usage[i] = kv_usage
+        self.eng_scraped_at[i] = now
+        self.sent_since_scrape[i] = 0.0
+
+    def set_weights(self, weights: Weights, prefill_rate: dict[str, float] | None = None) -> None:
+        self.version += 1
+        self.weights = weights
+        for name, rate in (prefill_rate or {}).items():
+            self.prefill_rate[self.names.index(name)] = rate
+
+    # --- health ------------------------------------------------------------------------------
+
+    def record_success(self, i: int) -> None:
+        self.version += 1
+        self.failures[i] = 0
+        self.healthy[i] = True
+        self.retry_at[i] = 0.0
+
+    def record_failure(self, i: int, now: float) -> None:
+        """A failed probe or a 5xx/connect failure; repeated failures eject with backoff."""
+        self.version += 1
+        self.failures[i] += 1
+        excess = self.failures[i] - FAILURES_TO_EJECT
+        if excess >= 0:
+            self.healthy[i] = False
+            self.retry_at[i] = now + min(BACKOFF_MAX_S, BACKOFF_BASE_S * 2.0 ** excess)
+
+    def probe_due(self, now: float) -> np.ndarray:
+        """Replicas to probe now: healthy ones always, ejected ones once their backoff passed."""
+        return self.healthy | (now >= self.retry_at)

@@ -1,0 +1,80 @@
+"""Token estimates and chained prefix-block hashes.
+
+The router has no tokenizer, so it estimates tokens from characters with a fixed ratio. The
+simulated engines use the very same ratio as their pseudo-tokenizer, which makes the router's
+estimate exact on the simulated fleet and a documented approximation on real engines.
+
+A prompt is cut into blocks of ``block_tokens`` tokens (``block_tokens * chars_per_token``
+characters). Block k's hash covers blocks 0..k, so two prompts share a hash at position k exactly
+when they share their first k+1 blocks: a prefix match is a run of equal hashes from the start.
+Only full blocks are hashed, as engines only cache full pages.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import numpy as np
+
+DEFAULT_CHARS_PER_TOKEN = 4.0
+DEFAULT_BLOCK_TOKENS = 64
+
+
+@dataclass(frozen=True, slots=True)
+class Tokenization:
+    """How characters map to tokens and blocks; one instance is shared by router and engines."""
+
+    chars_per_token: float = DEFAULT_CHARS_PER_TOKEN
+    block_tokens: int = DEFAULT_BLOCK_TOKENS
+
+    def __post_init__(self) -> None:
+        if not self.chars_per_token > 0:
+            raise ValueError("chars_per_token must be > 0")
+        if self.block_tokens < 1:
+            raise ValueError("block_tokens must be >= 1")
+
+    @property
+    def block_chars(self) -> int:
+        return max(1, round(self.block_tokens * self.chars_per_token))
+
+    def count_tokens(self, n_chars: int) -> int:
+        """Estimated tokens for ``n_chars`` characters (ceil: a partial token is a token)."""
+        if n_chars <= 0:
+            return 0
+        return int(-(-n_chars // self.chars_per_token))
+
+    def chars_for_tokens(self, n_tokens: int) -> int:
+        return round(n_tokens * self.chars_per_token)
+
+    def block_hashes(self, text: str) -> np.ndarray:
+        """Chained 64-bit hashes of the full blocks of ``text`` (uint64 array).
+
+        Blocks are cut on characters. ASCII text (the common case) is hashed straight from its
+        bytes; other text is encoded block by block so a block is still ``block_chars`` characters.
+        """
+        bc = self.block_chars
+        if text.isascii():
+            return chain_hashes([text.encode("ascii")], bc)
+        n = len(text) // bc
+        blocks = [text[k * bc : (k + 1) * bc].encode("utf-8", "surrogatepass") for k in range(n)]
+        return chain_hashes(blocks, 0)
+
+
+def chain_hashes(parts: list[bytes], block_len: int) -> np.ndarray:
+    """Chained 64-bit block hashes: each digest covers every block before it.
+
+    With ``block_len > 0`` the single buffer in ``parts`` is cut into ``block_len``-byte blocks
+    (a partial tail is ignored); with ``block_len == 0`` each element of ``parts`` is one block.
+    """
+    if block_len > 0:
+        view = memoryview(parts[0])
+        blocks = [view[k * block_len : (k + 1) * block_len] for k in range(len(view) // block_len)]
+    else:
+        blocks = parts
+    out = np.empty(len(blocks), dtype=np.uint64)
+    h = hashlib.blake2b(digest_size=8)
+    for k, block in enumerate(blocks):
+        h.update(block)
+        out[k] = int.from_bytes(h.copy().digest(), "little")
+    return out

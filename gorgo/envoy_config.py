@@ -1,0 +1,237 @@
+"""`gorgo envoy-config`: render a complete Envoy bootstrap for a fleet file.
+
+The bootstrap is plain data built from the fleet spec (no typed envoy-data-plane classes: they
+would add a heavy dependency to produce a dict that `envoy --mode validate` checks anyway, and the
+tests run that validation on every rendered shape). Request path: listener -> header_mutation
+(strips client-set routing headers, so a client cannot pick a cluster) -> ext_proc (sets
+x-gorgo-cluster, clears the route cache, publishes the decision as dynamic metadata) -> router. If
+the ext_proc server is down or slow, the filter fails open and the fallback route sends the request
+to the default cluster. Span path: Envoy's OpenTelemetry tracer puts TTFT and every gorgo.* field on
+the request's span.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import sys
+from typing import Any
+
+import yaml
+
+from gorgo.core.fleet import FleetSpec, load_fleet
+
+_T = "type.googleapis.com/"
+EXTPROC_CLUSTER = "gorgo_extproc"
+OTLP_CLUSTER = "otel_collector"
+PICKER_CLUSTER = "picker_original_dst"
+PICKER_HEADER = "x-gateway-destination-endpoint"
+CLUSTER_HEADER = "x-gorgo-cluster"
+TTFT_TAG = "gen_ai.response.time_to_first_chunk"
+TTFT_FORMAT = "%COMMON_DURATION(DS_RX_BEG:US_RX_BODY_BEG:us)%"
+DECISION_FIELDS = (
+    "decision_id", "replica", "region", "policy", "weights_version", "predicted_ttft_ms",
+    "rtt_ms", "queue_ms", "prefill_ms", "uncached_tokens", "prompt_tokens",
+)
+TOO_LARGE_BODY = (
+    '{"error":{"message":"Request body too large.","type":"invalid_request_error",'
+    '"param":null,"code":"request_too_large"}}'
+)
+
+
+def _hostport(value: str) -> tuple[str, int]:
+    host, _, port = value.rpartition(":")
+    return host, int(port)
+
+
+def _cluster(name: str, host: str, port: int, connect_ms: int, http2: bool = False) -> dict:
+    try:
+        ipaddress.ip_address(host)
+        kind = "STATIC"
+    except ValueError:
+        kind = "STRICT_DNS"
+    c: dict[str, Any] = {
+        "name": name,
+        "type": kind,
+        "connect_timeout": f"{connect_ms / 1000:g}s",
+        "lb_policy": "ROUND_ROBIN",
+        "load_assignment": {
+            "cluster_name": name,
+            "endpoints": [{"lb_endpoints": [{"endpoint": {"address": {
+                "socket_address": {"address": host, "port_value": port}}}}]}],
+        },
+        "circuit_breakers": {"thresholds": [{
+            "max_connections": 100000, "max_pending_requests": 100000,
+            "max_requests": 100000, "max_retries": 100,
+        }]},
+    }
+    if http2:
+        c["typed_extension_protocol_options"] = {
+            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                "@type": _T + "envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                "explicit_http_config": {"http2_protocol_options": {}},
+            }
+        }
+    return c
+
+
+def _routes(spec: FleetSpec, picker: bool) -> list[dict]:
+    routes = []
+    if picker:
+        routes.append({
+            "match": {"prefix": "/", "headers": [{"name": PICKER_HEADER, "present_match": True}]},
+            "route": {"cluster": PICKER_CLUSTER, "timeout": "0s"},
+        })
+    routes.append({
+        "match": {"prefix": "/", "headers": [{"name": CLUSTER_HEADER, "present_match": True}]},
+        "route": {"cluster_header": CLUSTER_HEADER, "timeout": "0s"},
+    })
+    routes.append({"match": {"prefix": "/"},
+                   "route": {"cluster": spec.default_cluster, "timeout": "0s"}})
+    return routes
+
+
+def _tracing(otlp: str | None, service_name: str) -> dict | None:
+    if otlp is None:
+        return None
+    tags = [{"tag": TTFT_TAG, "value": TTFT_FORMAT}]
+    tags += [{"tag": f"gorgo.{k}", "value": f"%DYNAMIC_METADATA(gorgo:{k})%"}
+             for k in DECISION_FIELDS]
+    return {
+        "random_sampling": {"value": 100},
+        "provider": {
+            "name": "envoy.tracers.opentelemetry",
+            "typed_config": {
+                "@type": _T + "envoy.config.trace.v3.OpenTelemetryConfig",
+                "grpc_service": {"envoy_grpc": {"cluster_name": OTLP_CLUSTER}, "timeout": "1s"},
+                "service_name": service_name,
+            },
+        },
+        "custom_tags": tags,
+    }
+
+
+def render_bootstrap(
+    spec: FleetSpec,
+    *,
+    listen: str = "0.0.0.0:10000",
+    extproc: str = "127.0.0.1:50051",
+    otlp: str | None = None,
+    admin: str = "127.0.0.1:9901",
+    picker: bool = False,
+    service_name: str = "gorgo-envoy",
+) -> dict[str, Any]:
+    """The bootstrap as a dict; ``picker`` adds the endpoint-picker (ORIGINAL_DST) route."""
+    lhost, lport = _hostport(listen)
+    ahost, aport = _hostport(admin)
+    t = spec.timeouts
+    ext_proc = {
+        "name": "envoy.filters.http.ext_proc",
+        "typed_config": {
+            "@type": _T + "envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
+            "grpc_service": {"envoy_grpc": {"cluster_name": EXTPROC_CLUSTER},
+                             "timeout": f"{t.connect_ms / 1000:g}s"},
+            "message_timeout": f"{t.message_ms / 1000:g}s",
+            "failure_mode_allow": True,
+            "metadata_options": {"receiving_namespaces": {"untyped": ["gorgo"]}},
+            "processing_mode": {
+                "request_header_mode": "SEND", "request_body_mode": "BUFFERED",
+                "response_header_mode": "SEND", "response_body_mode": "NONE",
+                "request_trailer_mode": "SKIP", "response_trailer_mode": "SKIP",
+            },
+        },
+    }
+    strip = {
+        "name": "envoy.filters.http.header_mutation",
+        "typed_config": {
+            "@type": _T + "envoy.extensions.filters.http.header_mutation.v3.HeaderMutation",
+            "mutations": {"request_mutations": [
+                {"remove": CLUSTER_HEADER}, {"remove": PICKER_HEADER},
+            ]},
+        },
+    }
+    hcm: dict[str, Any] = {
+        "@type": _T + "envoy.extensions.filters.network.http_connection_manager.v3."
+        "HttpConnectionManager",
+        "stat_prefix": "gorgo_ingress",
+        "codec_type": "AUTO",
+        "stream_idle_timeout": f"{t.request_s:g}s",
+        "request_timeout": "0s",
+        "route_config": {
+            "name": "gorgo_routes",
+            "virtual_hosts": [{"name": "llm", "domains": ["*"], "routes": _routes(spec, picker)}],
+        },
+        "http_filters": [strip, ext_proc, {
+            "name": "envoy.filters.http.router",
+            "typed_config": {
+                "@type": _T + "envoy.extensions.filters.http.router.v3.Router"},
+        }],
+        "local_reply_config": {"mappers": [{
+            "filter": {"status_code_filter": {"comparison": {
+                "op": "EQ", "value": {"default_value": 413, "runtime_key": "gorgo.413"}}}},
+            "body_format_override": {
+                "text_format_source": {"inline_string": TOO_LARGE_BODY},
+                "content_type": "application/json"},
+        }]},
+    }
+    tracing = _tracing(otlp, service_name)
+    if tracing is not None:
+        hcm["tracing"] = tracing
+    clusters = [
+        _cluster(r.cluster, r.host, r.port, t.connect_ms) for r in spec.replicas
+    ]
+    ehost, eport = _hostport(extproc)
+    clusters.append(_cluster(EXTPROC_CLUSTER, ehost, eport, t.connect_ms, http2=True))
+    if otlp is not None:
+        ohost, oport = _hostport(otlp)
+        clusters.append(_cluster(OTLP_CLUSTER, ohost, oport, t.connect_ms, http2=True))
+    if picker:
+        clusters.append({
+            "name": PICKER_CLUSTER,
+            "type": "ORIGINAL_DST",
+            "lb_policy": "CLUSTER_PROVIDED",
+            "connect_timeout": f"{t.connect_ms / 1000:g}s",
+            "original_dst_lb_config": {"use_http_header": True, "http_header_name": PICKER_HEADER},
+        })
+    return {
+        "admin": {"address": {"socket_address": {"address": ahost, "port_value": aport}}},
+        "static_resources": {
+            "listeners": [{
+                "name": "gorgo_ingress",
+                "address": {"socket_address": {"address": lhost, "port_value": lport}},
+                "per_connection_buffer_limit_bytes": spec.limits.max_body_bytes + 65536,
+                "filter_chains": [{"filters": [{
+                    "name": "envoy.filters.network.http_connection_manager",
+                    "typed_config": hcm,
+                }]}],
+            }],
+            "clusters": clusters,
+        },
+    }
+
+
+def render_yaml(spec: FleetSpec, **kwargs: Any) -> str:
+    header = f"# Rendered by `gorgo envoy-config` for fleet {spec.name!r}; do not edit by hand.\n"
+    return header + yaml.safe_dump(render_bootstrap(spec, **kwargs), sort_keys=False, width=100)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("fleet", help="fleet YAML file")
+    p.add_argument("--listen", default="0.0.0.0:10000", help="Envoy listener HOST:PORT")
+    p.add_argument("--extproc", default="127.0.0.1:50051", help="gorgo extproc HOST:PORT")
+    p.add_argument("--otlp", default=None, help="OTLP/gRPC collector HOST:PORT (enables tracing)")
+    p.add_argument("--admin", default="127.0.0.1:9901", help="Envoy admin HOST:PORT")
+    p.add_argument("--picker", action="store_true",
+                   help="also accept the endpoint-picker header (ORIGINAL_DST cluster)")
+    p.add_argument("-o", "--output", default="-", help="output file (default stdout)")
+
+
+def main(args: argparse.Namespace) -> int:
+    text = render_yaml(load_fleet(args.fleet), listen=args.listen, extproc=args.extproc,
+                       otlp=args.otlp, admin=args.admin, picker=args.picker)
+    if args.output == "-":
+        sys.stdout.write(text)
+    else:
+        with open(args.output, "w") as fh:
+            fh.write(text)
+    return 0
