@@ -13,6 +13,7 @@ from gorgo._xds.envoy.type.v3.http_status_pb2 import HttpStatus
 
 CLUSTER_HEADER = "x-gorgo-cluster"
 REPLICA_HEADER = "x-gorgo-replica"
+DECISION_HEADER = "x-gorgo-decision-id"
 METADATA_NAMESPACE = "gorgo"
 
 CONTINUE_REQUEST_HEADERS = pb.ProcessingResponse(request_headers=pb.HeadersResponse())
@@ -56,11 +57,10 @@ def route_on_headers(cluster: str, fields: dict[str, Any]) -> pb.ProcessingRespo
     )
 
 
-def tag_response(replica: str) -> pb.ProcessingResponse:
-    """Answer the response headers, telling the client which replica served it."""
-    common = pb.CommonResponse(
-        header_mutation=pb.HeaderMutation(set_headers=[_set(REPLICA_HEADER, replica)])
-    )
+def tag_response(replica: str, decision_id: str) -> pb.ProcessingResponse:
+    """Answer the response headers, telling the client which replica served it and why."""
+    common = pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=[
+        _set(REPLICA_HEADER, replica), _set(DECISION_HEADER, decision_id)]))
     return pb.ProcessingResponse(response_headers=pb.HeadersResponse(response=common))
 
 

@@ -101,7 +101,7 @@ class ExtProcService(ExternalProcessorServicer):
             self.router.state.record_failure(d.replica, self.clock())
         elif status[:1] in ("2", "4"):
             self.router.state.record_success(d.replica)
-        return messages.tag_response(replica)
+        return messages.tag_response(replica, d.id)
 
     # --- decisions ------------------------------------------------------------------------------
 

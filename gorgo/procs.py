@@ -1,0 +1,93 @@
+"""Processes and ports for the demo, benches and tests: `gorgo ...` children that always stop."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from typing import Any
+
+BIN = Path(sys.executable).parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LoopThread:
+    """An asyncio loop in a thread, for in-process servers next to blocking test code."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, Any], timeout: float = 30.0) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+        self.loop.close()
+
+
+class GorgoProcess:
+    """A `gorgo ...` subprocess that printed READY; stopped with its whole process group."""
+
+    def __init__(self, args: list[str], ready: str = "READY", timeout: float = 20.0) -> None:
+        self.args = args
+        self.p = subprocess.Popen(
+            [str(BIN / "gorgo"), *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True, start_new_session=True,
+        )
+        self.lines: list[str] = []
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            line = self.p.stdout.readline()
+            if not line and self.p.poll() is not None:
+                raise RuntimeError(f"gorgo {args} exited: {''.join(self.lines)}")
+            self.lines.append(line)
+            if line.startswith(ready):
+                self.ready_line = line.strip()
+                threading.Thread(target=self._drain, daemon=True).start()
+                return
+        self.stop()
+        raise TimeoutError(f"gorgo {args} not ready: {''.join(self.lines)}")
+
+    def _drain(self) -> None:
+        for line in self.p.stdout:
+            self.lines.append(line)
+
+    def field(self, key: str) -> str:
+        return dict(kv.split("=", 1) for kv in self.ready_line.split()[1:])[key]
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.p.poll() is None:
+            os.killpg(self.p.pid, sig)
+            self.p.wait(10)
+
+    def stop(self) -> None:
+        if self.p.poll() is None:
+            os.killpg(self.p.pid, signal.SIGTERM)
+            try:
+                self.p.wait(10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+def wait_for(pred: Callable[[], bool], timeout: float = 10.0, interval: float = 0.05) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(interval)
+    return False
