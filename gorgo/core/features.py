@@ -152,7 +152,11 @@ def _messages_text(messages: Any, param: str) -> tuple[list[str], list[str]]:
         if not isinstance(msg, dict):
             raise RequestError(400, f"'{param}[{i}]' must be an object.", param=f"{param}[{i}]")
         text = _content_text(msg.get("content"), f"{param}[{i}].content")
-        for call in msg.get("tool_calls") or ():
+        calls = msg.get("tool_calls") or []
+        if not isinstance(calls, list):
+            raise RequestError(400, f"'{param}[{i}].tool_calls' must be a list.",
+                               param=f"{param}[{i}].tool_calls")
+        for call in calls:
             if isinstance(call, dict):
                 text += json.dumps(call.get("function", call), sort_keys=True)
         (system if msg.get("role") in ("system", "developer") else rest).append(text)
@@ -243,7 +247,8 @@ def extract_features(
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise RequestError(400, "'model' must be a string.", param="model")
-    stream = body.get("stream", False)
+    stream = body.get("stream")
+    stream = False if stream is None else stream
     if not isinstance(stream, bool):
         raise RequestError(400, "'stream' must be a boolean.", param="stream")
     max_tokens = _opt_int(body, "max_tokens", "max_completion_tokens", "max_output_tokens")

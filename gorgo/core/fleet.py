@@ -138,7 +138,7 @@ def _mapping(value: Any, path: str) -> Mapping[str, Any]:
 
 
 def _check_keys(obj: Mapping[str, Any], allowed: set[str], path: str) -> None:
-    unknown = sorted(set(obj) - allowed)
+    unknown = sorted(map(str, set(obj) - allowed))
     if unknown:
         raise FleetError(
             f"{path}.{unknown[0]}: unknown field (allowed: {', '.join(sorted(allowed))})"
@@ -176,7 +176,7 @@ def _region(name: str, raw: Any, path: str) -> RegionSpec:
     _check_keys(raw, {"link", "rtt_ms", "jitter_ms"}, path)
     if "link" in raw:
         preset = raw["link"]
-        if preset not in LINK_PRESETS:
+        if not isinstance(preset, str) or preset not in LINK_PRESETS:
             raise FleetError(
                 f"{path}.link: unknown preset {preset!r} (known: {', '.join(LINK_PRESETS)})"
             )
@@ -321,6 +321,8 @@ def load_fleet(path: str | Path) -> FleetSpec:
     path = Path(path)
     try:
         raw = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise FleetError(f"{path}: cannot read fleet file: {exc.strerror}") from None
     except yaml.YAMLError as exc:
         raise FleetError(f"{path}: not valid YAML: {exc}") from None
     return parse_fleet(raw, source=path.name)

@@ -12,8 +12,11 @@ from gorgo.core.state import FleetState
 
 class RoundRobin(PolicyBase):
     name = "round-robin"
+    _cursor = 0
 
     def choose(self, f: RequestFeatures, s: FleetState) -> Decision:
-        # Distance ahead of the cursor: the next routable replica scores lowest.
-        order = (np.arange(s.n) - self._ticks) % s.n
-        return self.pick_lowest(order, s)
+        # Distance ahead of the cursor: the next routable replica scores lowest, and the cursor
+        # moves past the one chosen, so an ejected replica's turn is not given to its neighbour.
+        d = self.pick_lowest((np.arange(s.n) - self._cursor) % s.n, s)
+        self._cursor = d.replica + 1
+        return d

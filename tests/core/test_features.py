@@ -1,0 +1,422 @@
+"""Request features: prompt order per endpoint, session keys, typed fields and client errors."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+import pytest
+
+from gorgo.core.features import (
+    DEFAULT_MAX_DEPTH,
+    POLICY_HEADER,
+    PRIORITY_HEADER,
+    SESSION_HEADER,
+    RequestError,
+    RequestFeatures,
+    endpoint_for_path,
+    extract_features,
+    parse_json_body,
+    prompt_text,
+)
+from gorgo.core.tokens import Tokenization
+
+TOK = Tokenization(chars_per_token=1.0, block_tokens=4)
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+RESPONSES = "/v1/responses"
+
+
+def feats(path: str, body: Any, headers: dict[str, str] | None = None) -> RequestFeatures:
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return extract_features(path, headers or {}, raw, TOK)
+
+
+def error(path: str, body: Any, headers: dict[str, str] | None = None) -> RequestError:
+    with pytest.raises(RequestError) as info:
+        feats(path, body, headers)
+    return info.value
+
+
+def tool_json(tool: dict) -> str:
+    return json.dumps(tool, sort_keys=True, separators=(",", ":"))
+
+
+WEATHER = {"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}
+
+
+# --- paths ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("path", "endpoint"),
+    [
+        (CHAT, "chat"),
+        (COMPLETIONS, "completions"),
+        (RESPONSES, "responses"),
+        (CHAT + "/", "chat"),
+        (CHAT + "?stream=1", "chat"),
+        ("/v1/models", None),
+        ("/health", None),
+        ("/", None),
+        ("", None),
+        ("/v1/chat/completions/extra", None),
+    ],
+)
+def test_endpoint_for_path(path: str, endpoint: str | None) -> None:
+    assert endpoint_for_path(path) == endpoint
+
+
+def test_non_inference_path_skips_body() -> None:
+    f = extract_features(
+        "/v1/models",
+        {SESSION_HEADER: "s1", POLICY_HEADER: "round-robin", PRIORITY_HEADER: "3"},
+        b"this is not json",
+        TOK,
+    )
+    assert f.endpoint is None
+    assert f.model is None
+    assert f.stream is False
+    assert f.max_tokens is None
+    assert f.session_key == "s1"
+    assert f.prompt_chars == 0 and f.prompt_tokens == 0
+    assert f.n_blocks == 0
+    assert f.policy == "round-robin"
+    assert f.priority == 3
+
+
+def test_non_inference_path_with_empty_body() -> None:
+    f = extract_features("/metrics", {}, b"", TOK)
+    assert f.endpoint is None and f.session_key is None and f.policy is None
+
+
+# --- prompt text per endpoint ---------------------------------------------------------------
+
+
+def test_chat_full_features() -> None:
+    f = feats(CHAT, {
+        "model": "llama",
+        "stream": True,
+        "max_tokens": 32,
+        "messages": [{"role": "user", "content": "hello there"}],
+    })
+    assert f.endpoint == "chat"
+    assert f.model == "llama"
+    assert f.stream is True
+    assert f.max_tokens == 32
+    assert f.prompt_chars == len("hello there")
+    assert f.prompt_tokens == len("hello there")  # one char per token here
+    np.testing.assert_array_equal(f.block_hashes, TOK.block_hashes("hello there"))
+    assert f.n_blocks == 2
+
+
+def test_chat_defaults() -> None:
+    f = feats(CHAT, {"messages": [{"role": "user", "content": "x"}]})
+    assert f.model is None
+    assert f.stream is False
+    assert f.max_tokens is None
+    assert f.session_key is None
+    assert f.policy is None and f.priority is None
+
+
+def test_chat_order_system_tools_conversation() -> None:
+    body = {
+        "messages": [
+            {"role": "user", "content": "U1"},
+            {"role": "system", "content": "SYS"},
+            {"role": "assistant", "content": "A1"},
+            {"role": "developer", "content": "DEV"},
+            {"role": "user", "content": "U2"},
+        ],
+        "tools": [WEATHER],
+    }
+    text = prompt_text("chat", body)
+    assert text == "\n".join(["SYS", "DEV", tool_json(WEATHER), "U1", "A1", "U2"])
+    assert feats(CHAT, body).prompt_chars == len(text)
+
+
+def test_chat_single_message_is_exactly_its_text() -> None:
+    assert prompt_text("chat", {"messages": [{"role": "user", "content": "just this"}]}) == (
+        "just this"
+    )
+
+
+def test_chat_next_turn_extends_previous_prompt() -> None:
+    turn1 = [{"role": "system", "content": "S" * 9}, {"role": "user", "content": "q" * 9}]
+    turn2 = [*turn1, {"role": "assistant", "content": "a" * 9}, {"role": "user", "content": "r"}]
+    t1 = prompt_text("chat", {"messages": turn1})
+    t2 = prompt_text("chat", {"messages": turn2})
+    assert t2.startswith(t1)
+    h1, h2 = feats(CHAT, {"messages": turn1}).block_hashes, feats(
+        CHAT, {"messages": turn2}).block_hashes
+    np.testing.assert_array_equal(h2[: len(h1)], h1)
+
+
+def test_chat_multi_part_keeps_text_ignores_images() -> None:
+    body = {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "look at"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+        "raw string part",
+        {"type": "text", "text": "this"},
+    ]}]}
+    assert prompt_text("chat", body) == "look at\nraw string part\nthis"
+
+
+def test_chat_null_content_and_tool_calls() -> None:
+    call = {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": "{}"}}
+    body = {"messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+    ]}
+    text = prompt_text("chat", body)
+    assert text == "hi\n" + json.dumps(call["function"], sort_keys=True)
+
+
+def test_chat_non_list_tool_calls_is_a_client_error() -> None:
+    err = error(CHAT, {"messages": [{"role": "assistant", "content": "x", "tool_calls": 5}]})
+    assert err.status == 400
+
+
+def test_chat_tools_null_is_no_tools() -> None:
+    body = {"messages": [{"role": "user", "content": "x"}], "tools": None}
+    assert prompt_text("chat", body) == "x"
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({}, "messages"),
+        ({"messages": "hello"}, "messages"),
+        ({"messages": ["hello"]}, "messages[0]"),
+        ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+        ({"messages": [{"role": "user", "content": {"text": "x"}}]}, "messages[0].content"),
+        ({"messages": [{"role": "user", "content": ["ok", 7]}]}, "messages[0].content"),
+        ({"messages": [{"role": "user", "content": "x"}], "tools": {"a": 1}}, "tools"),
+    ],
+)
+def test_chat_bad_shapes(body: dict, param: str) -> None:
+    err = error(CHAT, body)
+    assert err.status == 400
+    assert err.param == param
+    assert err.to_body()["error"]["param"] == param
+
+
+def test_completions_string_and_lists() -> None:
+    assert feats(COMPLETIONS, {"prompt": "abcdefgh"}).prompt_chars == 8
+    assert prompt_text("completions", {"prompt": ["ab", "cd"]}) == "ab\ncd"
+    assert prompt_text("completions", {"prompt": [1, 22, 333]}) == "1 22 333"
+    assert prompt_text("completions", {"prompt": []}) == ""
+    f = feats(COMPLETIONS, {"prompt": "p", "max_tokens": 7, "model": "m"})
+    assert (f.endpoint, f.max_tokens, f.model) == ("completions", 7, "m")
+
+
+@pytest.mark.parametrize(
+    "body", [{}, {"prompt": 5}, {"prompt": ["a", 1]}, {"prompt": [[1, 2]]}, {"prompt": None}]
+)
+def test_completions_bad_prompt(body: dict) -> None:
+    err = error(COMPLETIONS, body)
+    assert (err.status, err.param) == (400, "prompt")
+
+
+def test_responses_string_input_with_instructions_and_tools() -> None:
+    body = {"instructions": "BE BRIEF", "input": "question", "tools": [WEATHER]}
+    assert prompt_text("responses", body) == "\n".join(["BE BRIEF", tool_json(WEATHER), "question"])
+    f = feats(RESPONSES, {**body, "max_output_tokens": 9})
+    assert f.endpoint == "responses"
+    assert f.max_tokens == 9
+
+
+def test_responses_message_list_input() -> None:
+    body = {
+        "instructions": "INS",
+        "input": [
+            {"role": "user", "content": [{"type": "input_text", "text": "hi"},
+                                         {"type": "input_image", "image_url": "http://x/y.png"}]},
+            {"role": "developer", "content": "DEV"},
+            {"role": "assistant", "content": "hello"},
+        ],
+    }
+    assert prompt_text("responses", body) == "INS\nDEV\nhi\nhello"
+
+
+def test_responses_empty_instructions_not_rendered() -> None:
+    assert prompt_text("responses", {"instructions": "", "input": "q"}) == "q"
+    assert prompt_text("responses", {"instructions": None, "input": "q"}) == "q"
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({}, "input"),
+        ({"input": 3}, "input"),
+        ({"input": "q", "instructions": 3}, "instructions"),
+        ({"input": [{"role": "user", "content": 1}]}, "input[0].content"),
+    ],
+)
+def test_responses_bad_shapes(body: dict, param: str) -> None:
+    err = error(RESPONSES, body)
+    assert (err.status, err.param) == (400, param)
+
+
+def test_prompt_text_unknown_endpoint() -> None:
+    with pytest.raises(ValueError, match="unknown endpoint"):
+        prompt_text("embeddings", {"input": "x"})
+
+
+# --- session, policy and priority ------------------------------------------------------------
+
+
+def test_session_key_precedence() -> None:
+    msgs = [{"role": "user", "content": "x"}]
+    full = {"messages": msgs, "prompt_cache_key": "pck", "user": "u"}
+    assert feats(CHAT, full, {SESSION_HEADER: "hdr"}).session_key == "hdr"
+    assert feats(CHAT, full).session_key == "pck"
+    assert feats(CHAT, {"messages": msgs, "user": "u"}).session_key == "u"
+    assert feats(CHAT, {"messages": msgs}).session_key is None
+
+
+def test_session_key_skips_empty_and_non_string_values() -> None:
+    msgs = [{"role": "user", "content": "x"}]
+    body = {"messages": msgs, "prompt_cache_key": "", "user": "u"}
+    assert feats(CHAT, body, {SESSION_HEADER: ""}).session_key == "u"
+    assert feats(CHAT, {"messages": msgs, "prompt_cache_key": 5, "user": "u"}).session_key == "u"
+    assert feats(CHAT, {"messages": msgs, "user": None}).session_key is None
+
+
+def test_policy_and_priority_headers() -> None:
+    body = {"prompt": "x"}
+    f = feats(COMPLETIONS, body, {POLICY_HEADER: "least-request", PRIORITY_HEADER: "-2"})
+    assert f.policy == "least-request"
+    assert f.priority == -2
+    assert feats(COMPLETIONS, body, {POLICY_HEADER: ""}).policy is None
+    err = error(COMPLETIONS, body, {PRIORITY_HEADER: "high"})
+    assert err.status == 400
+    assert PRIORITY_HEADER in err.message
+
+
+# --- typed fields ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"model": 5}, "model"),
+        ({"model": ["a"]}, "model"),
+        ({"stream": "true"}, "stream"),
+        ({"stream": 1}, "stream"),
+        ({"max_tokens": "10"}, "max_tokens"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": -5}, "max_tokens"),
+        ({"max_tokens": 1.5}, "max_tokens"),
+        ({"max_tokens": True}, "max_tokens"),
+        ({"max_completion_tokens": "x"}, "max_completion_tokens"),
+        ({"max_output_tokens": 2.0}, "max_output_tokens"),
+    ],
+)
+def test_type_errors_name_the_param(extra: dict, param: str) -> None:
+    err = error(COMPLETIONS, {"prompt": "x", **extra})
+    assert err.status == 400
+    assert err.param == param
+    assert param in err.message
+    body = err.to_body()
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    assert body["error"]["type"] == "invalid_request_error"
+    assert body["error"]["param"] == param
+    assert body["error"]["message"] == err.message
+
+
+def test_max_tokens_aliases_and_precedence() -> None:
+    assert feats(CHAT, {"messages": [], "max_completion_tokens": 11}).max_tokens == 11
+    assert feats(CHAT, {"messages": [], "max_tokens": 5, "max_completion_tokens": 11}
+                 ).max_tokens == 5
+    assert feats(CHAT, {"messages": [], "max_tokens": None, "max_completion_tokens": 11}
+                 ).max_tokens == 11
+
+
+def test_model_null_is_no_model() -> None:
+    assert feats(COMPLETIONS, {"prompt": "x", "model": None}).model is None
+
+
+def test_stream_null_means_not_streaming() -> None:
+    assert feats(COMPLETIONS, {"prompt": "x", "stream": None}).stream is False
+
+
+# --- body decoding --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("raw", [b"{", b"not json", b'{"a": }', b"\xff\xfe\x00{", b"{'a': 1}"])
+def test_malformed_json(raw: bytes) -> None:
+    err = error(CHAT, raw)
+    assert err.status == 400
+    assert "not valid JSON" in err.message
+
+
+@pytest.mark.parametrize("raw", [b"[]", b"[1, 2]", b'"text"', b"42", b"null", b"true"])
+def test_non_object_json(raw: bytes) -> None:
+    err = error(CHAT, raw)
+    assert err.status == 400
+    assert "JSON object" in err.message
+
+
+def test_empty_body() -> None:
+    err = error(CHAT, b"")
+    assert err.status == 400
+    assert "empty" in err.message
+
+
+def _nested(depth: int) -> bytes:
+    """A JSON object ``depth`` containers deep (the outer object counts as 1)."""
+    return ('{"a":' * (depth - 1) + "{}" + "}" * (depth - 1)).encode()
+
+
+def test_depth_limit_boundary() -> None:
+    assert parse_json_body(_nested(DEFAULT_MAX_DEPTH)) is not None
+    with pytest.raises(RequestError, match="deeper than 64"):
+        parse_json_body(_nested(DEFAULT_MAX_DEPTH + 1))
+    assert parse_json_body(_nested(5), max_depth=5)
+    with pytest.raises(RequestError) as info:
+        parse_json_body(_nested(6), max_depth=5)
+    assert info.value.status == 400
+
+
+def test_depth_counts_lists() -> None:
+    raw = b'{"messages": [[[[1]]]]}'  # object, then 4 lists: depth 5
+    assert parse_json_body(raw, max_depth=5)
+    with pytest.raises(RequestError):
+        parse_json_body(raw, max_depth=4)
+
+
+def test_many_brackets_in_strings_are_not_depth() -> None:
+    raw = json.dumps({"prompt": "{[" * 200}).encode()
+    assert parse_json_body(raw, max_depth=3)["prompt"].startswith("{[")
+
+
+def test_pathologically_deep_json_is_a_client_error() -> None:
+    err = error(CHAT, b"[" * 100_000 + b"]" * 100_000)
+    assert err.status == 400
+    assert "deeper" in err.message
+
+
+def test_extract_features_passes_max_depth() -> None:
+    raw = json.dumps({"messages": [{"role": "user", "content": [{"type": "text", "text": "x"}]}]})
+    # object > messages list > message > content list > part: depth 5.
+    assert extract_features(CHAT, {}, raw.encode(), TOK, max_depth=5).prompt_chars == 1
+    with pytest.raises(RequestError):
+        extract_features(CHAT, {}, raw.encode(), TOK, max_depth=4)
+
+
+def test_features_compare_by_identity() -> None:
+    a = feats(COMPLETIONS, {"prompt": "same"})
+    b = feats(COMPLETIONS, {"prompt": "same"})
+    assert a != b
+    assert len({a, b}) == 2
+
+
+def test_request_error_defaults() -> None:
+    err = RequestError(413, "too big")
+    assert str(err) == "too big"
+    assert err.to_body() == {
+        "error": {"message": "too big", "type": "invalid_request_error", "param": None,
+                  "code": None}
+    }

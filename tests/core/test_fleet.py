@@ -1,0 +1,309 @@
+"""Fleet file validation: defaults, and errors that name the offending field's path."""
+
+from __future__ import annotations
+
+import copy
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from gorgo.core.fleet import (
+    DEFAULT_PROFILE,
+    LINK_PRESETS,
+    FleetError,
+    FleetSpec,
+    Limits,
+    Signals,
+    Timeouts,
+    Weights,
+    load_fleet,
+    parse_fleet,
+)
+
+
+def doc() -> dict[str, Any]:
+    return {
+        "regions": {"us-east": {}, "eu-frankfurt": {"link": "eu-frankfurt"}},
+        "replicas": [
+            {"name": "a", "region": "us-east", "address": "10.0.0.1:8000"},
+            {"name": "b", "region": "eu-frankfurt", "address": "10.0.0.2:8000",
+             "engine": "vllm", "prefill_rate": 5000, "kv_capacity_tokens": 1000},
+        ],
+    }
+
+
+def bad(mutate: Any, source: str = "fleet") -> str:
+    raw = doc()
+    mutate(raw)
+    with pytest.raises(FleetError) as info:
+        parse_fleet(raw, source=source)
+    return str(info.value)
+
+
+# --- defaults -------------------------------------------------------------------------------
+
+
+def test_defaults() -> None:
+    spec = parse_fleet(doc())
+    assert isinstance(spec, FleetSpec)
+    assert spec.name == "fleet"
+    assert spec.policy == "gorgo"
+    assert spec.allow_policy_override is False
+    assert spec.weights == Weights(1.0, 1.0, 0)
+    assert spec.block_tokens == 64 and spec.chars_per_token == 4.0
+    assert spec.proxy_region == "us-east"  # the first region
+    assert spec.default_cluster == "a"  # the first replica's cluster
+    assert spec.timeouts == Timeouts()
+    assert spec.signals == Signals()
+    assert spec.limits == Limits()
+    assert spec.region_names == ["us-east", "eu-frankfurt"]
+
+
+def test_replica_defaults() -> None:
+    a, b = parse_fleet(doc()).replicas
+    assert a.cluster == "a"
+    assert a.engine == "sim"
+    assert a.health_url == "http://10.0.0.1:8000/health"
+    assert a.metrics_url == "http://10.0.0.1:8000/metrics"
+    assert a.prefill_rate == 10000.0
+    assert a.kv_capacity_tokens == 500_000
+    assert a.sim is not None
+    assert (a.sim.profile, a.sim.flavor, a.sim.port) == (DEFAULT_PROFILE, "sglang", 0)
+    assert (a.host, a.port) == ("10.0.0.1", 8000)
+    assert a.metrics_flavor == "sglang"
+    assert b.engine == "vllm" and b.sim is None and b.metrics_flavor == "vllm"
+    assert b.prefill_rate == 5000.0 and isinstance(b.prefill_rate, float)
+    assert b.kv_capacity_tokens == 1000 and isinstance(b.kv_capacity_tokens, int)
+
+
+def test_region_link_presets_and_overrides() -> None:
+    raw = doc()
+    raw["regions"] = {
+        "us-east": None,
+        "eu-frankfurt": {"link": "ap-seoul", "rtt_ms": 100},
+        "lab": {},
+    }
+    raw["replicas"][1]["region"] = "lab"
+    regions = {r.name: r for r in parse_fleet(raw).regions}
+    assert (regions["us-east"].rtt_ms, regions["us-east"].jitter_ms) == LINK_PRESETS["us-east"]
+    assert regions["eu-frankfurt"].rtt_ms == 100.0
+    assert regions["eu-frankfurt"].jitter_ms == LINK_PRESETS["ap-seoul"][1]
+    assert (regions["lab"].rtt_ms, regions["lab"].jitter_ms) == LINK_PRESETS["local"]
+
+
+def test_explicit_values_are_kept() -> None:
+    raw = doc()
+    raw.update({
+        "name": "prod", "policy": "round-robin", "allow_policy_override": True,
+        "weights": {"rtt": 0.5, "queue": 2}, "block_tokens": 16, "chars_per_token": 3.5,
+        "proxy_region": "eu-frankfurt", "default_cluster": "cb",
+        "timeouts": {"message_ms": 250, "request_s": 30},
+        "signals": {"rtt_ewma_alpha": 0.5}, "limits": {"max_json_depth": 10},
+    })
+    raw["replicas"][1].update({"cluster": "cb", "health_url": "http://h/ok",
+                               "metrics_url": "http://h/m"})
+    raw["replicas"][0]["sim"] = {"profile": "tiny", "flavor": "vllm", "port": 9001}
+    spec = parse_fleet(raw)
+    assert spec.name == "prod" and spec.policy == "round-robin" and spec.allow_policy_override
+    assert spec.weights == Weights(0.5, 2.0, 0)
+    assert (spec.block_tokens, spec.chars_per_token) == (16, 3.5)
+    assert spec.proxy_region == "eu-frankfurt" and spec.default_cluster == "cb"
+    assert spec.timeouts.message_ms == 250 and isinstance(spec.timeouts.message_ms, int)
+    assert spec.timeouts.request_s == 30.0 and isinstance(spec.timeouts.request_s, float)
+    assert spec.timeouts.connect_ms == Timeouts().connect_ms
+    assert spec.signals.rtt_ewma_alpha == 0.5
+    assert spec.limits.max_json_depth == 10
+    a, b = spec.replicas
+    assert a.sim is not None and (a.sim.profile, a.sim.flavor, a.sim.port) == ("tiny", "vllm", 9001)
+    assert a.metrics_flavor == "vllm"
+    assert (b.cluster, b.health_url, b.metrics_url) == ("cb", "http://h/ok", "http://h/m")
+
+
+def test_replica_lookup() -> None:
+    spec = parse_fleet(doc())
+    assert spec.replica("b").region == "eu-frankfurt"
+    with pytest.raises(KeyError):
+        spec.replica("zzz")
+
+
+# --- errors ---------------------------------------------------------------------------------
+
+
+def _set(path: list, value: Any) -> Any:
+    def mutate(raw: dict) -> None:
+        node = raw
+        for key in path[:-1]:
+            node = node[key]
+        node[path[-1]] = value
+    return mutate
+
+
+def _del(path: list) -> Any:
+    def mutate(raw: dict) -> None:
+        node = raw
+        for key in path[:-1]:
+            node = node[key]
+        del node[path[-1]]
+    return mutate
+
+
+@pytest.mark.parametrize(
+    ("mutate", "prefix"),
+    [
+        # unknown fields, at every level
+        (_set(["polcy"], "gorgo"), "fleet.polcy: unknown field"),
+        (_set(["replicas", 0, "adress"], "x:1"), "fleet.replicas[0].adress: unknown field"),
+        (_set(["regions", "us-east", "rtt"], 5), "fleet.regions.us-east.rtt: unknown field"),
+        (_set(["weights"], {"prefill": 1}), "fleet.weights.prefill: unknown field"),
+        (_set(["timeouts"], {"message": 1}), "fleet.timeouts.message: unknown field"),
+        (_set(["signals"], {"alpha": 1}), "fleet.signals.alpha: unknown field"),
+        (_set(["limits"], {"max_body": 1}), "fleet.limits.max_body: unknown field"),
+        (_set(["replicas", 0, "sim"], {"flavour": "vllm"}),
+         "fleet.replicas[0].sim.flavour: unknown field"),
+        # regions
+        (_set(["replicas", 1, "region"], "mars"), "fleet.replicas[1].region: unknown region"),
+        (_set(["regions", "us-east"], {"link": "moon"}),
+         "fleet.regions.us-east.link: unknown preset"),
+        (_set(["regions"], {}), "fleet.regions: at least one region"),
+        (_del(["regions"]), "fleet.regions: expected a mapping"),
+        (_set(["regions", "us-east"], [1]), "fleet.regions.us-east: expected a mapping"),
+        (_set(["proxy_region"], "mars"), "fleet.proxy_region: unknown region"),
+        # engines
+        (_set(["replicas", 1, "engine"], "tgi"), "fleet.replicas[1].engine: must be one of"),
+        (_set(["replicas", 1, "sim"], {"flavor": "vllm"}),
+         "fleet.replicas[1].sim: only allowed with engine: sim"),
+        (_set(["replicas", 0, "sim"], {"flavor": "tgi"}), "fleet.replicas[0].sim.flavor:"),
+        (_set(["replicas", 0, "sim"], "fast"), "fleet.replicas[0].sim: expected a mapping"),
+        # duplicates
+        (_set(["replicas", 1, "name"], "a"), "fleet.replicas[1].name: duplicate 'a'"),
+        (_set(["replicas", 1, "cluster"], "a"), "fleet.replicas[1].cluster: duplicate 'a'"),
+        (_set(["replicas", 1, "address"], "10.0.0.1:8000"),
+         "fleet.replicas[1].address: duplicate '10.0.0.1:8000'"),
+        # addresses
+        (_set(["replicas", 0, "address"], "10.0.0.1"), "fleet.replicas[0].address: expected host"),
+        (_set(["replicas", 0, "address"], ":8000"), "fleet.replicas[0].address: expected host"),
+        (_set(["replicas", 0, "address"], "h:0"), "fleet.replicas[0].address: expected host"),
+        (_set(["replicas", 0, "address"], "h:65536"), "fleet.replicas[0].address: expected host"),
+        (_set(["replicas", 0, "address"], "h:http"), "fleet.replicas[0].address: expected host"),
+        (_del(["replicas", 0, "address"]), "fleet.replicas[0].address: required"),
+        (_set(["replicas", 0, "address"], 8000), "fleet.replicas[0].address: expected a non-empty"),
+        # required strings
+        (_del(["replicas", 0, "name"]), "fleet.replicas[0].name: required"),
+        (_set(["replicas", 0, "name"], ""), "fleet.replicas[0].name: expected a non-empty"),
+        (_set(["policy"], 3), "fleet.policy: expected a non-empty string"),
+        # numbers
+        (_set(["replicas", 0, "prefill_rate"], "fast"),
+         "fleet.replicas[0].prefill_rate: expected a number"),
+        (_set(["replicas", 0, "prefill_rate"], 0), "fleet.replicas[0].prefill_rate: must be > 0"),
+        (_set(["replicas", 0, "prefill_rate"], True),
+         "fleet.replicas[0].prefill_rate: expected a number"),
+        (_set(["replicas", 0, "kv_capacity_tokens"], 0),
+         "fleet.replicas[0].kv_capacity_tokens: must be >= 1"),
+        (_set(["replicas", 0, "kv_capacity_tokens"], 10.5),
+         "fleet.replicas[0].kv_capacity_tokens: expected an integer"),
+        (_set(["replicas", 0, "sim"], {"port": -1}), "fleet.replicas[0].sim.port: must be >= 0"),
+        (_set(["weights"], {"rtt": -1}), "fleet.weights.rtt: must be >= 0"),
+        (_set(["weights"], {"queue": "x"}), "fleet.weights.queue: expected a number"),
+        (_set(["block_tokens"], 0), "fleet.block_tokens: must be >= 1"),
+        (_set(["block_tokens"], 2.5), "fleet.block_tokens: expected an integer"),
+        (_set(["chars_per_token"], 0), "fleet.chars_per_token: must be > 0"),
+        (_set(["timeouts"], {"message_ms": 1.5}), "fleet.timeouts.message_ms: expected an integer"),
+        (_set(["signals"], {"metrics_stale_s": -1}), "fleet.signals.metrics_stale_s: must be >="),
+        (_set(["regions", "us-east"], {"rtt_ms": "far"}),
+         "fleet.regions.us-east.rtt_ms: expected a number"),
+        # others
+        (_set(["replicas"], []), "fleet.replicas: expected a non-empty list"),
+        (_set(["replicas"], {"a": 1}), "fleet.replicas: expected a non-empty list"),
+        (_set(["replicas", 0], "a"), "fleet.replicas[0]: expected a mapping"),
+        (_set(["allow_policy_override"], "yes"), "fleet.allow_policy_override: expected true"),
+        (_set(["default_cluster"], "zzz"), "fleet.default_cluster: 'zzz' is not a replica"),
+        (_set(["weights"], [1]), "fleet.weights: expected a mapping"),
+    ],
+)
+def test_errors_name_the_field(mutate: Any, prefix: str) -> None:
+    message = bad(mutate)
+    assert message.startswith(prefix), message
+
+
+def test_unknown_field_lists_allowed_fields() -> None:
+    message = bad(_set(["weights"], {"rtt": 1, "prefil": 1}))
+    assert re.search(r"allowed: queue, rtt\)$", message)
+
+
+def test_source_prefixes_paths() -> None:
+    assert bad(_set(["polcy"], 1), source="prod.yaml").startswith("prod.yaml.polcy:")
+
+
+def test_top_level_must_be_mapping() -> None:
+    with pytest.raises(FleetError, match=r"^fleet: expected a mapping, got list"):
+        parse_fleet([1, 2])
+    with pytest.raises(FleetError, match=r"^fleet: expected a mapping, got NoneType"):
+        parse_fleet(None)
+
+
+def test_unhashable_link_preset_is_a_fleet_error() -> None:
+    assert bad(_set(["regions", "us-east"], {"link": ["us-east"]})).startswith(
+        "fleet.regions.us-east.link:"
+    )
+
+
+def test_fleet_error_is_value_error() -> None:
+    assert issubclass(FleetError, ValueError)
+
+
+def test_parse_does_not_mutate_input() -> None:
+    raw = doc()
+    before = copy.deepcopy(raw)
+    parse_fleet(raw)
+    assert raw == before
+
+
+# --- files ----------------------------------------------------------------------------------
+
+
+def test_load_fleet_from_yaml(tmp_path: Path) -> None:
+    path = tmp_path / "fleet.yaml"
+    path.write_text(yaml.safe_dump(doc()))
+    spec = load_fleet(path)
+    assert [r.name for r in spec.replicas] == ["a", "b"]
+    assert load_fleet(str(path)) == spec
+
+
+def test_load_fleet_errors_use_file_name(tmp_path: Path) -> None:
+    path = tmp_path / "prod.yaml"
+    raw = doc()
+    raw["replicas"][0]["engine"] = "tgi"
+    path.write_text(yaml.safe_dump(raw))
+    with pytest.raises(FleetError, match=r"^prod\.yaml\.replicas\[0\]\.engine:"):
+        load_fleet(path)
+
+
+def test_load_fleet_invalid_yaml(tmp_path: Path) -> None:
+    path = tmp_path / "broken.yaml"
+    path.write_text("regions: [unclosed\n")
+    with pytest.raises(FleetError, match="not valid YAML"):
+        load_fleet(path)
+
+
+def test_load_fleet_empty_file(tmp_path: Path) -> None:
+    path = tmp_path / "empty.yaml"
+    path.write_text("")
+    with pytest.raises(FleetError, match=r"^empty\.yaml: expected a mapping"):
+        load_fleet(path)
+
+
+def test_missing_file_is_a_fleet_error(tmp_path) -> None:
+    from gorgo.core.fleet import FleetError, load_fleet
+
+    with pytest.raises(FleetError, match="cannot read fleet file"):
+        load_fleet(tmp_path / "absent.yaml")
+
+
+def test_unknown_keys_of_mixed_types_are_reported() -> None:
+    from gorgo.core.fleet import FleetError, parse_fleet
+
+    with pytest.raises(FleetError, match="unknown field"):
+        parse_fleet({1: "a", "foo": "b"})

@@ -1,0 +1,172 @@
+"""The route/complete contract: priced decisions, exactly-once release, policy selection."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from gorgo.core.decision import Decision, NoReplicaAvailable
+from gorgo.core.features import POLICY_HEADER, RequestFeatures, extract_features
+from gorgo.core.fleet import FleetError, FleetSpec, Weights, parse_fleet
+from gorgo.core.policies.base import PolicyBase
+from gorgo.core.router import Router
+from gorgo.core.state import FAILURES_TO_EJECT, FleetState
+
+
+def spec(**extra: object) -> FleetSpec:
+    return parse_fleet({
+        "regions": {"local": {}},
+        "block_tokens": 4,
+        "chars_per_token": 1.0,
+        "replicas": [
+            {"name": "a", "region": "local", "address": "h:1", "prefill_rate": 1000},
+            {"name": "b", "region": "local", "address": "h:2", "prefill_rate": 2000},
+        ],
+        **extra,
+    })
+
+
+def req(text: str, policy: str | None = None) -> RequestFeatures:
+    headers = {POLICY_HEADER: policy} if policy else {}
+    tok = FleetState(spec()).tok
+    return extract_features("/v1/completions", headers, json.dumps({"prompt": text}).encode(), tok)
+
+
+def test_decision_carries_terms() -> None:
+    r = Router(spec())
+    r.state.observe_rtt(0, 10.0)
+    r.state.observe_rtt(1, 40.0)
+    r.state.set_weights(Weights(rtt=1.0, queue=1.0, version=5))
+    r.state.now = 0.0
+    r.state.add_inflight(0, 100, 100)  # 100 ms queue on a
+    r.state.add_inflight(1, 400, 400)  # 200 ms queue on b
+    d = r.route(req("x" * 20), now=0.0)
+    # a: 10 + 100 + 20 = 130; b: 40 + 200 + 10 = 250.
+    assert d.replica == 0
+    assert d.policy == "gorgo"
+    assert (d.rtt_ms, d.queue_ms, d.prefill_ms) == pytest.approx((10.0, 100.0, 20.0))
+    assert d.predicted_ms == pytest.approx(130.0)
+    assert d.uncached_tokens == 20 and d.prompt_tokens == 20
+    assert d.weights_version == 5
+    assert d.id == "d-1"
+    np.testing.assert_allclose(d.scores, [130.0, 250.0])
+
+
+def test_weights_applied_to_predicted_ms() -> None:
+    r = Router(spec(weights={"rtt": 2.0, "queue": 0.5}))
+    r.state.observe_rtt(0, 10.0)
+    r.state.observe_rtt(1, 10.0)
+    r.state.add_inflight(1, 10_000, 10_000)
+    d = r.route(req("x" * 8), now=0.0)
+    assert d.replica == 0
+    assert d.predicted_ms == pytest.approx(2.0 * 10.0 + 0.5 * 0.0 + 8.0)
+
+
+def test_second_identical_request_sees_the_cache() -> None:
+    r = Router(spec())
+    f1 = req("p" * 10)
+    d1 = r.route(f1, now=0.0)
+    assert d1.uncached_tokens == 10
+    r.complete(d1.id)
+    d2 = r.route(req("p" * 10), now=100.0)
+    assert d2.replica == d1.replica  # cached prefix and equal otherwise
+    assert d2.uncached_tokens == 2  # 2 full blocks cached, the 2-token tail is not
+
+
+def test_route_counts_in_flight_and_caches_prefix() -> None:
+    r = Router(spec())
+    d = r.route(req("abcdefgh"), now=3.0)
+    s = r.state
+    assert s.now == 3.0
+    assert s.inflight_reqs[d.replica] == 1
+    assert s.inflight_prompt_tokens[d.replica] == 8
+    assert s.prefix.blocks_held(d.replica) == 2
+    assert r.open_requests == 1
+
+
+def test_ids_are_unique_and_prefixed() -> None:
+    r = Router(spec(), id_prefix="edge7")
+    ids = [r.route(req("x"), now=0.0).id for _ in range(50)]
+    assert len(set(ids)) == 50
+    assert all(i.startswith("edge7-") for i in ids)
+    other = Router(spec(), id_prefix="edge8")
+    assert other.route(req("x"), now=0.0).id not in ids
+
+
+def test_complete_releases_exactly_once() -> None:
+    r = Router(spec())
+    d1 = r.route(req("aaaa"), now=0.0)
+    d2 = r.route(req("bbbbbbbb"), now=0.0)
+    assert r.state.inflight_reqs.sum() == 2
+    assert r.complete(d1.id) is True
+    assert r.complete(d1.id) is False
+    assert r.state.inflight_reqs.sum() == 1
+    assert r.complete(d2.id) is True
+    assert r.complete(d2.id) is False
+    np.testing.assert_array_equal(r.state.inflight_reqs, [0, 0])
+    np.testing.assert_array_equal(r.state.inflight_prompt_tokens, [0, 0])
+    assert r.open_requests == 0
+    assert r.complete("never-issued") is False
+
+
+def test_policy_override_requires_permission() -> None:
+    f = req("x", policy="round-robin")
+    assert Router(spec()).policy_for(f).name == "gorgo"
+    allowed = Router(spec(allow_policy_override=True))
+    assert allowed.policy_for(f).name == "round-robin"
+    assert allowed.route(f, now=0.0).policy == "round-robin"
+
+
+def test_unknown_override_falls_back_to_default() -> None:
+    r = Router(spec(allow_policy_override=True, policy="least-request"))
+    assert r.policy_for(req("x", policy="no-such-policy")).name == "least-request"
+    assert r.policy_for(req("x")).name == "least-request"
+
+
+def test_unknown_default_policy_is_fleet_error() -> None:
+    with pytest.raises(FleetError, match=r"^policy: unknown policy 'fastest'"):
+        Router(spec(policy="fastest"))
+
+
+class _AlwaysLast(PolicyBase):
+    name = "always-last"
+
+    def choose(self, f: RequestFeatures, s: FleetState) -> Decision:
+        return Decision(replica=s.n - 1, policy=self.name)
+
+
+def test_extra_policies() -> None:
+    sp = spec(policy="always-last")
+    r = Router(sp, extra_policies={"always-last": _AlwaysLast(sp)})
+    d = r.route(req("x" * 4), now=0.0)
+    assert (d.replica, d.policy) == (1, "always-last")
+    assert d.prefill_ms == pytest.approx(2.0)  # priced by the cost model all the same
+
+
+def test_no_replica_available_leaves_no_accounting() -> None:
+    r = Router(spec())
+    for i in range(2):
+        for _ in range(FAILURES_TO_EJECT):
+            r.state.record_failure(i, now=10.0)
+    with pytest.raises(NoReplicaAvailable) as info:
+        r.route(req("x"), now=10.0)
+    assert info.value.retry_after_s >= 1.0
+    assert r.open_requests == 0
+    assert r.state.inflight_reqs.sum() == 0
+    r.state.record_success(1)
+    assert r.route(req("x"), now=11.0).replica == 1
+
+
+def test_round_robin_router_spreads_requests() -> None:
+    r = Router(spec(policy="round-robin"))
+    assert [r.route(req("x"), now=0.0).replica for _ in range(4)] == [0, 1, 0, 1]
+
+
+def test_least_request_router_balances_open_requests() -> None:
+    r = Router(spec(policy="least-request"))
+    ds = [r.route(req("x"), now=0.0) for _ in range(4)]
+    np.testing.assert_array_equal(r.state.inflight_reqs, [2, 2])
+    r.complete(ds[0].id)
+    assert r.route(req("x"), now=0.0).replica == ds[0].replica

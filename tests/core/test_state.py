@@ -1,0 +1,235 @@
+"""Fleet state: RTT smoothing, waiting-token model, health ejection and backoff."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from gorgo.core.features import RequestFeatures, extract_features
+from gorgo.core.fleet import FleetSpec, Weights, parse_fleet
+from gorgo.core.state import BACKOFF_MAX_S, FAILURES_TO_EJECT, FleetState
+
+
+def spec(**signals: float) -> FleetSpec:
+    return parse_fleet({
+        "regions": {"us-east": {}, "ap-seoul": {}},
+        "block_tokens": 4,
+        "chars_per_token": 1.0,
+        "signals": {"rtt_ewma_alpha": 0.5, "metrics_stale_s": 5.0, **signals},
+        "replicas": [
+            {"name": "a", "region": "us-east", "address": "h:1", "prefill_rate": 1000,
+             "kv_capacity_tokens": 40},
+            {"name": "b", "region": "ap-seoul", "address": "h:2", "prefill_rate": 2000},
+            {"name": "c", "region": "us-east", "address": "h:3", "prefill_rate": 4000},
+        ],
+    })
+
+
+def prompt(text: str, s: FleetState) -> RequestFeatures:
+    return extract_features("/v1/completions", {}, json.dumps({"prompt": text}).encode(), s.tok)
+
+
+def test_initial_state() -> None:
+    s = FleetState(spec())
+    assert s.n == 3
+    assert s.names == ["a", "b", "c"]
+    assert s.clusters == ["a", "b", "c"]
+    np.testing.assert_array_equal(s.region_idx, [0, 1, 0])
+    assert (s.tok.chars_per_token, s.tok.block_tokens) == (1.0, 4)
+    np.testing.assert_array_equal(s.prefill_rate, [1000.0, 2000.0, 4000.0])
+    assert np.isnan(s.rtt_ms).all()
+    assert s.routable().all()
+    np.testing.assert_array_equal(s.waiting_tokens(), [0, 0, 0])
+    assert s.weights == Weights()
+
+
+def test_prefix_capacity_from_kv_tokens() -> None:
+    s = FleetState(spec())
+    assert s.prefix.capacity == [10, 125_000, 125_000]  # kv tokens // block tokens
+    assert FleetState(spec(), unbounded_prefix=True).prefix.capacity is None
+
+
+def test_rtt_ewma() -> None:
+    s = FleetState(spec())
+    s.observe_rtt(0, 100.0)
+    assert s.rtt_ms[0] == 100.0  # first sample taken as is
+    s.observe_rtt(0, 200.0)
+    assert s.rtt_ms[0] == pytest.approx(150.0)  # alpha 0.5
+    s.observe_rtt(0, 50.0)
+    assert s.rtt_ms[0] == pytest.approx(100.0)
+    assert s.rtt_samples[0] == 3
+    assert np.isnan(s.rtt_ms[1])
+
+
+def test_unprobed_replicas_priced_at_worst_known_rtt() -> None:
+    s = FleetState(spec())
+    np.testing.assert_array_equal(s.rtt_or_default(), [0.0, 0.0, 0.0])
+    s.observe_rtt(0, 40.0)
+    s.observe_rtt(2, 300.0)
+    np.testing.assert_array_equal(s.rtt_or_default(), [40.0, 300.0, 300.0])
+
+
+def test_backlog_drains_at_prefill_rate() -> None:
+    s = FleetState(spec())
+    s.now = 10.0
+    s.add_inflight(0, prompt_tokens=3000, uncached=2000)
+    s.add_inflight(1, prompt_tokens=3000, uncached=2000)
+    np.testing.assert_allclose(s.waiting_tokens(), [2000, 2000, 0])
+    s.now = 10.5
+    np.testing.assert_allclose(s.waiting_tokens(), [1500, 1000, 0])
+    s.now = 12.5
+    np.testing.assert_allclose(s.waiting_tokens(), [0, 0, 0])  # never negative
+
+
+def test_backlog_accumulates_after_partial_drain() -> None:
+    s = FleetState(spec())
+    s.now = 0.0
+    s.add_inflight(0, 1000, 1000)
+    s.now = 0.25  # 250 drained
+    s.add_inflight(0, 500, 500)
+    assert s.backlog_tokens[0] == pytest.approx(1250.0)
+    assert s.backlog_at[0] == 0.25
+    s.now = 2.0  # a long idle gap does not bank negative backlog
+    s.add_inflight(0, 100, 100)
+    assert s.backlog_tokens[0] == pytest.approx(100.0)
+
+
+def test_inflight_accounting() -> None:
+    s = FleetState(spec())
+    s.add_inflight(1, 300, 100)
+    s.add_inflight(1, 200, 200)
+    assert s.inflight_reqs[1] == 2 and s.inflight_prompt_tokens[1] == 500
+    assert s.sent_since_scrape[1] == 300
+    s.release_inflight(1, 300)
+    assert s.inflight_reqs[1] == 1 and s.inflight_prompt_tokens[1] == 200
+    assert s.mean_uncached[1] == pytest.approx(1000 + 0.1 * (100 - 1000) + 0.1 * (
+        200 - (1000 + 0.1 * (100 - 1000))))
+
+
+def test_fresh_scrape_counts_other_routers_load() -> None:
+    s = FleetState(spec())
+    s.now = 100.0
+    s.observe_engine(0, now=99.0, queue_reqs=3, running_reqs=1, kv_usage=0.5)
+    # 3 queued requests at the 1000-token prior, none of ours in flight.
+    np.testing.assert_allclose(s.waiting_tokens(), [3000, 0, 0])
+    s.add_inflight(0, 500, 500)  # sent after the scrape: counted on top of it
+    assert s.waiting_tokens()[0] == pytest.approx(3 * s.mean_uncached[0] + 500)
+
+
+def test_fresh_scrape_smaller_than_own_backlog_is_ignored() -> None:
+    s = FleetState(spec())
+    s.now = 0.0
+    s.add_inflight(0, 5000, 5000)
+    s.observe_engine(0, now=0.0, queue_reqs=0, running_reqs=1, kv_usage=0.1)
+    assert s.waiting_tokens()[0] == pytest.approx(5000)
+
+
+def test_stale_scrape_is_ignored() -> None:
+    s = FleetState(spec())
+    s.observe_engine(0, now=10.0, queue_reqs=3, running_reqs=0, kv_usage=0.0)
+    s.now = 15.0  # exactly metrics_stale_s old: still fresh
+    assert s.waiting_tokens()[0] == pytest.approx(3000)
+    s.now = 15.01
+    assert s.waiting_tokens()[0] == 0.0
+
+
+def test_scrape_resets_sent_since_scrape() -> None:
+    s = FleetState(spec())
+    s.add_inflight(2, 400, 400)
+    s.observe_engine(2, now=0.0, queue_reqs=1, running_reqs=0, kv_usage=0.2)
+    assert s.sent_since_scrape[2] == 0.0
+    assert (s.eng_queue_reqs[2], s.eng_running_reqs[2], s.eng_kv_usage[2]) == (1, 0, 0.2)
+    assert s.eng_scraped_at[2] == 0.0
+
+
+def test_health_ejection_backoff_and_readmission() -> None:
+    s = FleetState(spec())
+    for _ in range(FAILURES_TO_EJECT - 1):
+        s.record_failure(1, now=100.0)
+    assert s.healthy[1]
+    assert s.routable()[1]
+    s.record_failure(1, now=100.0)
+    assert not s.healthy[1]
+    np.testing.assert_array_equal(s.routable(), [True, False, True])
+    assert s.retry_at[1] == 101.0
+    s.record_failure(1, now=101.0)
+    assert s.retry_at[1] == 103.0  # backoff doubles
+    s.record_failure(1, now=103.0)
+    assert s.retry_at[1] == 107.0
+    for _ in range(20):
+        s.record_failure(1, now=200.0)
+    assert s.retry_at[1] == 200.0 + BACKOFF_MAX_S  # capped
+    s.record_success(1)
+    assert s.healthy[1] and s.failures[1] == 0 and s.retry_at[1] == 0.0
+
+
+def test_success_resets_failure_count() -> None:
+    s = FleetState(spec())
+    s.record_failure(0, now=0.0)
+    s.record_failure(0, now=0.0)
+    s.record_success(0)
+    s.record_failure(0, now=0.0)
+    s.record_failure(0, now=0.0)
+    assert s.healthy[0]
+
+
+def test_probe_due() -> None:
+    s = FleetState(spec())
+    np.testing.assert_array_equal(s.probe_due(0.0), [True, True, True])
+    for _ in range(FAILURES_TO_EJECT):
+        s.record_failure(2, now=50.0)
+    np.testing.assert_array_equal(s.probe_due(50.5), [True, True, False])
+    np.testing.assert_array_equal(s.probe_due(51.0), [True, True, True])
+    assert not s.healthy[2]  # due for a probe, but not routable until one succeeds
+
+
+def test_set_weights_and_rates() -> None:
+    s = FleetState(spec())
+    v = s.version
+    s.set_weights(Weights(rtt=0.5, queue=2.0, version=7), {"c": 8000.0})
+    assert s.weights.version == 7
+    np.testing.assert_array_equal(s.prefill_rate, [1000.0, 2000.0, 8000.0])
+    assert s.version > v
+    s.set_weights(Weights())
+    np.testing.assert_array_equal(s.prefill_rate, [1000.0, 2000.0, 8000.0])
+
+
+def test_every_writer_bumps_version() -> None:
+    s = FleetState(spec())
+    f = prompt("abcdefgh", s)
+    writers = [
+        lambda: s.record_sent(0, f, 8),
+        lambda: s.add_inflight(0, 1, 1),
+        lambda: s.release_inflight(0, 1),
+        lambda: s.observe_rtt(0, 1.0),
+        lambda: s.observe_engine(0, 0.0, 0, 0, 0),
+        lambda: s.set_weights(Weights()),
+        lambda: s.record_success(0),
+        lambda: s.record_failure(0, 0.0),
+    ]
+    for write in writers:
+        before = s.version
+        write()
+        assert s.version > before
+
+
+def test_matched_and_uncached_tokens() -> None:
+    s = FleetState(spec())
+    f = prompt("abcdefghij", s)  # 10 tokens, 2 full blocks
+    np.testing.assert_array_equal(s.uncached_tokens(f), [10, 10, 10])
+    s.record_sent(1, f, 10)
+    np.testing.assert_array_equal(s.matched_blocks(f), [0, 2, 0])
+    np.testing.assert_array_equal(s.uncached_tokens(f), [10, 2, 10])
+    g = prompt("abcdXXXXXXXX", s)  # shares block 0 only
+    np.testing.assert_array_equal(s.uncached_tokens(g), [12, 8, 12])
+
+
+def test_record_sent_caches_prefix_and_counts_inflight() -> None:
+    s = FleetState(spec())
+    f = prompt("a" * 16, s)
+    s.record_sent(0, f, 16)
+    assert s.prefix.blocks_held(0) == 4
+    assert s.inflight_reqs[0] == 1 and s.inflight_prompt_tokens[0] == 16
+    assert s.backlog_tokens[0] == 16

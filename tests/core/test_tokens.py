@@ -1,0 +1,149 @@
+"""Token estimates and chained block hashes: the prefix-match contract the router relies on."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gorgo.core.tokens import (
+    DEFAULT_BLOCK_TOKENS,
+    DEFAULT_CHARS_PER_TOKEN,
+    Tokenization,
+    chain_hashes,
+)
+
+TOK = Tokenization(chars_per_token=1.0, block_tokens=4)  # a block is 4 characters
+
+
+def test_defaults_and_block_chars() -> None:
+    tok = Tokenization()
+    assert tok.chars_per_token == DEFAULT_CHARS_PER_TOKEN
+    assert tok.block_tokens == DEFAULT_BLOCK_TOKENS
+    assert tok.block_chars == 256
+    assert Tokenization(chars_per_token=3.5, block_tokens=10).block_chars == 35
+    assert Tokenization(chars_per_token=0.1, block_tokens=1).block_chars == 1
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"chars_per_token": 0.0}, "chars_per_token"),
+        ({"chars_per_token": -1.0}, "chars_per_token"),
+        ({"chars_per_token": float("nan")}, "chars_per_token"),
+        ({"block_tokens": 0}, "block_tokens"),
+    ],
+)
+def test_invalid_tokenization(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        Tokenization(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("cpt", "chars", "tokens"),
+    [(4.0, 0, 0), (4.0, -3, 0), (4.0, 1, 1), (4.0, 4, 1), (4.0, 5, 2), (4.0, 8, 2),
+     (3.5, 7, 2), (3.5, 8, 3), (1.0, 13, 13)],
+)
+def test_count_tokens_is_ceil(cpt: float, chars: int, tokens: int) -> None:
+    got = Tokenization(chars_per_token=cpt).count_tokens(chars)
+    assert got == tokens
+    assert isinstance(got, int)
+
+
+def test_chars_for_tokens() -> None:
+    assert Tokenization(chars_per_token=4.0).chars_for_tokens(10) == 40
+    assert Tokenization(chars_per_token=3.5).chars_for_tokens(3) == 10  # round(10.5) -> 10
+
+
+def test_hashes_are_uint64_one_per_full_block() -> None:
+    h = TOK.block_hashes("abcdefgh")
+    assert h.dtype == np.uint64
+    assert len(h) == 2
+    assert len(TOK.block_hashes("")) == 0
+    assert len(TOK.block_hashes("abc")) == 0
+
+
+def test_partial_tail_is_not_hashed() -> None:
+    base = TOK.block_hashes("abcdefgh")
+    for tail in ("x", "xy", "xyz"):
+        np.testing.assert_array_equal(TOK.block_hashes("abcdefgh" + tail), base)
+    assert len(TOK.block_hashes("abcdefgh" + "wxyz")) == 3
+
+
+def test_chain_equal_prefix_then_divergence() -> None:
+    a = TOK.block_hashes("aaaabbbbccccdddd")
+    b = TOK.block_hashes("aaaabbbbXcccdddd")  # differs in block 2 only
+    assert len(a) == len(b) == 4
+    np.testing.assert_array_equal(a[:2], b[:2])
+    # Block 3 is identical text, but its hash covers block 2 as well.
+    assert all(a[k] != b[k] for k in range(2, 4))
+
+
+def test_hash_covers_earlier_blocks() -> None:
+    a = TOK.block_hashes("aaaazzzz")
+    b = TOK.block_hashes("bbbbzzzz")
+    assert a[0] != b[0]
+    assert a[1] != b[1]
+
+
+def test_same_text_same_hashes_across_instances() -> None:
+    text = "the quick brown fox jumps over"
+    np.testing.assert_array_equal(
+        Tokenization(1.0, 4).block_hashes(text), Tokenization(1.0, 4).block_hashes(text)
+    )
+
+
+def test_block_size_changes_hashes() -> None:
+    text = "abcdefghijklmnop"
+    assert len(Tokenization(1.0, 8).block_hashes(text)) == 2
+    assert Tokenization(1.0, 8).block_hashes(text)[0] != TOK.block_hashes(text)[0]
+
+
+def test_non_ascii_is_cut_on_characters() -> None:
+    # 4 characters per block, but each "é" is 2 UTF-8 bytes and each "漢" is 3.
+    text = "éééé漢漢漢漢ab"
+    h = TOK.block_hashes(text)
+    assert len(h) == 2
+    other = TOK.block_hashes("éééé字字字字")
+    assert h[0] == other[0]
+    assert h[1] != other[1]
+
+
+def test_ascii_prefix_matches_across_ascii_and_non_ascii_prompts() -> None:
+    ascii_only = TOK.block_hashes("abcdefgh")
+    mixed = TOK.block_hashes("abcdefghé中文字")
+    assert len(mixed) == 3
+    np.testing.assert_array_equal(mixed[:2], ascii_only)
+
+
+def test_lone_surrogates_do_not_raise() -> None:
+    assert len(TOK.block_hashes("ab\ud800cdefg")) == 2
+
+
+def test_chain_hashes_cut_and_listed_agree() -> None:
+    data = b"0123456789ab"
+    cut = chain_hashes([data], 4)
+    listed = chain_hashes([data[0:4], data[4:8], data[8:12]], 0)
+    np.testing.assert_array_equal(cut, listed)
+    assert len(chain_hashes([b"0123456"], 4)) == 1
+    assert len(chain_hashes([], 0)) == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    prefix=st.text(max_size=24),
+    a_tail=st.text(min_size=1, max_size=12),
+    b_tail=st.text(min_size=1, max_size=12),
+)
+def test_chain_property(prefix: str, a_tail: str, b_tail: str) -> None:
+    """Hashes agree on the blocks both texts share and on none after the first difference."""
+    a, b = prefix + a_tail, prefix + b_tail
+    ha, hb = TOK.block_hashes(a), TOK.block_hashes(b)
+    first_diff = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
+    if first_diff is None:
+        first_diff = min(len(a), len(b))
+    shared = first_diff // TOK.block_chars
+    n = min(len(ha), len(hb))
+    assert all(ha[k] == hb[k] for k in range(min(shared, n)))
+    assert all(ha[k] != hb[k] for k in range(shared, n))

@@ -1,0 +1,56 @@
+"""The scraper reads both engines' Prometheus names."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from extproc.engine_metrics import MetricsFormatError, parse_engine_metrics
+
+SGLANG = """\
+# HELP sglang:num_queue_reqs The number of requests in the waiting queue
+# TYPE sglang:num_queue_reqs gauge
+sglang:num_queue_reqs{model_name="qwen",engine_type="unified"} 7.0
+# TYPE sglang:num_running_reqs gauge
+sglang:num_running_reqs{model_name="qwen",engine_type="unified"} 12.0
+# TYPE sglang:token_usage gauge
+sglang:token_usage{model_name="qwen",engine_type="unified"} 0.42
+# TYPE sglang:gen_throughput gauge
+sglang:gen_throughput{model_name="qwen"} 1234.5
+"""
+
+VLLM = """\
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="llama"} 3.0
+vllm:num_requests_waiting{engine="1",model_name="llama"} 2.0
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="llama"} 8.0
+vllm:num_requests_running{engine="1",model_name="llama"} 9.0
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="llama"} 0.5
+vllm:kv_cache_usage_perc{engine="1",model_name="llama"} 0.7
+"""
+
+
+def test_sglang_names() -> None:
+    load = parse_engine_metrics(SGLANG, "sglang")
+    assert (load.queue_reqs, load.running_reqs, load.kv_usage) == (7.0, 12.0, 0.42)
+
+
+def test_vllm_sums_engines_and_averages_usage() -> None:
+    load = parse_engine_metrics(VLLM, "vllm")
+    assert (load.queue_reqs, load.running_reqs) == (5.0, 17.0)
+    assert load.kv_usage == pytest.approx(0.6)
+
+
+def test_old_vllm_usage_name() -> None:
+    text = VLLM.replace("kv_cache_usage_perc", "gpu_cache_usage_perc")
+    assert parse_engine_metrics(text, "vllm").kv_usage == pytest.approx(0.6)
+
+
+def test_missing_usage_is_nan_and_missing_queue_is_an_error() -> None:
+    text = "\n".join(line for line in SGLANG.splitlines() if "token_usage" not in line)
+    assert math.isnan(parse_engine_metrics(text + "\n", "sglang").kv_usage)
+    with pytest.raises(MetricsFormatError):
+        parse_engine_metrics(VLLM, "sglang")
