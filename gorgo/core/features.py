@@ -9,6 +9,7 @@ turn N+1 of a conversation extends turn N's text: that is what makes prefix reus
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ SESSION_HEADER = "x-session-id"
 POLICY_HEADER = "x-gorgo-policy"
 PRIORITY_HEADER = "x-gorgo-priority"
 DEFAULT_MAX_DEPTH = 64
+AFFINITY_HEAD_TOKENS = 256
 
 
 class RequestError(Exception):
@@ -75,6 +77,8 @@ class RequestFeatures:
     block_hashes: np.ndarray
     policy: str | None = None
     priority: int | None = None
+    head_hash: int = 0  # 64-bit hash of the first AFFINITY_HEAD_TOKENS tokens' text
+
 
     @property
     def n_blocks(self) -> int:
@@ -267,4 +271,11 @@ def extract_features(
         block_hashes=tok.block_hashes(text),
         policy=policy,
         priority=priority,
+        head_hash=stable_hash(text[: tok.chars_for_tokens(AFFINITY_HEAD_TOKENS)]),
     )
+
+
+def stable_hash(text: str) -> int:
+    """A 64-bit hash that is the same in every process (unlike ``hash``)."""
+    digest = hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8).digest()
+    return int.from_bytes(digest, "little")

@@ -1,0 +1,44 @@
+"""explain() reports every replica's terms without changing routing state."""
+
+from __future__ import annotations
+
+import json
+
+from gorgo.core.explain import explain
+from gorgo.core.features import extract_features
+from gorgo.core.fleet import parse_fleet
+from gorgo.core.router import Router
+
+
+def _router() -> Router:
+    spec = parse_fleet({
+        "regions": {"a": {"rtt_ms": 10}, "b": {"rtt_ms": 200}},
+        "replicas": [{"name": "a0", "region": "a", "address": "127.0.0.1:1", "prefill_rate": 1000},
+                     {"name": "b0", "region": "b", "address": "127.0.0.1:2", "prefill_rate": 1000}],
+    })
+    r = Router(spec)
+    r.state.observe_rtt(0, 10.0)
+    r.state.observe_rtt(1, 200.0)
+    return r
+
+
+def test_explain_names_winner_and_leaves_state_alone() -> None:
+    r = _router()
+    body = json.dumps({"messages": [{"role": "user", "content": "x" * 4000}]}).encode()
+    f = extract_features("/v1/chat/completions", {}, body, r.state.tok)
+    exp = explain(r, f, 0.0)
+    assert exp.winner == "a0"
+    rows = {row["replica"]: row for row in exp.rows}
+    assert rows["a0"]["rtt_ms"] == 10.0 and rows["b0"]["rtt_ms"] == 200.0
+    assert rows["a0"]["prefill_ms"] == 1000.0  # 1000 tokens at 1000 tokens/s
+    assert "a0 wins" in exp.reason and "mostly rtt" in exp.reason
+    assert r.open_requests == 0 and r.state.inflight_reqs.sum() == 0
+    assert "a0" in exp.table()
+
+
+def test_explain_when_nothing_is_routable() -> None:
+    r = _router()
+    r.state.healthy[:] = False
+    f = extract_features("/v1/models", {}, b"", r.state.tok)
+    exp = explain(r, f, 0.0)
+    assert exp.winner is None and "no replica" in exp.reason
