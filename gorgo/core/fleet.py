@@ -51,6 +51,7 @@ class SimEngineSpec:
     profile: str = DEFAULT_PROFILE
     flavor: str = "sglang"
     port: int = 0  # engine port behind the link emulator; 0 = pick one
+    speed: float = 1.0  # relative GPU speed (0.5 = a GPU half as fast as the profile's)
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,7 +217,7 @@ def _replica(raw: Any, path: str, regions: set[str]) -> ReplicaSpec:
     sim = None
     if engine == "sim":
         sraw = _mapping(raw.get("sim") or {}, f"{path}.sim")
-        _check_keys(sraw, {"profile", "flavor", "port"}, f"{path}.sim")
+        _check_keys(sraw, {"profile", "flavor", "port", "speed"}, f"{path}.sim")
         flavor = _str(sraw, "flavor", f"{path}.sim", "sglang")
         if flavor not in ("sglang", "vllm"):
             raise FleetError(f"{path}.sim.flavor: must be sglang or vllm, got {flavor!r}")
@@ -224,6 +225,7 @@ def _replica(raw: Any, path: str, regions: set[str]) -> ReplicaSpec:
             profile=_str(sraw, "profile", f"{path}.sim", DEFAULT_PROFILE),
             flavor=flavor,
             port=_num(sraw, "port", f"{path}.sim", 0, cast=int),
+            speed=_num(sraw, "speed", f"{path}.sim", 1.0, strict=True),
         )
     elif "sim" in raw:
         raise FleetError(f"{path}.sim: only allowed with engine: sim")

@@ -1,0 +1,273 @@
+"""Offline discrete-event simulation: the live router's own code against modelled engines and links.
+
+The router side is the very `Router`, `FleetState` and policy code `gorgo extproc` runs. It gets
+the signals it would see live: an RTT EWMA from jittered probe samples every probe interval,
+engine metrics scraped every scrape interval (read at the engine one way-delay after the scrape
+starts and known to the router one way-delay later, so they are as stale as in reality), and
+in-flight accounting released when the response's last byte is back. The replicas are
+`sim.engine.Engine` on a virtual clock. There is no asyncio and no socket: one heap of timed events.
+
+Network model: each one-way trip takes ``rtt/2`` plus normal jitter with sd ``jitter/2`` (so an RTT
+sample has the region's mean and about its sd), never negative. A response stream keeps one return
+delay for all its bytes (TCP keeps order), so TTFT = arrival at the engine's first token + return
+delay, measured from the request's arrival at the router.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from gorgo.core.decision import NoReplicaAvailable
+from gorgo.core.features import RequestFeatures
+from gorgo.core.fleet import FleetSpec
+from gorgo.core.policies.base import Policy
+from gorgo.core.router import Router
+from sim.engine import Engine, EngineRejected, EngineRequest, StepResult
+from sim.profiles import get_profile
+
+# Event kinds, in tie-break order at equal times (completions before new arrivals).
+STEP_END, CLOSE, PROBE_DONE, SCRAPE_DONE, SCRAPE_AT, SUBMIT, ARRIVE, PROBE, REFRESH = range(9)
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    index: int
+    arrival: float
+    prompt_tokens: int
+    output_tokens: int
+    replica: int = -1
+    status: int = 0  # 200 served, 503 no replica / engine queue full, 400 too large
+    ttft: float = math.nan  # seconds, from arrival at the router
+    e2e: float = math.nan
+    itl: float = math.nan  # mean inter-token gap
+    cached_tokens: int = 0  # engine's real prefix-cache hit
+    predicted_ms: float = math.nan
+    back_delay: float = 0.0
+    first_at: float = math.nan
+
+
+@dataclass
+class SimResult:
+    policy: str
+    seed: int
+    records: list[RequestRecord]
+    regions: list[str]
+    replica_region: list[int]
+    sim_time_s: float
+    events: int
+    leaked_inflight: int
+    extra: dict = field(default_factory=dict)
+
+    def served(self) -> list[RequestRecord]:
+        return [r for r in self.records if r.status == 200]
+
+
+class Network:
+    """Jittered one-way delays per replica, from its region's link."""
+
+    def __init__(self, spec: FleetSpec, rng: np.random.Generator) -> None:
+        regions = {r.name: r for r in spec.regions}
+        self.half = np.array([regions[r.region].rtt_ms / 2000.0 for r in spec.replicas])
+        self.sd = np.array([regions[r.region].jitter_ms / 2000.0 for r in spec.replicas])
+        self.rng = rng
+
+    def one_way(self, i: int) -> float:
+        return max(0.0, self.half[i] + self.sd[i] * self.rng.standard_normal())
+
+    def rtt_ms(self) -> np.ndarray:
+        return self.half * 2000.0
+
+
+def build_engines(spec: FleetSpec, speed: float = 1.0) -> list[Engine]:
+    from gorgo.core.tokens import Tokenization
+
+    tok = Tokenization(spec.chars_per_token, spec.block_tokens)
+    engines = []
+    for r in spec.replicas:
+        sim = r.sim
+        if sim is None:
+            raise ValueError(f"replica {r.name}: the offline simulation needs engine: sim")
+        engines.append(Engine(get_profile(sim.profile), tok, speed=speed * sim.speed))
+    return engines
+
+
+class Simulation:
+    """One run: a fleet, a policy, a trace (as prebuilt features) and a seed."""
+
+    def __init__(
+        self,
+        spec: FleetSpec,
+        policy: str,
+        *,
+        seed: int = 0,
+        speed: float = 1.0,
+        fold: int = 64,
+        policy_factory: Callable[[Simulation], Policy] | None = None,
+    ) -> None:
+        self.spec = spec
+        self.seed = seed
+        self.rng = np.random.default_rng(seed)
+        self.net = Network(spec, self.rng)
+        self.engines = build_engines(spec, speed)
+        extra = {policy: policy_factory(self)} if policy_factory else None
+        self.router = Router(replace(spec, policy=policy), id_prefix=f"s{seed}",
+                             extra_policies=extra)
+        self.policy = self.router.policies[policy]
+        self.fold = fold
+        self._heap: list[tuple[float, int, int, object]] = []
+        self._seq = itertools.count()
+        self.now = 0.0
+        self._busy = [False] * len(self.engines)
+        self._decisions: dict[int, str] = {}
+
+    def _push(self, t: float, kind: int, payload: object) -> None:
+        heapq.heappush(self._heap, (t, kind, next(self._seq), payload))
+
+    def run(
+        self,
+        arrivals: Sequence[float],
+        features: Sequence[RequestFeatures],
+        output_tokens: Sequence[int],
+        progress: Callable[[int], None] | None = None,
+    ) -> SimResult:
+        n = len(arrivals)
+        self.records = [
+            RequestRecord(k, arrivals[k], features[k].prompt_tokens, output_tokens[k])
+            for k in range(n)
+        ]
+        self.features = features
+        for k in range(n):
+            self._push(arrivals[k], ARRIVE, k)
+        sig = self.spec.signals
+        state = self.router.state
+        for i in range(len(self.engines)):
+            # The router has been up a while: one RTT sample is known; timers are staggered.
+            state.observe_rtt(i, (self.net.one_way(i) + self.net.one_way(i)) * 1000.0)
+            self._push(self.rng.uniform(0, sig.probe_interval_s), PROBE, i)
+            self._push(self.rng.uniform(0, sig.scrape_interval_s), SCRAPE_AT, i)
+        if getattr(self.policy, "refresh_interval_s", 0.0):
+            self._push(0.0, REFRESH, None)
+        self._progress = progress
+        events = 0
+        heap = self._heap
+        handlers = {
+            ARRIVE: self._arrive, SUBMIT: self._submit, STEP_END: self._step_end,
+            CLOSE: self._close, PROBE: self._probe, PROBE_DONE: self._probe_done,
+            SCRAPE_AT: self._scrape_at, SCRAPE_DONE: self._scrape_done, REFRESH: self._refresh,
+        }
+        self._open = n
+        while heap and self._open > 0:
+            t, kind, _, payload = heapq.heappop(heap)
+            self.now = t
+            events += 1
+            handlers[kind](payload)
+        s = self.router.state
+        return SimResult(
+            policy=self.policy.name, seed=self.seed, records=self.records,
+            regions=s.regions, replica_region=s.region_idx.tolist(), sim_time_s=self.now,
+            events=events, leaked_inflight=int(s.inflight_reqs.sum()),
+        )
+
+    # --- request path --------------------------------------------------------------------------
+
+    def _arrive(self, k: int) -> None:
+        rec = self.records[k]
+        try:
+            d = self.router.route(self.features[k], self.now)
+        except NoReplicaAvailable:
+            rec.status = 503
+            self._done()
+            return
+        rec.replica = d.replica
+        rec.predicted_ms = d.predicted_ms
+        self._decisions[k] = d.id
+        self._push(self.now + self.net.one_way(d.replica), SUBMIT, k)
+
+    def _done(self) -> None:
+        self._open -= 1
+        if self._progress is not None and self._open % 250 == 0:
+            self._progress(len(self.records) - self._open)
+
+    def _submit(self, k: int) -> None:
+        rec = self.records[k]
+        i = rec.replica
+        f = self.features[k]
+        rec.back_delay = self.net.one_way(i)
+        try:
+            self.engines[i].submit(
+                EngineRequest(k, f.prompt_tokens, f.block_hashes, rec.output_tokens, self.now),
+                self.now)
+        except EngineRejected as exc:
+            rec.status = exc.status
+            self._push(self.now + rec.back_delay, CLOSE, k)
+            return
+        if not self._busy[i]:
+            self._start_step(i)
+
+    def _start_step(self, i: int) -> None:
+        horizon = self._heap[0][0] if self._heap else math.inf
+        res = self.engines[i].step(self.now, self.fold, horizon)
+        if res.steps == 0:
+            self._busy[i] = False
+            return
+        self._busy[i] = True
+        self._push(res.end, STEP_END, (i, res))
+
+    def _step_end(self, payload: tuple[int, StepResult]) -> None:
+        i, res = payload
+        recs = self.records
+        for ft in res.first_tokens:
+            rec = recs[ft.rid]
+            rec.first_at = res.first_end
+            rec.ttft = res.first_end + rec.back_delay - rec.arrival
+            rec.cached_tokens = ft.cached_tokens
+        for fin in res.finished:
+            rec = recs[fin.rid]
+            rec.status = 200
+            end = res.end + rec.back_delay
+            rec.e2e = end - rec.arrival
+            if fin.completion_tokens > 1:
+                rec.itl = (res.end - rec.first_at) / (fin.completion_tokens - 1)
+            self._push(end, CLOSE, fin.rid)
+        if self.engines[i].has_work():
+            self._start_step(i)
+        else:
+            self._busy[i] = False
+
+    def _close(self, k: int) -> None:
+        self.router.complete(self._decisions.pop(k))
+        self._done()
+
+    # --- signals -------------------------------------------------------------------------------
+
+    def _probe(self, i: int) -> None:
+        rtt = self.net.one_way(i) + self.net.one_way(i)
+        self._push(self.now + rtt, PROBE_DONE, (i, rtt * 1000.0))
+        self._push(self.now + self.spec.signals.probe_interval_s, PROBE, i)
+
+    def _probe_done(self, payload: tuple[int, float]) -> None:
+        i, rtt_ms = payload
+        self.router.state.observe_rtt(i, rtt_ms)
+        self.router.state.record_success(i)
+
+    def _scrape_at(self, i: int) -> None:
+        m = self.engines[i].metrics()
+        back = self.net.one_way(i)
+        self._push(self.now + back, SCRAPE_DONE, (i, m.num_waiting, m.num_running, m.kv_usage))
+        self._push(self.now + self.spec.signals.scrape_interval_s, SCRAPE_AT, i)
+
+    def _scrape_done(self, payload: tuple[int, int, int, float]) -> None:
+        i, waiting, running, usage = payload
+        self.router.state.observe_engine(i, self.now, waiting, running, usage)
+
+    def _refresh(self, _: object) -> None:
+        self.router.state.now = self.now
+        self.policy.refresh(self.router.state)
+        self._push(self.now + self.policy.refresh_interval_s, REFRESH, None)
+
