@@ -7,10 +7,10 @@ starts and known to the router one way-delay later, so they are as stale as in r
 in-flight accounting released when the response's last byte is back. The replicas are
 `sim.engine.Engine` on a virtual clock. There is no asyncio and no socket: one heap of timed events.
 
-Network model: each one-way trip takes ``rtt/2`` plus normal jitter with sd ``jitter/2`` (so an RTT
-sample has the region's mean and about its sd), never negative. A response stream keeps one return
-delay for all its bytes (TCP keeps order), so TTFT = arrival at the engine's first token + return
-delay, measured from the request's arrival at the router.
+Network model: each one-way trip takes ``rtt/2`` plus normal jitter with sd ``jitter/sqrt(2)``, so
+an RTT sample has the region's mean and sd, as `sim.link` does; never negative. A response stream
+keeps one return delay for all its bytes (TCP keeps order), so TTFT = the engine's first token plus
+the return delay, measured from the request's arrival at the router.
 """
 
 from __future__ import annotations
@@ -74,7 +74,9 @@ class Network:
     def __init__(self, spec: FleetSpec, rng: np.random.Generator) -> None:
         regions = {r.name: r for r in spec.regions}
         self.half = np.array([regions[r.region].rtt_ms / 2000.0 for r in spec.replicas])
-        self.sd = np.array([regions[r.region].jitter_ms / 2000.0 for r in spec.replicas])
+        # One-way sd is the RTT sd / sqrt(2), so two legs add up to the region RTT sd.
+        sd = [regions[r.region].jitter_ms / 1000.0 / math.sqrt(2) for r in spec.replicas]
+        self.sd = np.array(sd)
         self.rng = rng
 
     def one_way(self, i: int) -> float:

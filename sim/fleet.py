@@ -1,0 +1,171 @@
+"""`gorgo sim fleet`: every simulated replica of a fleet, behind its emulated link, in one process.
+
+Each replica with ``engine: sim`` gets an engine server on a private port and a link emulator on
+the replica's ``address`` (what Envoy and the router's probes connect to) that delays both
+directions by the region's RTT. One asyncio loop runs them all, so the whole fleet fits beside
+Envoy and the router on two cores. A small control API (chaos tests, the demo) can stop and restart
+an engine, slow it down, make it fail, and partition or re-time a region's links.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+from typing import Any
+
+from aiohttp import web
+
+from gorgo.core.fleet import FleetSpec, ReplicaSpec, load_fleet
+from gorgo.core.tokens import Tokenization
+from sim.engine import Engine
+from sim.engine_server import EngineServer
+from sim.link import Link
+from sim.profiles import get_profile
+
+log = logging.getLogger("gorgo.sim.fleet")
+
+
+class SimFleet:
+    def __init__(
+        self, spec: FleetSpec, *, speed: float = 1.0, stream_interval: int = 8, seed: int = 0,
+        model: str | None = None,
+    ) -> None:
+        self.spec = spec
+        self.speed = speed
+        self.stream_interval = stream_interval
+        self.seed = seed
+        self.model = model
+        self.tok = Tokenization(spec.chars_per_token, spec.block_tokens)
+        self.replicas = [r for r in spec.replicas if r.engine == "sim"]
+        self.servers: dict[str, EngineServer] = {}
+        self.links: dict[str, Link] = {}
+        self._regions = {r.name: r for r in spec.regions}
+
+    def _server(self, r: ReplicaSpec) -> EngineServer:
+        assert r.sim is not None
+        profile = get_profile(r.sim.profile)
+        engine = Engine(profile, self.tok, speed=self.speed * r.sim.speed)
+        return EngineServer(engine, self.tok, self.model or profile.name, flavor=r.sim.flavor,
+                            stream_interval=self.stream_interval, name=r.name)
+
+    async def start(self) -> None:
+        for k, r in enumerate(self.replicas):
+            server = self._server(r)
+            engine_port = await server.start("127.0.0.1", r.sim.port if r.sim else 0)
+            region = self._regions[r.region]
+            link = Link(r.host, r.port, "127.0.0.1", engine_port, region.rtt_ms,
+                        region.jitter_ms, seed=self.seed * 1000 + k)
+            await link.start()
+            self.servers[r.name] = server
+            self.links[r.name] = link
+
+    async def stop(self) -> None:
+        for link in self.links.values():
+            await link.stop()
+        for server in self.servers.values():
+            await server.stop()
+
+    # --- chaos controls ----------------------------------------------------------------------
+
+    async def kill(self, name: str) -> None:
+        """Stop an engine (connections reset, port closed) until `revive`."""
+        await self.servers[name].stop()
+
+    async def revive(self, name: str) -> None:
+        r = next(r for r in self.replicas if r.name == name)
+        backend = self.links[name].backend_port
+        server = self._server(r)
+        await server.start("127.0.0.1", backend)
+        self.servers[name] = server
+
+    def status(self) -> dict[str, Any]:
+        out = {}
+        for name, server in self.servers.items():
+            m = server.engine.metrics()
+            link = self.links[name]
+            out[name] = {
+                "up": server.port is not None and server._runner is not None,
+                "link_port": link.port, "engine_port": server.port, "rtt_ms": link.rtt_ms,
+                "partition": link.partition, "slowdown": server.slowdown,
+                "fail_mode": server.fail_mode, "waiting": m.num_waiting,
+                "running": m.num_running, "finished": m.requests_finished,
+            }
+        return out
+
+    def control_app(self) -> web.Application:
+        async def status(_: web.Request) -> web.Response:
+            return web.json_response(self.status())
+
+        async def act(req: web.Request) -> web.Response:
+            name, action = req.match_info["name"], req.match_info["action"]
+            if name not in self.servers:
+                return web.json_response({"error": f"unknown replica {name!r}"}, status=404)
+            body = await req.json() if req.can_read_body else {}
+            server, link = self.servers[name], self.links[name]
+            if action == "kill":
+                await self.kill(name)
+            elif action == "revive":
+                await self.revive(name)
+            elif action == "slowdown":
+                server.slowdown = float(body.get("factor", 1.0))
+            elif action == "fail":
+                server.fail_mode = body.get("mode")
+            elif action == "partition":
+                link.set_partition(body.get("mode"))
+            elif action == "rtt":
+                link.set_rtt(float(body["rtt_ms"]), float(body.get("jitter_ms", 0.0)))
+            else:
+                return web.json_response({"error": f"unknown action {action!r}"}, status=400)
+            return web.json_response(self.status()[name])
+
+        app = web.Application()
+        app.router.add_get("/status", status)
+        app.router.add_post("/replicas/{name}/{action}", act)
+        return app
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("fleet", help="fleet YAML file (replicas with engine: sim are started)")
+    p.add_argument("--speed", type=float, default=1.0, help="engine speed factor for all replicas")
+    p.add_argument("--stream-interval", type=int, default=8, help="tokens per streamed chunk")
+    p.add_argument("--seed", type=int, default=0, help="seed of the links' jitter")
+    p.add_argument("--model", default=None, help="served model name (default: profile name)")
+    p.add_argument("--control-port", type=int, default=-1,
+                   help="loopback port of the chaos control API (0 = any, -1 = off)")
+    p.add_argument("--log-level", default="WARNING")
+
+
+async def _serve(args: argparse.Namespace) -> int:
+    spec = load_fleet(args.fleet)
+    fleet = SimFleet(spec, speed=args.speed, stream_interval=args.stream_interval,
+                     seed=args.seed, model=args.model)
+    await fleet.start()
+    runner = None
+    control = -1
+    if args.control_port >= 0:
+        runner = web.AppRunner(fleet.control_app(), access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", args.control_port)
+        await site.start()
+        control = runner.addresses[-1][1]
+    print(f"READY replicas={len(fleet.servers)} control={control}", flush=True)
+    for name, link in fleet.links.items():
+        server = fleet.servers[name]
+        print(f"  {name}: {link.front_host}:{link.port} -> engine :{server.port} "
+              f"(rtt {link.rtt_ms:.0f} ms, {server.engine.profile.name})", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    if runner is not None:
+        await runner.cleanup()
+    await fleet.stop()
+    return 0
+
+
+def main(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level)
+    return asyncio.run(_serve(args))

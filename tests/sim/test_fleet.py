@@ -1,0 +1,83 @@
+"""`gorgo sim fleet`: replicas answer through their links, and the chaos controls work."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import aiohttp
+
+from gorgo.core.fleet import parse_fleet
+from gorgo.procs import free_port
+from sim.fleet import SimFleet
+
+
+def _spec(ports: list[int]):
+    return parse_fleet({
+        "regions": {"near": {"rtt_ms": 2, "jitter_ms": 0}, "far": {"rtt_ms": 80, "jitter_ms": 0}},
+        "replicas": [
+            {"name": f"r{i}", "region": "near" if i == 0 else "far",
+             "address": f"127.0.0.1:{p}", "sim": {"profile": "tiny-test"}}
+            for i, p in enumerate(ports)
+        ],
+    })
+
+
+async def _get(session: aiohttp.ClientSession, url: str) -> tuple[int, float]:
+    t0 = time.perf_counter()
+    async with session.get(url) as r:
+        await r.read()
+        return r.status, (time.perf_counter() - t0) * 1000
+
+
+def test_fleet_serves_through_links_and_obeys_controls() -> None:
+    async def go() -> None:
+        ports = [free_port(), free_port()]
+        fleet = SimFleet(_spec(ports), stream_interval=2)
+        await fleet.start()
+        app_runner = aiohttp.web.AppRunner(fleet.control_app())
+        await app_runner.setup()
+        site = aiohttp.web.TCPSite(app_runner, "127.0.0.1", 0)
+        await site.start()
+        ctl = f"http://127.0.0.1:{app_runner.addresses[-1][1]}"
+        try:
+            async with aiohttp.ClientSession() as s:
+                await _get(s, f"http://127.0.0.1:{ports[1]}/health")  # open the connection
+                status, far_ms = await _get(s, f"http://127.0.0.1:{ports[1]}/health")
+                assert status == 200 and 70 < far_ms < 200
+                status, near_ms = await _get(s, f"http://127.0.0.1:{ports[0]}/health")
+                assert status == 200 and near_ms < 40
+                body = {"model": "m", "max_tokens": 4,
+                        "messages": [{"role": "user", "content": "hello " * 20}]}
+                async with s.post(f"http://127.0.0.1:{ports[0]}/v1/chat/completions",
+                                  json=body) as r:
+                    assert r.status == 200
+                    assert r.headers["x-gorgo-served-by"] == "r0"
+                    assert (await r.json())["usage"]["completion_tokens"] == 4
+                async with s.post(f"{ctl}/replicas/r0/fail", json={"mode": "503"}) as r:
+                    assert (await r.json())["fail_mode"] == "503"
+                async with s.post(f"http://127.0.0.1:{ports[0]}/v1/chat/completions",
+                                  json=body) as r:
+                    assert r.status == 503
+                async with s.post(f"{ctl}/replicas/r0/fail", json={"mode": None}) as r:
+                    assert r.status == 200
+                async with s.post(f"{ctl}/replicas/r1/kill") as r:
+                    assert (await r.json())["up"] is False
+                async with aiohttp.ClientSession() as fresh:
+                    try:
+                        status, _ = await _get(fresh, f"http://127.0.0.1:{ports[1]}/health")
+                    except aiohttp.ClientError:
+                        status = 0
+                    assert status != 200
+                async with s.post(f"{ctl}/replicas/r1/revive") as r:
+                    assert (await r.json())["up"] is True
+                async with aiohttp.ClientSession() as fresh:
+                    status, _ = await _get(fresh, f"http://127.0.0.1:{ports[1]}/health")
+                    assert status == 200
+                async with s.post(f"{ctl}/replicas/nope/kill") as r:
+                    assert r.status == 404
+        finally:
+            await app_runner.cleanup()
+            await fleet.stop()
+
+    asyncio.run(asyncio.wait_for(go(), 30))
