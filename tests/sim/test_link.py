@@ -1,0 +1,232 @@
+"""The link emulator: measured RTT, byte order under jitter, partitions and shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import statistics
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from sim.link import LINK_PRESETS, Link
+
+HOST = "127.0.0.1"
+
+
+@asynccontextmanager
+async def http_server() -> AsyncIterator[int]:
+    async def ok(_: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    app = web.Application()
+    app.router.add_get("/", ok)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, HOST, 0)
+    await site.start()
+    try:
+        yield site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    finally:
+        await runner.cleanup()
+
+
+@asynccontextmanager
+async def echo_server() -> AsyncIterator[int]:
+    writers: list[asyncio.StreamWriter] = []
+
+    async def echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writers.append(writer)
+        try:
+            while data := await reader.read(65536):
+                writer.write(data)
+                await writer.drain()
+        except ConnectionError:
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(echo, HOST, 0)
+    try:
+        yield server.sockets[0].getsockname()[1]
+    finally:
+        server.close()
+        for w in writers:
+            w.close()
+        await server.wait_closed()
+
+
+@asynccontextmanager
+async def echo_link(rtt_ms: float, sd_ms: float, dist: str = "normal") -> AsyncIterator[Link]:
+    async with echo_server() as port:
+        link = Link(HOST, 0, HOST, port, rtt_ms=rtt_ms, jitter_sd_ms=sd_ms, dist=dist)
+        await link.start()
+        try:
+            yield link
+        finally:
+            await link.stop()
+
+
+async def _timed_get(session: aiohttp.ClientSession, url: str) -> float:
+    t0 = time.perf_counter()
+    async with session.get(url) as resp:
+        assert resp.status == 200
+        await resp.read()
+    return time.perf_counter() - t0
+
+
+async def _echo_roundtrip(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> float:
+    t0 = time.perf_counter()
+    writer.write(b"ping")
+    await writer.drain()
+    assert await reader.readexactly(4) == b"ping"
+    return time.perf_counter() - t0
+
+
+def test_presets_cover_the_paper_regions() -> None:
+    assert LINK_PRESETS["us-east"] == (37.0, 8.0)
+    assert LINK_PRESETS["eu-frankfurt"] == (279.0, 80.0)
+    assert LINK_PRESETS["ap-seoul"] == (456.0, 138.0)
+    assert LINK_PRESETS["local"][0] <= 2.0
+    link = Link.from_preset("ap-seoul", HOST, 0, HOST, 1)
+    assert (link.rtt_ms, link.jitter_sd_ms) == LINK_PRESETS["ap-seoul"]
+    with pytest.raises(ValueError):
+        Link.from_preset("mars", HOST, 0, HOST, 1)
+    with pytest.raises(ValueError):
+        Link(HOST, 0, HOST, 1, 10, 1, dist="uniform")
+
+
+@pytest.mark.parametrize("dist", ["normal", "lognormal"])
+def test_one_way_samples_match_the_configured_rtt(dist: str) -> None:
+    link = Link(HOST, 0, HOST, 1, rtt_ms=100.0, jitter_sd_ms=40.0, dist=dist, seed=3)
+    samples = [link.one_way_s() for _ in range(20000)]
+    assert min(samples) >= 0.0
+    # Two independent one-way delays add up to the configured RTT mean and sd.
+    assert statistics.fmean(samples) * 2 == pytest.approx(0.100, abs=0.003)
+    assert statistics.pstdev(samples) * 2**0.5 == pytest.approx(0.040, abs=0.004)
+
+
+def test_measured_keepalive_rtt_matches_configuration() -> None:
+    async def run() -> tuple[float, float]:
+        async with http_server() as port:
+            link = Link(HOST, 0, HOST, port, rtt_ms=60.0, jitter_sd_ms=5.0, seed=1)
+            front = await link.start()
+            try:
+                async with aiohttp.ClientSession() as session:
+                    direct_url, link_url = f"http://{HOST}:{port}/", f"http://{HOST}:{front}/"
+                    await _timed_get(session, direct_url)
+                    direct = [await _timed_get(session, direct_url) for _ in range(20)]
+                    first = await _timed_get(session, link_url)  # opens the connection
+                    probes = [await _timed_get(session, link_url) for _ in range(50)]
+            finally:
+                await link.stop()
+        rtt_ms = (statistics.fmean(probes) - statistics.fmean(direct)) * 1000
+        return rtt_ms, first * 1000
+
+    rtt_ms, first_ms = asyncio.run(run())
+    assert abs(rtt_ms - 60.0) < 5.0, rtt_ms
+    # A new connection pays a handshake RTT on top of the request's.
+    assert 95.0 < first_ms < 200.0, first_ms
+
+
+@pytest.mark.parametrize("dist", ["normal", "lognormal"])
+def test_large_transfer_keeps_byte_order_under_jitter(dist: str) -> None:
+    payload = random.Random(7).randbytes(2 * 1024 * 1024)
+
+    async def run() -> bytes:
+        async with echo_link(10.0, 20.0, dist) as link:
+            reader, writer = await asyncio.open_connection(HOST, link.port)
+
+            async def send() -> None:
+                for k in range(0, len(payload), 16384):
+                    writer.write(payload[k : k + 16384])
+                    await writer.drain()
+
+            sender = asyncio.create_task(send())
+            got = await asyncio.wait_for(reader.readexactly(len(payload)), 20)
+            await sender
+            writer.close()
+            return got
+
+    assert asyncio.run(run()) == payload
+
+
+def test_set_rtt_applies_at_run_time() -> None:
+    async def run() -> tuple[float, float]:
+        async with echo_link(0.0, 0.0) as link:
+            reader, writer = await asyncio.open_connection(HOST, link.port)
+            await _echo_roundtrip(reader, writer)
+            fast = await _echo_roundtrip(reader, writer)
+            link.set_rtt(80.0, 0.0)
+            slow = await _echo_roundtrip(reader, writer)
+            writer.close()
+            return fast, slow
+
+    fast, slow = asyncio.run(run())
+    assert fast < 0.03
+    assert 0.075 < slow < 0.2
+
+
+def test_drop_partition_resets_live_and_new_connections() -> None:
+    async def run() -> None:
+        async with echo_link(2.0, 0.0) as link:
+            reader, writer = await asyncio.open_connection(HOST, link.port)
+            await _echo_roundtrip(reader, writer)
+            link.set_partition("drop")
+            assert link.connections == 0
+            with pytest.raises((ConnectionError, asyncio.IncompleteReadError)):
+                await asyncio.wait_for(_echo_roundtrip(reader, writer), 2)
+            writer.close()
+
+            reader, writer = await asyncio.open_connection(HOST, link.port)
+            with pytest.raises((ConnectionError, asyncio.IncompleteReadError)):
+                await asyncio.wait_for(_echo_roundtrip(reader, writer), 2)
+            writer.close()
+
+            link.set_partition(None)
+            reader, writer = await asyncio.open_connection(HOST, link.port)
+            assert await asyncio.wait_for(_echo_roundtrip(reader, writer), 2) < 1
+            writer.close()
+
+    asyncio.run(run())
+
+
+def test_stall_partition_holds_bytes_until_healed() -> None:
+    async def run() -> None:
+        async with echo_link(2.0, 0.0) as link:
+            reader, writer = await asyncio.open_connection(HOST, link.port)
+            await _echo_roundtrip(reader, writer)
+            link.set_partition("stall")
+            writer.write(b"held")
+            await writer.drain()
+            pending = asyncio.create_task(reader.readexactly(4))
+            done, _ = await asyncio.wait({pending}, timeout=0.3)
+            assert not done
+            link.set_partition(None)
+            assert await asyncio.wait_for(pending, 2) == b"held"
+            assert link.connections == 1
+            writer.close()
+
+    asyncio.run(run())
+
+
+def test_stop_closes_listener_and_live_connections() -> None:
+    async def run() -> None:
+        async with echo_server() as port:
+            link = Link(HOST, 0, HOST, port, rtt_ms=2.0, jitter_sd_ms=0.0)
+            front = await link.start()
+            reader, writer = await asyncio.open_connection(HOST, front)
+            await _echo_roundtrip(reader, writer)
+            await link.stop()
+            assert link.connections == 0
+            with pytest.raises((ConnectionError, asyncio.IncompleteReadError)):
+                await asyncio.wait_for(_echo_roundtrip(reader, writer), 2)
+            writer.close()
+            with pytest.raises(OSError):
+                await asyncio.open_connection(HOST, front)
+
+    asyncio.run(run())
