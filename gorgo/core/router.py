@@ -41,6 +41,10 @@ class Router:
                 f"policy: unknown policy {spec.policy!r} (known: {', '.join(REGISTRY)})"
             )
         self.spec = spec
+        # A default policy that models an unbounded cache (gorgo-paper) gets an unbounded index;
+        # per-request overrides share whatever index the default chose.
+        default_cls = (extra_policies or {}).get(spec.policy) or REGISTRY.get(spec.policy)
+        unbounded_prefix = unbounded_prefix or bool(getattr(default_cls, "unbounded_prefix", False))
         self.state = FleetState(spec, unbounded_prefix=unbounded_prefix)
         self.policies: dict[str, Policy] = {n: make_policy(n, spec) for n in REGISTRY}
         self.policies.update(extra_policies or {})

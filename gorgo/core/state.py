@@ -8,6 +8,8 @@ clock.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from gorgo.core.features import RequestFeatures
@@ -18,6 +20,7 @@ from gorgo.core.tokens import Tokenization
 FAILURES_TO_EJECT = 3
 BACKOFF_BASE_S = 1.0
 BACKOFF_MAX_S = 30.0
+DEMAND_TAU_S = 10.0  # time constant of the demand estimate (request rate, prompt size)
 
 
 class FleetState:
@@ -59,6 +62,12 @@ class FleetState:
         # Bumped by every writer, so per-request memos (prefix match, cost terms) never go stale.
         self.version = 0
         self.terms_memo: tuple | None = None
+        # Demand this router has seen: arrivals and their prompt tokens, each decayed with
+        # time constant DEMAND_TAU_S, as of the last arrival (see demand()).
+        self._arrivals = 0.0
+        self._arrival_tokens = 0.0
+        self._arrivals_at = 0.0
+        self._first_arrival: float | None = None
         self._match_for: tuple | None = None
         self._match: np.ndarray = np.zeros(n, dtype=np.int64)
 
@@ -98,6 +107,20 @@ class FleetState:
     def routable(self) -> np.ndarray:
         return self.healthy
 
+    def demand(self) -> tuple[float, float]:
+        """(requests/s, mean prompt tokens) arriving at this router, as of ``self.now``.
+
+        An exponentially decayed count over DEMAND_TAU_S, divided by the window it has actually
+        covered so the estimate is unbiased in the first seconds (the window is at least 1 s,
+        so a burst at one instant reads as that many requests in a second).
+        """
+        if self._first_arrival is None:
+            return 0.0, 0.0
+        decay = math.exp(-max(self.now - self._arrivals_at, 0.0) / DEMAND_TAU_S)
+        elapsed = max(self.now - self._first_arrival, 1.0)
+        window = -DEMAND_TAU_S * math.expm1(-elapsed / DEMAND_TAU_S)
+        return self._arrivals * decay / window, self._arrival_tokens / self._arrivals
+
     # --- writers ------------------------------------------------------------------------------
 
     def record_sent(self, i: int, f: RequestFeatures, uncached: int) -> None:
@@ -114,6 +137,15 @@ class FleetState:
         self.mean_uncached[i] += 0.1 * (uncached - self.mean_uncached[i])
         self.inflight_reqs[i] += 1
         self.inflight_prompt_tokens[i] += prompt_tokens
+        self._note_arrival(prompt_tokens)
+
+    def _note_arrival(self, prompt_tokens: int) -> None:
+        if self._first_arrival is None:
+            self._first_arrival = self.now
+        decay = math.exp(-max(self.now - self._arrivals_at, 0.0) / DEMAND_TAU_S)
+        self._arrivals = self._arrivals * decay + 1.0
+        self._arrival_tokens = self._arrival_tokens * decay + prompt_tokens
+        self._arrivals_at = max(self.now, self._arrivals_at)
 
     def release_inflight(self, i: int, prompt_tokens: int) -> None:
         self.version += 1

@@ -41,12 +41,12 @@ def eject(s: FleetState, i: int, now: float = 0.0) -> None:
 
 
 def test_registry_and_factory() -> None:
-    assert set(REGISTRY) == {"round-robin", "least-request", "gorgo"}
+    assert {"round-robin", "least-request", "gorgo"} <= set(REGISTRY)
     assert isinstance(make_policy("gorgo", spec()), Gorgo)
     assert isinstance(make_policy("round-robin", spec()), RoundRobin)
     assert isinstance(make_policy("least-request", spec()), LeastRequest)
-    with pytest.raises(ValueError, match="unknown policy 'random'"):
-        make_policy("random", spec())
+    with pytest.raises(ValueError, match="unknown policy 'no-such'"):
+        make_policy("no-such", spec())
 
 
 # --- round-robin ----------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import numpy as np
@@ -13,32 +14,65 @@ from gorgo.core.state import FleetState
 
 
 class Policy(Protocol):
-    """A pure, synchronous scorer: features and fleet state in, a decision out. No I/O."""
+    """A pure, synchronous scorer: features and fleet state in, a decision out. No I/O.
+
+    ``refresh`` recomputes slow-moving state (for example routing weights) off the request path;
+    the live server and the simulator call it every ``refresh_interval_s`` seconds, and never
+    when that is 0. `PolicyBase` supplies a no-op hook with interval 0.
+    """
 
     name: str
+    refresh_interval_s: float
 
     def choose(self, f: RequestFeatures, s: FleetState) -> Decision: ...
+
+    def refresh(self, s: FleetState) -> None: ...
 
 
 class PolicyBase:
     """Shared plumbing: masking of unroutable replicas and the rotating tie-break."""
 
     name = "base"
+    refresh_interval_s = 0.0  # no background refresh
+    unbounded_prefix = False  # True: the Router keeps an unbounded prefix index when default
 
     def __init__(self, spec: FleetSpec) -> None:
         self.spec = spec
         self._ticks = 0
 
-    def pick_lowest(self, scores: np.ndarray, s: FleetState) -> Decision:
-        """The lowest score among routable replicas; ties rotate so none is favoured."""
+    def refresh(self, s: FleetState) -> None:
+        """Recompute slow-moving state; nothing to do for a policy that scores per request."""
+
+    def pick_lowest(
+        self,
+        scores: np.ndarray,
+        s: FleetState,
+        tiebreak: Callable[[], np.ndarray] | None = None,
+    ) -> Decision:
+        """The lowest score among routable replicas; ties rotate so none is favoured.
+
+        ``tiebreak`` (evaluated only when there is a tie) narrows the tied replicas to those with
+        its lowest value before the rotation.
+        """
         masked = np.where(s.routable(), scores.astype(float), np.inf)
         best = masked.min()
         if not np.isfinite(best):
             raise NoReplicaAvailable(retry_after(s))
         ties = np.flatnonzero(masked <= best + 1e-9 * max(1.0, abs(best)))
+        if tiebreak is not None and len(ties) > 1:
+            second = np.asarray(tiebreak())[ties]
+            ties = ties[second <= second.min()]
         self._ticks += 1
         i = int(ties[self._ticks % len(ties)])
         return Decision(replica=i, policy=self.name, scores=masked)
+
+
+def routable_or_raise(s: FleetState) -> np.ndarray:
+    """The routable mask, for policies that must look at the routable set before scoring."""
+    ok = s.routable()
+    if not ok.any():
+        raise NoReplicaAvailable(retry_after(s))
+    return ok
 
 
 def retry_after(s: FleetState) -> float:

@@ -1,0 +1,28 @@
+"""random: a uniformly random routable replica (the load-, cache- and network-blind baseline).
+
+Source: the `random` policy every peer router ships (sgl-router src/policies/random.rs, AIBrix
+`random`, Envoy RANDOM). The generator is seeded from the fleet name, so an offline simulation of
+the same fleet draws the same sequence every run.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from gorgo.core.decision import Decision
+from gorgo.core.features import RequestFeatures, stable_hash
+from gorgo.core.fleet import FleetSpec
+from gorgo.core.policies.base import PolicyBase
+from gorgo.core.state import FleetState
+
+
+class RandomChoice(PolicyBase):
+    name = "random"
+
+    def __init__(self, spec: FleetSpec) -> None:
+        super().__init__(spec)
+        self.rng = np.random.default_rng(stable_hash(spec.name))
+
+    def choose(self, f: RequestFeatures, s: FleetState) -> Decision:
+        # One draw per replica, lowest wins: uniform over whichever replicas are routable.
+        return self.pick_lowest(self.rng.random(s.n), s)
