@@ -12,6 +12,9 @@ from gorgo._xds.envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from gorgo._xds.envoy.type.v3.http_status_pb2 import HttpStatus
 
 CLUSTER_HEADER = "x-gorgo-cluster"
+# Gateway API Inference Extension endpoint-picker protocol: header and dynamic metadata.
+PICKER_HEADER = "x-gateway-destination-endpoint"
+PICKER_NAMESPACE = "envoy.lb"
 REPLICA_HEADER = "x-gorgo-replica"
 DECISION_HEADER = "x-gorgo-decision-id"
 METADATA_NAMESPACE = "gorgo"
@@ -28,32 +31,41 @@ def _set(key: str, value: str) -> HeaderValueOption:
     )
 
 
-def _route_common(cluster: str) -> pb.CommonResponse:
+def _route_common(cluster: str, endpoint: str | None) -> pb.CommonResponse:
+    headers = [_set(CLUSTER_HEADER, cluster)]
+    if endpoint is not None:
+        headers.append(_set(PICKER_HEADER, endpoint))
     return pb.CommonResponse(
-        header_mutation=pb.HeaderMutation(set_headers=[_set(CLUSTER_HEADER, cluster)]),
-        clear_route_cache=True,
+        header_mutation=pb.HeaderMutation(set_headers=headers), clear_route_cache=True
     )
 
 
-def _metadata(fields: dict[str, Any]) -> Struct:
+def _metadata(fields: dict[str, Any], endpoint: str | None) -> Struct:
     md = Struct()
     md.update({METADATA_NAMESPACE: fields})
+    if endpoint is not None:
+        md.update({PICKER_NAMESPACE: {PICKER_HEADER: endpoint}})
     return md
 
 
-def route_on_body(cluster: str, fields: dict[str, Any]) -> pb.ProcessingResponse:
-    """Answer the request body: send it to ``cluster`` and publish the decision as metadata."""
+def route_on_body(
+    cluster: str, fields: dict[str, Any], endpoint: str | None = None
+) -> pb.ProcessingResponse:
+    """Answer the request body: send it to ``cluster`` (and, in endpoint-picker mode, name the
+    endpoint too) and publish the decision as metadata."""
     return pb.ProcessingResponse(
-        request_body=pb.BodyResponse(response=_route_common(cluster)),
-        dynamic_metadata=_metadata(fields),
+        request_body=pb.BodyResponse(response=_route_common(cluster, endpoint)),
+        dynamic_metadata=_metadata(fields, endpoint),
     )
 
 
-def route_on_headers(cluster: str, fields: dict[str, Any]) -> pb.ProcessingResponse:
+def route_on_headers(
+    cluster: str, fields: dict[str, Any], endpoint: str | None = None
+) -> pb.ProcessingResponse:
     """Answer the headers of a body-less request (GET /v1/models, /health)."""
     return pb.ProcessingResponse(
-        request_headers=pb.HeadersResponse(response=_route_common(cluster)),
-        dynamic_metadata=_metadata(fields),
+        request_headers=pb.HeadersResponse(response=_route_common(cluster, endpoint)),
+        dynamic_metadata=_metadata(fields, endpoint),
     )
 
 

@@ -45,6 +45,7 @@ class ExtProcService(ExternalProcessorServicer):
         spec = router.spec
         self.max_body = spec.limits.max_body_bytes
         self.max_depth = spec.limits.max_json_depth
+        self.picker = spec.endpoint_picker
 
     async def Process(
         self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: Any
@@ -131,8 +132,9 @@ class ExtProcService(ExternalProcessorServicer):
         s = self.router.state
         replica = s.names[d.replica]
         fields = self._fields(d, f, replica)
+        endpoint = s.spec.replicas[d.replica].address if self.picker else None
         answer = (messages.route_on_headers if on_headers else messages.route_on_body)(
-            s.clusters[d.replica], fields)
+            s.clusters[d.replica], fields, endpoint)
         self.metrics.decisions.labels(d.policy, replica).inc()
         self.metrics.decision_seconds.observe(time.perf_counter() - t0)
         return answer

@@ -2,8 +2,8 @@
 
 The bootstrap is plain data built from the fleet spec (no typed envoy-data-plane classes: they
 would add a heavy dependency to produce a dict that `envoy --mode validate` checks anyway, and the
-tests run that validation on every rendered shape). Request path: listener -> header_mutation
-(strips client-set routing headers, so a client cannot pick a cluster) -> ext_proc (sets
+tests run that validation on every rendered shape). Request path: listener (client-set routing
+headers are internal-only and dropped, so a client cannot pick a cluster) -> ext_proc (sets
 x-gorgo-cluster, clears the route cache, publishes the decision as dynamic metadata) -> router. If
 the ext_proc server is down or slow, the filter fails open and the fallback route sends the request
 to the default cluster. Span path: Envoy's OpenTelemetry tracer puts TTFT and every gorgo.* field on
@@ -121,7 +121,9 @@ def render_bootstrap(
     picker: bool = False,
     service_name: str = "gorgo-envoy",
 ) -> dict[str, Any]:
-    """The bootstrap as a dict; ``picker`` adds the endpoint-picker (ORIGINAL_DST) route."""
+    """The bootstrap as a dict; ``picker`` (or the fleet's ``endpoint_picker``) adds the
+    endpoint-picker route to an ORIGINAL_DST cluster."""
+    picker = picker or spec.endpoint_picker
     lhost, lport = _hostport(listen)
     ahost, aport = _hostport(admin)
     t = spec.timeouts
@@ -141,15 +143,6 @@ def render_bootstrap(
             },
         },
     }
-    strip = {
-        "name": "envoy.filters.http.header_mutation",
-        "typed_config": {
-            "@type": _T + "envoy.extensions.filters.http.header_mutation.v3.HeaderMutation",
-            "mutations": {"request_mutations": [
-                {"remove": CLUSTER_HEADER}, {"remove": PICKER_HEADER},
-            ]},
-        },
-    }
     hcm: dict[str, Any] = {
         "@type": _T + "envoy.extensions.filters.network.http_connection_manager.v3."
         "HttpConnectionManager",
@@ -157,11 +150,15 @@ def render_bootstrap(
         "codec_type": "AUTO",
         "stream_idle_timeout": f"{t.request_s:g}s",
         "request_timeout": "0s",
+        # Routing headers are set by the router only: a client's copy is dropped before any
+        # filter or route sees it (with use_remote_address, every client is external).
+        "use_remote_address": True,
         "route_config": {
             "name": "gorgo_routes",
+            "internal_only_headers": [CLUSTER_HEADER, PICKER_HEADER],
             "virtual_hosts": [{"name": "llm", "domains": ["*"], "routes": _routes(spec, picker)}],
         },
-        "http_filters": [strip, ext_proc, {
+        "http_filters": [ext_proc, {
             "name": "envoy.filters.http.router",
             "typed_config": {
                 "@type": _T + "envoy.extensions.filters.http.router.v3.Router"},

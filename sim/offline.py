@@ -123,6 +123,9 @@ class Simulation:
         self.policy = self.router.policies[policy]
         self.fold = fold
         self._heap: list[tuple[float, int, int, object]] = []
+        # Times of future arrivals and submissions: the only events that can change an engine's
+        # batch, so they bound how far an engine may fold decode steps ahead.
+        self._inputs: list[float] = []
         self._seq = itertools.count()
         self.now = 0.0
         self._busy = [False] * len(self.engines)
@@ -130,6 +133,8 @@ class Simulation:
 
     def _push(self, t: float, kind: int, payload: object) -> None:
         heapq.heappush(self._heap, (t, kind, next(self._seq), payload))
+        if kind in (ARRIVE, SUBMIT):
+            heapq.heappush(self._inputs, t)
 
     def run(
         self,
@@ -213,7 +218,10 @@ class Simulation:
             self._start_step(i)
 
     def _start_step(self, i: int) -> None:
-        horizon = self._heap[0][0] if self._heap else math.inf
+        inputs = self._inputs
+        while inputs and inputs[0] < self.now:
+            heapq.heappop(inputs)
+        horizon = inputs[0] if inputs else math.inf
         res = self.engines[i].step(self.now, self.fold, horizon)
         if res.steps == 0:
             self._busy[i] = False

@@ -117,6 +117,8 @@ class FleetSpec:
     signals: Signals = field(default_factory=Signals)
     limits: Limits = field(default_factory=Limits)
     name: str = "fleet"
+    # Also answer with the Gateway API Inference Extension's endpoint-picker header/metadata.
+    endpoint_picker: bool = False
 
     @property
     def region_names(self) -> list[str]:
@@ -167,6 +169,13 @@ def _str(obj: Mapping[str, Any], key: str, path: str, default: str | None = None
         raise FleetError(f"{path}.{key}: required")
     if not isinstance(value, str) or not value:
         raise FleetError(f"{path}.{key}: expected a non-empty string, got {value!r}")
+    return value
+
+
+def _bool(obj: Mapping[str, Any], key: str, path: str) -> bool:
+    value = obj.get(key, False)
+    if not isinstance(value, bool):
+        raise FleetError(f"{path}.{key}: expected true or false, got {value!r}")
     return value
 
 
@@ -263,7 +272,7 @@ def parse_fleet(raw: Any, source: str = "fleet") -> FleetSpec:
         raw,
         {"name", "proxy_region", "regions", "replicas", "policy", "allow_policy_override",
          "weights", "block_tokens", "chars_per_token", "default_cluster", "timeouts", "signals",
-         "limits"},
+         "limits", "endpoint_picker"},
         source,
     )
     regions_raw = _mapping(raw.get("regions"), f"{source}.regions")
@@ -294,9 +303,8 @@ def parse_fleet(raw: Any, source: str = "fleet") -> FleetSpec:
         rtt=_num(wraw, "rtt", f"{source}.weights", 1.0),
         queue=_num(wraw, "queue", f"{source}.weights", 1.0),
     )
-    allow = raw.get("allow_policy_override", False)
-    if not isinstance(allow, bool):
-        raise FleetError(f"{source}.allow_policy_override: expected true or false")
+    allow = _bool(raw, "allow_policy_override", source)
+    picker = _bool(raw, "endpoint_picker", source)
     clusters = [r.cluster for r in replicas]
     default_cluster = _str(raw, "default_cluster", source, clusters[0])
     if default_cluster not in clusters:
@@ -308,6 +316,7 @@ def parse_fleet(raw: Any, source: str = "fleet") -> FleetSpec:
         proxy_region=proxy_region,
         policy=policy,
         allow_policy_override=allow,
+        endpoint_picker=picker,
         weights=weights,
         block_tokens=_num(raw, "block_tokens", source, 64, minimum=1, cast=int),
         chars_per_token=_num(raw, "chars_per_token", source, 4.0, strict=True),

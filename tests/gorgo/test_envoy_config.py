@@ -59,9 +59,9 @@ def test_bootstrap_shape() -> None:
     hcm = boot["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0][
         "typed_config"]
     names = [f["name"] for f in hcm["http_filters"]]
-    assert names == ["envoy.filters.http.header_mutation", "envoy.filters.http.ext_proc",
-                     "envoy.filters.http.router"]
-    ext = hcm["http_filters"][1]["typed_config"]
+    assert names == ["envoy.filters.http.ext_proc", "envoy.filters.http.router"]
+    assert CLUSTER_HEADER in hcm["route_config"]["internal_only_headers"]
+    ext = hcm["http_filters"][0]["typed_config"]
     assert ext["failure_mode_allow"] is True
     assert ext["processing_mode"]["request_body_mode"] == "BUFFERED"
     routes = hcm["route_config"]["virtual_hosts"][0]["routes"]

@@ -1,0 +1,570 @@
+"""A live OpenAI-compatible HTTP server over the engine model, speaking like SGLang or vLLM.
+
+One asyncio task drives the engine: while it has work it runs a step at the current engine time,
+sleeps until the step's end (absolute deadlines, so time does not drift) and hands the step's
+tokens to the waiting handlers. Prompts are parsed and tokenised with the router's own functions
+(gorgo.core.features, gorgo.core.tokens), so the router's token and prefix estimates are exact on
+this engine. Everything lives on the instance: many servers can run in one process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import bisect
+import contextlib
+import itertools
+import json
+import signal
+import socket
+import struct
+import time
+import uuid
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.registry import Collector
+
+from gorgo.core.features import RequestError, endpoint_for_path, parse_json_body, prompt_text
+from gorgo.core.tokens import DEFAULT_BLOCK_TOKENS, DEFAULT_CHARS_PER_TOKEN, Tokenization
+from sim.engine import Engine, EngineRejected, EngineRequest, StepResult
+from sim.profiles import PROFILES, get_profile
+
+FLAVORS = ("sglang", "vllm")
+FAIL_MODES = (None, "503", "reset")
+SERVED_BY_HEADER = "x-gorgo-served-by"
+DEFAULT_MAX_TOKENS = 128
+MAX_LAG_S = 1.0  # behind schedule by more than this (a stalled loop): restart the clock
+SHUTDOWN_GRACE_S = 1.0
+TTFT_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)
+_FILLER = (
+    "the engine writes these words so that a client can count what it receives and check that "
+    "every token it was promised arrived in order without gaps or repeats and nothing more "
+)
+
+
+def pseudo_text(tok: Tokenization, start: int, end: int) -> str:
+    """Deterministic text of completion tokens [start, end): each token is chars_per_token chars."""
+    a, b = tok.chars_for_tokens(start), tok.chars_for_tokens(end)
+    n = len(_FILLER)
+    reps = (b // n) - (a // n) + 2
+    text = _FILLER * reps
+    off = a % n
+    return text[off : off + (b - a)]
+
+
+class _Pending:
+    """What one in-flight request has received from the engine so far."""
+
+    __slots__ = ("aborted", "arrival", "cached", "event", "finished", "first_at", "prompt_tokens",
+                 "sent", "stream", "tokens")
+
+    def __init__(self, prompt_tokens: int, stream: bool, arrival: float) -> None:
+        self.arrival = arrival
+        self.prompt_tokens = prompt_tokens
+        self.stream = stream
+        self.tokens = 0
+        self.sent = 0  # tokens already written to the client
+        self.cached = 0
+        self.first_at: float | None = None
+        self.finished = False
+        self.aborted = False  # the server is shutting down
+        self.event = asyncio.Event()
+
+
+class _MetricsCollector(Collector):
+    """Exposes the engine's state under the metric names of the flavor it imitates."""
+
+    def __init__(self, server: EngineServer) -> None:
+        self.server = server
+
+    def collect(self) -> Iterator[Any]:
+        s = self.server
+        m = s.engine.metrics()
+        keys = ["model_name"]
+        vals = [s.model_name]
+        if s.flavor == "vllm":
+            keys.append("engine")
+            vals.append("0")
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(name, doc, labels=keys)
+            g.add_metric(vals, value)
+            return g
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(name, doc, labels=keys)
+            c.add_metric(vals, value)
+            return c
+
+        cum = list(itertools.accumulate(s.ttft_counts))
+        buckets = [(repr(b), n) for b, n in zip(TTFT_BUCKETS, cum, strict=False)]
+        buckets.append(("+Inf", cum[-1]))
+        ttft = HistogramMetricFamily(
+            f"{s.flavor}:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
+            labels=keys,
+        )
+        ttft.add_metric(vals, buckets, s.ttft_sum)
+        hit = m.cached_tokens_total / m.prompt_tokens_total if m.prompt_tokens_total else 0.0
+        if s.flavor == "sglang":
+            yield gauge("sglang:num_running_reqs", "The number of running requests.", m.num_running)
+            yield gauge("sglang:num_queue_reqs", "The number of requests in the waiting queue.",
+                        m.num_waiting)
+            yield gauge("sglang:token_usage", "The token usage.", m.kv_usage)
+            yield gauge("sglang:num_used_tokens", "The number of used tokens.",
+                        round(m.kv_usage * s.engine.cache.capacity_tokens))
+            yield gauge("sglang:cache_hit_rate", "The prefix cache hit rate.", hit)
+            yield counter("sglang:prompt_tokens", "Number of prefill tokens processed.",
+                          m.prompt_tokens_total)
+            yield counter("sglang:generation_tokens", "Number of generation tokens processed.",
+                          m.generated_tokens_total)
+            yield counter("sglang:cached_tokens", "Number of cached prompt tokens.",
+                          m.cached_tokens_total)
+            yield counter("sglang:num_requests", "Number of requests processed.",
+                          m.requests_finished)
+            yield counter("sglang:num_aborted_requests", "Number of requests aborted.",
+                          m.requests_cancelled)
+        else:
+            yield gauge("vllm:num_requests_running",
+                        "Number of requests in model execution batches.", m.num_running)
+            yield gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
+                        m.num_waiting)
+            yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+                        m.kv_usage)
+            yield counter("vllm:prompt_tokens", "Number of prefill tokens processed.",
+                          m.prompt_tokens_total)
+            yield counter("vllm:generation_tokens", "Number of generation tokens processed.",
+                          m.generated_tokens_total)
+            yield counter("vllm:prefix_cache_queries",
+                          "Prefix cache queries, in terms of number of queried tokens.",
+                          m.prompt_tokens_total)
+            yield counter("vllm:prefix_cache_hits",
+                          "Prefix cache hits, in terms of number of cached tokens.",
+                          m.cached_tokens_total)
+            success = CounterMetricFamily("vllm:request_success", "Count of successfully processed "
+                                          "requests.", labels=[*keys, "finished_reason"])
+            success.add_metric([*vals, "length"], m.requests_finished)
+            yield success
+        yield ttft
+        # Not exposed by real engines: exact queue contents, for simulation-side analysis.
+        yield gauge("gorgo_sim:waiting_prompt_tokens", "Prompt tokens in the waiting queue.",
+                    m.waiting_prompt_tokens)
+        yield gauge("gorgo_sim:pending_prefill_tokens",
+                    "Uncached prompt tokens admitted requests still have to prefill.",
+                    m.pending_prefill_tokens)
+
+
+class EngineServer:
+    """OpenAI-compatible front end of one simulated engine (see module docstring).
+
+    ``slowdown`` stretches every step (chaos: a slow replica); ``fail_mode`` "503" answers every
+    request with 503, "reset" resets every connection.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        tokenization: Tokenization,
+        model_name: str,
+        flavor: str = "sglang",
+        stream_interval: int = 1,
+        name: str | None = None,
+        default_max_tokens: int = DEFAULT_MAX_TOKENS,
+    ) -> None:
+        if flavor not in FLAVORS:
+            raise ValueError(f"flavor must be one of {FLAVORS}")
+        if stream_interval < 1:
+            raise ValueError("stream_interval must be >= 1")
+        self.engine = engine
+        self.tok = tokenization
+        self.model_name = model_name
+        self.flavor = flavor
+        self.stream_interval = stream_interval
+        self.default_max_tokens = default_max_tokens
+        self.name = name
+        self.slowdown = 1.0
+        self.fail_mode: str | None = None
+        self.created = int(time.time())
+        self.ttft_counts = [0] * (len(TTFT_BUCKETS) + 1)
+        self.ttft_sum = 0.0
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_MetricsCollector(self))
+        self._pending: dict[str, _Pending] = {}
+        self._wake = asyncio.Event()
+        self._runner: web.AppRunner | None = None
+        self._driver: asyncio.Task[None] | None = None
+        self._closing = False
+        self.port: int | None = None
+
+    # -- lifecycle --------------------------------------------------------------------------------
+    def make_app(self) -> web.Application:
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app.router.add_post("/v1/chat/completions", self._handle_generate)
+        app.router.add_post("/v1/completions", self._handle_generate)
+        app.router.add_get("/v1/models", self._handle_models)
+        app.router.add_get("/health", self._handle_health)
+        app.router.add_get("/metrics", self._handle_metrics)
+        app.middlewares.append(self._fail_middleware)
+        app.on_response_prepare.append(self._add_served_by)
+        return app
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
+        """Listen on ``host:port`` (0: any free port) and start the engine; returns the port."""
+        if self._runner is not None:
+            raise RuntimeError("server already started")
+        self._closing = False
+        self._runner = web.AppRunner(
+            self.make_app(), handler_cancellation=True, access_log=None,
+            shutdown_timeout=SHUTDOWN_GRACE_S,
+        )
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host, port)
+        await site.start()
+        self.port = int(self._runner.addresses[0][1])
+        if self.name is None:
+            self.name = f"{self.flavor}-{self.port}"
+        self._driver = asyncio.create_task(self._drive(), name=f"engine-{self.name}")
+        return self.port
+
+    async def stop(self) -> None:
+        """Stop listening; requests in flight end at once (503, or a stream cut before [DONE])."""
+        self._closing = True
+        for p in self._pending.values():
+            p.aborted = True
+            p.event.set()
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        if self._driver is not None:
+            self._driver.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._driver
+            self._driver = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    # -- engine driver ----------------------------------------------------------------------------
+    async def _drive(self) -> None:
+        loop = asyncio.get_running_loop()
+        engine = self.engine
+        t: float | None = None
+        while True:
+            if not engine.has_work():
+                self._wake.clear()
+                await self._wake.wait()
+                t = None
+                continue
+            now = loop.time()
+            if t is None or now - t > MAX_LAG_S:
+                t = now
+            res = engine.step(t)
+            if not res.steps:  # nothing could run: wait for the next arrival
+                self._wake.clear()
+                await self._wake.wait()
+                t = None
+                continue
+            deadline = t + res.duration * self.slowdown
+            delay = deadline - loop.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            self._deliver(res, deadline)
+            t = deadline
+
+    def _deliver(self, res: StepResult, at: float) -> None:
+        pending = self._pending
+        for ft in res.first_tokens:
+            p = pending.get(ft.rid)
+            if p is None:
+                continue
+            p.cached = ft.cached_tokens
+            p.first_at = at
+            ttft = at - p.arrival
+            self.ttft_counts[bisect.bisect_left(TTFT_BUCKETS, ttft)] += 1
+            self.ttft_sum += ttft
+        interval = self.stream_interval
+        steps = res.steps
+        for rid in res.decoded:
+            p = pending.get(rid)
+            if p is None:
+                continue
+            p.tokens += steps
+            if p.stream and (p.sent == 0 or p.tokens - p.sent >= interval):
+                p.event.set()
+        for f in res.finished:
+            p = pending.get(f.rid)
+            if p is not None:
+                p.finished = True
+                p.event.set()
+
+    # -- HTTP -------------------------------------------------------------------------------------
+    async def _add_served_by(self, request: web.Request, response: web.StreamResponse) -> None:
+        response.headers[SERVED_BY_HEADER] = self.name or ""
+
+    @web.middleware
+    async def _fail_middleware(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        if self.fail_mode == "503":
+            return _error(503, "Engine unavailable (injected failure).", "server_error")
+        if self.fail_mode == "reset":
+            _reset(request)
+            return web.Response(status=500)
+        return await handler(request)
+
+    async def _handle_health(self, request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def _handle_models(self, request: web.Request) -> web.Response:
+        card = {
+            "id": self.model_name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": self.flavor,
+            "root": self.model_name,
+            "max_model_len": self.engine.cache.capacity_tokens,
+        }
+        return web.json_response({"object": "list", "data": [card]})
+
+    async def _handle_metrics(self, request: web.Request) -> web.Response:
+        return web.Response(
+            body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
+        )
+
+    async def _handle_generate(self, request: web.Request) -> web.StreamResponse:
+        if self._closing:
+            return _error(503, "Server is shutting down.", "server_error")
+        endpoint = endpoint_for_path(request.path)
+        assert endpoint in ("chat", "completions")
+        raw = await request.read()
+        try:
+            body = parse_json_body(raw)
+            text = prompt_text(endpoint, body)
+            stream = body.get("stream", False)
+            if not isinstance(stream, bool):
+                raise RequestError(400, "'stream' must be a boolean.", param="stream")
+            max_tokens = _max_tokens(body, self.default_max_tokens)
+            include_usage = _include_usage(body)
+        except RequestError as exc:
+            return web.json_response(exc.to_body(), status=exc.status)
+
+        prompt_tokens = max(1, self.tok.count_tokens(len(text)))
+        prefix = "chatcmpl-" if endpoint == "chat" else "cmpl-"
+        rid = prefix + uuid.uuid4().hex
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        req = EngineRequest(rid, prompt_tokens, self.tok.block_hashes(text), max_tokens, now)
+        try:
+            self.engine.submit(req, now)
+        except EngineRejected as exc:
+            kind = "server_error" if exc.status >= 500 else "invalid_request_error"
+            return _error(exc.status, exc.reason, kind)
+        pending = _Pending(prompt_tokens, stream, now)
+        self._pending[rid] = pending
+        self._wake.set()
+        try:
+            if stream:
+                return await self._stream(request, endpoint, rid, pending, include_usage)
+            while not pending.finished:
+                await pending.event.wait()
+                pending.event.clear()
+                if pending.aborted:
+                    return _error(503, "Server is shutting down.", "server_error")
+            return web.json_response(self._full_body(endpoint, rid, pending))
+        finally:
+            self._pending.pop(rid, None)
+            if rid in self.engine:
+                self.engine.cancel(rid)
+
+    def _usage(self, p: _Pending) -> dict[str, Any]:
+        return {
+            "prompt_tokens": p.prompt_tokens,
+            "completion_tokens": p.tokens,
+            "total_tokens": p.prompt_tokens + p.tokens,
+            "prompt_tokens_details": {"cached_tokens": p.cached},
+        }
+
+    def _full_body(self, endpoint: str, rid: str, p: _Pending) -> dict[str, Any]:
+        text = pseudo_text(self.tok, 0, p.tokens)
+        if endpoint == "chat":
+            choice: dict[str, Any] = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+                "finish_reason": "length",
+            }
+            obj = "chat.completion"
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": "length"}
+            obj = "text_completion"
+        return {
+            "id": rid,
+            "object": obj,
+            "created": int(time.time()),
+            "model": self.model_name,
+            "choices": [choice],
+            "usage": self._usage(p),
+        }
+
+    async def _stream(
+        self, request: web.Request, endpoint: str, rid: str, p: _Pending, include_usage: bool
+    ) -> web.StreamResponse:
+        resp = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
+        await resp.prepare(request)
+        chat = endpoint == "chat"
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        created = int(time.time())
+        model = self.model_name
+        vllm = self.flavor == "vllm"
+
+        def chunk(choice: dict[str, Any] | None, usage: dict[str, Any] | None = None) -> str:
+            data: dict[str, Any] = {
+                "id": rid, "object": obj, "created": created, "model": model,
+                "choices": [choice] if choice is not None else [],
+            }
+            if usage is not None:
+                data["usage"] = usage
+            return "data: " + json.dumps(data, separators=(",", ":")) + "\n\n"
+
+        def piece(text: str | None, finish: str | None) -> dict[str, Any]:
+            if chat:
+                delta = {} if text is None else {"content": text}
+                return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+
+        role_sent = not chat
+        while True:
+            await p.event.wait()
+            p.event.clear()
+            if p.aborted:
+                break
+            n, done = p.tokens, p.finished
+            out: list[str] = []
+            if not role_sent and (n or done):
+                role = {"role": "assistant", "content": ""}
+                out.append(chunk({"index": 0, "delta": role, "logprobs": None,
+                                  "finish_reason": None}))
+                role_sent = True
+            finish_sent = False
+            if n > p.sent:
+                finish_sent = done and vllm  # vLLM puts finish_reason on the last content chunk
+                text = pseudo_text(self.tok, p.sent, n)
+                out.append(chunk(piece(text, "length" if finish_sent else None)))
+                p.sent = n
+            if done:
+                if not finish_sent:
+                    out.append(chunk(piece(None, "length")))
+                if include_usage:
+                    out.append(chunk(None, self._usage(p)))
+                out.append("data: [DONE]\n\n")
+            if out:
+                await resp.write("".join(out).encode())
+            if done:
+                break
+        await resp.write_eof()
+        return resp
+
+
+def _error(status: int, message: str, kind: str) -> web.Response:
+    body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
+    return web.json_response(body, status=status)
+
+
+def _reset(request: web.Request) -> None:
+    """Abort the connection with a TCP RST, as a crashed engine process would."""
+    transport = request.transport
+    if transport is None:
+        return
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    transport.abort()
+
+
+def _max_tokens(body: dict[str, Any], default: int) -> int:
+    for name in ("max_completion_tokens", "max_tokens"):
+        value = body.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise RequestError(400, f"'{name}' must be a positive integer.", param=name)
+        return value
+    return default
+
+
+def _include_usage(body: dict[str, Any]) -> bool:
+    opts = body.get("stream_options")
+    if opts is None:
+        return False
+    if not isinstance(opts, dict):
+        raise RequestError(400, "'stream_options' must be an object.", param="stream_options")
+    include = opts.get("include_usage", False)
+    if not isinstance(include, bool):
+        raise RequestError(400, "'stream_options.include_usage' must be a boolean.",
+                           param="stream_options")
+    return include
+
+
+# -- CLI ------------------------------------------------------------------------------------------
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of `gorgo sim engine`."""
+    parser.add_argument("--profile", default="h100-llama3-8b", choices=sorted(PROFILES),
+                        help="engine performance profile")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
+    parser.add_argument("--flavor", default="sglang", choices=FLAVORS,
+                        help="whose metric names and stream shape to imitate")
+    parser.add_argument("--speed", type=float, default=1.0,
+                        help="engine speed factor (2 = steps take half as long)")
+    parser.add_argument("--stream-interval", type=int, default=1,
+                        help="tokens per streamed content chunk")
+    parser.add_argument("--model", default=None, help="served model name (default: profile name)")
+    parser.add_argument("--name", default=None, help=f"value of the {SERVED_BY_HEADER} header")
+    parser.add_argument("--chars-per-token", type=float, default=DEFAULT_CHARS_PER_TOKEN)
+    parser.add_argument("--block-tokens", type=int, default=DEFAULT_BLOCK_TOKENS)
+    parser.add_argument("--default-max-tokens", type=int, default=DEFAULT_MAX_TOKENS)
+
+
+def build_server(args: argparse.Namespace) -> EngineServer:
+    tok = Tokenization(args.chars_per_token, args.block_tokens)
+    profile = get_profile(args.profile)
+    return EngineServer(
+        Engine(profile, tok, speed=args.speed),
+        tok,
+        args.model or profile.name,
+        flavor=args.flavor,
+        stream_interval=args.stream_interval,
+        name=args.name,
+        default_max_tokens=args.default_max_tokens,
+    )
+
+
+async def _serve(server: EngineServer, host: str, port: int, stop_signals: Iterable[int]) -> None:
+    loop = asyncio.get_running_loop()
+    done = asyncio.Event()
+    for sig in stop_signals:
+        loop.add_signal_handler(sig, done.set)
+    bound = await server.start(host, port)
+    print(f"engine {server.name} ({server.flavor}, {server.engine.profile.name}) listening on "
+          f"http://{host}:{bound}", flush=True)
+    try:
+        await done.wait()
+    finally:
+        await server.stop()
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run one engine server until SIGINT/SIGTERM."""
+    server = build_server(args)
+    asyncio.run(_serve(server, args.host, args.port, (signal.SIGINT, signal.SIGTERM)))
+    return 0

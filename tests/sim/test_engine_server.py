@@ -1,0 +1,424 @@
+import argparse
+import asyncio
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import aiohttp
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from gorgo.core.features import prompt_text
+from gorgo.core.tokens import Tokenization
+from sim.engine import Engine
+from sim.engine_server import SERVED_BY_HEADER, EngineServer, add_arguments, build_server
+from sim.profiles import EngineProfile, get_profile
+
+TOK = Tokenization()
+MODEL = "test-model"
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def serve(fn, profile: str | EngineProfile = "h100-llama3-8b", speed: float = 20.0, **kw):
+    """Run ``fn(server, session)`` against a fresh server on a free port, then stop it."""
+
+    async def main():
+        prof = get_profile(profile) if isinstance(profile, str) else profile
+        srv = EngineServer(Engine(prof, TOK, speed=speed), TOK, MODEL, **kw)
+        await srv.start()
+        try:
+            async with aiohttp.ClientSession() as session:
+                return await fn(srv, session)
+        finally:
+            await srv.stop()
+
+    return asyncio.run(main())
+
+
+def parse_sse(text: str) -> list[dict | str]:
+    """Events of an SSE body the way OpenAI clients read it: every event is one `data:` line."""
+    assert text.endswith("\n\n")
+    events: list[dict | str] = []
+    for block in text[:-2].split("\n\n"):
+        assert block.startswith("data: "), block
+        payload = block[len("data: "):]
+        events.append(payload if payload == "[DONE]" else json.loads(payload))
+    return events
+
+
+def chat_body(content: str, **extra) -> dict:
+    return {"model": MODEL, "messages": [{"role": "user", "content": content}], **extra}
+
+
+async def stream_chat(srv, session, body) -> tuple[list, aiohttp.ClientResponse]:
+    async with session.post(srv.url + "/v1/chat/completions", json=body) as resp:
+        assert resp.status == 200
+        assert resp.headers["Content-Type"].startswith("text/event-stream")
+        return parse_sse(await resp.text()), resp
+
+
+def check_chat_stream(events: list, expect_usage: bool) -> tuple[str, dict | None]:
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert len({c["id"] for c in chunks}) == 1
+    assert all(c["object"] == "chat.completion.chunk" and c["model"] == MODEL for c in chunks)
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    usage = None
+    if expect_usage:
+        assert chunks[-1]["choices"] == []
+        usage = chunks[-1]["usage"]
+        chunks = chunks[:-1]
+    choices = [c["choices"][0] for c in chunks]
+    finishes = [c["finish_reason"] for c in choices]
+    assert finishes[-1] == "length" and finishes.count("length") == 1
+    text = "".join(c["delta"].get("content", "") for c in choices)
+    return text, usage
+
+
+@pytest.mark.parametrize("flavor", ["sglang", "vllm"])
+def test_streamed_chat_completion_and_prefix_reuse(flavor):
+    content = "You are a careful assistant. " * 40
+    body = chat_body(content, stream=True, max_tokens=7, stream_options={"include_usage": True})
+
+    async def fn(srv, session):
+        events, resp = await stream_chat(srv, session, body)
+        assert resp.headers[SERVED_BY_HEADER] == srv.name
+        text, usage = check_chat_stream(events, expect_usage=True)
+        assert usage["completion_tokens"] == 7
+        assert len(text) == 7 * TOK.chars_per_token
+        prompt = prompt_text("chat", body)
+        assert usage["prompt_tokens"] == TOK.count_tokens(len(prompt))
+        assert usage["total_tokens"] == usage["prompt_tokens"] + 7
+        assert usage["prompt_tokens_details"]["cached_tokens"] == 0
+        again, _ = await stream_chat(srv, session, body)
+        _, usage2 = check_chat_stream(again, expect_usage=True)
+        cached = usage2["prompt_tokens_details"]["cached_tokens"]
+        assert 0 < cached < usage2["prompt_tokens"]
+        assert cached == len(TOK.block_hashes(prompt)) * TOK.block_tokens
+
+    serve(fn, flavor=flavor)
+
+
+def test_stream_without_usage_and_stream_interval():
+    body = chat_body("hi there", stream=True, max_tokens=10)
+
+    async def fn(srv, session):
+        events, _ = await stream_chat(srv, session, body)
+        text, usage = check_chat_stream(events, expect_usage=False)
+        assert usage is None
+        assert len(text) == 10 * TOK.chars_per_token
+        content_chunks = [e for e in events[1:-1] if e["choices"][0]["delta"].get("content")]
+        # The first token goes out at once, later ones at most one chunk per 4 tokens (a busy
+        # client that reads late gets fewer, larger chunks).
+        assert 1 <= len(content_chunks) <= 1 + math.ceil(9 / 4)
+
+    serve(fn, stream_interval=4)
+
+
+def test_non_streaming_chat_and_completions_shapes():
+    async def fn(srv, session):
+        async with session.post(srv.url + "/v1/chat/completions",
+                                json=chat_body("hello", max_completion_tokens=5)) as resp:
+            assert resp.status == 200
+            assert resp.headers[SERVED_BY_HEADER] == srv.name
+            data = await resp.json()
+        assert data["object"] == "chat.completion" and data["model"] == MODEL
+        choice = data["choices"][0]
+        assert choice["message"]["role"] == "assistant"
+        assert choice["finish_reason"] == "length"
+        assert len(choice["message"]["content"]) == 5 * TOK.chars_per_token
+        assert data["usage"]["completion_tokens"] == 5
+        assert data["usage"]["prompt_tokens"] == TOK.count_tokens(len("hello"))
+
+        body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 3}
+        async with session.post(srv.url + "/v1/completions", json=body) as resp:
+            data = await resp.json()
+        assert data["object"] == "text_completion"
+        assert len(data["choices"][0]["text"]) == 3 * TOK.chars_per_token
+        assert data["usage"]["prompt_tokens"] == 4
+
+        async with session.post(srv.url + "/v1/completions",
+                                json={**body, "stream": True}) as resp:
+            events = parse_sse(await resp.text())
+        assert events[-1] == "[DONE]"
+        chunks = events[:-1]
+        assert all(c["object"] == "text_completion" for c in chunks)
+        assert "".join(c["choices"][0]["text"] for c in chunks) == data["choices"][0]["text"]
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+        async with session.post(srv.url + "/v1/chat/completions", json=chat_body("x")) as resp:
+            data = await resp.json()
+        assert data["usage"]["completion_tokens"] == srv.default_max_tokens
+
+    serve(fn, speed=200.0)
+
+
+@pytest.mark.parametrize("flavor", ["sglang", "vllm"])
+def test_metrics_parse_with_the_flavors_names(flavor):
+    async def fn(srv, session):
+        async with session.post(srv.url + "/v1/chat/completions",
+                                json=chat_body("count me " * 30, max_tokens=4)) as resp:
+            usage = (await resp.json())["usage"]
+        async with session.get(srv.url + "/metrics") as resp:
+            assert resp.status == 200
+            text = await resp.text()
+        samples = {}
+        for fam in text_string_to_metric_families(text):
+            for s in fam.samples:
+                if s.name.endswith("_bucket"):
+                    continue
+                assert s.labels["model_name"] == MODEL
+                samples[s.name] = s.value
+        return samples, usage
+
+    samples, usage = serve(fn, flavor=flavor)
+    p = flavor + ":"
+    if flavor == "sglang":
+        gauges = ("num_running_reqs", "num_queue_reqs", "token_usage", "cache_hit_rate")
+        assert samples["sglang:cached_tokens_total"] == 0
+        assert samples["sglang:num_requests_total"] == 1
+    else:
+        gauges = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")
+        assert samples["vllm:prefix_cache_queries_total"] == usage["prompt_tokens"]
+        assert samples["vllm:prefix_cache_hits_total"] == 0
+        assert samples["vllm:request_success_total"] == 1
+    for g in gauges:
+        assert samples[p + g] == 0
+    assert samples[p + "prompt_tokens_total"] == usage["prompt_tokens"]
+    assert samples[p + "generation_tokens_total"] == 4
+    assert samples[p + "time_to_first_token_seconds_count"] == 1
+    assert samples[p + "time_to_first_token_seconds_sum"] > 0
+
+
+def test_models_and_health():
+    async def fn(srv, session):
+        async with session.get(srv.url + "/health") as resp:
+            assert (resp.status, await resp.text()) == (200, "ok")
+            assert resp.headers[SERVED_BY_HEADER] == "replica-7"
+        async with session.get(srv.url + "/v1/models") as resp:
+            data = await resp.json()
+        assert data["object"] == "list" and data["data"][0]["id"] == MODEL
+
+    serve(fn, name="replica-7")
+
+
+def error_of(data: dict) -> dict:
+    assert set(data) == {"error"}
+    assert {"message", "type", "param", "code"} <= set(data["error"])
+    return data["error"]
+
+
+def test_bad_requests_get_openai_error_bodies():
+    async def fn(srv, session):
+        url = srv.url + "/v1/chat/completions"
+        cases = [
+            (b"{not json", None),
+            (b"[1, 2]", None),
+            (json.dumps({"model": MODEL}).encode(), "messages"),
+            (json.dumps(chat_body("x", max_tokens=0)).encode(), "max_tokens"),
+            (json.dumps(chat_body("x", stream="yes")).encode(), "stream"),
+            (json.dumps(chat_body("x", stream=True, stream_options=3)).encode(),
+             "stream_options"),
+        ]
+        for raw, param in cases:
+            async with session.post(url, data=raw,
+                                    headers={"Content-Type": "application/json"}) as resp:
+                assert resp.status == 400, raw
+                assert resp.headers[SERVED_BY_HEADER] == srv.name
+                err = error_of(await resp.json())
+                assert err["type"] == "invalid_request_error"
+                assert err["param"] == param
+        too_long = "y" * (srv.engine.cache.capacity_tokens * 4)
+        async with session.post(url, json=chat_body(too_long)) as resp:
+            assert resp.status == 400
+            assert "KV cache" in error_of(await resp.json())["message"]
+        async with session.post(url, json=chat_body("fine", max_tokens=2)) as resp:
+            assert resp.status == 200  # still serving
+
+    serve(fn, profile="tiny-test")
+
+
+def test_full_queue_answers_503():
+    profile = replace(get_profile("tiny-test"), max_queue=1)
+
+    async def fn(srv, session):
+        srv.slowdown = 2000.0  # the first step takes seconds: later arrivals must queue
+        url = srv.url + "/v1/chat/completions"
+        first = asyncio.ensure_future(session.post(url, json=chat_body("a", max_tokens=2)))
+        await _until(lambda: srv.engine.metrics().num_running == 1)
+        second = asyncio.ensure_future(session.post(url, json=chat_body("b", max_tokens=2)))
+        await _until(lambda: srv.engine.metrics().num_waiting == 1)
+        async with session.post(url, json=chat_body("c", max_tokens=2)) as resp:
+            assert resp.status == 503
+            err = error_of(await resp.json())
+            assert err["type"] == "server_error" and "queue is full" in err["message"]
+        for task in (first, second):
+            task.cancel()
+        await asyncio.gather(first, second, return_exceptions=True)
+
+    serve(fn, profile=profile)
+
+
+async def _until(cond, timeout: float = 5.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not cond():
+        assert loop.time() < deadline, "condition not reached"
+        await asyncio.sleep(0.005)
+
+
+def test_client_disconnect_cancels_the_request():
+    async def fn(srv, session):
+        body = chat_body("long story please", stream=True, max_tokens=100_000)
+        resp = await session.post(srv.url + "/v1/chat/completions", json=body)
+        assert resp.status == 200
+        line = await resp.content.readline()
+        assert line.startswith(b"data: ")
+        resp.close()
+        await _until(lambda: srv.engine.metrics().requests_cancelled == 1)
+        m = srv.engine.metrics()
+        assert (m.num_running, m.num_waiting, m.kv_usage) == (0, 0, 0)
+        assert not srv.engine.has_work()
+
+        plain = asyncio.ensure_future(session.post(srv.url + "/v1/chat/completions",
+                                                   json={**body, "stream": False}))
+        await _until(lambda: srv.engine.metrics().num_running == 1)
+        plain.cancel()  # a non-streaming client giving up closes its connection too
+        await _until(lambda: srv.engine.metrics().requests_cancelled == 2)
+        assert not srv.engine.has_work()
+
+    serve(fn, speed=1.0)
+
+
+def test_injected_failures_and_recovery():
+    async def fn(srv, session):
+        url = srv.url + "/v1/chat/completions"
+        srv.fail_mode = "503"
+        async with session.post(url, json=chat_body("x", max_tokens=1)) as resp:
+            assert resp.status == 503
+            assert resp.headers[SERVED_BY_HEADER] == srv.name
+            error_of(await resp.json())
+        srv.fail_mode = "reset"
+        with pytest.raises(aiohttp.ClientError):
+            async with session.post(url, json=chat_body("x", max_tokens=1)) as resp:
+                await resp.read()
+        srv.fail_mode = None
+        async with session.post(url, json=chat_body("x", max_tokens=1)) as resp:
+            assert resp.status == 200
+
+    serve(fn)
+
+
+def test_slowdown_stretches_steps():
+    profile = get_profile("h100-llama3-8b")
+    body = chat_body("z " * 2000, max_tokens=2)  # 1000 prompt tokens: one prefill, one decode
+    engine_s = profile.step_time_s(1000, 0, 1000) + profile.step_time_s(0, 1, 1001)
+
+    def timed(slowdown: float) -> float:
+        async def fn(srv, session):
+            srv.slowdown = slowdown
+            loop = asyncio.get_running_loop()
+            start = loop.time()
+            async with session.post(srv.url + "/v1/chat/completions", json=body) as resp:
+                await resp.read()
+            return loop.time() - start
+
+        return serve(fn, profile=profile, speed=1.0)
+
+    # Lower bounds only: the server sleeps until each step's end, load can only add to that.
+    assert timed(1.0) >= 0.95 * engine_s
+    assert timed(5.0) >= 0.95 * 5 * engine_s
+
+
+def test_servers_in_one_process_are_independent():
+    async def main():
+        servers = []
+        for i, flavor in enumerate(("sglang", "vllm")):
+            srv = EngineServer(Engine(get_profile("tiny-test"), TOK, speed=20.0), TOK, MODEL,
+                               flavor=flavor, name=f"r{i}")
+            await srv.start()
+            servers.append(srv)
+        try:
+            async with (
+                aiohttp.ClientSession() as session,
+                session.post(servers[0].url + "/v1/chat/completions",
+                             json=chat_body("only r0", max_tokens=2)) as resp,
+            ):
+                assert resp.headers[SERVED_BY_HEADER] == "r0"
+            assert servers[0].engine.metrics().requests_finished == 1
+            assert servers[1].engine.metrics().requests_finished == 0
+            assert servers[0].port != servers[1].port
+        finally:
+            for srv in servers:
+                await srv.stop()
+
+    asyncio.run(main())
+
+
+def test_cli_arguments_build_a_server():
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--profile", "tiny-test", "--flavor", "vllm", "--speed", "3",
+                              "--stream-interval", "2", "--model", "m1", "--name", "n1"])
+    srv = build_server(args)
+    assert (srv.flavor, srv.model_name, srv.name, srv.stream_interval) == ("vllm", "m1", "n1", 2)
+    assert srv.engine.speed == 3.0 and srv.engine.profile.name == "tiny-test"
+    assert build_server(parser.parse_args([])).model_name == "h100-llama3-8b"
+
+
+def test_main_serves_until_sigterm():
+    code = ("import argparse, sys\n"
+            "from sim.engine_server import add_arguments, main\n"
+            "p = argparse.ArgumentParser(); add_arguments(p)\n"
+            "sys.exit(main(p.parse_args(sys.argv[1:])))\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-c", code, "--profile", "tiny-test"],
+                            stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    try:
+        line = proc.stdout.readline()
+        assert "listening on http://127.0.0.1:" in line, line
+        port = int(line.rsplit(":", 1)[1])
+
+        async def probe():
+            async with (
+                aiohttp.ClientSession() as session,
+                session.get(f"http://127.0.0.1:{port}/health") as resp,
+            ):
+                return resp.status
+
+        assert asyncio.run(probe()) == 200
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=10) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+
+
+def test_stop_ends_requests_in_flight_promptly():
+    async def main():
+        srv = EngineServer(Engine(get_profile("h100-llama3-8b"), TOK), TOK, MODEL)
+        await srv.start()
+        async with aiohttp.ClientSession() as session:
+            url = srv.url + "/v1/chat/completions"
+            plain = asyncio.ensure_future(session.post(url, json=chat_body("a", max_tokens=10**5)))
+            streamed = await session.post(url, json=chat_body("b", max_tokens=10**5, stream=True))
+            await _until(lambda: srv.engine.metrics().num_running == 2)
+            loop = asyncio.get_running_loop()
+            start = loop.time()
+            await srv.stop()
+            assert loop.time() - start < 1.0
+            resp = await plain
+            assert resp.status == 503
+            error_of(await resp.json())
+            body = await streamed.text()
+            assert "[DONE]" not in body  # a cut stream, not a completed one
+            streamed.close()
+
+    asyncio.run(main())
