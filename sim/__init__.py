@@ -1,0 +1,1 @@
+"""Simulated fleet: engine model and server, link emulator, trace replay, offline simulation."""
