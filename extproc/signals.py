@@ -1,8 +1,9 @@
 """Background signal tasks: RTT/health probes and engine metric scrapes, never on the request path.
 
-Each tick probes every due replica concurrently, so one slow region never delays the others. The
-probe runs over a keep-alive connection, so after the first sample it measures one round trip, the
-same cost a request pays on Envoy's pooled upstream connection.
+Each tick probes every due replica concurrently, so one slow region never delays the others. Probes
+run over keep-alive connections: a probe that had to open a new connection paid a handshake too,
+so it proves health but is not an RTT sample. A kept-alive probe costs one round trip, what a
+request pays on Envoy's pooled upstream connection.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from types import SimpleNamespace
 
 import aiohttp
 
@@ -32,7 +34,10 @@ class Signals:
     async def start(self) -> None:
         timeout = aiohttp.ClientTimeout(total=self.spec.timeouts.probe_ms / 1000)
         conn = aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
-        self._session = aiohttp.ClientSession(timeout=timeout, connector=conn)
+        trace = aiohttp.TraceConfig()
+        trace.on_connection_create_end.append(_mark_new_connection)
+        self._session = aiohttp.ClientSession(
+            timeout=timeout, connector=conn, trace_configs=[trace])
         sig = self.spec.signals
         self._tasks = [
             asyncio.create_task(self._every(sig.probe_interval_s, self.probe_all)),
@@ -59,20 +64,24 @@ class Signals:
         due = self.router.state.probe_due(self.clock())
         await asyncio.gather(*(self.probe(i) for i in range(self.router.state.n) if due[i]))
 
-    async def probe(self, i: int) -> None:
+    async def probe(self, i: int, warm: bool = False) -> None:
         s = self.router.state
         replica = self.spec.replicas[i]
+        ctx = SimpleNamespace(new_connection=False)
         t0 = time.perf_counter()
         try:
-            async with self._session.get(replica.health_url) as resp:
+            async with self._session.get(replica.health_url, trace_request_ctx=ctx) as resp:
                 await resp.read()
                 ok = resp.status == 200
         except (aiohttp.ClientError, TimeoutError, OSError):
             ok = False
         rtt_ms = (time.perf_counter() - t0) * 1000
         if ok:
-            s.observe_rtt(i, rtt_ms)
             s.record_success(i)
+            if not ctx.new_connection:
+                s.observe_rtt(i, rtt_ms)
+            elif not warm and s.rtt_samples[i] == 0:
+                await self.probe(i, warm=True)  # the connection is open now: sample at once
         else:
             self.metrics.probe_errors.labels(replica.name).inc()
             s.record_failure(i, self.clock())
@@ -95,3 +104,7 @@ class Signals:
         self.router.state.observe_engine(
             i, self.clock(), load.queue_reqs, load.running_reqs, load.kv_usage
         )
+
+
+async def _mark_new_connection(session, trace_ctx, params) -> None:
+    trace_ctx.trace_request_ctx.new_connection = True
