@@ -19,7 +19,7 @@ from gorgo._xds.envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from gorgo._xds.envoy.service.ext_proc.v3.external_processor_pb2_grpc import (
     ExternalProcessorServicer,
 )
-from gorgo.core.decision import Decision, NoReplicaAvailable
+from gorgo.core.decision import Decision, NoReplicaAvailable, Shed
 from gorgo.core.features import RequestError, RequestFeatures, extract_features
 from gorgo.core.router import Router
 
@@ -98,8 +98,8 @@ class ExtProcService(ExternalProcessorServicer):
         status = messages.header_dict(msg).get(":status", "")
         replica = self.router.state.names[d.replica]
         self.metrics.upstream_status.labels(replica, f"{status[:1]}xx").inc()
-        if status in ("502", "503", "504"):
-            self.router.state.record_failure(d.replica, self.clock())
+        if status in ("500", "502", "503", "504"):
+            self.router.state.record_failed_response(d.replica, self.clock())
         elif status[:1] in ("2", "4"):
             self.router.state.record_success(d.replica)
         return messages.tag_response(replica, d.id)
@@ -113,6 +113,15 @@ class ExtProcService(ExternalProcessorServicer):
             d = self.router.route(f, self.clock())
         except RequestError as err:
             return self._reject(err)
+        except Shed as exc:
+            self.metrics.shed.labels(str(f.priority if f.priority is not None else "default")).inc()
+            return messages.immediate(
+                429,
+                RequestError(429, f"The fleet is overloaded: {exc}. Retry later.",
+                             type="overloaded_error", code="overloaded").to_body(),
+                "gorgo_shed",
+                {"retry-after": f"{exc.retry_after_s:.0f}"},
+            )
         except NoReplicaAvailable as exc:
             retry = f"{exc.retry_after_s:.0f}"
             self.metrics.rejected.labels("503").inc()
@@ -151,6 +160,7 @@ class ExtProcService(ExternalProcessorServicer):
             "rtt_ms": round(d.rtt_ms, 3),
             "queue_ms": round(d.queue_ms, 3),
             "prefill_ms": round(d.prefill_ms, 3),
+            "penalty_ms": round(d.penalty_ms, 3),
             "uncached_tokens": d.uncached_tokens,
             "prompt_tokens": d.prompt_tokens,
         }

@@ -33,6 +33,7 @@ class _StateCollector(Collector):
             "gorgo_engine_kv_usage": ("Scraped engine KV cache usage (0-1)", s.eng_kv_usage),
             "gorgo_replica_healthy": ("1 if the replica is routable", s.healthy.astype(float)),
             "gorgo_prefill_rate_tokens_per_s": ("Prefill rate used by the cost", s.prefill_rate),
+            "gorgo_penalty_ms": ("Anomaly penalty in the cost (ms, decayed)", s.penalty()),
         }
         for name, (doc, values) in gauges.items():
             g = GaugeMetricFamily(name, doc, labels=["replica", "region"])
@@ -64,6 +65,10 @@ class RouterMetrics:
         )
         self.rejected = Counter(
             "gorgo_rejected_requests", "Requests answered by the router itself", ["status"],
+            registry=r,
+        )
+        self.shed = Counter(
+            "gorgo_shed_requests", "Requests shed by admission control (429)", ["priority"],
             registry=r,
         )
         self.fail_open = Counter(

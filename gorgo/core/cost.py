@@ -1,4 +1,8 @@
-"""The GORGO cost model: predicted TTFT per replica = RTT + queue wait + uncached prefill, in ms."""
+"""The GORGO cost model: predicted TTFT per replica = RTT + queue wait + uncached prefill, in ms.
+
+A replica that misbehaves also carries an anomaly penalty (ms, decaying): it is part of the cost
+the `gorgo` policy minimises, so a replica that fails fast never looks cheap.
+"""
 
 from __future__ import annotations
 
@@ -19,9 +23,10 @@ class CostTerms:
     queue_ms: np.ndarray
     prefill_ms: np.ndarray
     uncached_tokens: np.ndarray
+    penalty_ms: np.ndarray
 
     def total(self, w: Weights) -> np.ndarray:
-        return w.rtt * self.rtt_ms + w.queue * self.queue_ms + self.prefill_ms
+        return w.rtt * self.rtt_ms + w.queue * self.queue_ms + self.prefill_ms + self.penalty_ms
 
 
 def cost_terms(f: RequestFeatures, s: FleetState) -> CostTerms:
@@ -36,6 +41,7 @@ def cost_terms(f: RequestFeatures, s: FleetState) -> CostTerms:
         queue_ms=s.waiting_tokens() * ms_per_token,
         prefill_ms=uncached * ms_per_token,
         uncached_tokens=uncached,
+        penalty_ms=s.penalty(),
     )
     s.terms_memo = (key, terms)
     return terms

@@ -15,6 +15,18 @@ class NoReplicaAvailable(Exception):
         self.retry_after_s = retry_after_s
 
 
+class Shed(Exception):
+    """Admission control refused the request: answer 429 with Retry-After."""
+
+    def __init__(self, predicted_ms: float, limit_ms: float, retry_after_s: float) -> None:
+        super().__init__(
+            f"best predicted TTFT {predicted_ms:.0f} ms exceeds the limit {limit_ms:.0f} ms"
+        )
+        self.predicted_ms = predicted_ms
+        self.limit_ms = limit_ms
+        self.retry_after_s = retry_after_s
+
+
 @dataclass(slots=True)
 class Decision:
     replica: int
@@ -23,6 +35,7 @@ class Decision:
     rtt_ms: float = float("nan")
     queue_ms: float = float("nan")
     prefill_ms: float = float("nan")
+    penalty_ms: float = 0.0
     uncached_tokens: int = 0
     prompt_tokens: int = 0
     weights_version: int = 0

@@ -17,7 +17,7 @@ from gorgo.core.decision import NoReplicaAvailable
 from gorgo.core.features import RequestFeatures
 from gorgo.core.router import Router
 
-TERMS = ("rtt_ms", "queue_ms", "prefill_ms")
+TERMS = ("rtt_ms", "queue_ms", "prefill_ms", "penalty_ms")
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,7 +33,7 @@ class Explanation:
 
     def table(self) -> str:
         cols = ("replica", "region", "healthy", "rtt_ms", "queue_ms", "prefill_ms",
-                "uncached_tokens", "predicted_ttft_ms", "policy_score")
+                "penalty_ms", "uncached_tokens", "predicted_ttft_ms", "policy_score")
         lines = [" ".join(f"{c:>{max(9, len(c))}}" for c in cols)]
         for row in sorted(self.rows, key=lambda r: r["policy_score"]):
             mark = " <" if row["replica"] == self.winner else ""
@@ -65,6 +65,7 @@ def explain(router: Router, f: RequestFeatures, now: float) -> Explanation:
             "rtt_ms": float(terms.rtt_ms[i]),
             "queue_ms": float(terms.queue_ms[i]),
             "prefill_ms": float(terms.prefill_ms[i]),
+            "penalty_ms": float(terms.penalty_ms[i]),
             "uncached_tokens": int(terms.uncached_tokens[i]),
             "predicted_ttft_ms": float(total[i]),
             "policy_score": float(scores[i]),

@@ -103,6 +103,25 @@ class Limits:
 
 
 @dataclass(frozen=True, slots=True)
+class Shedding:
+    """Admission control: shed a request when even its best replica's predicted TTFT exceeds
+    ``slo_ms * (1 + priority_step * priority)``; 0 disables. Priority 0 is shed first."""
+
+    slo_ms: float = 0.0
+    default_priority: int = 1
+    priority_step: float = 0.5
+
+
+@dataclass(frozen=True, slots=True)
+class Penalties:
+    """Anomaly penalty: ``error_ms`` is added to a replica's cost per failed response and decays
+    with ``half_life_s``, as does any penalty the tuner publishes."""
+
+    error_ms: float = 1000.0
+    half_life_s: float = 10.0
+
+
+@dataclass(frozen=True, slots=True)
 class FleetSpec:
     replicas: tuple[ReplicaSpec, ...]
     regions: tuple[RegionSpec, ...]
@@ -116,6 +135,8 @@ class FleetSpec:
     timeouts: Timeouts = field(default_factory=Timeouts)
     signals: Signals = field(default_factory=Signals)
     limits: Limits = field(default_factory=Limits)
+    shedding: Shedding = field(default_factory=Shedding)
+    penalties: Penalties = field(default_factory=Penalties)
     name: str = "fleet"
     # Also answer with the Gateway API Inference Extension's endpoint-picker header/metadata.
     endpoint_picker: bool = False
@@ -272,7 +293,7 @@ def parse_fleet(raw: Any, source: str = "fleet") -> FleetSpec:
         raw,
         {"name", "proxy_region", "regions", "replicas", "policy", "allow_policy_override",
          "weights", "block_tokens", "chars_per_token", "default_cluster", "timeouts", "signals",
-         "limits", "endpoint_picker"},
+         "limits", "endpoint_picker", "shedding", "penalties"},
         source,
     )
     regions_raw = _mapping(raw.get("regions"), f"{source}.regions")
@@ -324,6 +345,8 @@ def parse_fleet(raw: Any, source: str = "fleet") -> FleetSpec:
         timeouts=_section(raw, "timeouts", Timeouts, source),
         signals=_section(raw, "signals", Signals, source),
         limits=_section(raw, "limits", Limits, source),
+        shedding=_section(raw, "shedding", Shedding, source),
+        penalties=_section(raw, "penalties", Penalties, source),
     )
 
 

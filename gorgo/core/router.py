@@ -10,8 +10,10 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from gorgo.core.cost import cost_terms
-from gorgo.core.decision import Decision
+import numpy as np
+
+from gorgo.core.cost import CostTerms, cost_terms
+from gorgo.core.decision import Decision, Shed
 from gorgo.core.features import RequestFeatures
 from gorgo.core.fleet import FleetError, FleetSpec
 from gorgo.core.policies import REGISTRY, make_policy
@@ -52,6 +54,7 @@ class Router:
         self._ids = itertools.count(1)
         self._id_prefix = id_prefix
         self._open: dict[str, _Open] = {}
+        self.shed_count = 0
 
     def policy_for(self, f: RequestFeatures) -> Policy:
         """The requested policy when the fleet allows overrides and knows it, else the default."""
@@ -60,17 +63,22 @@ class Router:
         return self.policies[self.default_policy]
 
     def route(self, f: RequestFeatures, now: float) -> Decision:
-        """Choose a replica and count the request in flight. Raises NoReplicaAvailable."""
+        """Choose a replica and count the request in flight.
+
+        Raises NoReplicaAvailable (nothing routable) or Shed (admission control).
+        """
         s = self.state
         s.now = now
-        d = self.policy_for(f).choose(f, s)
         terms = cost_terms(f, s)
+        self._admit(f, terms)
+        d = self.policy_for(f).choose(f, s)
         i = d.replica
         w = s.weights
         d.rtt_ms = float(terms.rtt_ms[i])
         d.queue_ms = float(terms.queue_ms[i])
         d.prefill_ms = float(terms.prefill_ms[i])
-        d.predicted_ms = w.rtt * d.rtt_ms + w.queue * d.queue_ms + d.prefill_ms
+        d.penalty_ms = float(terms.penalty_ms[i])
+        d.predicted_ms = w.rtt * d.rtt_ms + w.queue * d.queue_ms + d.prefill_ms + d.penalty_ms
         d.uncached_tokens = int(terms.uncached_tokens[i])
         d.prompt_tokens = f.prompt_tokens
         d.weights_version = w.version
@@ -78,6 +86,26 @@ class Router:
         s.record_sent(i, f, d.uncached_tokens)
         self._open[d.id] = _Open(i, f.prompt_tokens)
         return d
+
+    def _admit(self, f: RequestFeatures, terms: CostTerms) -> None:
+        """Shed when even the best routable replica is predicted past this request's limit.
+
+        The limit is the SLO stretched by priority, so higher priorities are shed later and no
+        request whose best replica meets the SLO is ever shed.
+        """
+        shed = self.spec.shedding
+        if shed.slo_ms <= 0:
+            return
+        s = self.state
+        total = np.where(s.routable(), terms.total(s.weights), np.inf)
+        best = float(total.min())
+        if not np.isfinite(best):
+            return  # nothing routable: the policy raises NoReplicaAvailable
+        priority = shed.default_priority if f.priority is None else max(f.priority, 0)
+        limit = shed.slo_ms * (1.0 + shed.priority_step * priority)
+        if best > limit:
+            self.shed_count += 1
+            raise Shed(best, limit, max(1.0, (best - shed.slo_ms) / 1000.0))
 
     def complete(self, decision_id: str) -> bool:
         """Release a request's in-flight accounting; False if it was already released."""

@@ -53,6 +53,10 @@ class FleetState:
         self.eng_running_reqs = np.full(n, np.nan)
         self.eng_kv_usage = np.full(n, np.nan)
         self.eng_scraped_at = np.full(n, -np.inf)
+        # Anomaly penalty in ms (failed responses here, slow-vs-predicted from the tuner), as of
+        # ``penalty_at``; it halves every ``penalties.half_life_s``.
+        self.penalty_ms = np.zeros(n)
+        self.penalty_at = np.zeros(n)
         # Health: routable or not, consecutive failures, and when to try again.
         self.healthy = np.ones(n, dtype=bool)
         self.failures = np.zeros(n, dtype=np.int64)
@@ -103,6 +107,12 @@ class FleetState:
         fresh = (self.now - self.eng_scraped_at) <= self.spec.signals.metrics_stale_s
         scraped = np.nan_to_num(self.eng_queue_reqs) * self.mean_uncached + self.sent_since_scrape
         return np.where(fresh, np.maximum(local, scraped), local)
+
+    def penalty(self) -> np.ndarray:
+        """Each replica's anomaly penalty in ms at ``self.now``, decayed."""
+        half_life = self.spec.penalties.half_life_s
+        age = np.maximum(self.now - self.penalty_at, 0.0)
+        return self.penalty_ms * np.exp2(-age / half_life)
 
     def routable(self) -> np.ndarray:
         return self.healthy
@@ -182,6 +192,19 @@ class FleetState:
         self.failures[i] = 0
         self.healthy[i] = True
         self.retry_at[i] = 0.0
+
+    def add_penalty(self, i: int, ms: float, now: float) -> None:
+        """Add to replica i's decaying penalty (a failed response, or a tuner's anomaly)."""
+        self.version += 1
+        half_life = self.spec.penalties.half_life_s
+        decayed = self.penalty_ms[i] * 2.0 ** (-max(now - self.penalty_at[i], 0.0) / half_life)
+        self.penalty_ms[i] = decayed + ms
+        self.penalty_at[i] = now
+
+    def record_failed_response(self, i: int, now: float) -> None:
+        """A 5xx or failed connection from replica i: penalise it and count towards ejection."""
+        self.add_penalty(i, self.spec.penalties.error_ms, now)
+        self.record_failure(i, now)
 
     def record_failure(self, i: int, now: float) -> None:
         """A failed probe or a 5xx/connect failure; repeated failures eject with backoff."""

@@ -94,5 +94,6 @@ def test_total_is_weighted_sum() -> None:
         queue_ms=np.array([10.0, 20.0]),
         prefill_ms=np.array([100.0, 200.0]),
         uncached_tokens=np.array([1, 2]),
+        penalty_ms=np.array([0.0, 1000.0]),
     )
-    np.testing.assert_allclose(t.total(Weights(rtt=3.0, queue=0.1)), [104.0, 208.0])
+    np.testing.assert_allclose(t.total(Weights(rtt=3.0, queue=0.1)), [104.0, 1208.0])

@@ -1,0 +1,98 @@
+"""Admission control (load shedding) and the anomaly penalty."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gorgo.core.decision import Shed
+from gorgo.core.features import extract_features
+from gorgo.core.fleet import parse_fleet
+from gorgo.core.router import Router
+
+
+def _router(**extra) -> Router:
+    spec = parse_fleet({
+        "regions": {"a": {"rtt_ms": 10}, "b": {"rtt_ms": 100}},
+        "replicas": [
+            {"name": "a0", "region": "a", "address": "127.0.0.1:1", "prefill_rate": 1000},
+            {"name": "b0", "region": "b", "address": "127.0.0.1:2", "prefill_rate": 1000},
+        ],
+        **extra,
+    })
+    r = Router(spec)
+    r.state.observe_rtt(0, 10.0)
+    r.state.observe_rtt(1, 100.0)
+    return r
+
+
+def _features(r: Router, tokens: int, priority: int | None = None, text: str = "x"):
+    body = json.dumps({"messages": [{"role": "user", "content": text * (4 * tokens)}]}).encode()
+    headers = {} if priority is None else {"x-gorgo-priority": str(priority)}
+    return extract_features("/v1/chat/completions", headers, body, r.state.tok)
+
+
+def test_no_shedding_when_disabled() -> None:
+    r = _router()
+    for k in range(20):
+        r.route(_features(r, 2000, text=chr(97 + k)), 0.0)
+
+
+def test_sheds_only_past_the_slo_and_lowest_priority_first() -> None:
+    r = _router(shedding={"slo_ms": 1500, "default_priority": 1, "priority_step": 0.5})
+    # 1000 tokens at 1000 tokens/s on an idle fleet: 10 + 1000 ms, within the SLO.
+    d = r.route(_features(r, 1000, text="a"), 0.0)
+    assert d.predicted_ms == pytest.approx(1010.0)
+    # Now both replicas have a backlog; the best is a0 or b0 at about 1000+ ms queue + 1000 ms.
+    r.route(_features(r, 1000, text="b"), 0.0)
+    f_low = _features(r, 1000, priority=0, text="c")
+    with pytest.raises(Shed) as exc:
+        r.route(f_low, 0.0)
+    assert exc.value.limit_ms == 1500 and exc.value.retry_after_s >= 1
+    # Priority 2: limit 1500 * (1 + 0.5 * 2) = 3000 ms: admitted.
+    d = r.route(_features(r, 1000, priority=2, text="d"), 0.0)
+    assert d.predicted_ms <= 3000
+    assert r.shed_count == 1
+    # Shed requests leave no accounting behind.
+    assert r.open_requests == 3
+
+
+def test_a_request_that_meets_the_slo_is_never_shed() -> None:
+    r = _router(shedding={"slo_ms": 1500, "default_priority": 0})
+    # Backlog: 1200 tokens on each replica (priority 10 is never shed here).
+    r.route(_features(r, 1200, priority=10, text="a"), 0.0)
+    r.route(_features(r, 1200, priority=10, text="b"), 0.0)
+    # 1200 ms queue + 10 ms RTT + 10 tokens: within 1500 ms, admitted at the lowest priority.
+    d = r.route(_features(r, 10, priority=0, text="z"), 0.0)
+    assert d.predicted_ms <= 1500
+    # 1200 ms queue + 400 ms prefill on the best replica: shed at the lowest priority.
+    with pytest.raises(Shed) as exc:
+        r.route(_features(r, 400, priority=0, text="y"), 0.0)
+    assert exc.value.predicted_ms > 1500
+
+
+def test_failed_responses_penalise_and_the_penalty_decays() -> None:
+    r = _router(penalties={"error_ms": 1000, "half_life_s": 10})
+    s = r.state
+    s.record_failed_response(0, now=0.0)
+    s.now = 0.0
+    assert s.penalty()[0] == pytest.approx(1000.0)
+    s.now = 10.0
+    assert s.penalty()[0] == pytest.approx(500.0)
+    # While penalised, a0 (10 ms RTT) loses to b0 (100 ms RTT) for a short prompt.
+    d = r.route(_features(r, 10, text="p"), 10.0)
+    assert d.replica == 1 and d.penalty_ms == 0.0
+    s.now = 100.0
+    assert s.penalty()[0] < 1.0
+    d = r.route(_features(r, 10, text="q"), 100.0)
+    assert d.replica == 0
+
+
+def test_three_failed_responses_eject() -> None:
+    r = _router()
+    for _ in range(3):
+        r.state.record_failed_response(0, now=0.0)
+    assert not r.state.healthy[0]
+    d = r.route(_features(r, 10, text="e"), 0.1)
+    assert d.replica == 1
