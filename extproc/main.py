@@ -11,6 +11,7 @@ import signal
 import grpc
 from aiohttp import web
 
+from extproc.admin import AdminTokenError, load_admin_token
 from extproc.http_api import make_app
 from extproc.service import ExtProcService
 from extproc.signals import Signals
@@ -30,15 +31,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=50051, help="gRPC port for Envoy (0 = any)")
     p.add_argument("--metrics-host", default="127.0.0.1", help="HTTP bind address")
     p.add_argument("--metrics-port", type=int, default=9100,
-                   help="HTTP port for /metrics (0 = any, -1 = off)")
+                   help="HTTP port for /metrics and /admin (0 = any, -1 = off)")
+    p.add_argument("--admin-token-file", default=None,
+                   help="file holding the bearer token of /admin/weights (else $GORGO_ADMIN_TOKEN;"
+                        " neither: the admin API answers 403)")
     p.add_argument("--log-level", default="INFO")
 
 
 class ExtProcServer:
     """Everything one router process runs; usable in-process by tests and the demo."""
 
-    def __init__(self, router: Router) -> None:
+    def __init__(self, router: Router, admin_token: str | None = None) -> None:
         self.router = router
+        self.admin_token = admin_token
         self.metrics = RouterMetrics(router.state, lambda: router.open_requests)
         self.service = ExtProcService(router, self.metrics)
         self.signals = Signals(router, self.metrics)
@@ -58,7 +63,8 @@ class ExtProcServer:
         self.grpc_port = self._grpc.add_insecure_port(f"{host}:{port}")
         await self._grpc.start()
         if metrics_port >= 0:
-            self._http = web.AppRunner(make_app(self.metrics), access_log=None)
+            self._http = web.AppRunner(make_app(self.metrics, self.router, self.admin_token),
+                                        access_log=None)
             await self._http.setup()
             site = web.TCPSite(self._http, metrics_host, metrics_port)
             await site.start()
@@ -75,12 +81,20 @@ class ExtProcServer:
 
 async def serve(args: argparse.Namespace) -> int:
     spec = load_fleet(args.fleet)
+    try:
+        token = load_admin_token(args.admin_token_file)
+    except AdminTokenError as exc:
+        log.error("%s", exc)
+        return 2
     router = Router(spec, id_prefix=os.urandom(3).hex())
-    server = ExtProcServer(router)
+    server = ExtProcServer(router, admin_token=token)
     await server.start(args.host, args.port, args.metrics_host, args.metrics_port)
-    log.info("gorgo extproc: gRPC on %s:%d, metrics on %s:%d, %d replicas, policy %s",
-             args.host, server.grpc_port, args.metrics_host, server.metrics_port,
-             len(spec.replicas), spec.policy)
+    log.info("gorgo extproc: gRPC on %s:%d, metrics on %s:%d, %d replicas, policy %s, "
+             "admin API %s", args.host, server.grpc_port, args.metrics_host, server.metrics_port,
+             len(spec.replicas), spec.policy, "enabled" if token else "disabled")
+    if token and args.metrics_host not in ("127.0.0.1", "::1", "localhost"):
+        log.warning("admin API reachable on %s: keep its token secret and the port firewalled",
+                    args.metrics_host)
     print(f"READY grpc={server.grpc_port} metrics={server.metrics_port}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -1,0 +1,62 @@
+"""Builders shared by the tuner tests: OTLP spans shaped like Envoy's."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
+from opentelemetry.proto.trace.v1.trace_pb2 import Span
+
+from tuner.samples import TTFT_ATTR
+
+T0_NS = 1_700_000_000 * 10**9
+
+
+def envoy_attrs(**over: Any) -> dict[str, Any]:
+    """Attributes as Envoy's custom tags carry them: every value a string."""
+    attrs: dict[str, Any] = {
+        TTFT_ATTR: "123456", "http.status_code": "200", "gorgo.decision_id": "ab-1",
+        "gorgo.replica": "r0", "gorgo.region": "near", "gorgo.policy": "gorgo",
+        "gorgo.weights_version": "3", "gorgo.predicted_ttft_ms": "101.5",
+        "gorgo.rtt_ms": "40.25", "gorgo.queue_ms": "10", "gorgo.prefill_ms": "51.25",
+        "gorgo.uncached_tokens": "512", "gorgo.prompt_tokens": "1024",
+        "upstream_cluster": "r0", "component": "proxy",
+    }
+    for k, v in over.items():
+        key = k.replace("__", ".")
+        if v is None:
+            attrs.pop(key, None)
+        else:
+            attrs[key] = v
+    return attrs
+
+
+def make_span(attrs: dict[str, Any], duration_ms: float = 800.0, start_ns: int = T0_NS) -> Span:
+    span = Span(name="ingress", start_time_unix_nano=start_ns,
+                end_time_unix_nano=start_ns + int(duration_ms * 1e6))
+    for k, v in attrs.items():
+        if isinstance(v, bool):
+            value = AnyValue(bool_value=v)
+        elif isinstance(v, int):
+            value = AnyValue(int_value=v)
+        elif isinstance(v, float):
+            value = AnyValue(double_value=v)
+        else:
+            value = AnyValue(string_value=str(v))
+        span.attributes.append(KeyValue(key=k, value=value))
+    return span
+
+
+def make_export(spans: list[Span]) -> ExportTraceServiceRequest:
+    req = ExportTraceServiceRequest()
+    req.resource_spans.add().scope_spans.add().spans.extend(spans)
+    return req
+
+
+@pytest.fixture
+def span_builders() -> tuple[Callable, Callable, Callable]:
+    return envoy_attrs, make_span, make_export
+

@@ -1,0 +1,460 @@
+"""The (1+1)-ES: acceptance that is sign-correct and noise-aware, bounds, versions, step size,
+convergence, drift restarts, rollback and resume."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from gorgo.core.fleet import Weights
+from tuner.calibration import CalibrationConfig
+from tuner.optimizer import (
+    CANDIDATE,
+    CONVERGED,
+    EVALUATING,
+    INCUMBENT,
+    MONITOR,
+    OptimizerConfig,
+    Proposal,
+    Tuner,
+    Window,
+    compare,
+    config_from_mapping,
+    window_plan,
+)
+from tuner.samples import Sample
+
+BASE_MS = 300.0
+
+
+def windows(arm: str, values: list[np.ndarray], e2e_extra: float = 500.0) -> list[Window]:
+    out = []
+    for k, v in enumerate(values):
+        w = Window(arm, k, 0.0)
+        w.ttft = [float(x) for x in v]
+        w.e2e = [float(x) + e2e_extra for x in v]
+        out.append(w)
+    return out
+
+
+def noisy(rng: np.random.Generator, scale: float, n: int = 40, k: int = 2) -> list[np.ndarray]:
+    return [scale * BASE_MS * rng.lognormal(0.0, 0.5, n) for _ in range(k)]
+
+
+def trial(rng: np.random.Generator, cfg: OptimizerConfig, cand_scale: float) -> bool:
+    inc = windows(INCUMBENT, noisy(rng, 1.0))
+    cand = windows(CANDIDATE, noisy(rng, cand_scale))
+    return compare(inc, cand, cfg, rng).accepted
+
+
+# --- acceptance -----------------------------------------------------------------------------
+
+
+def test_slightly_worse_candidate_rejected_where_negated_scores_accepted_it() -> None:
+    """The reference tuner scored -p95 and accepted score_c >= score_i * 1.005: with negative
+    scores that tolerance lets a *worse* candidate through. Noise-free windows make it exact."""
+    inc = windows(INCUMBENT, [np.full(40, 100.0)] * 2)
+    cand = windows(CANDIDATE, [np.full(40, 100.4)] * 2)
+    score_i, score_c = -100.0, -100.4
+    assert score_c >= score_i * 1.005  # the flawed rule accepts the worse candidate
+    v = compare(inc, cand, OptimizerConfig(), np.random.default_rng(0))
+    assert not v.accepted and v.reason == "not_better"
+    assert v.p95_candidate > v.p95_incumbent
+    # Equal is not better either, even with no margin at all.
+    same = windows(CANDIDATE, [np.full(40, 100.0)] * 2)
+    assert not compare(inc, same, OptimizerConfig(margin=0.0), np.random.default_rng(0)).accepted
+    # Better, but by less than the margin: not accepted.
+    close = windows(CANDIDATE, [np.full(40, 99.0)] * 2)
+    assert not compare(inc, close, OptimizerConfig(margin=0.02), np.random.default_rng(0)).accepted
+    far = windows(CANDIDATE, [np.full(40, 97.0)] * 2)
+    assert compare(inc, far, OptimizerConfig(margin=0.02), np.random.default_rng(0)).accepted
+
+
+@pytest.mark.parametrize("worse", [1.3, 1.5, 2.0])
+def test_candidate_worse_beyond_the_noise_is_never_accepted(worse: float) -> None:
+    rng = np.random.default_rng(11)
+    cfg = OptimizerConfig(bootstrap=500)
+    assert sum(trial(rng, cfg, worse) for _ in range(200)) == 0
+
+
+@pytest.mark.parametrize("worse", [1.02, 1.10])
+def test_slightly_worse_noisy_candidate_is_within_the_false_positive_rate(
+    worse: float,
+) -> None:
+    """Inside the noise (a p95 of 80 log-normal samples varies by ~10 %) no finite test can
+    promise "never"; what it can promise is the configured false-positive rate."""
+    rng = np.random.default_rng(11)
+    cfg = OptimizerConfig(bootstrap=500)
+    assert sum(trial(rng, cfg, worse) for _ in range(400)) / 400 <= cfg.fpr
+
+
+@pytest.mark.parametrize("fpr", [0.05, 0.10])
+def test_equal_candidate_accepted_at_most_at_the_false_positive_rate(fpr: float) -> None:
+    rng = np.random.default_rng(2024)
+    cfg = OptimizerConfig(fpr=fpr, margin=0.0, bootstrap=500)
+    rate = sum(trial(rng, cfg, 1.0) for _ in range(200)) / 200
+    assert rate <= fpr + 0.03
+
+
+def test_clearly_better_candidate_is_usually_accepted() -> None:
+    rng = np.random.default_rng(5)
+    cfg = OptimizerConfig(bootstrap=500)
+    assert sum(trial(rng, cfg, 0.6) for _ in range(50)) >= 40
+
+
+def test_e2e_guard_rejects_better_ttft_with_worse_e2e() -> None:
+    rng = np.random.default_rng(1)
+    inc = windows(INCUMBENT, noisy(rng, 1.0), e2e_extra=1000.0)
+    cand = windows(CANDIDATE, noisy(rng, 0.5), e2e_extra=2000.0)
+    v = compare(inc, cand, OptimizerConfig(), rng)
+    assert not v.accepted and v.reason == "e2e_worse"
+    assert v.e2e_candidate > v.e2e_incumbent * 1.05
+
+
+def test_error_guard_rejects_a_candidate_that_fails_more() -> None:
+    rng = np.random.default_rng(1)
+    inc = windows(INCUMBENT, noisy(rng, 1.0))
+    cand = windows(CANDIDATE, noisy(rng, 0.5))
+    for w in cand:
+        w.errors = 5  # ~11 % errors, the incumbent has none
+    v = compare(inc, cand, OptimizerConfig(), rng)
+    assert not v.accepted and v.reason == "more_errors"
+
+
+# --- the tuner loop -------------------------------------------------------------------------
+
+
+def mk(ttft: float, version: int, status: int = 200, e2e: float | None = None) -> Sample:
+    return Sample(ttft, ttft + 400.0 if e2e is None else e2e, status, "r0", "near", "gorgo",
+                  version, ttft, 1.0, 0.0, 0.0, 0, 100)
+
+
+Env = Callable[[Weights, np.random.Generator], float]
+
+
+def drive(t: Tuner, env: Env, n: int, rng: np.random.Generator,
+          now: float = 0.0) -> tuple[list[Proposal], float]:
+    """Feed ``n`` requests, each routed under the live weights; returns every proposal."""
+    props: list[Proposal] = []
+    if t.active is None:
+        props.append(t.next_weights(now))
+    live = t.active.weights
+    for _ in range(n):
+        now += 0.01
+        t.observe(mk(env(live, rng), live.version))
+        p = t.next_weights(now)
+        if p is not None:
+            props.append(p)
+            live = p.weights
+    return props, now
+
+
+def flat(w: Weights, rng: np.random.Generator) -> float:
+    return BASE_MS * rng.lognormal(0.0, 0.5)
+
+
+def bowl(w: Weights, rng: np.random.Generator) -> float:
+    """p95 rises with log-distance from the optimum (rtt 2.0, queue 0.5)."""
+    d = (math.log(w.rtt / 2.0)) ** 2 + (math.log(w.queue / 0.5)) ** 2
+    return BASE_MS * (1.0 + 0.3 * d) * rng.lognormal(0.0, 0.4)
+
+
+def test_windows_alternate_abba_and_every_window_has_its_own_version() -> None:
+    assert window_plan(1) == [INCUMBENT, CANDIDATE]
+    assert window_plan(2) == [INCUMBENT, CANDIDATE, CANDIDATE, INCUMBENT]
+    t = Tuner(OptimizerConfig(window_samples=10, pairs=2), (1.0, 1.0), seed=3)
+    props, _ = drive(t, flat, 10 * 8 + 5, np.random.default_rng(0))
+    assert [p.arm for p in props[:8]] == [INCUMBENT, CANDIDATE, CANDIDATE, INCUMBENT] * 2
+    versions = [p.weights.version for p in props]
+    assert versions == sorted(set(versions)) and versions[0] == 1
+    inc = [p for p in props[:4] if p.arm == INCUMBENT]
+    cand = [p for p in props[:4] if p.arm == CANDIDATE]
+    assert {(p.weights.rtt, p.weights.queue) for p in inc} == {(1.0, 1.0)}
+    assert len({(p.weights.rtt, p.weights.queue) for p in cand}) == 1
+    assert (cand[0].weights.rtt, cand[0].weights.queue) != (1.0, 1.0)
+
+
+def test_samples_count_only_for_the_version_that_routed_them() -> None:
+    cfg = OptimizerConfig(window_samples=10, pairs=1, margin=0.0, max_failures=50)
+    t = Tuner(cfg, (1.0, 1.0), seed=0)
+    p_inc = t.next_weights(0.0)
+    assert p_inc.arm == INCUMBENT
+    for _ in range(10):
+        t.observe(mk(100.0, p_inc.weights.version))
+    p_cand = t.next_weights(1.0)
+    assert p_cand.arm == CANDIDATE
+    # Late samples of the incumbent window still count for the incumbent, not the candidate.
+    for _ in range(5):
+        t.observe(mk(100.0, p_inc.weights.version))
+    assert t.window_for(p_inc.weights.version).n == 15
+    assert t.window_for(p_cand.weights.version).n == 0
+    # Samples of versions outside the evaluation (earlier runs, other writers) count for nobody:
+    # huge TTFTs under version 0 or 999 must not make the candidate look better or worse.
+    for v in (0, 999):
+        for _ in range(30):
+            t.observe(mk(1e6, v))
+    assert t.ignored == 60
+    assert t.next_weights(2.0) is None  # the candidate window still has no sample of its own
+    for _ in range(10):
+        t.observe(mk(50.0, p_cand.weights.version))
+    t.next_weights(3.0)
+    last = t.history[-1]
+    assert last["event"] == "evaluation" and last["accepted"]
+    assert last["n_incumbent"] == 15 and last["n_candidate"] == 10
+    assert last["p95_incumbent"] == 100.0 and last["p95_candidate"] == 50.0
+    assert t.incumbent == (p_cand.weights.rtt, p_cand.weights.queue)
+
+
+def test_requests_of_other_policies_do_not_score_the_weights() -> None:
+    t = Tuner(OptimizerConfig(window_samples=5), (1.0, 1.0))
+    p = t.next_weights(0.0)
+    for _ in range(20):  # e.g. x-gorgo-policy: round-robin, under the same weights version
+        t.observe(replace(mk(100.0, p.weights.version), policy="round-robin"))
+    assert t.window_for(p.weights.version).n == 0 and t.other_policy == 20
+    assert t.next_weights(1.0) is None
+
+
+def test_errors_do_not_fill_a_window() -> None:
+    t = Tuner(OptimizerConfig(window_samples=10), (1.0, 1.0))
+    p = t.next_weights(0.0)
+    for _ in range(30):
+        t.observe(mk(100.0, p.weights.version, status=503))
+    assert t.next_weights(1.0) is None
+    assert t.window_for(p.weights.version).errors == 30
+
+
+def test_min_window_duration_is_respected() -> None:
+    t = Tuner(OptimizerConfig(window_samples=5, min_window_s=10.0), (1.0, 1.0))
+    p = t.next_weights(0.0)
+    for _ in range(50):
+        t.observe(mk(100.0, p.weights.version))
+    assert t.next_weights(9.9) is None
+    assert t.next_weights(10.0) is not None
+
+
+def test_renumbered_proposal_keeps_its_window() -> None:
+    t = Tuner(OptimizerConfig(window_samples=10), (1.0, 1.0))
+    p = t.next_weights(0.0)
+    t.observe(mk(100.0, p.weights.version))
+    q = t.renumber(41)
+    assert q.weights.version == 42 and (q.weights.rtt, q.weights.queue) == (1.0, 1.0)
+    t.observe(mk(100.0, 42))
+    t.observe(mk(100.0, p.weights.version))  # a router that got the old number still counts
+    assert t.window_for(42) is t.window_for(p.weights.version)
+    assert t.window_for(42).n == 3
+    for _ in range(7):
+        t.observe(mk(100.0, 42))
+    assert t.next_weights(1.0).weights.version == 43
+
+
+def test_weights_stay_in_bounds_and_the_bound_is_not_an_attractor() -> None:
+    lo, hi = 0.05, 20.0
+    cfg = OptimizerConfig(bounds=(lo, hi), initial_sigma=2.0, max_sigma=2.0)
+    t = Tuner(cfg, (50.0, 0.001), seed=9)  # outside: clipped
+    assert t.incumbent == (hi, lo)
+    cands = np.array([t._sample_candidate() for _ in range(2000)])
+    assert (cands >= lo).all() and (cands <= hi).all()
+    assert np.mean(np.isclose(cands, lo) | np.isclose(cands, hi)) < 0.01
+    t2 = Tuner(OptimizerConfig(bounds=(lo, hi), window_samples=10, max_failures=1000), seed=4)
+    props, _ = drive(t2, bowl, 20_000, np.random.default_rng(4))
+    for p in props:
+        assert lo <= p.weights.rtt <= hi and lo <= p.weights.queue <= hi
+
+
+def test_step_size_follows_the_one_fifth_rule() -> None:
+    cfg = OptimizerConfig(window_samples=10, pairs=1, initial_sigma=0.5, step_up=1.5,
+                          max_failures=100)
+    t = Tuner(cfg, (1.0, 1.0), seed=1)
+
+    def evaluation(inc_ms: float, cand_ms: float) -> None:
+        for ms in (inc_ms, cand_ms):
+            p = t.active or t.next_weights(0.0)
+            for _ in range(10):
+                t.observe(mk(ms, p.weights.version))
+            t.next_weights(0.0)
+
+    evaluation(100.0, 50.0)  # success
+    assert t.sigma == pytest.approx(0.75) and t.accepted == 1
+    for _ in range(4):
+        evaluation(100.0, 100.0)  # failures
+    assert t.sigma == pytest.approx(0.5)  # one success in five: step size unchanged
+    assert t.failures == 4
+
+
+def test_converges_then_monitors_and_restarts_on_drift() -> None:
+    cfg = OptimizerConfig(window_samples=10, pairs=1, max_failures=3, monitor_samples=50,
+                          drift=0.2, drift_windows=3, restart_sigma=0.8)
+    t = Tuner(cfg, (1.0, 1.0), seed=2)
+    rng = np.random.default_rng(2)
+
+    def const(w: Weights, rng: np.random.Generator) -> float:
+        return 100.0
+
+    props, now = drive(t, const, 3 * 20 + 1, rng)
+    assert t.phase == CONVERGED
+    assert props[-1].arm == MONITOR and props[-1].weights.version == 7
+    assert t.history[-1]["event"] == "converged"
+    # Stable traffic: windows come and go under the same version, nothing is published.
+    more, now = drive(t, const, 300, rng, now)
+    assert more == [] and t.phase == CONVERGED
+    assert t.baseline_p95 == 100.0
+
+    def slower(w: Weights, rng: np.random.Generator) -> float:
+        return 150.0
+
+    more, now = drive(t, slower, 100, rng, now)  # two windows: could still be chance
+    assert more == [] and t.phase == CONVERGED
+    more, now = drive(t, const, 50, rng, now)  # back to normal: the run is broken
+    more, now = drive(t, slower, 100, rng, now)
+    assert more == [] and t.phase == CONVERGED
+    more, _ = drive(t, slower, 60, rng, now)  # a third drifted window in a row
+    assert more and more[0].arm == INCUMBENT and t.phase == EVALUATING
+    assert t.sigma >= 0.8 and t.failures == 0
+    assert t.history[-1]["event"] == "restart" and t.history[-1]["reason"] == "drift"
+
+
+def test_small_step_size_also_means_converged() -> None:
+    cfg = OptimizerConfig(window_samples=5, pairs=1, initial_sigma=0.04, min_sigma=0.03,
+                          max_failures=100)
+    t = Tuner(cfg, (1.0, 1.0))
+    drive(t, lambda w, r: 100.0, 5 * 2 * 5, np.random.default_rng(0))
+    assert t.phase == CONVERGED and t.evaluations < 5
+
+
+def test_regressing_new_incumbent_is_rolled_back() -> None:
+    cfg = OptimizerConfig(window_samples=10, pairs=1, rollback=0.25, max_failures=100)
+    t = Tuner(cfg, (1.0, 1.0), seed=7)
+    first = t.next_weights(0.0)
+    for _ in range(10):
+        t.observe(mk(100.0, first.weights.version))
+    cand = t.next_weights(0.0)
+    for _ in range(10):
+        t.observe(mk(60.0, cand.weights.version))
+    nxt = t.next_weights(0.0)
+    new = (cand.weights.rtt, cand.weights.queue)
+    assert t.incumbent == new and t.history[-1]["accepted"]
+    # Re-measured, the new incumbent is far worse than the weights it replaced ever were.
+    assert nxt.arm == INCUMBENT and (nxt.weights.rtt, nxt.weights.queue) == new
+    for _ in range(10):
+        t.observe(mk(200.0, nxt.weights.version))
+    c2 = t.next_weights(0.0)
+    for _ in range(10):
+        t.observe(mk(200.0, c2.weights.version))
+    after = t.next_weights(0.0)
+    assert t.incumbent == (1.0, 1.0)
+    assert t.history[-1]["event"] == "rollback" and t.history[-1]["to"] == [1.0, 1.0]
+    assert after.arm == INCUMBENT and (after.weights.rtt, after.weights.queue) == (1.0, 1.0)
+
+
+def test_search_finds_the_bowl_minimum() -> None:
+    cfg = OptimizerConfig(window_samples=40, max_failures=10)
+    t = Tuner(cfg, (1.0, 1.0), seed=1)
+    drive(t, bowl, 40_000, np.random.default_rng(5))
+    assert t.accepted >= 1
+    rtt, queue = t.incumbent
+    assert abs(math.log(rtt / 2.0)) < math.log(1.6)
+    assert abs(math.log(queue / 0.5)) < math.log(1.6)
+
+
+def test_tuner_fpr_over_many_evaluations_on_a_flat_landscape() -> None:
+    """End to end (windows, versions, ABBA, bootstrap): weights do not matter, so every
+    acceptance is a false positive."""
+    cfg = OptimizerConfig(window_samples=40, max_failures=10_000, fpr=0.05, bootstrap=500,
+                          min_sigma=1e-9)
+    t = Tuner(cfg, (1.0, 1.0), seed=8)
+    drive(t, flat, 160 * 200 + 1, np.random.default_rng(8))
+    assert t.evaluations == 200
+    assert t.accepted / t.evaluations <= 0.05 + 0.03
+
+
+def test_calibrated_rates_ride_with_the_weights_and_change_only_between_evaluations() -> None:
+    cfg = OptimizerConfig(window_samples=10, pairs=1)
+    cal = CalibrationConfig(min_samples=20, window=200)
+    t = Tuner(cfg, (1.0, 1.0), calibration=cal)
+    rng = np.random.default_rng(0)
+
+    def s(version: int) -> Sample:
+        u = int(rng.integers(100, 4000))
+        ttft = 30.0 + 10.0 + u / 2000.0 * 1000.0  # true rate 2000 tok/s, rtt 30
+        return Sample(ttft, ttft + 100, 200, "r1", "near", "gorgo", version, 0.0, 30.0, 0.0,
+                      u / 1000.0 * 1000.0, u, u)
+
+    p = t.next_weights(0.0)
+    assert p.prefill_rate == {}
+    for _ in range(30):
+        t.observe(s(p.weights.version))
+    c = t.next_weights(0.0)  # same evaluation: rates unchanged mid-evaluation
+    assert c.prefill_rate == {}
+    for _ in range(10):
+        t.observe(s(c.weights.version))
+    nxt = t.next_weights(0.0)
+    assert nxt.prefill_rate["r1"] == pytest.approx(2000.0, rel=0.01)
+    assert nxt.body()["prefill_rate"] == nxt.prefill_rate
+
+
+def test_snapshot_round_trips_through_json_and_resumes_versions() -> None:
+    cfg = OptimizerConfig(window_samples=10, max_failures=100)
+    t = Tuner(cfg, (1.0, 1.0), seed=3)
+    props, _ = drive(t, bowl, 500, np.random.default_rng(3))
+    snap = json.loads(json.dumps(t.snapshot(), allow_nan=False))
+    r = Tuner.restore(cfg, snap)
+    assert r.incumbent == t.incumbent and r.sigma == t.sigma
+    assert (r.evaluations, r.accepted, r.failures) == (t.evaluations, t.accepted, t.failures)
+    assert r.history == t.history and r.phase == t.phase
+    assert r.rng.bit_generator.state == t.rng.bit_generator.state
+    p = r.next_weights(0.0)
+    assert p.weights.version > max(q.weights.version for q in props)
+    assert p.arm == INCUMBENT and (p.weights.rtt, p.weights.queue) == t.incumbent
+
+
+@pytest.mark.parametrize("bad", [
+    {}, {"format": 99}, {"format": 1, "incumbent": [1, 1]},
+    {"format": 1, "incumbent": [1, -1], "next_version": 3, "sigma": 0.5, "failures": 0,
+     "evaluations": 0, "accepted": 0, "phase": "evaluating"},
+    {"format": 1, "incumbent": [1, 1], "next_version": 3, "sigma": 0.5, "failures": 0,
+     "evaluations": 0, "accepted": 0, "phase": "dancing"},
+])
+def test_untrustworthy_state_is_refused(bad: dict) -> None:
+    with pytest.raises(ValueError):
+        Tuner.restore(OptimizerConfig(), bad)
+
+
+def test_ensure_version_above_never_goes_down() -> None:
+    t = Tuner(OptimizerConfig(), next_version=10)
+    t.ensure_version_above(3)
+    assert t.next_weights(0.0).weights.version == 10
+    t.ensure_version_above(100)
+    assert t.renumber(100).weights.version == 101
+
+
+def test_config_from_mapping_checks_types_and_ranges() -> None:
+    cfg = config_from_mapping({"window_samples": 20, "bounds": [0.1, 10], "fpr": 0.1,
+                               "calibrate": False})
+    assert cfg.window_samples == 20 and cfg.bounds == (0.1, 10.0) and not cfg.calibrate
+    for raw, match in (({"windows": 3}, "unknown"), ({"window_samples": 2.5}, "integer"),
+                       ({"fpr": "x"}, "number"), ({"fpr": 0.7}, "fpr"),
+                       ({"bounds": [5, 1]}, "bounds"), ({"calibrate": 1}, "true or false"),
+                       ({"policy": 3}, "string"), ({"policy": ""}, "policy"),
+                       ({"window_samples": 2}, "window_samples")):
+        with pytest.raises(ValueError, match=match):
+            config_from_mapping(raw)
+
+
+def test_winners_curse_alone_does_not_roll_back() -> None:
+    """Re-measured, a winner regresses from its lucky window by chance; that is no reason to
+    undo it as long as it is not worse than the weights it replaced."""
+    cfg = OptimizerConfig(window_samples=10, pairs=1, rollback=0.2, max_failures=100)
+    t = Tuner(cfg, (1.0, 1.0), seed=7)
+    for ms in (100.0, 60.0, 95.0, 95.0):  # incumbent, winner, winner re-measured, candidate
+        p = t.active or t.next_weights(0.0)
+        for _ in range(10):
+            t.observe(mk(ms, p.weights.version))
+        t.next_weights(0.0)
+    assert t.accepted == 1 and t.incumbent != (1.0, 1.0)
+    assert [h["event"] for h in t.history] == ["evaluation", "evaluation"]
+    assert t.last_good is None  # probation passed

@@ -1,0 +1,270 @@
+"""The tuner process in-process: config, publishing to real admin APIs, conflicts, outages,
+status endpoint, persistence and resume."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import grpc
+import pytest
+import yaml
+from aiohttp import web
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
+
+from extproc.http_api import make_app
+from extproc.telemetry import RouterMetrics
+from gorgo.core.fleet import Weights, parse_fleet
+from gorgo.core.router import Router
+from tuner.main import ConfigError, TunerService, load_config
+from tuner.optimizer import OptimizerConfig, Proposal
+from tuner.publisher import Publisher, RouterTarget
+from tuner.state_store import StateError
+
+TOKEN = "admin-tok"
+
+
+class RouterApp:
+    """A router's admin/metrics app on a free port, in the test's event loop."""
+
+    def __init__(self) -> None:
+        self.router = Router(parse_fleet({
+            "regions": {"local": {}},
+            "replicas": [{"name": "r0", "region": "local", "address": "127.0.0.1:1"},
+                         {"name": "r1", "region": "local", "address": "127.0.0.1:2"}],
+        }))
+        self.runner: web.AppRunner | None = None
+        self.url = ""
+
+    async def start(self, port: int = 0) -> None:
+        app = make_app(RouterMetrics(self.router.state, lambda: 0), self.router, TOKEN)
+        self.runner = web.AppRunner(app, access_log=None)
+        await self.runner.setup()
+        await web.TCPSite(self.runner, "127.0.0.1", port).start()
+        self.url = f"http://127.0.0.1:{self.runner.addresses[0][1]}"
+
+    async def stop(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+
+    @property
+    def weights(self) -> Weights:
+        return self.router.state.weights
+
+
+def write_config(tmp: Path, apps: list[RouterApp], **extra: Any) -> Path:
+    (tmp / "admin-token").write_text(TOKEN + "\n")
+    doc = {
+        "listen": "127.0.0.1:0",
+        "status_listen": "127.0.0.1:0",
+        "state_file": "state/tuner.json",
+        "routers": [{"url": r.url, "token_file": "admin-token"} for r in apps],
+        "seed": 1,
+        "optimizer": {"window_samples": 5, "pairs": 1, "bootstrap": 200},
+        **extra,
+    }
+    path = tmp / "tuner.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def run(body: Callable[[], Awaitable[None]]) -> None:
+    asyncio.run(body())
+
+
+async def export_samples(port: int, version: int, n: int, ttft_us: int, span_builders) -> None:
+    attrs, span, export = span_builders
+    spans = [span(attrs(gorgo__weights_version=str(version), gorgo__decision_id=f"x{k}",
+                        **{"gen_ai.response.time_to_first_chunk": str(ttft_us)}))
+             for k in range(n)]
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+        await trace_service_pb2_grpc.TraceServiceStub(ch).Export(export(spans), timeout=5)
+
+
+async def get_json(url: str) -> Any:
+    async with aiohttp.ClientSession() as s, s.get(url) as r:
+        return r.status, (await r.json() if r.content_type == "application/json"
+                          else await r.text())
+
+
+def test_publishes_to_every_router_and_resumes_after_restart(tmp_path: Path,
+                                                             span_builders) -> None:
+    async def body() -> None:
+        a, b = RouterApp(), RouterApp()
+        await a.start()
+        await b.start()
+        a.router.state.set_weights(Weights(1.5, 0.5, 10))  # an earlier tuner run left v10
+        cfg = load_config(write_config(tmp_path, [a, b]))
+        svc = TunerService(cfg)
+        await svc.start()
+        try:
+            # Fresh start: begins from the live weights, above the highest live version.
+            assert svc.tuner.incumbent == (1.5, 0.5)
+            await svc.tick(0.0)
+            assert a.weights == b.weights
+            assert a.weights.version == 11 and (a.weights.rtt, a.weights.queue) == (1.5, 0.5)
+            # Samples of the live version arrive over OTLP; the window closes; a candidate goes out.
+            await export_samples(svc.otlp_port, 11, 5, 100_000, span_builders)
+            await svc.tick(1.0)
+            assert a.weights.version == b.weights.version == 12
+            assert svc.tuner.active.arm == "candidate"
+            assert (a.weights.rtt, a.weights.queue) != (1.5, 0.5)
+            # Samples of other versions are ignored, and a foreign span is counted and dropped.
+            await export_samples(svc.otlp_port, 3, 5, 100_000, span_builders)
+            status, doc = await get_json(f"http://127.0.0.1:{svc.status_port}/status")
+            assert status == 200
+            assert doc["receiver"]["samples"] == 10
+            assert doc["tuner"]["ignored_samples"] == 5
+            assert doc["tuner"]["window"] == {"arm": "candidate", "version": 12, "samples": 0,
+                                              "errors": 0}
+            assert [r["acked_version"] for r in doc["routers"]] == [12, 12]
+            status, text = await get_json(f"http://127.0.0.1:{svc.status_port}/metrics")
+            assert 'gorgo_tuner_spans_total{result="samples"} 10.0' in text
+            assert "gorgo_tuner_active_version 12.0" in text
+            # A much better candidate wins the evaluation and becomes the incumbent.
+            await export_samples(svc.otlp_port, 12, 5, 10_000, span_builders)
+            await svc.tick(2.0)
+            assert svc.tuner.accepted == 1
+            winner = svc.tuner.incumbent
+            assert a.weights.version == 13 and (a.weights.rtt, a.weights.queue) == winner
+        finally:
+            await svc.stop()
+        # Killed tuner: the routers keep the last weights they accepted.
+        assert a.weights.version == 13
+        saved = json.loads(cfg.state_file.read_text())
+        assert saved["next_version"] == 14 and saved["incumbent"] == list(winner)
+        # Restart: resumes the incumbent and the version counter.
+        svc2 = TunerService(cfg)
+        await svc2.start()
+        try:
+            assert svc2.tuner.incumbent == winner and svc2.tuner.accepted == 1
+            await svc2.tick(0.0)
+            assert a.weights.version == b.weights.version == 14
+            assert (a.weights.rtt, a.weights.queue) == winner
+        finally:
+            await svc2.stop()
+            await a.stop()
+            await b.stop()
+
+    run(body)
+
+
+def test_conflicting_version_is_renumbered_and_an_outage_does_not_block_others(
+    tmp_path: Path,
+) -> None:
+    async def body() -> None:
+        a, b = RouterApp(), RouterApp()
+        await a.start()
+        await b.start()
+        svc = TunerService(load_config(write_config(tmp_path, [a, b])))
+        await svc.start()
+        try:
+            await svc.tick(0.0)
+            assert a.weights.version == b.weights.version == 1
+            # An operator pushed v50 to b by hand; the tuner's next version would be 2.
+            b.router.state.set_weights(Weights(3.0, 3.0, 50))
+            svc.tuner.renumber(1)  # force a republish of the same window as v2
+            await svc.tick(0.1)
+            assert a.weights.version == b.weights.version == 51
+            assert svc.tuner.active.weights.version == 51
+            assert (b.weights.rtt, b.weights.queue) == (1.0, 1.0)
+            # Router b goes away: a keeps getting updates, b is retried with backoff.
+            port_b = int(b.url.rsplit(":", 1)[1])
+            await b.stop()
+            svc.tuner.renumber(51)
+            await svc.tick(0.2)
+            assert a.weights.version == 52
+            st = {r["url"]: r for r in svc.publisher.status()}
+            assert st[b.url]["acked_version"] == 51 and st[b.url]["error"]
+            # b comes back (a restarted router: default weights, version 0) and catches up.
+            b2 = RouterApp()
+            await b2.start(port_b)
+            for _ in range(40):
+                await svc.tick(0.3)
+                if b2.weights.version == 52:
+                    break
+                await asyncio.sleep(0.1)
+            assert b2.weights.version == 52
+            await b2.stop()
+        finally:
+            await svc.stop()
+            await a.stop()
+
+    run(body)
+
+
+def test_publisher_reports_auth_failures_without_acking(tmp_path: Path) -> None:
+    async def body() -> None:
+        a = RouterApp()
+        await a.start()
+        try:
+            async with Publisher([RouterTarget(a.url, "wrong")]) as pub:
+                prop = Proposal(Weights(2.0, 2.0, 5), {}, "incumbent")
+                assert await pub.sync(prop) is None
+                assert await pub.fetch(RouterTarget(a.url, "wrong")) is None
+                st = pub.status()[0]
+                assert st["acked_version"] == -1 and "token" in st["error"]
+                assert a.weights.version == 0
+        finally:
+            await a.stop()
+
+    run(body)
+
+
+def test_unreadable_state_file_is_not_overwritten(tmp_path: Path) -> None:
+    async def body() -> None:
+        a = RouterApp()
+        await a.start()
+        cfg = load_config(write_config(tmp_path, [a]))
+        cfg.state_file.parent.mkdir(parents=True, exist_ok=True)
+        cfg.state_file.write_text("{broken")
+        svc = TunerService(cfg)
+        with pytest.raises(StateError):
+            await svc.start()
+        await svc.stop()
+        assert cfg.state_file.read_text() == "{broken"
+        await a.stop()
+
+    run(body)
+
+
+@pytest.mark.parametrize(("extra", "match"), [
+    ({"routers": []}, "routers"),
+    ({"routers": [{"url": "ftp://x", "token_file": "admin-token"}]}, r"routers\[0\].url"),
+    ({"routers": [{"url": "http://x", "token_file": "missing"}]}, r"routers\[0\].token_file"),
+    ({"routers": [{"url": "http://x", "token": "inline"}]}, r"routers\[0\]"),
+    ({"listen": "nowhere"}, "listen"),
+    ({"bogus": 1}, "bogus"),
+    ({"optimizer": {"fpr": 2}}, "fpr"),
+    ({"optimizer": {"bounds": [0.01, 20]}}, "bounds"),
+    ({"calibration": {"window": "big"}}, "calibration.window"),
+    ({"tls_cert_file": "cert.pem"}, "tls"),
+    ({"initial_weights": {"rtt": 1}}, "initial_weights"),
+    ({"tick_s": 0}, "tick_s"),
+])
+def test_config_errors_name_the_field(tmp_path: Path, extra: dict, match: str) -> None:
+    class Fake:
+        url = "http://127.0.0.1:9"
+
+    path = write_config(tmp_path, [Fake()], **extra)  # type: ignore[list-item]
+    with pytest.raises(ConfigError, match=match):
+        load_config(path)
+
+
+def test_config_defaults(tmp_path: Path) -> None:
+    class Fake:
+        url = "http://127.0.0.1:9/"
+
+    (tmp_path / "admin-token").write_text(TOKEN)
+    path = tmp_path / "t.yaml"
+    path.write_text(yaml.safe_dump({"routers": [{"url": Fake.url,
+                                                 "token_file": "admin-token"}]}))
+    cfg = load_config(path)
+    assert cfg.listen == "127.0.0.1:4317" and cfg.otlp_token is None and cfg.tls is None
+    assert cfg.routers[0] == RouterTarget("http://127.0.0.1:9", TOKEN)
+    assert cfg.state_file == tmp_path / "gorgo-tuner-state.json"
+    assert cfg.optimizer == OptimizerConfig()

@@ -1,0 +1,1 @@
+"""The online weight tuner: OTLP spans in, new routing weights out."""

@@ -1,0 +1,409 @@
+"""`gorgo tuner --config FILE`: OTLP spans in, (1+1)-ES over the cost weights, weights out.
+
+One asyncio loop runs the OTLP receiver (which feeds samples to the optimizer as they arrive), a
+tick that asks the optimizer for new weights and reconciles every router with them, and an
+optional status endpoint. State is saved atomically *before* a new version is published, so a
+restarted tuner never reissues a version a router has seen. Nothing in a router depends on this
+process: if it dies, the routers keep the last weights they accepted.
+
+Config (YAML; relative paths are relative to the config file)::
+
+    listen: 127.0.0.1:4317            # OTLP/gRPC TraceService
+    token_file: otlp-token            # optional: require `authorization: Bearer ...`
+    tls_cert_file: cert.pem           # optional, with tls_key_file
+    tls_key_file: key.pem
+    status_listen: 127.0.0.1:9102     # optional: GET /status (JSON) and /metrics
+    state_file: tuner-state.json
+    routers:
+      - {url: "http://127.0.0.1:9100", token_file: admin-token}
+    initial_weights: {rtt: 1.0, queue: 1.0}   # optional; default: the first router's weights
+    seed: 0
+    tick_s: 0.5
+    log_every_s: 30
+    optimizer: {window_samples: 40, fpr: 0.05, ...}      # tuner/optimizer.py OptimizerConfig
+    calibration: {min_samples: 50, ...}                  # tuner/calibration.py CalibrationConfig
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import signal
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from extproc.admin import WEIGHT_BOUNDS
+from tuner.calibration import CalibrationConfig
+from tuner.optimizer import OptimizerConfig, Tuner, config_from_mapping
+from tuner.publisher import Publisher, RouterTarget
+from tuner.receiver import TraceReceiver
+from tuner.samples import DROP_REASONS
+from tuner.state_store import StateError, load_state, save_state
+
+log = logging.getLogger("gorgo.tuner")
+MAX_RENUMBERS_PER_TICK = 3
+
+
+class ConfigError(ValueError):
+    """A tuner config problem; the message starts with the offending field."""
+
+
+@dataclass(frozen=True, slots=True)
+class TunerConfig:
+    routers: tuple[RouterTarget, ...]
+    state_file: Path
+    listen: str = "127.0.0.1:4317"
+    otlp_token: str | None = None
+    tls: tuple[bytes, bytes] | None = None  # (certificate chain, private key) PEM
+    status_listen: str | None = None
+    initial_weights: tuple[float, float] | None = None
+    seed: int = 0
+    tick_s: float = 0.5
+    log_every_s: float = 30.0
+    publish_timeout_s: float = 2.0
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
+
+
+def _hostport(value: Any, key: str) -> tuple[str, int]:
+    if not isinstance(value, str):
+        raise ConfigError(f"{key}: expected HOST:PORT, got {value!r}")
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ConfigError(f"{key}: expected HOST:PORT, got {value!r}")
+    return host.strip("[]"), int(port)
+
+
+def _read_secret(base: Path, value: Any, key: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{key}: expected a file path")
+    path = base / value
+    try:
+        token = path.read_text().strip()
+    except OSError as exc:
+        raise ConfigError(f"{key}: cannot read {path}: {exc.strerror}") from None
+    if not token:
+        raise ConfigError(f"{key}: {path} is empty")
+    return token
+
+
+def _positive(raw: Mapping[str, Any], key: str, default: float) -> float:
+    value = raw.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise ConfigError(f"{key}: expected a positive number, got {value!r}")
+    return float(value)
+
+
+def parse_config(raw: Any, base: Path) -> TunerConfig:
+    """Validate a decoded config document; every error names its field."""
+    if not isinstance(raw, Mapping):
+        raise ConfigError("config: expected a mapping")
+    allowed = {"listen", "token_file", "tls_cert_file", "tls_key_file", "status_listen",
+               "state_file", "routers", "initial_weights", "seed", "tick_s", "log_every_s",
+               "publish_timeout_s", "optimizer", "calibration"}
+    for key in raw:
+        if key not in allowed:
+            raise ConfigError(f"{key}: unknown field (allowed: {', '.join(sorted(allowed))})")
+    routers_raw = raw.get("routers")
+    if not isinstance(routers_raw, list) or not routers_raw:
+        raise ConfigError("routers: expected a non-empty list of {url, token_file}")
+    routers = []
+    for i, r in enumerate(routers_raw):
+        key = f"routers[{i}]"
+        if not isinstance(r, Mapping) or set(r) - {"url", "token_file"}:
+            raise ConfigError(f"{key}: expected {{url, token_file}}")
+        url = r.get("url")
+        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+            raise ConfigError(f"{key}.url: expected an http(s) URL, got {url!r}")
+        routers.append(RouterTarget(url.rstrip("/"), _read_secret(base, r.get("token_file"),
+                                                                  f"{key}.token_file")))
+    listen = raw.get("listen", "127.0.0.1:4317")
+    _hostport(listen, "listen")
+    status_listen = raw.get("status_listen")
+    if status_listen is not None:
+        _hostport(status_listen, "status_listen")
+    token = raw.get("token_file")
+    otlp_token = None if token is None else _read_secret(base, token, "token_file")
+    cert, key = raw.get("tls_cert_file"), raw.get("tls_key_file")
+    tls = None
+    if (cert is None) != (key is None):
+        raise ConfigError("tls_cert_file: tls_cert_file and tls_key_file go together")
+    if cert is not None:
+        try:
+            tls = ((base / cert).read_bytes(), (base / key).read_bytes())
+        except (OSError, TypeError) as exc:
+            raise ConfigError(f"tls_cert_file: cannot read the certificate or key: {exc}") from None
+    state_file = raw.get("state_file", "gorgo-tuner-state.json")
+    if not isinstance(state_file, str) or not state_file:
+        raise ConfigError("state_file: expected a file path")
+    initial = raw.get("initial_weights")
+    if initial is not None:
+        if not isinstance(initial, Mapping) or set(initial) != {"rtt", "queue"}:
+            raise ConfigError("initial_weights: expected {rtt, queue}")
+        initial = (_positive(initial, "rtt", 1.0), _positive(initial, "queue", 1.0))
+    seed = raw.get("seed", 0)
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ConfigError(f"seed: expected an integer, got {seed!r}")
+    try:
+        optimizer = config_from_mapping(dict(raw.get("optimizer") or {}))
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(str(exc)) from None
+    lo, hi = optimizer.bounds
+    if lo < WEIGHT_BOUNDS[0] or hi > WEIGHT_BOUNDS[1]:
+        raise ConfigError(f"optimizer.bounds: must lie within the routers' {list(WEIGHT_BOUNDS)}")
+    calibration = _calibration(raw.get("calibration") or {})
+    return TunerConfig(
+        routers=tuple(routers), state_file=base / state_file, listen=listen,
+        otlp_token=otlp_token, tls=tls, status_listen=status_listen, initial_weights=initial,
+        seed=seed, tick_s=_positive(raw, "tick_s", 0.5),
+        log_every_s=_positive(raw, "log_every_s", 30.0),
+        publish_timeout_s=_positive(raw, "publish_timeout_s", 2.0),
+        optimizer=optimizer, calibration=calibration,
+    )
+
+
+def _calibration(raw: Any) -> CalibrationConfig:
+    if not isinstance(raw, Mapping):
+        raise ConfigError("calibration: expected a mapping")
+    names = {f.name for f in fields(CalibrationConfig)}
+    values: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key not in names:
+            raise ConfigError(f"calibration.{key}: unknown field (allowed: {sorted(names)})")
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"calibration.{key}: expected a number, got {value!r}")
+        values[key] = int(value) if key in ("window", "min_samples") else float(value)
+    cfg = CalibrationConfig(**values)
+    try:
+        cfg.validate()
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    return cfg
+
+
+def load_config(path: str | Path) -> TunerConfig:
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read config: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    return parse_config(raw, path.parent)
+
+
+# --- status endpoint ----------------------------------------------------------------------------
+
+
+class _StatusCollector(Collector):
+    def __init__(self, service: TunerService) -> None:
+        self.service = service
+
+    def collect(self) -> Iterator[Any]:
+        counts = self.service.receiver.counts
+        spans = CounterMetricFamily("gorgo_tuner_spans", "OTLP spans by outcome",
+                                    labels=["result"])
+        for result in ("samples", *DROP_REASONS):
+            spans.add_metric([result], counts.get(result, 0))
+        yield spans
+        unauth = CounterMetricFamily("gorgo_tuner_unauthenticated_exports",
+                                     "Exports refused for a missing or wrong token")
+        unauth.add_metric([], counts.get("unauthenticated", 0))
+        yield unauth
+        t = self.service.tuner
+        w = GaugeMetricFamily("gorgo_tuner_incumbent_weight", "Incumbent weights", labels=["term"])
+        w.add_metric(["rtt"], t.incumbent[0])
+        w.add_metric(["queue"], t.incumbent[1])
+        yield w
+        for name, doc, value in (
+            ("gorgo_tuner_sigma", "ES step size (log space)", t.sigma),
+            ("gorgo_tuner_active_version", "Version of the weights being published",
+             t.active.weights.version if t.active else 0),
+            ("gorgo_tuner_converged", "1 once the search has converged",
+             float(t.phase == "converged")),
+        ):
+            g = GaugeMetricFamily(name, doc)
+            g.add_metric([], value)
+            yield g
+        ev = CounterMetricFamily("gorgo_tuner_evaluations", "Finished evaluations",
+                                 labels=["accepted"])
+        ev.add_metric(["true"], t.accepted)
+        ev.add_metric(["false"], t.evaluations - t.accepted)
+        yield ev
+
+
+class TunerService:
+    """The running tuner: receiver, optimizer, publisher and state file, on one event loop."""
+
+    def __init__(self, cfg: TunerConfig) -> None:
+        self.cfg = cfg
+        self.publisher = Publisher(list(cfg.routers), cfg.publish_timeout_s)
+        self.tuner: Tuner = Tuner(cfg.optimizer, calibration=cfg.calibration, seed=cfg.seed)
+        self.receiver = TraceReceiver(self._on_samples, cfg.otlp_token)
+        self.otlp_port = 0
+        self.status_port = 0
+        self.max_version_seen = -1
+        self._saved = -1
+        self._loaded = False  # never overwrite a state file this process could not read
+        self._http: web.AppRunner | None = None
+
+    def _on_samples(self, samples: list) -> None:
+        for s in samples:
+            self.tuner.observe(s)
+            self.max_version_seen = max(self.max_version_seen, s.weights_version)
+
+    async def _initial_tuner(self) -> Tuner:
+        cfg = self.cfg
+        current = await asyncio.gather(*(self.publisher.fetch(t) for t in cfg.routers))
+        versions = [c["version"] for c in current
+                    if isinstance(c, dict) and isinstance(c.get("version"), int)]
+        state = load_state(cfg.state_file)
+        if state is not None:
+            try:
+                tuner = Tuner.restore(cfg.optimizer, state, calibration=cfg.calibration)
+            except ValueError as exc:
+                raise StateError(f"{cfg.state_file}: {exc}") from None
+            log.info("resumed from %s: incumbent rtt=%.4g queue=%.4g, %d evaluations, next "
+                     "version %d", cfg.state_file, *tuner.incumbent, tuner.evaluations,
+                     tuner.next_version)
+        else:
+            initial = cfg.initial_weights
+            if initial is None:
+                live = next((c for c in current if isinstance(c, dict)), None)
+                initial = (float(live["rtt"]), float(live["queue"])) if live else (1.0, 1.0)
+            tuner = Tuner(cfg.optimizer, initial, seed=cfg.seed, calibration=cfg.calibration)
+            log.info("starting fresh from rtt=%.4g queue=%.4g", *tuner.incumbent)
+        if versions:
+            tuner.ensure_version_above(max(versions))
+        return tuner
+
+    def save(self) -> None:
+        if self._loaded and self.tuner.revision != self._saved:
+            save_state(self.cfg.state_file, self.tuner.snapshot())
+            self._saved = self.tuner.revision
+
+    async def start(self) -> None:
+        await self.publisher.__aenter__()
+        self.tuner = await self._initial_tuner()
+        self._loaded = True
+        self.save()
+        host, port = _hostport(self.cfg.listen, "listen")
+        self.otlp_port = await self.receiver.start(host, port, self.cfg.tls)
+        if self.cfg.status_listen is not None:
+            shost, sport = _hostport(self.cfg.status_listen, "status_listen")
+            self._http = web.AppRunner(self._status_app(), access_log=None)
+            await self._http.setup()
+            await web.TCPSite(self._http, shost, sport).start()
+            self.status_port = self._http.addresses[-1][1]
+
+    async def stop(self) -> None:
+        await self.receiver.stop()
+        if self._http is not None:
+            await self._http.cleanup()
+        await self.publisher.__aexit__()
+        self.save()
+
+    def _status_app(self) -> web.Application:
+        registry = CollectorRegistry(auto_describe=True)
+        registry.register(_StatusCollector(self))
+
+        async def status(_: web.Request) -> web.Response:
+            return web.json_response(self.status(), dumps=lambda o: json.dumps(o, default=str))
+
+        async def metrics(_: web.Request) -> web.Response:
+            return web.Response(body=generate_latest(registry),
+                                headers={"content-type": CONTENT_TYPE_LATEST})
+
+        app = web.Application()
+        app.router.add_get("/status", status)
+        app.router.add_get("/metrics", metrics)
+        return app
+
+    def status(self) -> dict[str, Any]:
+        return {"tuner": self.tuner.status(),
+                "receiver": {**self.receiver.counts, "max_version_seen": self.max_version_seen},
+                "routers": self.publisher.status()}
+
+    async def tick(self, now: float) -> None:
+        proposal = self.tuner.next_weights(now)
+        if proposal is not None:
+            w = proposal.weights
+            log.info("publishing v%d (%s): rtt=%.4g queue=%.4g", w.version, proposal.arm,
+                     w.rtt, w.queue)
+        for _ in range(MAX_RENUMBERS_PER_TICK):
+            self.save()  # before publishing: a version is never issued twice
+            if self.tuner.active is None:
+                return
+            floor = await self.publisher.sync(self.tuner.active)
+            if floor is None:
+                return
+            renumbered = self.tuner.renumber(floor)
+            log.info("a router holds version %d: republishing as v%d", floor,
+                     renumbered.weights.version if renumbered else -1)
+
+    def log_status(self) -> None:
+        t = self.tuner.status()
+        c = self.receiver.counts
+        log.info("status: %s v%s, incumbent rtt=%.4g queue=%.4g, sigma=%.3g, %d/%d accepted; "
+                 "spans %d, samples %d, dropped %s",
+                 t["phase"], (t["active"] or {}).get("version"), t["incumbent"]["rtt"],
+                 t["incumbent"]["queue"], t["sigma"], t["accepted"], t["evaluations"],
+                 c.get("spans", 0), c.get("samples", 0),
+                 {r: c.get(r, 0) for r in DROP_REASONS})
+
+
+async def serve(cfg: TunerConfig) -> int:
+    service = TunerService(cfg)
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await service.start()
+    except (StateError, OSError, RuntimeError) as exc:
+        log.error("cannot start: %s", exc)
+        await service.stop()
+        return 2
+    print(f"READY otlp={service.otlp_port} status={service.status_port}", flush=True)
+    last_log = loop.time()
+    try:
+        while not stop.is_set():
+            now = loop.time()
+            try:
+                await service.tick(now)
+            except OSError as exc:
+                log.error("tick failed: %s", exc)
+            if now - last_log >= cfg.log_every_s:
+                service.log_status()
+                last_log = now
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), cfg.tick_s)
+    finally:
+        await service.stop()
+    return 0
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", required=True, help="tuner YAML config")
+    p.add_argument("--log-level", default="INFO")
+
+
+def main(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(message)s")
+    try:
+        cfg = load_config(args.config)
+    except ConfigError as exc:
+        log.error("%s", exc)
+        return 2
+    return asyncio.run(serve(cfg))

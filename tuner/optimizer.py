@@ -1,0 +1,635 @@
+"""(1+1) evolution strategy over the cost weights (w_rtt, w_queue), scored on live p95 TTFT.
+
+Pure and single-threaded: the caller feeds samples (`Tuner.observe`) and asks, with its own clock,
+whether new weights should go live (`Tuner.next_weights(now)`). The live tuner drives it from OTLP
+spans and a wall clock; an offline simulation can drive it from a virtual clock.
+
+How one evaluation runs, and why (docs/tuner.md has the full story):
+
+* Every window publishes its own weights version, and a sample counts only for the window whose
+  version routed it, so late spans of an earlier window never leak into the next one's score.
+* Incumbent and candidate run in alternating windows (ABBA order, so a linear trend in load
+  cancels), so the incumbent is re-measured under the same conditions instead of keeping the score
+  of one lucky window forever.
+* Lower p95 is better and the test is on the difference of p95s: the candidate is accepted only if
+  a seeded, window-stratified bootstrap puts the upper (1 - fpr) bound of ``p95_c - p95_i`` below
+  ``-margin * p95_i``. No score is negated and no multiplicative tolerance is applied to one.
+* A candidate must also not worsen E2E p95 by more than ``e2e_margin`` nor the error rate by more
+  than ``max_error_increase``.
+* Steps are log-normal in log space, reflected at the bounds (a bound is not an attractor); the
+  step size follows the 1/5 success rule. Small step size or many failures in a row: converged,
+  and from then on the incumbent is monitored; a drift of live p95 restarts the search. A newly
+  accepted incumbent stays on probation until it has been re-measured: if its live p95 regresses
+  past ``rollback``, the previous weights come back.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+import numpy as np
+
+from gorgo.core.fleet import Weights
+from tuner.calibration import CalibrationConfig, PrefillCalibrator
+from tuner.samples import Sample
+
+INCUMBENT, CANDIDATE, MONITOR = "incumbent", "candidate", "monitor"
+EVALUATING, CONVERGED = "evaluating", "converged"
+STATE_FORMAT = 1
+
+
+@dataclass(frozen=True, slots=True)
+class OptimizerConfig:
+    bounds: tuple[float, float] = (0.05, 20.0)  # for each weight
+    initial_sigma: float = 0.5  # step size in log space (0.5 ~ a factor of 1.6)
+    min_sigma: float = 0.03  # below this the search has converged
+    max_sigma: float = 2.0
+    step_up: float = 1.5  # sigma *= step_up on success ...
+    success_rate: float = 0.2  # ... and shrinks on failure so that this rate holds it (1/5 rule)
+    max_failures: int = 20  # failed evaluations in a row that also mean converged
+    window_samples: int = 40  # successful requests per window, at least
+    min_window_s: float = 0.0  # and at least this long
+    pairs: int = 2  # incumbent/candidate window pairs per evaluation
+    quantile: float = 0.95
+    fpr: float = 0.05  # chance of accepting a candidate that is not better
+    margin: float = 0.01  # the candidate must beat the incumbent's p95 by this fraction
+    bootstrap: int = 2000
+    e2e_margin: float = 0.05
+    max_error_increase: float = 0.02  # absolute error-rate increase a candidate may bring
+    monitor_samples: int = 200  # window size once converged
+    drift: float = 0.2  # converged, live p95 moved by more than this fraction ...
+    drift_windows: int = 3  # ... in this many monitor windows in a row: search again
+    restart_sigma: float = 0.5
+    rollback: float = 0.2  # re-measured new incumbent worse than the old one was by this: undo
+    calibrate: bool = True
+    rate_change: float = 0.05  # publish a calibrated prefill rate only if it moved this much
+    history: int = 500  # evaluation records kept in the state file
+    policy: str = "gorgo"  # only requests this policy routed depend on the weights
+
+    def validate(self) -> None:
+        lo, hi = self.bounds
+        checks = [
+            (0 < lo < hi, "bounds: need 0 < low < high"),
+            (0 < self.min_sigma < self.initial_sigma <= self.max_sigma,
+             "need 0 < min_sigma < initial_sigma <= max_sigma"),
+            (0 < self.restart_sigma <= self.max_sigma, "need 0 < restart_sigma <= max_sigma"),
+            (self.step_up > 1, "step_up must be > 1"),
+            (0 < self.success_rate < 1, "success_rate must be in (0, 1)"),
+            (self.max_failures >= 1, "max_failures must be >= 1"),
+            (self.window_samples >= 5, "window_samples must be >= 5"),
+            (self.min_window_s >= 0, "min_window_s must be >= 0"),
+            (self.pairs >= 1, "pairs must be >= 1"),
+            (0 < self.quantile < 1, "quantile must be in (0, 1)"),
+            (0 < self.fpr < 0.5, "fpr must be in (0, 0.5)"),
+            (self.margin >= 0, "margin must be >= 0"),
+            (self.bootstrap >= 100, "bootstrap must be >= 100"),
+            (self.e2e_margin >= 0, "e2e_margin must be >= 0"),
+            (0 <= self.max_error_increase <= 1, "max_error_increase must be in [0, 1]"),
+            (self.monitor_samples >= 5, "monitor_samples must be >= 5"),
+            (self.drift > 0, "drift must be > 0"),
+            (self.drift_windows >= 1, "drift_windows must be >= 1"),
+            (self.rollback > 0, "rollback must be > 0"),
+            (self.rate_change >= 0, "rate_change must be >= 0"),
+            (self.history >= 0, "history must be >= 0"),
+            (bool(self.policy), "policy must be a policy name"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(f"optimizer: {message}")
+
+
+@dataclass(frozen=True, slots=True)
+class Proposal:
+    """Weights (with their version) and prefill rates that should be live on every router."""
+
+    weights: Weights
+    prefill_rate: dict[str, float]
+    arm: str
+
+    def body(self) -> dict[str, Any]:
+        """The JSON body of the router's PUT /admin/weights."""
+        out: dict[str, Any] = {"rtt": self.weights.rtt, "queue": self.weights.queue,
+                               "version": self.weights.version}
+        if self.prefill_rate:
+            out["prefill_rate"] = dict(self.prefill_rate)
+        return out
+
+
+@dataclass(slots=True)
+class Window:
+    """Requests routed under one weights version."""
+
+    arm: str
+    version: int
+    opened_at: float
+    ttft: list[float] = field(default_factory=list)
+    e2e: list[float] = field(default_factory=list)
+    errors: int = 0
+
+    def add(self, s: Sample) -> None:
+        if s.ok:
+            self.ttft.append(s.ttft_ms)
+            self.e2e.append(s.e2e_ms)
+        else:
+            self.errors += 1
+
+    @property
+    def n(self) -> int:
+        return len(self.ttft)
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    accepted: bool
+    reason: str  # better | not_better | e2e_worse | more_errors | no_samples
+    p95_incumbent: float
+    p95_candidate: float
+    diff_upper_ms: float  # upper (1 - fpr) bootstrap bound of p95_c - p95_i
+    margin_ms: float
+    e2e_incumbent: float
+    e2e_candidate: float
+    errors_incumbent: float
+    errors_candidate: float
+    n_incumbent: int
+    n_candidate: int
+
+
+def window_plan(pairs: int) -> list[str]:
+    """ABBA ordering: I C C I I C ..., so a linear trend hits both arms alike."""
+    plan: list[str] = []
+    for k in range(pairs):
+        plan += [INCUMBENT, CANDIDATE] if k % 2 == 0 else [CANDIDATE, INCUMBENT]
+    return plan
+
+
+def _pooled(windows: Sequence[Window], attr: str) -> np.ndarray:
+    parts = [np.asarray(getattr(w, attr), dtype=float) for w in windows]
+    return np.concatenate(parts) if parts else np.empty(0)
+
+
+def _error_rate(windows: Sequence[Window]) -> float:
+    errors = sum(w.errors for w in windows)
+    total = errors + sum(w.n for w in windows)
+    return errors / total if total else 0.0
+
+
+def _bootstrap_quantile(
+    windows: Sequence[Window], q: float, reps: int, rng: np.random.Generator
+) -> np.ndarray:
+    """Quantile of ``reps`` resamples, each window resampled within itself (stratified)."""
+    parts = []
+    for w in windows:
+        values = np.asarray(w.ttft, dtype=float)
+        if values.size:
+            parts.append(values[rng.integers(0, values.size, size=(reps, values.size))])
+    return _row_quantile(np.concatenate(parts, axis=1), q)
+
+
+def _row_quantile(a: np.ndarray, q: float) -> np.ndarray:
+    """np.quantile(a, q, axis=1) with linear interpolation, by one sort (several times faster)."""
+    s = np.sort(a, axis=1)
+    h = (a.shape[1] - 1) * q
+    lo = math.floor(h)
+    hi = min(lo + 1, a.shape[1] - 1)
+    return s[:, lo] + (s[:, hi] - s[:, lo]) * (h - lo)
+
+
+def compare(
+    incumbent: Sequence[Window],
+    candidate: Sequence[Window],
+    cfg: OptimizerConfig,
+    rng: np.random.Generator,
+) -> Verdict:
+    """Accept the candidate only if it is better beyond the noise and breaks no guard."""
+    ti, tc = _pooled(incumbent, "ttft"), _pooled(candidate, "ttft")
+    ei, ec = _pooled(incumbent, "e2e"), _pooled(candidate, "e2e")
+    erri, errc = _error_rate(incumbent), _error_rate(candidate)
+    if ti.size == 0 or tc.size == 0:
+        nan = float("nan")
+        return Verdict(False, "no_samples", nan, nan, nan, nan, nan, nan, erri, errc,
+                       int(ti.size), int(tc.size))
+    q = cfg.quantile
+    p95_i, p95_c = float(np.quantile(ti, q)), float(np.quantile(tc, q))
+    e2e_i, e2e_c = float(np.quantile(ei, q)), float(np.quantile(ec, q))
+    diff = (_bootstrap_quantile(candidate, q, cfg.bootstrap, rng)
+            - _bootstrap_quantile(incumbent, q, cfg.bootstrap, rng))
+    upper = float(np.quantile(diff, 1.0 - cfg.fpr))
+    margin = cfg.margin * p95_i
+    if not upper < -margin:
+        reason = "not_better"
+    elif e2e_c > e2e_i * (1.0 + cfg.e2e_margin):
+        reason = "e2e_worse"
+    elif errc - erri > cfg.max_error_increase:
+        reason = "more_errors"
+    else:
+        reason = "better"
+    return Verdict(reason == "better", reason, p95_i, p95_c, upper, margin, e2e_i, e2e_c,
+                   erri, errc, int(ti.size), int(tc.size))
+
+
+def _reflect(x: np.ndarray, lo: float, hi: float) -> np.ndarray:
+    span = hi - lo
+    t = np.mod(x - lo, 2.0 * span)
+    return lo + np.where(t <= span, t, 2.0 * span - t)
+
+
+def _finite_or_none(x: float | None) -> float | None:
+    return None if x is None or not math.isfinite(x) else float(x)
+
+
+class Tuner:
+    """The (1+1)-ES state machine; see the module docstring."""
+
+    def __init__(
+        self,
+        config: OptimizerConfig,
+        initial: tuple[float, float] = (1.0, 1.0),
+        *,
+        seed: int = 0,
+        calibration: CalibrationConfig | None = None,
+        next_version: int = 1,
+    ) -> None:
+        config.validate()
+        self.cfg = config
+        self.rng = np.random.default_rng(seed)
+        self.calibrator = PrefillCalibrator(calibration) if config.calibrate else None
+        self.incumbent = self._clip(initial)
+        self.incumbent_p95: float | None = None
+        self.last_good: tuple[float, float] | None = None  # set while the incumbent is on probation
+        self.last_good_p95: float | None = None
+        self.sigma = config.initial_sigma
+        self.failures = 0
+        self.evaluations = 0
+        self.accepted = 0
+        self.phase = EVALUATING
+        self.baseline_p95: float | None = None  # converged: the p95 that drift is measured from
+        self.next_version = max(1, int(next_version))
+        self.rates: dict[str, float] = {}
+        self.history: list[dict[str, Any]] = []
+        self.revision = 0  # bumped by every change worth persisting
+        self.active: Proposal | None = None
+        self.ignored = 0  # samples of a version that belongs to no current window
+        self.other_policy = 0  # samples routed by a policy the weights do not steer
+        self._windows: dict[int, Window] = {}  # version -> window (current evaluation/monitor)
+        self._eval: list[Window] = []
+        self._plan: list[str] = []
+        self._candidate: tuple[float, float] | None = None
+        self._open: Window | None = None
+        self._drift_run = 0  # monitor windows in a row beyond the drift threshold (signed)
+
+    # --- inputs -------------------------------------------------------------------------------
+
+    def observe(self, s: Sample) -> None:
+        if self.calibrator is not None:
+            self.calibrator.observe(s)  # the residuals do not depend on who chose the replica
+        if s.policy != self.cfg.policy:
+            self.other_policy += 1
+            return
+        w = self._windows.get(s.weights_version)
+        if w is None:
+            self.ignored += 1
+            return
+        w.add(s)
+
+    def next_weights(self, now: float) -> Proposal | None:
+        """New weights to publish now, or None while the live ones stand."""
+        if self.active is None or self._open is None:
+            return self._start_monitor(now) if self.phase == CONVERGED else self._start_eval(now)
+        w = self._open
+        target = self.cfg.monitor_samples if w.arm == MONITOR else self.cfg.window_samples
+        if w.n < target or now - w.opened_at < self.cfg.min_window_s:
+            return None
+        if w.arm == MONITOR:
+            return self._end_monitor_window(now)
+        if len(self._eval) < len(self._plan):
+            return self._open_window(self._plan[len(self._eval)], now)
+        return self._finish_eval(now)
+
+    def ensure_version_above(self, floor: int) -> None:
+        """Never issue a version <= ``floor`` (a router already holds it)."""
+        if floor >= self.next_version:
+            self.next_version = floor + 1
+            self.revision += 1
+
+    def renumber(self, floor: int) -> Proposal | None:
+        """Re-issue the active proposal with a version above ``floor``; samples of either count."""
+        self.ensure_version_above(floor)
+        if self.active is None or self._open is None:
+            return None
+        v = self._take_version()
+        self._windows[v] = self._open
+        self._open.version = v
+        w = self.active.weights
+        self.active = Proposal(Weights(w.rtt, w.queue, v), self.active.prefill_rate,
+                               self.active.arm)
+        return self.active
+
+    # --- evaluation ---------------------------------------------------------------------------
+
+    def _clip(self, w: tuple[float, float]) -> tuple[float, float]:
+        lo, hi = self.cfg.bounds
+        return (min(max(float(w[0]), lo), hi), min(max(float(w[1]), lo), hi))
+
+    def _take_version(self) -> int:
+        v = self.next_version
+        self.next_version += 1
+        self.revision += 1
+        return v
+
+    def _sample_candidate(self) -> tuple[float, float]:
+        lo, hi = (math.log(b) for b in self.cfg.bounds)
+        x = np.log(np.asarray(self.incumbent)) + self.sigma * self.rng.standard_normal(2)
+        r, q = np.exp(_reflect(x, lo, hi))
+        return self._clip((float(r), float(q)))
+
+    def _refresh_rates(self) -> None:
+        """Calibrated rates change only between evaluations, so both arms share one cost model."""
+        if self.calibrator is None:
+            return
+        for replica, rate in self.calibrator.rates().items():
+            old = self.rates.get(replica)
+            if old is None or abs(rate - old) > self.cfg.rate_change * old:
+                self.rates[replica] = round(rate, 3)
+                self.revision += 1
+
+    def _start_eval(self, now: float) -> Proposal:
+        self.phase = EVALUATING
+        self._windows = {}
+        self._eval = []
+        self._refresh_rates()
+        self._candidate = self._sample_candidate()
+        self._plan = window_plan(self.cfg.pairs)
+        return self._open_window(self._plan[0], now)
+
+    def _open_window(self, arm: str, now: float) -> Proposal:
+        v = self._take_version()
+        w = Window(arm, v, now)
+        self._windows[v] = w
+        self._eval.append(w)
+        self._open = w
+        rtt, queue = self._candidate if arm == CANDIDATE and self._candidate else self.incumbent
+        self.active = Proposal(Weights(rtt, queue, v), dict(self.rates), arm)
+        return self.active
+
+    def _regressed(self, p95: float) -> bool:
+        """On probation, the new incumbent's fresh p95 is compared with what the weights it
+        replaced achieved (not with its own lucky winning window, which a re-measurement
+        regresses from by chance alone)."""
+        return (self.last_good is not None and self.last_good_p95 is not None
+                and p95 > self.last_good_p95 * (1.0 + self.cfg.rollback))
+
+    def _rollback(self, p95: float, now: float) -> None:
+        assert self.last_good is not None
+        self._record({"event": "rollback", "from": list(self.incumbent),
+                      "to": list(self.last_good), "p95_live": p95,
+                      "p95_last_good": self.last_good_p95}, now)
+        self.incumbent = self.last_good
+        self.incumbent_p95 = self.last_good_p95
+        self.last_good = self.last_good_p95 = None
+        self._step(success=False)
+
+    def _step(self, *, success: bool) -> None:
+        cfg = self.cfg
+        if success:
+            self.sigma = min(self.sigma * cfg.step_up, cfg.max_sigma)
+            self.failures = 0
+        else:
+            p = cfg.success_rate
+            self.sigma *= cfg.step_up ** (-p / (1.0 - p))
+            self.failures += 1
+        self.revision += 1
+
+    def _finish_eval(self, now: float) -> Proposal:
+        inc = [w for w in self._eval if w.arm == INCUMBENT]
+        cand = [w for w in self._eval if w.arm == CANDIDATE]
+        candidate = self._candidate or self.incumbent
+        self.evaluations += 1
+        p95_i = float(np.quantile(_pooled(inc, "ttft"), self.cfg.quantile))
+        if self._regressed(p95_i):
+            self._rollback(p95_i, now)
+            return self._start_eval(now)
+        self.last_good = self.last_good_p95 = None  # re-measured without regression
+        v = compare(inc, cand, self.cfg, self.rng)
+        self._record({
+            "event": "evaluation", "incumbent": list(self.incumbent),
+            "candidate": list(candidate), "accepted": v.accepted, "reason": v.reason,
+            "p95_incumbent": v.p95_incumbent, "p95_candidate": v.p95_candidate,
+            "diff_upper_ms": v.diff_upper_ms, "margin_ms": v.margin_ms,
+            "e2e_incumbent": v.e2e_incumbent, "e2e_candidate": v.e2e_candidate,
+            "errors_incumbent": v.errors_incumbent, "errors_candidate": v.errors_candidate,
+            "n_incumbent": v.n_incumbent, "n_candidate": v.n_candidate,
+            "versions": [w.version for w in self._eval], "sigma": self.sigma,
+        }, now)
+        if v.accepted:
+            self.last_good, self.last_good_p95 = self.incumbent, v.p95_incumbent
+            self.incumbent, self.incumbent_p95 = candidate, v.p95_candidate
+            self.accepted += 1
+        else:
+            self.incumbent_p95 = v.p95_incumbent
+        self._step(success=v.accepted)
+        if self.sigma < self.cfg.min_sigma or self.failures >= self.cfg.max_failures:
+            self.phase = CONVERGED
+            self._record({"event": "converged", "incumbent": list(self.incumbent),
+                          "p95": self.incumbent_p95}, now)
+            return self._start_monitor(now)
+        return self._start_eval(now)
+
+    # --- converged: monitoring ----------------------------------------------------------------
+
+    def _start_monitor(self, now: float) -> Proposal:
+        """Publish the incumbent; the first monitor window (larger than an evaluation's) sets the
+        baseline that later windows are checked against for drift."""
+        self.phase = CONVERGED
+        self.baseline_p95 = None
+        self._drift_run = 0
+        self._windows = {}
+        self._eval = []
+        self._candidate = None
+        self._refresh_rates()
+        v = self._take_version()
+        w = Window(MONITOR, v, now)
+        self._windows[v] = w
+        self._open = w
+        rtt, queue = self.incumbent
+        self.active = Proposal(Weights(rtt, queue, v), dict(self.rates), MONITOR)
+        return self.active
+
+    def _restart(self, reason: str, p95: float, now: float) -> Proposal:
+        self._record({"event": "restart", "reason": reason, "p95_live": p95,
+                      "p95_baseline": self.baseline_p95}, now)
+        self.sigma = max(self.sigma, self.cfg.restart_sigma)
+        self.failures = 0
+        self.revision += 1
+        return self._start_eval(now)
+
+    def _end_monitor_window(self, now: float) -> Proposal | None:
+        w = self._open
+        assert w is not None
+        p95 = float(np.quantile(w.ttft, self.cfg.quantile))
+        if self._regressed(p95):
+            self._rollback(p95, now)
+            return self._restart("rollback", p95, now)
+        self.last_good = self.last_good_p95 = None
+        base = self.baseline_p95
+        if base is None or base <= 0:
+            self.baseline_p95 = p95
+            self.revision += 1
+        elif abs(p95 - base) > self.cfg.drift * base:
+            step = 1 if p95 > base else -1
+            self._drift_run = self._drift_run + step if self._drift_run * step > 0 else step
+            if abs(self._drift_run) >= self.cfg.drift_windows:
+                return self._restart("drift", p95, now)
+        else:
+            self._drift_run = 0
+        fresh = Window(MONITOR, w.version, now)
+        for version, win in list(self._windows.items()):
+            if win is w:
+                self._windows[version] = fresh
+        self._open = fresh
+        return None
+
+    # --- bookkeeping --------------------------------------------------------------------------
+
+    def _record(self, entry: dict[str, Any], now: float) -> None:
+        entry = {k: (_finite_or_none(v) if isinstance(v, float) else v) for k, v in entry.items()}
+        entry["t"] = round(now, 3)
+        entry["n"] = self.evaluations
+        self.history.append(entry)
+        if len(self.history) > self.cfg.history:
+            del self.history[: len(self.history) - self.cfg.history]
+        self.revision += 1
+
+    def window_for(self, version: int) -> Window | None:
+        """The window a sample of ``version`` counts for (None: it counts for none)."""
+        return self._windows.get(version)
+
+    def status(self) -> dict[str, Any]:
+        w = self._open
+        return {
+            "phase": self.phase,
+            "incumbent": {"rtt": self.incumbent[0], "queue": self.incumbent[1],
+                          "p95_ms": _finite_or_none(self.incumbent_p95)},
+            "on_probation": self.last_good is not None,
+            "sigma": self.sigma,
+            "failures": self.failures,
+            "evaluations": self.evaluations,
+            "accepted": self.accepted,
+            "active": None if self.active is None else {
+                **self.active.body(), "arm": self.active.arm},
+            "window": None if w is None else {"arm": w.arm, "version": w.version,
+                                              "samples": w.n, "errors": w.errors},
+            "ignored_samples": self.ignored,
+            "other_policy_samples": self.other_policy,
+            "baseline_p95_ms": _finite_or_none(self.baseline_p95),
+            "prefill_rate": dict(self.rates),
+            "last": self.history[-1] if self.history else None,
+        }
+
+    # --- persistence --------------------------------------------------------------------------
+
+    def snapshot(self) -> dict[str, Any]:
+        """Everything needed to resume; an evaluation in progress restarts (samples are gone)."""
+        return {
+            "format": STATE_FORMAT,
+            "config": {k: (list(v) if isinstance(v, tuple) else v)
+                       for k, v in asdict(self.cfg).items()},
+            "incumbent": list(self.incumbent),
+            "incumbent_p95": _finite_or_none(self.incumbent_p95),
+            "last_good": None if self.last_good is None else list(self.last_good),
+            "last_good_p95": _finite_or_none(self.last_good_p95),
+            "sigma": self.sigma,
+            "failures": self.failures,
+            "evaluations": self.evaluations,
+            "accepted": self.accepted,
+            "phase": self.phase,
+            "baseline_p95": _finite_or_none(self.baseline_p95),
+            "next_version": self.next_version,
+            "prefill_rate": dict(self.rates),
+            "history": list(self.history),
+            "rng": self.rng.bit_generator.state,
+        }
+
+    @classmethod
+    def restore(
+        cls,
+        config: OptimizerConfig,
+        state: dict[str, Any],
+        *,
+        calibration: CalibrationConfig | None = None,
+    ) -> Tuner:
+        """A tuner resumed from `snapshot`; raises ValueError on a state it cannot trust."""
+        try:
+            if state.get("format") != STATE_FORMAT:
+                raise ValueError(f"unknown state format {state.get('format')!r}")
+            t = cls(config, _pair(state["incumbent"]), calibration=calibration,
+                    next_version=int(state["next_version"]))
+            t.incumbent_p95 = _opt_float(state.get("incumbent_p95"))
+            t.last_good = None if state.get("last_good") is None else _pair(state["last_good"])
+            t.last_good_p95 = _opt_float(state.get("last_good_p95"))
+            t.sigma = min(max(float(state["sigma"]), 0.0), config.max_sigma)
+            if not t.sigma > 0:
+                raise ValueError("sigma must be > 0")
+            t.failures = int(state["failures"])
+            t.evaluations = int(state["evaluations"])
+            t.accepted = int(state["accepted"])
+            t.phase = str(state["phase"])
+            if t.phase not in (EVALUATING, CONVERGED):
+                raise ValueError(f"unknown phase {t.phase!r}")
+            t.baseline_p95 = _opt_float(state.get("baseline_p95"))
+            t.rates = {str(k): float(v) for k, v in dict(state.get("prefill_rate") or {}).items()}
+            t.history = list(state.get("history") or [])[-config.history:] if config.history else []
+            if state.get("rng") is not None:
+                t.rng.bit_generator.state = state["rng"]
+        except (KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(f"incomplete tuner state: {exc!r}") from None
+        return t
+
+
+def _pair(v: Any) -> tuple[float, float]:
+    if not isinstance(v, list | tuple) or len(v) != 2:
+        raise ValueError(f"expected [rtt, queue], got {v!r}")
+    a, b = float(v[0]), float(v[1])
+    if not (math.isfinite(a) and math.isfinite(b) and a > 0 and b > 0):
+        raise ValueError(f"weights must be finite and > 0, got {v!r}")
+    return a, b
+
+
+def _opt_float(v: Any) -> float | None:
+    return None if v is None else float(v)
+
+
+def config_from_mapping(raw: dict[str, Any], path: str = "optimizer") -> OptimizerConfig:
+    """OptimizerConfig from a YAML mapping; unknown keys and wrong types name their field."""
+    known = {f.name: f for f in fields(OptimizerConfig)}
+    defaults = OptimizerConfig()
+    values: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key not in known:
+            raise ValueError(f"{path}.{key}: unknown field (allowed: {', '.join(sorted(known))})")
+        default = getattr(defaults, key)
+        if isinstance(default, bool):
+            if not isinstance(value, bool):
+                raise ValueError(f"{path}.{key}: expected true or false")
+        elif isinstance(default, str):
+            if not isinstance(value, str):
+                raise ValueError(f"{path}.{key}: expected a string, got {value!r}")
+        elif isinstance(default, tuple):
+            if (not isinstance(value, list) or len(value) != 2
+                    or not all(isinstance(x, int | float) and not isinstance(x, bool)
+                               for x in value)):
+                raise ValueError(f"{path}.{key}: expected [low, high]")
+            value = (float(value[0]), float(value[1]))
+        elif isinstance(default, int):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"{path}.{key}: expected an integer, got {value!r}")
+        elif isinstance(value, bool) or not isinstance(value, int | float):
+            raise ValueError(f"{path}.{key}: expected a number, got {value!r}")
+        else:
+            value = float(value)
+        values[key] = value
+    cfg = OptimizerConfig(**values)
+    cfg.validate()
+    return cfg

@@ -1,0 +1,141 @@
+"""Publishes the tuner's weights to every router's admin API (`PUT /admin/weights`).
+
+Publishing is a reconciliation, not a fire-and-forget: each router's acknowledged version is
+tracked and a router that missed an update (down, slow, restarted) gets it on a later tick, with a
+backoff. A 409 means the router already holds a version at or above ours (a previous tuner run
+whose state was lost, an operator's manual update, or an ack that got lost): `sync` reports that
+version so the caller can renumber the proposal above it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from tuner.optimizer import Proposal
+
+log = logging.getLogger("gorgo.tuner.publisher")
+RETRY_MIN_S = 0.5
+RETRY_MAX_S = 30.0
+
+
+@dataclass(frozen=True, slots=True)
+class RouterTarget:
+    url: str  # base URL of the router's metrics/admin port, e.g. http://127.0.0.1:9100
+    token: str
+
+    @property
+    def endpoint(self) -> str:
+        return self.url.rstrip("/") + "/admin/weights"
+
+
+@dataclass(frozen=True, slots=True)
+class PublishResult:
+    url: str
+    status: int  # HTTP status; 0 when the router did not answer
+    active_version: int | None = None
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 200
+
+
+@dataclass(slots=True)
+class _Track:
+    acked: int = -1
+    retry_at: float = 0.0
+    backoff: float = RETRY_MIN_S
+    error: str = ""
+    published: int = 0
+    failed: int = 0
+
+
+class Publisher:
+    def __init__(self, targets: list[RouterTarget], timeout_s: float = 2.0, clock=time.monotonic):
+        self.targets = list(targets)
+        self.timeout_s = timeout_s
+        self.clock = clock
+        self._track = {t.url: _Track() for t in self.targets}
+        self._session: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> Publisher:
+        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s))
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def _headers(self, t: RouterTarget) -> dict[str, str]:
+        return {"authorization": f"Bearer {t.token}"}
+
+    async def fetch(self, t: RouterTarget) -> dict[str, Any] | None:
+        """The router's active weights, or None if it did not answer with them."""
+        assert self._session is not None, "use `async with Publisher(...)`"
+        try:
+            async with self._session.get(t.endpoint, headers=self._headers(t)) as r:
+                if r.status != 200:
+                    log.warning("GET %s: HTTP %d", t.endpoint, r.status)
+                    return None
+                return await r.json()
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            log.warning("GET %s: %s", t.endpoint, exc or type(exc).__name__)
+            return None
+
+    async def put(self, t: RouterTarget, proposal: Proposal) -> PublishResult:
+        assert self._session is not None, "use `async with Publisher(...)`"
+        try:
+            async with self._session.put(t.endpoint, json=proposal.body(),
+                                         headers=self._headers(t)) as r:
+                try:
+                    body = await r.json(content_type=None)
+                except ValueError:
+                    body = {}
+                if r.status == 200:
+                    return PublishResult(t.url, 200, body.get("version"))
+                err = body.get("error", {}) if isinstance(body, dict) else {}
+                active = err.get("active_version") if isinstance(err, dict) else None
+                message = err.get("message", "") if isinstance(err, dict) else ""
+                return PublishResult(t.url, r.status, active if isinstance(active, int) else None,
+                                     message or f"HTTP {r.status}")
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            return PublishResult(t.url, 0, None, str(exc) or type(exc).__name__)
+
+    async def sync(self, proposal: Proposal) -> int | None:
+        """Bring every due router to ``proposal``; a version floor if one holds a newer version."""
+        now = self.clock()
+        version = proposal.weights.version
+        due = [t for t in self.targets
+               if self._track[t.url].acked < version and now >= self._track[t.url].retry_at]
+        if not due:
+            return None
+        results = await asyncio.gather(*(self.put(t, proposal) for t in due))
+        floor: int | None = None
+        for r in results:
+            tr = self._track[r.url]
+            if r.ok:
+                tr.acked, tr.backoff, tr.retry_at, tr.error = version, RETRY_MIN_S, 0.0, ""
+                tr.published += 1
+                continue
+            tr.failed += 1
+            if r.status == 409 and r.active_version is not None:
+                floor = r.active_version if floor is None else max(floor, r.active_version)
+                continue  # renumbered and retried at once by the caller
+            if r.error != tr.error:
+                log.warning("publishing v%d to %s failed: %s", version, r.url, r.error)
+            tr.error = r.error
+            tr.retry_at = now + tr.backoff
+            tr.backoff = min(tr.backoff * 2, RETRY_MAX_S)
+        return floor
+
+    def status(self) -> list[dict[str, Any]]:
+        return [{"url": t.url, "acked_version": self._track[t.url].acked,
+                 "published": self._track[t.url].published, "failed": self._track[t.url].failed,
+                 "error": self._track[t.url].error} for t in self.targets]
