@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -18,9 +19,32 @@ BIN = Path(sys.executable).parent
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+# Listening ports are drawn below the kernel's ephemeral range (32768+ by default): a port from
+# that range can be taken as the source port of some outgoing connection between the moment it is
+# found free and the moment a child process binds it.
+PORT_RANGE = (10000, 32000)
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct loopback ports that are free now, outside the ephemeral range."""
+    rng = random.Random()
+    socks: list[socket.socket] = []
+    try:
+        while len(socks) < n:
+            s = socket.socket()
+            try:
+                s.bind(("127.0.0.1", rng.randrange(*PORT_RANGE)))
+            except OSError:
+                s.close()
+                continue
+            socks.append(s)  # held until all are found, so none is returned twice
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 class LoopThread:

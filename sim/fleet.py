@@ -51,15 +51,19 @@ class SimFleet:
                             stream_interval=self.stream_interval, name=r.name)
 
     async def start(self) -> None:
+        # Links first: their addresses are fixed by the fleet file, while the engines take any
+        # free port, which could otherwise be one of those addresses.
         for k, r in enumerate(self.replicas):
-            server = self._server(r)
-            engine_port = await server.start("127.0.0.1", r.sim.port if r.sim else 0)
             region = self._regions[r.region]
-            link = Link(r.host, r.port, "127.0.0.1", engine_port, region.rtt_ms,
-                        region.jitter_ms, seed=self.seed * 1000 + k)
+            link = Link(r.host, r.port, "127.0.0.1", 0, region.rtt_ms, region.jitter_ms,
+                        seed=self.seed * 1000 + k)
             await link.start()
-            self.servers[r.name] = server
             self.links[r.name] = link
+        for r in self.replicas:
+            server = self._server(r)
+            self.links[r.name].backend_port = await server.start(
+                "127.0.0.1", r.sim.port if r.sim else 0)
+            self.servers[r.name] = server
 
     async def stop(self) -> None:
         for link in self.links.values():

@@ -1,0 +1,181 @@
+"""The whole product on one machine: simulated fleet, router, tuner and real Envoy, on free ports.
+
+`gorgo demo`, the live benches and the chaos tests all stand the same stack up through this one
+class, so they exercise the processes a user runs (`gorgo sim fleet`, `gorgo extproc`,
+`gorgo tuner`, `envoy`) exactly as documented, and every process is stopped on exit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from gorgo.core.fleet import FleetSpec, load_fleet
+from gorgo.envoy_config import render_bootstrap
+from gorgo.envoy_proc import EnvoyProcess
+from gorgo.procs import GorgoProcess, free_ports, wait_for
+
+
+def with_free_ports(doc: dict[str, Any]) -> dict[str, Any]:
+    """A copy of a fleet document whose replicas listen on free loopback ports."""
+    out = json.loads(json.dumps(doc))
+    for r, port in zip(out["replicas"], free_ports(len(out["replicas"])), strict=True):
+        r["address"] = f"127.0.0.1:{port}"
+    return out
+
+
+@dataclass
+class StackOptions:
+    policy: str = "gorgo"
+    tuner: bool = False
+    tuner_optimizer: dict[str, Any] | None = None  # tuner/optimizer.py OptimizerConfig fields
+    stream_interval: int = 8
+    speed: float = 1.0
+    seed: int = 0
+    envoy_concurrency: int = 1
+
+
+class LiveStack:
+    """Start with `start()` (or as a context manager); `stop()` ends every process it started."""
+
+    def __init__(self, fleet_doc: dict[str, Any], workdir: Path, opts: StackOptions) -> None:
+        self.opts = opts
+        self.workdir = Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        doc = dict(fleet_doc, policy=opts.policy, allow_policy_override=True)
+        self.fleet_path = self.workdir / "fleet.yaml"
+        self.fleet_path.write_text(yaml.safe_dump(doc, sort_keys=False))
+        self.spec: FleetSpec = load_fleet(self.fleet_path)
+        self.token = secrets.token_hex(16)
+        self.token_path = self.workdir / "admin-token"
+        self.token_path.write_text(self.token)
+        os.chmod(self.token_path, 0o600)
+        self.procs: dict[str, GorgoProcess] = {}
+        self.envoy: EnvoyProcess | None = None
+        self.url = ""
+        self.metrics_url = ""
+        self.control_url = ""
+        self.tuner_status_url = ""
+
+    # --- lifecycle ------------------------------------------------------------------------------
+
+    def start(self, ready_timeout: float = 30.0) -> LiveStack:
+        try:
+            self._start(ready_timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start(self, ready_timeout: float) -> None:
+        o = self.opts
+        fleet = GorgoProcess(["sim", "fleet", str(self.fleet_path), "--control-port", "0",
+                              "--stream-interval", str(o.stream_interval),
+                              "--speed", str(o.speed), "--seed", str(o.seed)])
+        self.procs["fleet"] = fleet
+        self.control_url = f"http://127.0.0.1:{fleet.field('control')}"
+        grpc_port, metrics_port, otlp_port, status_port, listen, admin = free_ports(6)
+        self.procs["extproc"] = GorgoProcess([
+            "extproc", "--fleet", str(self.fleet_path), "--port", str(grpc_port),
+            "--metrics-port", str(metrics_port), "--admin-token-file", str(self.token_path),
+            "--log-level", "WARNING"])
+        self.metrics_url = f"http://127.0.0.1:{metrics_port}"
+        otlp = None
+        if o.tuner:
+            cfg = {
+                "listen": f"127.0.0.1:{otlp_port}",
+                "status_listen": f"127.0.0.1:{status_port}",
+                "state_file": str(self.workdir / "tuner-state.json"),
+                "routers": [{"url": self.metrics_url, "token_file": str(self.token_path)}],
+                "seed": o.seed,
+                "log_every_s": 3600,
+            }
+            if o.tuner_optimizer:
+                cfg["optimizer"] = o.tuner_optimizer
+            cfg_path = self.workdir / "tuner.yaml"
+            cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+            self.procs["tuner"] = GorgoProcess(["tuner", "--config", str(cfg_path),
+                                                "--log-level", "WARNING"])
+            self.tuner_status_url = f"http://127.0.0.1:{status_port}"
+            otlp = f"127.0.0.1:{otlp_port}"
+        boot = render_bootstrap(self.spec, listen=f"127.0.0.1:{listen}",
+                                extproc=f"127.0.0.1:{grpc_port}", otlp=otlp,
+                                admin=f"127.0.0.1:{admin}")
+        self.envoy = EnvoyProcess(boot, concurrency=o.envoy_concurrency).start()
+        self.url = f"http://127.0.0.1:{listen}"
+        if not wait_for(self.rtt_known, ready_timeout, 0.2):
+            raise TimeoutError("the router did not measure every replica's RTT in time")
+
+    def stop(self) -> None:
+        if self.envoy is not None:
+            self.envoy.stop()
+            self.envoy = None
+        for proc in reversed(list(self.procs.values())):
+            proc.stop()
+        self.procs.clear()
+
+    def __enter__(self) -> LiveStack:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # --- observation and control ------------------------------------------------------------------
+
+    def _http(self, method: str, url: str, body: Any = None, token: bool = False) -> Any:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(url, data=data, method=method)
+        req.add_header("content-type", "application/json")
+        if token:
+            req.add_header("authorization", f"Bearer {self.token}")
+        with urllib.request.urlopen(req, timeout=5) as r:
+            raw = r.read()
+        return json.loads(raw) if raw[:1] in (b"{", b"[") else raw.decode()
+
+    def router_metrics(self) -> str:
+        return self._http("GET", self.metrics_url + "/metrics")
+
+    def metric_values(self, name: str) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for line in self.router_metrics().splitlines():
+            if line.startswith(name + "{") or line.startswith(name + " "):
+                labels, _, value = line.rpartition(" ")
+                out[labels[len(name):]] = float(value)
+        return out
+
+    def rtt_known(self) -> bool:
+        try:
+            values = self.metric_values("gorgo_rtt_ms")
+        except (OSError, urllib.error.URLError):
+            return False
+        return bool(values) and all(v == v for v in values.values())
+
+    def weights(self) -> dict[str, Any]:
+        return self._http("GET", self.metrics_url + "/admin/weights", token=True)
+
+    def control(self, replica: str, action: str, **body: Any) -> dict[str, Any]:
+        return self._http("POST", f"{self.control_url}/replicas/{replica}/{action}", body)
+
+    def fleet_status(self) -> dict[str, Any]:
+        return self._http("GET", self.control_url + "/status")
+
+    def inflight(self) -> float:
+        return sum(self.metric_values("gorgo_inflight_requests").values())
+
+    def wait_idle(self, timeout: float = 60.0) -> bool:
+        """Wait until the router has nothing in flight (every stream closed)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.inflight() == 0:
+                return True
+            time.sleep(0.2)
+        return False

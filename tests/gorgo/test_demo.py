@@ -1,0 +1,25 @@
+"""`gorgo demo`, shortened: every process starts, traffic flows, report and plots are written."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from gorgo.cli import main
+
+pytestmark = pytest.mark.envoy
+
+
+def test_short_demo_writes_report_and_plots(tmp_path: Path) -> None:
+    out = tmp_path / "demo"
+    rc = main(["demo", "--duration", "8", "--baselines", "round-robin",
+               "--offline-policies", "gorgo,round-robin", "--out", str(out)])
+    assert rc == 0
+    report = (out / "report.md").read_text()
+    assert "| gorgo |" in report and "| round-robin |" in report
+    assert "Offline simulation" in report
+    for png in ("ttft_cdf.png", "requests_per_region.png", "tuner_weights.png"):
+        assert (out / png).stat().st_size > 5000, png
+    lines = (out / "live-gorgo.jsonl").read_text().splitlines()
+    assert lines and all('"outcome": "ok"' in line for line in lines)
