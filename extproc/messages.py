@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any
 
 from google.protobuf.struct_pb2 import Struct
@@ -12,6 +13,10 @@ from gorgo._xds.envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from gorgo._xds.envoy.type.v3.http_status_pb2 import HttpStatus
 
 CLUSTER_HEADER = "x-gorgo-cluster"
+# Ordered IP:port list for Envoy's override-host policy: attempt k goes to the k-th address.
+ENDPOINTS_HEADER = "x-gorgo-endpoints"
+# Set by Envoy on the response (include_attempt_count_in_response): 2 means the retry served it.
+ATTEMPT_COUNT_HEADER = "x-envoy-attempt-count"
 # Gateway API Inference Extension endpoint-picker protocol: header and dynamic metadata.
 PICKER_HEADER = "x-gateway-destination-endpoint"
 PICKER_NAMESPACE = "envoy.lb"
@@ -31,10 +36,14 @@ def _set(key: str, value: str) -> HeaderValueOption:
     )
 
 
-def _route_common(cluster: str, endpoint: str | None) -> pb.CommonResponse:
+def _route_common(
+    cluster: str, endpoint: str | None, endpoints: Sequence[str] | None
+) -> pb.CommonResponse:
     headers = [_set(CLUSTER_HEADER, cluster)]
     if endpoint is not None:
         headers.append(_set(PICKER_HEADER, endpoint))
+    if endpoints:
+        headers.append(_set(ENDPOINTS_HEADER, ",".join(endpoints)))
     return pb.CommonResponse(
         header_mutation=pb.HeaderMutation(set_headers=headers), clear_route_cache=True
     )
@@ -49,22 +58,25 @@ def _metadata(fields: dict[str, Any], endpoint: str | None) -> Struct:
 
 
 def route_on_body(
-    cluster: str, fields: dict[str, Any], endpoint: str | None = None
+    cluster: str, fields: dict[str, Any], endpoint: str | None = None,
+    endpoints: Sequence[str] | None = None,
 ) -> pb.ProcessingResponse:
     """Answer the request body: send it to ``cluster`` (and, in endpoint-picker mode, name the
-    endpoint too) and publish the decision as metadata."""
+    endpoint too; with retries, the ordered ``endpoints`` the attempts go to) and publish the
+    decision as metadata."""
     return pb.ProcessingResponse(
-        request_body=pb.BodyResponse(response=_route_common(cluster, endpoint)),
+        request_body=pb.BodyResponse(response=_route_common(cluster, endpoint, endpoints)),
         dynamic_metadata=_metadata(fields, endpoint),
     )
 
 
 def route_on_headers(
-    cluster: str, fields: dict[str, Any], endpoint: str | None = None
+    cluster: str, fields: dict[str, Any], endpoint: str | None = None,
+    endpoints: Sequence[str] | None = None,
 ) -> pb.ProcessingResponse:
     """Answer the headers of a body-less request (GET /v1/models, /health)."""
     return pb.ProcessingResponse(
-        request_headers=pb.HeadersResponse(response=_route_common(cluster, endpoint)),
+        request_headers=pb.HeadersResponse(response=_route_common(cluster, endpoint, endpoints)),
         dynamic_metadata=_metadata(fields, endpoint),
     )
 

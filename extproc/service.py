@@ -13,6 +13,8 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+import numpy as np
+
 from extproc import messages
 from extproc.telemetry import RouterMetrics
 from gorgo._xds.envoy.service.ext_proc.v3 import external_processor_pb2 as pb
@@ -29,12 +31,23 @@ log = logging.getLogger("gorgo.extproc")
 class _Stream:
     """Per-request state carried between the messages of one ext_proc stream."""
 
-    __slots__ = ("decision", "headers", "path")
+    __slots__ = ("decision", "fallback", "headers", "path")
 
     def __init__(self) -> None:
         self.headers: dict[str, str] = {}
         self.path = "/"
         self.decision: Decision | None = None
+        self.fallback: int | None = None  # the replica Envoy retries on, if any
+
+
+def next_best(d: Decision) -> int | None:
+    """The routable replica ranked right after the chosen one (lowest other score), or None."""
+    if d.scores is None:
+        return None
+    others = np.asarray(d.scores, dtype=float).copy()
+    others[d.replica] = np.inf
+    j = int(np.argmin(others))
+    return j if np.isfinite(others[j]) else None
 
 
 class ExtProcService(ExternalProcessorServicer):
@@ -46,6 +59,7 @@ class ExtProcService(ExternalProcessorServicer):
         self.max_body = spec.limits.max_body_bytes
         self.max_depth = spec.limits.max_json_depth
         self.picker = spec.endpoint_picker
+        self.retries = spec.retries.enabled
 
     async def Process(
         self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: Any
@@ -95,13 +109,20 @@ class ExtProcService(ExternalProcessorServicer):
         d = st.decision
         if d is None:
             return messages.CONTINUE_RESPONSE_HEADERS
-        status = messages.header_dict(msg).get(":status", "")
-        replica = self.router.state.names[d.replica]
+        headers = messages.header_dict(msg)
+        status = headers.get(":status", "")
+        served = d.replica
+        attempts = headers.get(messages.ATTEMPT_COUNT_HEADER, "1")
+        if st.fallback is not None and attempts.isdigit() and int(attempts) > 1:
+            # Envoy retried on the next-best replica: the chosen one failed before answering.
+            self.router.state.record_failed_response(d.replica, self.clock())
+            served = st.fallback
+        replica = self.router.state.names[served]
         self.metrics.upstream_status.labels(replica, f"{status[:1]}xx").inc()
         if status in ("500", "502", "503", "504"):
-            self.router.state.record_failed_response(d.replica, self.clock())
+            self.router.state.record_failed_response(served, self.clock())
         elif status[:1] in ("2", "4"):
-            self.router.state.record_success(d.replica)
+            self.router.state.record_success(served)
         return messages.tag_response(replica, d.id)
 
     # --- decisions ------------------------------------------------------------------------------
@@ -142,8 +163,13 @@ class ExtProcService(ExternalProcessorServicer):
         replica = s.names[d.replica]
         fields = self._fields(d, f, replica)
         endpoint = s.spec.replicas[d.replica].address if self.picker else None
+        st.fallback = next_best(d) if self.retries else None
+        # Only with a routable next-best replica: a one-address list would leave the retry to
+        # Envoy's fallback round robin, which may pick the failed or an ejected replica.
+        endpoints = None if st.fallback is None else [
+            s.spec.replicas[d.replica].address, s.spec.replicas[st.fallback].address]
         answer = (messages.route_on_headers if on_headers else messages.route_on_body)(
-            s.clusters[d.replica], fields, endpoint)
+            s.clusters[d.replica], fields, endpoint, endpoints)
         self.metrics.decisions.labels(d.policy, replica).inc()
         self.metrics.decision_seconds.observe(time.perf_counter() - t0)
         return answer

@@ -6,7 +6,10 @@ tests run that validation on every rendered shape). Request path: listener (clie
 headers are internal-only and dropped, so a client cannot pick a cluster) -> ext_proc (sets
 x-gorgo-cluster, clears the route cache, publishes the decision as dynamic metadata) -> router. If
 the ext_proc server is down or slow, the filter fails open and the fallback route sends the request
-to the default cluster. Span path: Envoy's OpenTelemetry tracer puts TTFT and every gorgo.* field on
+to the default cluster. With retries on, ext_proc also names the chosen and the next-best replica
+in x-gorgo-endpoints; that route goes to one cluster of every replica whose override-host policy
+sends the first attempt to the first address and the one retry to the second (see
+docs/reliability.md). Span path: Envoy's OpenTelemetry tracer puts TTFT and every gorgo.* field on
 the request's span.
 """
 
@@ -27,6 +30,11 @@ OTLP_CLUSTER = "otel_collector"
 PICKER_CLUSTER = "picker_original_dst"
 PICKER_HEADER = "x-gateway-destination-endpoint"
 CLUSTER_HEADER = "x-gorgo-cluster"
+FLEET_CLUSTER = "gorgo_fleet"
+ENDPOINTS_HEADER = "x-gorgo-endpoints"
+# Only failures before any response byte: Envoy never retries once headers went downstream.
+RETRY_ON = "connect-failure,reset,refused-stream,retriable-status-codes"
+RETRY_STATUS_CODES = (503,)
 TTFT_TAG = "gen_ai.response.time_to_first_chunk"
 TTFT_FORMAT = "%COMMON_DURATION(DS_RX_BEG:US_RX_BODY_BEG:us)%"
 DECISION_FIELDS = (
@@ -37,6 +45,13 @@ TOO_LARGE_BODY = (
     '{"error":{"message":"Request body too large.","type":"invalid_request_error",'
     '"param":null,"code":"request_too_large"}}'
 )
+UPSTREAM_FAILED_BODY = (
+    '{"error":{"message":"The replica failed before answering; retry later.",'
+    '"type":"server_error","param":null,"code":"upstream_unavailable"}}'
+)
+# Envoy's own 503s for a failed upstream (connect failure, no host, reset, retries exhausted);
+# the router's immediate 503 (no_healthy_replica) carries none of these flags and keeps its body.
+UPSTREAM_FAILURE_FLAGS = ("UF", "UH", "UR", "UC", "URX")
 
 
 def _hostport(value: str) -> tuple[str, int]:
@@ -75,12 +90,59 @@ def _cluster(name: str, host: str, port: int, connect_ms: int, http2: bool = Fal
     return c
 
 
+def _lb_policy(name: str, typed: str, **config: Any) -> dict:
+    return {"policies": [{"typed_extension_config": {
+        "name": f"envoy.load_balancing_policies.{name}",
+        "typed_config": {"@type": f"{_T}envoy.extensions.load_balancing_policies.{typed}",
+                         **config},
+    }}]}
+
+
+def _fleet_cluster(spec: FleetSpec) -> dict:
+    """Every replica in one cluster, the host picked by the override-host policy from the
+    x-gorgo-endpoints list (attempt k goes to the k-th address); round robin only if the list
+    names no known endpoint. The retry budget caps retries in flight at ``budget_percent`` of
+    active requests, so a fleet-wide outage cannot multiply the load."""
+    r = spec.retries
+    endpoints = [{"endpoint": {"address": {"socket_address": {
+        "address": rep.host.removeprefix("[").removesuffix("]"), "port_value": rep.port}}}}
+        for rep in spec.replicas]
+    return {
+        "name": FLEET_CLUSTER,
+        "type": "STATIC",
+        "connect_timeout": f"{spec.timeouts.connect_ms / 1000:g}s",
+        "load_assignment": {"cluster_name": FLEET_CLUSTER,
+                            "endpoints": [{"lb_endpoints": endpoints}]},
+        "load_balancing_policy": _lb_policy(
+            "override_host", "override_host.v3.OverrideHost",
+            override_host_sources=[{"header": ENDPOINTS_HEADER}],
+            fallback_policy=_lb_policy("round_robin", "round_robin.v3.RoundRobin"),
+        ),
+        "circuit_breakers": {"thresholds": [{
+            "max_connections": 100000, "max_pending_requests": 100000, "max_requests": 100000,
+            "retry_budget": {"budget_percent": {"value": r.budget_percent},
+                             "min_retry_concurrency": r.min_retry_concurrency},
+        }]},
+    }
+
+
 def _routes(spec: FleetSpec, picker: bool) -> list[dict]:
     routes = []
     if picker:
         routes.append({
             "match": {"prefix": "/", "headers": [{"name": PICKER_HEADER, "present_match": True}]},
             "route": {"cluster": PICKER_CLUSTER, "timeout": "0s"},
+        })
+    if spec.retries.enabled:
+        # No per-try timeout: an attempt is a whole streamed answer, and a timeout must not cut
+        # a stream (Envoy never retries after response bytes went downstream anyway).
+        routes.append({
+            "match": {"prefix": "/",
+                      "headers": [{"name": ENDPOINTS_HEADER, "present_match": True}]},
+            "route": {"cluster": FLEET_CLUSTER, "timeout": "0s", "retry_policy": {
+                "retry_on": RETRY_ON, "num_retries": 1,
+                "retriable_status_codes": list(RETRY_STATUS_CODES),
+            }},
         })
     routes.append({
         "match": {"prefix": "/", "headers": [{"name": CLUSTER_HEADER, "present_match": True}]},
@@ -122,7 +184,8 @@ def render_bootstrap(
     service_name: str = "gorgo-envoy",
 ) -> dict[str, Any]:
     """The bootstrap as a dict; ``picker`` (or the fleet's ``endpoint_picker``) adds the
-    endpoint-picker route to an ORIGINAL_DST cluster."""
+    endpoint-picker route to an ORIGINAL_DST cluster, the fleet's ``retries`` the retried route
+    to the override-host cluster of every replica."""
     picker = picker or spec.endpoint_picker
     lhost, lport = _hostport(listen)
     ahost, aport = _hostport(admin)
@@ -155,8 +218,10 @@ def render_bootstrap(
         "use_remote_address": True,
         "route_config": {
             "name": "gorgo_routes",
-            "internal_only_headers": [CLUSTER_HEADER, PICKER_HEADER],
-            "virtual_hosts": [{"name": "llm", "domains": ["*"], "routes": _routes(spec, picker)}],
+            "internal_only_headers": [CLUSTER_HEADER, PICKER_HEADER, ENDPOINTS_HEADER],
+            # x-envoy-attempt-count on the response tells ext_proc that the retry served it.
+            "virtual_hosts": [{"name": "llm", "domains": ["*"], "routes": _routes(spec, picker),
+                               "include_attempt_count_in_response": True}],
         },
         "http_filters": [ext_proc, {
             "name": "envoy.filters.http.router",
@@ -169,6 +234,11 @@ def render_bootstrap(
             "body_format_override": {
                 "text_format_source": {"inline_string": TOO_LARGE_BODY},
                 "content_type": "application/json"},
+        }, {
+            "filter": {"response_flag_filter": {"flags": list(UPSTREAM_FAILURE_FLAGS)}},
+            "body_format_override": {
+                "text_format_source": {"inline_string": UPSTREAM_FAILED_BODY},
+                "content_type": "application/json"},
         }]},
     }
     tracing = _tracing(otlp, service_name)
@@ -177,6 +247,8 @@ def render_bootstrap(
     clusters = [
         _cluster(r.cluster, r.host, r.port, t.connect_ms) for r in spec.replicas
     ]
+    if spec.retries.enabled:
+        clusters.append(_fleet_cluster(spec))
     ehost, eport = _hostport(extproc)
     clusters.append(_cluster(EXTPROC_CLUSTER, ehost, eport, t.connect_ms, http2=True))
     if otlp is not None:

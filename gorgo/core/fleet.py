@@ -8,6 +8,7 @@ router config shows up much later as bad routing.
 
 from __future__ import annotations
 
+import ipaddress
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -122,6 +123,17 @@ class Penalties:
 
 
 @dataclass(frozen=True, slots=True)
+class Retries:
+    """Envoy retries a failed attempt (connect failure, reset or 503 before any response byte)
+    once, on the decision's next-best replica, while retries in flight stay within
+    ``budget_percent`` of active requests (at least ``min_retry_concurrency``)."""
+
+    enabled: bool = True
+    budget_percent: float = 20.0
+    min_retry_concurrency: int = 3
+
+
+@dataclass(frozen=True, slots=True)
 class FleetSpec:
     replicas: tuple[ReplicaSpec, ...]
     regions: tuple[RegionSpec, ...]
@@ -137,6 +149,7 @@ class FleetSpec:
     limits: Limits = field(default_factory=Limits)
     shedding: Shedding = field(default_factory=Shedding)
     penalties: Penalties = field(default_factory=Penalties)
+    retries: Retries = field(default_factory=Retries)
     name: str = "fleet"
     # Also answer with the Gateway API Inference Extension's endpoint-picker header/metadata.
     endpoint_picker: bool = False
@@ -286,6 +299,37 @@ def _section(raw: Mapping[str, Any], key: str, cls: type, path: str) -> Any:
     return cls(**values)
 
 
+def ip_literal(host: str) -> bool:
+    """True for an IPv4 or (bracketed) IPv6 address, False for a DNS name."""
+    try:
+        ipaddress.ip_address(host.removeprefix("[").removesuffix("]"))
+    except ValueError:
+        return False
+    return True
+
+
+def _retries(raw: Mapping[str, Any], replicas: tuple[ReplicaSpec, ...], path: str) -> Retries:
+    """Retries name the next-best replica by IP:port (Envoy's override-host policy matches
+    endpoints by address), so they default to on only when every replica address is an IP."""
+    rraw = _mapping(raw.get("retries") or {}, path)
+    _check_keys(rraw, set(Retries.__dataclass_fields__), path)
+    named = [r.address for r in replicas if not ip_literal(r.host)]
+    enabled = rraw.get("enabled", not named)
+    if not isinstance(enabled, bool):
+        raise FleetError(f"{path}.enabled: expected true or false, got {enabled!r}")
+    if enabled and named:
+        raise FleetError(
+            f"{path}.enabled: retries need IP:port replica addresses, got {named[0]!r}")
+    percent = _num(rraw, "budget_percent", path, 20.0, strict=True)
+    if percent > 100:
+        raise FleetError(f"{path}.budget_percent: must be <= 100, got {percent!r}")
+    return Retries(
+        enabled=enabled,
+        budget_percent=percent,
+        min_retry_concurrency=_num(rraw, "min_retry_concurrency", path, 3, cast=int),
+    )
+
+
 def parse_fleet(raw: Any, source: str = "fleet") -> FleetSpec:
     """Validate a decoded fleet document; every error names the field it is about."""
     raw = _mapping(raw, source)
@@ -293,7 +337,7 @@ def parse_fleet(raw: Any, source: str = "fleet") -> FleetSpec:
         raw,
         {"name", "proxy_region", "regions", "replicas", "policy", "allow_policy_override",
          "weights", "block_tokens", "chars_per_token", "default_cluster", "timeouts", "signals",
-         "limits", "endpoint_picker", "shedding", "penalties"},
+         "limits", "endpoint_picker", "shedding", "penalties", "retries"},
         source,
     )
     regions_raw = _mapping(raw.get("regions"), f"{source}.regions")
@@ -347,6 +391,7 @@ def parse_fleet(raw: Any, source: str = "fleet") -> FleetSpec:
         limits=_section(raw, "limits", Limits, source),
         shedding=_section(raw, "shedding", Shedding, source),
         penalties=_section(raw, "penalties", Penalties, source),
+        retries=_retries(raw, replicas, f"{source}.retries"),
     )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import subprocess
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,8 @@ from gorgo.core.fleet import load_fleet
 from gorgo.envoy_config import (
     CLUSTER_HEADER,
     DECISION_FIELDS,
+    ENDPOINTS_HEADER,
+    FLEET_CLUSTER,
     PICKER_CLUSTER,
     TTFT_FORMAT,
     TTFT_TAG,
@@ -60,17 +63,40 @@ def test_bootstrap_shape() -> None:
         "typed_config"]
     names = [f["name"] for f in hcm["http_filters"]]
     assert names == ["envoy.filters.http.ext_proc", "envoy.filters.http.router"]
-    assert CLUSTER_HEADER in hcm["route_config"]["internal_only_headers"]
+    for header in (CLUSTER_HEADER, ENDPOINTS_HEADER):
+        assert header in hcm["route_config"]["internal_only_headers"]
     ext = hcm["http_filters"][0]["typed_config"]
     assert ext["failure_mode_allow"] is True
     assert ext["processing_mode"]["request_body_mode"] == "BUFFERED"
-    routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
-    assert routes[1]["route"]["cluster_header"] == CLUSTER_HEADER
-    assert routes[-1]["route"]["cluster"] == spec.default_cluster
+    routes = [r["route"] for r in hcm["route_config"]["virtual_hosts"][0]["routes"]]
+    # picker (ORIGINAL_DST) -> endpoint list with one retry -> single cluster -> default.
+    assert [r.get("cluster", r.get("cluster_header")) for r in routes] == [
+        PICKER_CLUSTER, FLEET_CLUSTER, CLUSTER_HEADER, spec.default_cluster]
+    retry = routes[1]["retry_policy"]
+    assert retry["num_retries"] == 1 and retry["retriable_status_codes"] == [503]
+    assert "per_try_timeout" not in retry  # a per-try timeout would cut a stream
+    fleet = clusters[FLEET_CLUSTER]
+    assert len(fleet["load_assignment"]["endpoints"][0]["lb_endpoints"]) == len(spec.replicas)
+    assert fleet["circuit_breakers"]["thresholds"][0]["retry_budget"] == {
+        "budget_percent": {"value": spec.retries.budget_percent},
+        "min_retry_concurrency": spec.retries.min_retry_concurrency}
     tags = {t["tag"]: t["value"] for t in hcm["tracing"]["custom_tags"]}
     assert tags[TTFT_TAG] == TTFT_FORMAT
     for key in DECISION_FIELDS:
         assert tags[f"gorgo.{key}"] == f"%DYNAMIC_METADATA(gorgo:{key})%"
+
+
+def test_retries_off_keeps_single_cluster_routing() -> None:
+    spec = load_fleet(EXAMPLE)
+    spec = replace(spec, retries=replace(spec.retries, enabled=False))
+    boot = render_bootstrap(spec)
+    names = [c["name"] for c in boot["static_resources"]["clusters"]]
+    assert FLEET_CLUSTER not in names
+    hcm = boot["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0][
+        "typed_config"]
+    routes = [r["route"] for r in hcm["route_config"]["virtual_hosts"][0]["routes"]]
+    assert [r.get("cluster", r.get("cluster_header")) for r in routes] == [
+        CLUSTER_HEADER, spec.default_cluster]
 
 
 def test_cli_writes_yaml(tmp_path: Path) -> None:
