@@ -117,6 +117,8 @@ class ExtProcService(ExternalProcessorServicer):
             # Envoy retried on the next-best replica: the chosen one failed before answering.
             self.router.state.record_failed_response(d.replica, self.clock())
             served = st.fallback
+            self.router.reassign(d.id, served)
+            self.metrics.retried.labels(self.router.state.names[d.replica]).inc()
         replica = self.router.state.names[served]
         self.metrics.upstream_status.labels(replica, f"{status[:1]}xx").inc()
         if status in ("500", "502", "503", "504"):

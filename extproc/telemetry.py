@@ -71,6 +71,10 @@ class RouterMetrics:
             "gorgo_shed_requests", "Requests shed by admission control (429)", ["priority"],
             registry=r,
         )
+        self.retried = Counter(
+            "gorgo_retried_requests", "Requests Envoy retried on the next-best replica, by the "
+            "replica that failed first", ["replica"], registry=r,
+        )
         self.fail_open = Counter(
             "gorgo_fail_open", "Requests passed to the default route after a router error",
             registry=r,

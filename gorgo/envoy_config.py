@@ -39,7 +39,7 @@ TTFT_TAG = "gen_ai.response.time_to_first_chunk"
 TTFT_FORMAT = "%COMMON_DURATION(DS_RX_BEG:US_RX_BODY_BEG:us)%"
 DECISION_FIELDS = (
     "decision_id", "replica", "region", "policy", "weights_version", "predicted_ttft_ms",
-    "rtt_ms", "queue_ms", "prefill_ms", "uncached_tokens", "prompt_tokens",
+    "rtt_ms", "queue_ms", "prefill_ms", "penalty_ms", "uncached_tokens", "prompt_tokens",
 )
 TOO_LARGE_BODY = (
     '{"error":{"message":"Request body too large.","type":"invalid_request_error",'

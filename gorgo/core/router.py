@@ -21,10 +21,11 @@ from gorgo.core.policies.base import Policy
 from gorgo.core.state import FleetState
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _Open:
     replica: int
     prompt_tokens: int
+    block_hashes: np.ndarray
 
 
 class Router:
@@ -84,7 +85,7 @@ class Router:
         d.weights_version = w.version
         d.id = f"{self._id_prefix}-{next(self._ids)}"
         s.record_sent(i, f, d.uncached_tokens)
-        self._open[d.id] = _Open(i, f.prompt_tokens)
+        self._open[d.id] = _Open(i, f.prompt_tokens, f.block_hashes)
         return d
 
     def _admit(self, f: RequestFeatures, terms: CostTerms) -> None:
@@ -113,6 +114,19 @@ class Router:
         if entry is None:
             return False
         self.state.release_inflight(entry.replica, entry.prompt_tokens)
+        return True
+
+    def reassign(self, decision_id: str, replica: int) -> bool:
+        """A retry served the request elsewhere: move its accounting there (False if closed)."""
+        entry = self._open.get(decision_id)
+        if entry is None or entry.replica == replica:
+            return False
+        s = self.state
+        s.release_inflight(entry.replica, entry.prompt_tokens)
+        uncached = int(s.prefix.match(entry.block_hashes)[replica]) * self.spec.block_tokens
+        s.prefix.insert(replica, entry.block_hashes)
+        s.add_inflight(replica, entry.prompt_tokens, max(entry.prompt_tokens - uncached, 0))
+        entry.replica = replica
         return True
 
     @property

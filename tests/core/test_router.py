@@ -170,3 +170,29 @@ def test_least_request_router_balances_open_requests() -> None:
     np.testing.assert_array_equal(r.state.inflight_reqs, [2, 2])
     r.complete(ds[0].id)
     assert r.route(req("x"), now=0.0).replica == ds[0].replica
+
+
+def test_reassign_moves_accounting_to_the_replica_that_served() -> None:
+    import json as _json
+
+    from gorgo.core.features import extract_features as _extract
+    from gorgo.core.fleet import parse_fleet as _parse
+    from gorgo.core.router import Router as _Router
+
+    spec = _parse({
+        "regions": {"a": None},
+        "replicas": [{"name": f"r{i}", "region": "a", "address": f"127.0.0.1:{i + 1}"}
+                     for i in range(2)],
+    })
+    r = _Router(spec)
+    body = _json.dumps({"messages": [{"role": "user", "content": "y" * 2000}]}).encode()
+    f = _extract("/v1/chat/completions", {}, body, r.state.tok)
+    d = r.route(f, 0.0)
+    other = 1 - d.replica
+    assert r.reassign(d.id, other)
+    assert r.state.inflight_reqs[d.replica] == 0 and r.state.inflight_reqs[other] == 1
+    assert r.state.prefix.match(f.block_hashes)[other] == len(f.block_hashes)
+    assert not r.reassign(d.id, other)
+    assert r.complete(d.id)
+    assert r.state.inflight_reqs.sum() == 0 and r.state.inflight_prompt_tokens.sum() == 0
+    assert not r.reassign(d.id, d.replica)
