@@ -83,8 +83,9 @@ class Signals:
             elif not warm and s.rtt_samples[i] == 0:
                 await self.probe(i, warm=True)  # the connection is open now: sample at once
         else:
+            # Priced at once (the penalty), ejected after repeated failures.
             self.metrics.probe_errors.labels(replica.name).inc()
-            s.record_failure(i, self.clock())
+            s.record_failed_response(i, self.clock())
 
     async def scrape_all(self) -> None:
         await asyncio.gather(*(self.scrape(i) for i in range(self.router.state.n)))

@@ -127,11 +127,13 @@ def _fleet_cluster(spec: FleetSpec) -> dict:
 
 
 def _routes(spec: FleetSpec, picker: bool) -> list[dict]:
+    t = spec.timeouts
+    limits = {"timeout": f"{t.request_s:g}s", "idle_timeout": f"{t.idle_s:g}s"}
     routes = []
     if picker:
         routes.append({
             "match": {"prefix": "/", "headers": [{"name": PICKER_HEADER, "present_match": True}]},
-            "route": {"cluster": PICKER_CLUSTER, "timeout": "0s"},
+            "route": {"cluster": PICKER_CLUSTER, **limits},
         })
     if spec.retries.enabled:
         # No per-try timeout: an attempt is a whole streamed answer, and a timeout must not cut
@@ -139,17 +141,17 @@ def _routes(spec: FleetSpec, picker: bool) -> list[dict]:
         routes.append({
             "match": {"prefix": "/",
                       "headers": [{"name": ENDPOINTS_HEADER, "present_match": True}]},
-            "route": {"cluster": FLEET_CLUSTER, "timeout": "0s", "retry_policy": {
+            "route": {"cluster": FLEET_CLUSTER, **limits, "retry_policy": {
                 "retry_on": RETRY_ON, "num_retries": 1,
                 "retriable_status_codes": list(RETRY_STATUS_CODES),
             }},
         })
     routes.append({
         "match": {"prefix": "/", "headers": [{"name": CLUSTER_HEADER, "present_match": True}]},
-        "route": {"cluster_header": CLUSTER_HEADER, "timeout": "0s"},
+        "route": {"cluster_header": CLUSTER_HEADER, **limits},
     })
     routes.append({"match": {"prefix": "/"},
-                   "route": {"cluster": spec.default_cluster, "timeout": "0s"}})
+                   "route": {"cluster": spec.default_cluster, **limits}})
     return routes
 
 
@@ -211,7 +213,7 @@ def render_bootstrap(
         "HttpConnectionManager",
         "stat_prefix": "gorgo_ingress",
         "codec_type": "AUTO",
-        "stream_idle_timeout": f"{t.request_s:g}s",
+        "stream_idle_timeout": f"{t.idle_s:g}s",
         "request_timeout": "0s",
         # Routing headers are set by the router only: a client's copy is dropped before any
         # filter or route sees it (with use_remote_address, every client is external).

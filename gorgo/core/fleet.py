@@ -85,7 +85,8 @@ class ReplicaSpec:
 class Timeouts:
     message_ms: int = 1000  # Envoy's ext_proc message_timeout
     connect_ms: int = 2000
-    request_s: float = 600.0
+    request_s: float = 600.0  # a whole request, stream included (Envoy route timeout)
+    idle_s: float = 60.0  # no byte either way for this long ends the stream (stalled links)
     probe_ms: int = 2000
 
 
