@@ -64,12 +64,13 @@ def _cluster(name: str, host: str, port: int, connect_ms: int, http2: bool = Fal
         ipaddress.ip_address(host)
         kind = "STATIC"
     except ValueError:
-        kind = "STRICT_DNS"
+        kind = "STRICT_DNS"  # resolved by name; IPv4 first, as most container networks are
     c: dict[str, Any] = {
         "name": name,
         "type": kind,
         "connect_timeout": f"{connect_ms / 1000:g}s",
         "lb_policy": "ROUND_ROBIN",
+        **({"dns_lookup_family": "V4_PREFERRED"} if kind == "STRICT_DNS" else {}),
         "load_assignment": {
             "cluster_name": name,
             "endpoints": [{"lb_endpoints": [{"endpoint": {"address": {

@@ -5,6 +5,10 @@ the replica's ``address`` (what Envoy and the router's probes connect to) that d
 directions by the region's RTT. One asyncio loop runs them all, so the whole fleet fits beside
 Envoy and the router on two cores. A small control API (chaos tests, the demo) can stop and restart
 an engine, slow it down, make it fail, and partition or re-time a region's links.
+
+In a container deployment each region runs in its own process (``--region``), and the links listen
+on ``--bind`` (e.g. 0.0.0.0) because the fleet address is the service name peers dial, not a local
+interface.
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ import argparse
 import asyncio
 import logging
 import signal
+import sys
+from collections.abc import Collection
 from typing import Any
 
 from aiohttp import web
@@ -30,15 +36,23 @@ log = logging.getLogger("gorgo.sim.fleet")
 class SimFleet:
     def __init__(
         self, spec: FleetSpec, *, speed: float = 1.0, stream_interval: int = 8, seed: int = 0,
-        model: str | None = None,
+        model: str | None = None, regions: Collection[str] | None = None,
+        bind: str | None = None,
     ) -> None:
+        """``regions`` limits the fleet to those regions' replicas; ``bind`` is the links' listen
+        host (default: each replica's address host)."""
+        unknown = sorted(set(regions or ()) - set(spec.region_names))
+        if unknown:
+            raise ValueError(f"unknown region {unknown[0]!r} (fleet regions: {spec.region_names})")
         self.spec = spec
         self.speed = speed
         self.stream_interval = stream_interval
         self.seed = seed
         self.model = model
+        self.bind = bind
         self.tok = Tokenization(spec.chars_per_token, spec.block_tokens)
-        self.replicas = [r for r in spec.replicas if r.engine == "sim"]
+        self.replicas = [r for r in spec.replicas
+                         if r.engine == "sim" and (regions is None or r.region in regions)]
         self.servers: dict[str, EngineServer] = {}
         self.links: dict[str, Link] = {}
         self._regions = {r.name: r for r in spec.regions}
@@ -55,8 +69,8 @@ class SimFleet:
         # free port, which could otherwise be one of those addresses.
         for k, r in enumerate(self.replicas):
             region = self._regions[r.region]
-            link = Link(r.host, r.port, "127.0.0.1", 0, region.rtt_ms, region.jitter_ms,
-                        seed=self.seed * 1000 + k)
+            link = Link(self.bind or r.host, r.port, "127.0.0.1", 0, region.rtt_ms,
+                        region.jitter_ms, seed=self.seed * 1000 + k)
             await link.start()
             self.links[r.name] = link
         for r in self.replicas:
@@ -136,6 +150,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stream-interval", type=int, default=8, help="tokens per streamed chunk")
     p.add_argument("--seed", type=int, default=0, help="seed of the links' jitter")
     p.add_argument("--model", default=None, help="served model name (default: profile name)")
+    p.add_argument("--region", action="append", default=None, metavar="NAME",
+                   help="start only this region's replicas (repeatable; default: all regions)")
+    p.add_argument("--bind", default=None, metavar="HOST",
+                   help="listen host of the links (default: the host of each replica's address; "
+                        "0.0.0.0 in a container whose address is its service name)")
     p.add_argument("--control-port", type=int, default=-1,
                    help="loopback port of the chaos control API (0 = any, -1 = off)")
     p.add_argument("--log-level", default="WARNING")
@@ -143,8 +162,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 async def _serve(args: argparse.Namespace) -> int:
     spec = load_fleet(args.fleet)
-    fleet = SimFleet(spec, speed=args.speed, stream_interval=args.stream_interval,
-                     seed=args.seed, model=args.model)
+    try:
+        fleet = SimFleet(spec, speed=args.speed, stream_interval=args.stream_interval,
+                         seed=args.seed, model=args.model, regions=args.region, bind=args.bind)
+    except ValueError as exc:
+        print(f"gorgo sim fleet: {exc}", file=sys.stderr)
+        return 2
     await fleet.start()
     runner = None
     control = -1

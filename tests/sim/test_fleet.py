@@ -6,6 +6,7 @@ import asyncio
 import time
 
 import aiohttp
+import pytest
 
 from gorgo.core.fleet import parse_fleet
 from gorgo.procs import free_port
@@ -81,3 +82,43 @@ def test_fleet_serves_through_links_and_obeys_controls() -> None:
             await fleet.stop()
 
     asyncio.run(asyncio.wait_for(go(), 30))
+
+
+def test_fleet_runs_one_region_on_a_bind_host() -> None:
+    """A per-region container: only its region's replicas start, and the links listen on the bind
+    host even though the fleet address names a host (here `localhost`) that peers dial."""
+
+    async def go() -> None:
+        ports = [free_port(), free_port(), free_port()]
+        spec = parse_fleet({
+            "regions": {"near": {"rtt_ms": 2, "jitter_ms": 0},
+                        "far": {"rtt_ms": 2, "jitter_ms": 0}},
+            "replicas": [
+                {"name": f"r{i}", "region": "near" if i == 0 else "far",
+                 "address": f"localhost:{p}", "sim": {"profile": "tiny-test"}}
+                for i, p in enumerate(ports)
+            ],
+        })
+        fleet = SimFleet(spec, regions=["far"], bind="127.0.0.1")
+        await fleet.start()
+        try:
+            assert sorted(fleet.servers) == ["r1", "r2"]
+            assert {link.front_host for link in fleet.links.values()} == {"127.0.0.1"}
+            async with aiohttp.ClientSession() as s:
+                for p in ports[1:]:
+                    status, _ = await _get(s, f"http://127.0.0.1:{p}/health")
+                    assert status == 200
+                try:
+                    status, _ = await _get(s, f"http://127.0.0.1:{ports[0]}/health")
+                except aiohttp.ClientError:
+                    status = 0
+                assert status == 0  # the other region's replica is not served here
+        finally:
+            await fleet.stop()
+
+    asyncio.run(asyncio.wait_for(go(), 30))
+
+
+def test_fleet_rejects_an_unknown_region() -> None:
+    with pytest.raises(ValueError, match="unknown region 'mars'"):
+        SimFleet(_spec([free_port()]), regions=["near", "mars"])
