@@ -1,4 +1,4 @@
-"""The router's admin API for cost weights: `GET/PUT /admin/weights` on the metrics port.
+"""The router's admin API: `GET/PUT /admin/weights` and `POST /admin/explain` on the metrics port.
 
 The tuner publishes through it, and so can an operator. It changes routing for every request, so
 it is closed unless a token is configured (403 "admin API disabled"), every call must carry
@@ -15,6 +15,7 @@ import json
 import logging
 import math
 import os
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,8 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter
 
+from gorgo.core.explain import explain
+from gorgo.core.features import RequestError, extract_features
 from gorgo.core.fleet import Weights
 from gorgo.core.router import Router
 
@@ -161,6 +164,28 @@ class AdminApi:
         return Weights(rtt, queue, version), rates
 
 
+    async def explain(self, request: web.Request) -> web.Response:
+        """Each replica's terms for a request, on the live state, without routing it."""
+        denied = self._authorize(request)
+        if denied is not None:
+            return denied
+        try:
+            spec = json.loads(await request.read())
+            if not isinstance(spec, dict):
+                raise ValueError("body must be a JSON object")
+            path = str(spec.get("path", "/v1/chat/completions"))
+            headers = {str(k).lower(): str(v) for k, v in (spec.get("headers") or {}).items()}
+            body = str(spec.get("body", "")).encode()
+        except (ValueError, AttributeError) as exc:
+            return _error(400, f"expected {{path, headers, body}}: {exc}")
+        depth = self.router.spec.limits.max_json_depth
+        try:
+            f = extract_features(path, headers, body, self.router.state.tok, depth)
+        except RequestError as err:
+            return web.json_response(err.to_body(), status=err.status)
+        return web.json_response(explain(self.router, f, time.monotonic()).to_dict())
+
+
 def add_admin_routes(
     app: web.Application,
     router: Router,
@@ -170,4 +195,5 @@ def add_admin_routes(
     api = AdminApi(router, token, registry)
     app.router.add_get("/admin/weights", api.get)
     app.router.add_put("/admin/weights", api.put)
+    app.router.add_post("/admin/explain", api.explain)
     return api

@@ -208,3 +208,28 @@ def test_token_from_file_wins_over_env(tmp_path: Path) -> None:
         load_admin_token(str(tmp_path / "empty"), {})
     with pytest.raises(AdminTokenError, match="cannot read"):
         load_admin_token(str(tmp_path / "missing"), {})
+
+
+def test_explain_shows_terms_without_routing() -> None:
+    router = make_router()
+    router.state.observe_rtt(0, 5.0)
+    router.state.observe_rtt(1, 50.0)
+    request = {"path": "/v1/chat/completions",
+               "body": json.dumps({"messages": [{"role": "user", "content": "q" * 400}]})}
+
+    async def body(call: Call) -> None:
+        status, out = await call("POST", "/admin/explain", headers=AUTH, data=request)
+        assert status == 200
+        rows = {r["replica"]: r for r in out["replicas"]}
+        # a: 5 ms + 100 tokens at 1000/s = 105 ms; b: 50 ms + 100 tokens at 2000/s = 100 ms.
+        assert out["winner"] == "b" and rows["b"]["rtt_ms"] == 50.0
+        assert rows["a"]["predicted_ttft_ms"] == pytest.approx(105.0)
+        assert rows["a"]["uncached_tokens"] == 100
+        status, _ = await call("POST", "/admin/explain", data=request)
+        assert status == 401
+        status, err = await call("POST", "/admin/explain", headers=AUTH,
+                                 data={"body": "{not json"})
+        assert status == 400 and err["error"]["type"] == "invalid_request_error"
+
+    with_admin(router, TOKEN, body)
+    assert router.open_requests == 0 and router.state.inflight_reqs.sum() == 0
