@@ -9,6 +9,9 @@ from typing import Any
 from google.protobuf.struct_pb2 import Struct
 
 from gorgo._xds.envoy.config.core.v3.base_pb2 import HeaderValue, HeaderValueOption
+from gorgo._xds.envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import (
+    ProcessingMode,
+)
 from gorgo._xds.envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from gorgo._xds.envoy.type.v3.http_status_pb2 import HttpStatus
 
@@ -27,6 +30,12 @@ METADATA_NAMESPACE = "gorgo"
 CONTINUE_REQUEST_HEADERS = pb.ProcessingResponse(request_headers=pb.HeadersResponse())
 CONTINUE_RESPONSE_HEADERS = pb.ProcessingResponse(response_headers=pb.HeadersResponse())
 CONTINUE_REQUEST_BODY = pb.ProcessingResponse(request_body=pb.BodyResponse())
+CONTINUE_REQUEST_TRAILERS = pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
+# The request body mode Envoy reports in ProcessingRequest.protocol_config (1.34+) when it streams
+# the body to the router without waiting for the headers answer (the endpoint-picker protocol).
+FULL_DUPLEX = ProcessingMode.FULL_DUPLEX_STREAMED
+# In that mode the body is handed back to Envoy in pieces of at most this size.
+STREAM_CHUNK_BYTES = 64 * 1024
 
 
 def _set(key: str, value: str) -> HeaderValueOption:
@@ -79,6 +88,20 @@ def route_on_headers(
         request_headers=pb.HeadersResponse(response=_route_common(cluster, endpoint, endpoints)),
         dynamic_metadata=_metadata(fields, endpoint),
     )
+
+
+def stream_body(body: bytes, end_of_stream: bool) -> list[pb.ProcessingResponse]:
+    """Hand the request body back in FULL_DUPLEX_STREAMED mode: Envoy drained it on the way to the
+    router, so the upstream gets exactly what these answers carry. ``end_of_stream`` marks the last
+    piece, unless trailers end the request instead."""
+    pieces = [body[i:i + STREAM_CHUNK_BYTES] for i in range(0, len(body), STREAM_CHUNK_BYTES)]
+    pieces = pieces or [b""]
+    return [
+        pb.ProcessingResponse(request_body=pb.BodyResponse(response=pb.CommonResponse(
+            body_mutation=pb.BodyMutation(streamed_response=pb.StreamedBodyResponse(
+                body=piece, end_of_stream=end_of_stream and k == len(pieces) - 1)))))
+        for k, piece in enumerate(pieces)
+    ]
 
 
 def tag_response(replica: str, decision_id: str) -> pb.ProcessingResponse:

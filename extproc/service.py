@@ -4,6 +4,11 @@ Envoy keeps the gRPC stream open until the HTTP stream ends, so the stream's end
 completion: in-flight accounting is released in `finally`, exactly once, whether the request
 finished, failed, or the client went away. Any unexpected error fails open (the request goes on to
 Envoy's default route) and is counted; the server never dies on input.
+
+Two request body modes, told apart by the protocol_config of the first message: BUFFERED (one
+body message, answered on its own) and FULL_DUPLEX_STREAMED (the endpoint-picker protocol: body
+chunks stream in without waiting, and the router answers the headers only once the body is whole).
+Decisions, metrics and error answers are the same in both.
 """
 
 from __future__ import annotations
@@ -26,18 +31,25 @@ from gorgo.core.features import RequestError, RequestFeatures, extract_features
 from gorgo.core.router import Router
 
 log = logging.getLogger("gorgo.extproc")
+# The request messages that FULL_DUPLEX_STREAMED mode answers differently (see _on_duplex).
+_DUPLEX_KINDS = frozenset({"request_headers", "request_body", "request_trailers"})
 
 
 class _Stream:
     """Per-request state carried between the messages of one ext_proc stream."""
 
-    __slots__ = ("decision", "fallback", "headers", "path")
+    __slots__ = ("answered", "chunks", "decision", "duplex", "fallback", "headers", "path", "size")
 
     def __init__(self) -> None:
         self.headers: dict[str, str] = {}
         self.path = "/"
         self.decision: Decision | None = None
         self.fallback: int | None = None  # the replica Envoy retries on, if any
+        # FULL_DUPLEX_STREAMED only: the body so far, and whether the request is answered.
+        self.duplex = False
+        self.chunks: list[bytes] = []
+        self.size = 0
+        self.answered = False
 
 
 def next_best(d: Decision) -> int | None:
@@ -68,7 +80,12 @@ class ExtProcService(ExternalProcessorServicer):
         try:
             async for req in request_iterator:
                 kind = req.WhichOneof("request")
-                if kind == "request_headers":
+                if req.HasField("protocol_config"):  # Envoy 1.34+ sends it on the first message
+                    st.duplex = req.protocol_config.request_body_mode == messages.FULL_DUPLEX
+                if st.duplex and kind in _DUPLEX_KINDS:
+                    for answer in self._on_duplex(st, kind, req):
+                        yield answer
+                elif kind == "request_headers":
                     yield self._on_request_headers(st, req.request_headers)
                 elif kind == "request_body":
                     yield self._on_request_body(st, req.request_body)
@@ -100,10 +117,43 @@ class ExtProcService(ExternalProcessorServicer):
 
     def _on_request_body(self, st: _Stream, msg: pb.HttpBody) -> pb.ProcessingResponse:
         if len(msg.body) > self.max_body:
-            return self._reject(RequestError(
-                413, f"Request body exceeds the limit of {self.max_body} bytes.",
-                code="request_too_large"))
+            return self._too_large()
         return self._decide(st, msg.body, on_headers=False)
+
+    def _on_duplex(
+        self, st: _Stream, kind: str, req: pb.ProcessingRequest
+    ) -> list[pb.ProcessingResponse]:
+        """FULL_DUPLEX_STREAMED: Envoy streams the body without waiting for the headers answer and
+        drains it, so every answer waits until the body is whole; then, in Envoy's required order,
+        the headers answer (route, metadata), the body handed back, the trailers answer."""
+        if st.answered:  # an error answer ended the request; Envoy is closing the stream
+            return []
+        if kind == "request_headers":
+            msg = req.request_headers
+            answer = self._on_request_headers(st, msg)
+            if msg.end_of_stream or answer.HasField("immediate_response"):
+                st.answered = True
+                return [answer]
+            return []
+        if kind == "request_body":
+            st.chunks.append(req.request_body.body)
+            st.size += len(req.request_body.body)
+            if st.size > self.max_body:
+                st.answered = True
+                return [self._too_large()]
+            if not req.request_body.end_of_stream:
+                return []
+        st.answered = True
+        trailers = kind == "request_trailers"
+        body = b"".join(st.chunks)
+        head = self._decide(st, body, on_headers=True)
+        if head.HasField("immediate_response"):
+            return [head]
+        # A body answer without a body message is out of order for Envoy: none when none came.
+        out = [head, *(messages.stream_body(body, not trailers) if st.chunks else [])]
+        if trailers:
+            out.append(messages.CONTINUE_REQUEST_TRAILERS)
+        return out
 
     def _on_response_headers(self, st: _Stream, msg: pb.HttpHeaders) -> pb.ProcessingResponse:
         d = st.decision
@@ -192,6 +242,11 @@ class ExtProcService(ExternalProcessorServicer):
             "uncached_tokens": d.uncached_tokens,
             "prompt_tokens": d.prompt_tokens,
         }
+
+    def _too_large(self) -> pb.ProcessingResponse:
+        return self._reject(RequestError(
+            413, f"Request body exceeds the limit of {self.max_body} bytes.",
+            code="request_too_large"))
 
     def _reject(self, err: RequestError) -> pb.ProcessingResponse:
         self.metrics.rejected.labels(str(err.status)).inc()

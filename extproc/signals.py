@@ -108,4 +108,6 @@ class Signals:
 
 
 async def _mark_new_connection(session, trace_ctx, params) -> None:
-    trace_ctx.trace_request_ctx.new_connection = True
+    # Only probes pass a context; a scrape that opens a connection must not fail on its absence.
+    if trace_ctx.trace_request_ctx is not None:
+        trace_ctx.trace_request_ctx.new_connection = True

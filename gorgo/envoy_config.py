@@ -10,7 +10,9 @@ to the default cluster. With retries on, ext_proc also names the chosen and the 
 in x-gorgo-endpoints; that route goes to one cluster of every replica whose override-host policy
 sends the first attempt to the first address and the one retry to the second (see
 docs/reliability.md). Span path: Envoy's OpenTelemetry tracer puts TTFT and every gorgo.* field on
-the request's span.
+the request's span. With ``--body-mode full-duplex`` the body streams to the router; Envoy then
+applies no per-message timeout, and fails open only once a health check has marked the router
+down (see EXTPROC_HEALTH_INTERVAL).
 """
 
 from __future__ import annotations
@@ -49,6 +51,13 @@ UPSTREAM_FAILED_BODY = (
     '{"error":{"message":"The replica failed before answering; retry later.",'
     '"type":"server_error","param":null,"code":"upstream_unavailable"}}'
 )
+# Request body modes of the ext_proc filter: BUFFERED (one body message), or FULL_DUPLEX_STREAMED,
+# which the Gateway API Inference Extension's endpoint-picker protocol uses.
+BODY_MODES = {"buffered": "BUFFERED", "full-duplex": "FULL_DUPLEX_STREAMED"}
+# Envoy hands a full-duplex body to the router as it arrives and cannot take it back, so it ignores
+# failure_mode_allow once a body chunk is sent: a dead router fails requests instead. A connect-only
+# health check takes a dead router out first (panic routing off), and Envoy then skips ext_proc.
+EXTPROC_HEALTH_INTERVAL = "1s"
 # Envoy's own 503s for a failed upstream (connect failure, no host, reset, retries exhausted);
 # the router's immediate 503 (no_healthy_replica) carries none of these flags and keeps its body.
 UPSTREAM_FAILURE_FLAGS = ("UF", "UH", "UR", "UC", "URX")
@@ -185,10 +194,15 @@ def render_bootstrap(
     admin: str = "127.0.0.1:9901",
     picker: bool = False,
     service_name: str = "gorgo-envoy",
+    body_mode: str = "buffered",
 ) -> dict[str, Any]:
     """The bootstrap as a dict; ``picker`` (or the fleet's ``endpoint_picker``) adds the
     endpoint-picker route to an ORIGINAL_DST cluster, the fleet's ``retries`` the retried route
-    to the override-host cluster of every replica."""
+    to the override-host cluster of every replica. ``body_mode`` "full-duplex" streams request
+    bodies to the router (FULL_DUPLEX_STREAMED, as an InferencePool's picker is run)."""
+    if body_mode not in BODY_MODES:
+        raise ValueError(f"body_mode must be one of {sorted(BODY_MODES)}, not {body_mode!r}")
+    duplex = body_mode == "full-duplex"
     picker = picker or spec.endpoint_picker
     lhost, lport = _hostport(listen)
     ahost, aport = _hostport(admin)
@@ -203,9 +217,11 @@ def render_bootstrap(
             "failure_mode_allow": True,
             "metadata_options": {"receiving_namespaces": {"untyped": ["gorgo"]}},
             "processing_mode": {
-                "request_header_mode": "SEND", "request_body_mode": "BUFFERED",
+                "request_header_mode": "SEND", "request_body_mode": BODY_MODES[body_mode],
                 "response_header_mode": "SEND", "response_body_mode": "NONE",
-                "request_trailer_mode": "SKIP", "response_trailer_mode": "SKIP",
+                # Envoy requires trailers to be sent in full-duplex mode.
+                "request_trailer_mode": "SEND" if duplex else "SKIP",
+                "response_trailer_mode": "SKIP",
             },
         },
     }
@@ -254,6 +270,13 @@ def render_bootstrap(
         clusters.append(_fleet_cluster(spec))
     ehost, eport = _hostport(extproc)
     clusters.append(_cluster(EXTPROC_CLUSTER, ehost, eport, t.connect_ms, http2=True))
+    if duplex:
+        clusters[-1]["health_checks"] = [{
+            "timeout": f"{t.connect_ms / 1000:g}s", "interval": EXTPROC_HEALTH_INTERVAL,
+            "no_traffic_interval": EXTPROC_HEALTH_INTERVAL, "unhealthy_threshold": 1,
+            "healthy_threshold": 1, "tcp_health_check": {},
+        }]
+        clusters[-1]["common_lb_config"] = {"healthy_panic_threshold": {"value": 0}}
     if otlp is not None:
         ohost, oport = _hostport(otlp)
         clusters.append(_cluster(OTLP_CLUSTER, ohost, oport, t.connect_ms, http2=True))
@@ -271,7 +294,11 @@ def render_bootstrap(
             "listeners": [{
                 "name": "gorgo_ingress",
                 "address": {"socket_address": {"address": lhost, "port_value": lport}},
-                "per_connection_buffer_limit_bytes": spec.limits.max_body_bytes + 65536,
+                # Buffered: holds the largest body. Full duplex: Envoy holds no body but hands it
+                # on in chunks of up to this much plus one socket read, which must stay under
+                # the router's gRPC message limit (max_body_bytes + 64 KiB).
+                "per_connection_buffer_limit_bytes":
+                    spec.limits.max_body_bytes + (0 if duplex else 65536),
                 "filter_chains": [{"filters": [{
                     "name": "envoy.filters.network.http_connection_manager",
                     "typed_config": hcm,
@@ -295,12 +322,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--admin", default="127.0.0.1:9901", help="Envoy admin HOST:PORT")
     p.add_argument("--picker", action="store_true",
                    help="also accept the endpoint-picker header (ORIGINAL_DST cluster)")
+    p.add_argument("--body-mode", choices=sorted(BODY_MODES), default="buffered",
+                   help="request body mode of the ext_proc filter: buffered (default) or "
+                        "full-duplex (FULL_DUPLEX_STREAMED, the endpoint-picker protocol's)")
     p.add_argument("-o", "--output", default="-", help="output file (default stdout)")
 
 
 def main(args: argparse.Namespace) -> int:
     text = render_yaml(load_fleet(args.fleet), listen=args.listen, extproc=args.extproc,
-                       otlp=args.otlp, admin=args.admin, picker=args.picker)
+                       otlp=args.otlp, admin=args.admin, picker=args.picker,
+                       body_mode=args.body_mode)
     if args.output == "-":
         sys.stdout.write(text)
     else:

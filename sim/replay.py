@@ -49,7 +49,8 @@ class RequestRecord:
     """What one replayed request measured; ``*_ms`` in ms, ``*_s`` in seconds from replay start.
 
     ``outcome`` is ok, http_error (see ``status``), connection_error, timeout, stream_error (an
-    unreadable stream or an error event), cancelled (stopped in flight) or error (anything else).
+    unreadable stream, an error event, or a stream that ended before ``[DONE]``), cancelled
+    (stopped in flight) or error (anything else).
     TTFT is the first chunk with non-empty content, measured from the send.
     """
 
@@ -374,12 +375,14 @@ async def _read_stream(
     loop = asyncio.get_running_loop()
     first = last = None
     gap_sum = gap_max = 0.0
+    finished = False
     async for raw in resp.content:
         line = raw.strip()
         if not line.startswith(b"data:"):
             continue
         data = line[5:].strip()
         if data == b"[DONE]":
+            finished = True
             break
         event = json.loads(data)
         if not isinstance(event, dict):
@@ -405,6 +408,10 @@ async def _read_stream(
     if rec.chunks > 1:
         rec.itl_mean_ms = gap_sum / (rec.chunks - 1) * 1000.0
         rec.itl_max_ms = gap_max * 1000.0
+    if rec.outcome == "pending" and not finished:
+        # A server that stops mid-answer may still close the stream cleanly: without the final
+        # [DONE] the answer is cut, not complete.
+        rec.outcome, rec.error = "stream_error", "stream ended before [DONE]"
     if rec.outcome == "pending":
         rec.outcome = "ok"
 

@@ -6,6 +6,7 @@ Everything listens on dynamic loopback ports and `stop_stack` stops every proces
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import time
 from dataclasses import dataclass, field
@@ -36,10 +37,14 @@ class Upstream:
 
     async def start(self) -> None:
         async def chat(req: web.Request) -> web.StreamResponse:
-            body = await req.json()
+            raw = await req.read()
+            body = json.loads(raw)
             self.served.append(req.path)
+            # The body as it arrived, so tests can check that the proxy path kept it intact.
             resp = web.StreamResponse(headers={"content-type": "text/event-stream",
-                                               "x-served-by": self.name})
+                                               "x-served-by": self.name,
+                                               "x-body-bytes": str(len(raw)),
+                                               "x-body-sha256": hashlib.sha256(raw).hexdigest()})
             await resp.prepare(req)
             if not body.get("stream"):
                 resp.content_type = "application/json"
@@ -151,7 +156,7 @@ def write_fleet(tmp: Path, ports: list[int], **extra) -> Path:
     return path
 
 
-def start_stack(tmp: Path, n: int = 3, **extra) -> Stack:
+def start_stack(tmp: Path, n: int = 3, body_mode: str = "buffered", **extra) -> Stack:
     lt = LoopThread()
     ups = [Upstream(f"r{i}") for i in range(n)]
     for u in ups:
@@ -165,7 +170,7 @@ def start_stack(tmp: Path, n: int = 3, **extra) -> Stack:
     listen = free_port()
     boot = render_bootstrap(load_fleet(fleet_path), listen=f"127.0.0.1:{listen}",
                             extproc=f"127.0.0.1:{grpc_port}", otlp=f"127.0.0.1:{sink.port}",
-                            admin=f"127.0.0.1:{free_port()}")
+                            admin=f"127.0.0.1:{free_port()}", body_mode=body_mode)
     envoy = EnvoyProcess(boot).start()
     stack = Stack(ups, sink, ext, envoy, f"http://127.0.0.1:{listen}", fleet_path, lt)
     # Wait until the router has probed every replica (RTT known), so decisions are informed.

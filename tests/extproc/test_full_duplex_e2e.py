@@ -1,0 +1,172 @@
+"""FULL_DUPLEX_STREAMED request bodies (how Istio and kgateway run an InferencePool's picker) with
+real Envoy, in endpoint-picker mode.
+
+Envoy streams the body to the router and drains it; the router answers once the body is whole and
+hands it back, so the checks are that requests reach the picked endpoint with their body intact
+(hash echoed by the upstream), however the client sent it, and that errors and fail-open behave as
+in BUFFERED mode.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import socket
+import subprocess
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+import yaml
+
+from gorgo.core.fleet import load_fleet
+from gorgo.envoy_config import EXTPROC_CLUSTER, PICKER_CLUSTER, render_bootstrap
+from gorgo.envoy_proc import EnvoyProcess, envoy_binary
+from gorgo.procs import BIN, free_port, wait_for
+from tests.support.e2e import Stack, chat, get, start_stack, stop_stack
+
+pytestmark = pytest.mark.envoy
+
+LIMIT = 1 << 20
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _stack(tmp: Path, n: int = 3) -> Stack:
+    return start_stack(tmp, n=n, body_mode="full-duplex", endpoint_picker=True,
+                       limits={"max_body_bytes": LIMIT})
+
+
+@pytest.fixture(scope="module")
+def st(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    stack = _stack(tmp_path_factory.mktemp("duplex"))
+    yield stack
+    stop_stack(stack)
+
+
+def _body(content: str) -> bytes:
+    return json.dumps(chat(content)).encode()
+
+
+async def _post_chunked(url: str, pieces: list[bytes]) -> tuple[int, dict, bytes]:
+    """POST with Transfer-Encoding: chunked, one chunk per piece (no Content-Length)."""
+    async def gen() -> AsyncIterator[bytes]:
+        for p in pieces:
+            yield p
+
+    async with aiohttp.ClientSession() as s, s.post(
+            url, data=gen(), headers={"x-gorgo-policy": "round-robin"}) as r:
+        return r.status, {k.lower(): v for k, v in r.headers.items()}, await r.read()
+
+
+def test_rendered_full_duplex_config_passes_envoy_validate(tmp_path: Path, st: Stack) -> None:
+    out = tmp_path / "envoy.yaml"
+    subprocess.run([str(BIN / "gorgo"), "envoy-config", str(st.fleet_path), "--picker",
+                    "--body-mode", "full-duplex", "-o", str(out)], check=True, timeout=60)
+    boot = yaml.safe_load(out.read_text())
+    hcm = boot["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+    mode = hcm["typed_config"]["http_filters"][0]["typed_config"]["processing_mode"]
+    assert mode["request_body_mode"] == "FULL_DUPLEX_STREAMED"
+    assert mode["request_trailer_mode"] == "SEND"  # Envoy refuses full duplex without it
+    (extproc,) = [c for c in boot["static_resources"]["clusters"] if c["name"] == EXTPROC_CLUSTER]
+    assert extproc["health_checks"][0]["tcp_health_check"] == {}
+    check = subprocess.run([envoy_binary(), "--mode", "validate", "-c", str(out),
+                            "--base-id", "4243"], capture_output=True, text=True, timeout=60)
+    assert check.returncode == 0, check.stdout + check.stderr
+
+
+def test_requests_reach_the_picked_endpoint_with_their_body_intact(st: Stack) -> None:
+    served = []
+    for k in range(6):
+        body = _body(f"duplex {k} " * 40)
+        status, headers, _, _ = st.post(body, {"x-gorgo-policy": "round-robin"})
+        assert status == 200
+        assert headers["x-served-by"] == headers["x-gorgo-replica"]
+        assert headers["x-body-sha256"] == _sha(body)
+        served.append(headers["x-served-by"])
+    assert set(served) == {"r0", "r1", "r2"}
+    name = f"cluster.{PICKER_CLUSTER}.upstream_rq_completed"
+    assert st.envoy.stats(name).get(name, 0) >= 6
+    # A body-less request is routed on its headers.
+    status, headers, _, _ = st.lt.run(get(st.url + "/v1/models"))
+    assert status == 200 and headers["x-served-by"] == headers["x-gorgo-replica"]
+
+
+def test_chunked_upload_and_a_large_body_arrive_intact(st: Stack) -> None:
+    large = _body("a large prompt " * 14_000)
+    assert len(large) > 200_000
+    status, headers, _, _ = st.post(large, {"x-gorgo-policy": "round-robin"})
+    assert status == 200 and headers["x-body-sha256"] == _sha(large)
+    assert headers["x-served-by"] == headers["x-gorgo-replica"]
+    pieces = [large[:100], large[100:70_000], large[70_000:]]
+    status, headers, _ = st.lt.run(_post_chunked(st.url + "/v1/chat/completions", pieces))
+    assert status == 200 and headers["x-body-sha256"] == _sha(large)
+    assert int(headers["x-body-bytes"]) == len(large)
+    assert headers["x-served-by"] == headers["x-gorgo-replica"]
+
+
+def test_malformed_and_oversized_bodies_get_openai_errors(st: Stack) -> None:
+    status, headers, body, _ = st.post(b'{"model": "m", "messages": [')
+    assert status == 400 and headers["content-type"].startswith("application/json")
+    assert json.loads(body)["error"]["type"] == "invalid_request_error"
+    # Chunked, so no Content-Length: refused once the streamed body passes the limit.
+    blob = b"x" * (LIMIT // 4)
+    status, headers, body = st.lt.run(_post_chunked(st.url + "/v1/chat/completions",
+                                                    [blob] * 5))
+    assert status == 413 and json.loads(body)["error"]["code"] == "request_too_large"
+
+
+def _trailers_request(port: int, body: bytes) -> tuple[int, dict[str, str], bytes]:
+    """HTTP/1.1 chunked upload ending with a trailer; Connection: close ends the answer."""
+    head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: gorgo\r\nConnection: close\r\n"
+            b"Transfer-Encoding: chunked\r\nTrailer: x-checksum\r\n"
+            b"x-gorgo-policy: round-robin\r\n\r\n")
+    chunked = b"%x\r\n%s\r\n0\r\nx-checksum: %s\r\n\r\n" % (len(body), body, _sha(body).encode())
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(head + chunked)
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    top, _, rest = data.partition(b"\r\n\r\n")
+    lines = top.decode().split("\r\n")
+    headers = dict(line.lower().split(": ", 1) for line in lines[1:])
+    return int(lines[0].split()[1]), headers, rest
+
+
+def test_request_trailers_are_answered_after_the_body(st: Stack, tmp_path: Path) -> None:
+    """Envoy forwards HTTP/1 trailers only with enable_trailers: a second Envoy with it on."""
+    listen = free_port()
+    boot = render_bootstrap(load_fleet(st.fleet_path), listen=f"127.0.0.1:{listen}",
+                            extproc=f"127.0.0.1:{st.extproc.field('grpc')}",
+                            admin=f"127.0.0.1:{free_port()}", body_mode="full-duplex")
+    hcm = boot["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+    hcm["typed_config"]["http_protocol_options"] = {"enable_trailers": True}
+    with EnvoyProcess(boot):
+        body = _body("with a trailer " * 100)
+        status, headers, rest = _trailers_request(listen, body)
+    assert status == 200, rest
+    assert headers["x-served-by"] == headers["x-gorgo-replica"]
+    assert headers["x-body-sha256"] == _sha(body)
+
+
+def test_fails_open_to_the_default_cluster_once_the_router_is_down(tmp_path: Path) -> None:
+    """Envoy ignores failure_mode_allow once it has streamed body to the router, so the rendered
+    health check must take the dead router out before requests fail open."""
+    st = _stack(tmp_path, n=2)
+    try:
+        status, headers, _, _ = st.post(_body("before"), {"x-gorgo-policy": "round-robin"})
+        assert status == 200 and headers["x-served-by"] == headers["x-gorgo-replica"]
+        st.extproc.kill()
+        name = f"cluster.{EXTPROC_CLUSTER}.membership_healthy"
+        assert wait_for(lambda: st.envoy.stats(name).get(name) == 0, 10)
+        for k in range(3):
+            body = _body(f"after the router died {k} " * 300)
+            status, headers, _, _ = st.post(body)
+            assert status == 200 and headers["x-served-by"] == "r0"
+            assert "x-gorgo-replica" not in headers
+            assert headers["x-body-sha256"] == _sha(body)
+    finally:
+        stop_stack(st)
