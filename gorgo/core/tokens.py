@@ -12,10 +12,11 @@ Only full blocks are hashed, as engines only cache full pages.
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 
 import numpy as np
+
+from gorgo.core.hashing import chain_hashes, chain_hashes_of
 
 DEFAULT_CHARS_PER_TOKEN = 4.0
 DEFAULT_BLOCK_TOKENS = 64
@@ -55,26 +56,7 @@ class Tokenization:
         """
         bc = self.block_chars
         if text.isascii():
-            return chain_hashes([text.encode("ascii")], bc)
+            return chain_hashes(text.encode("ascii"), bc)
         n = len(text) // bc
         blocks = [text[k * bc : (k + 1) * bc].encode("utf-8", "surrogatepass") for k in range(n)]
-        return chain_hashes(blocks, 0)
-
-
-def chain_hashes(parts: list[bytes], block_len: int) -> np.ndarray:
-    """Chained 64-bit block hashes: each digest covers every block before it.
-
-    With ``block_len > 0`` the single buffer in ``parts`` is cut into ``block_len``-byte blocks
-    (a partial tail is ignored); with ``block_len == 0`` each element of ``parts`` is one block.
-    """
-    if block_len > 0:
-        view = memoryview(parts[0])
-        blocks = [view[k * block_len : (k + 1) * block_len] for k in range(len(view) // block_len)]
-    else:
-        blocks = parts
-    out = np.empty(len(blocks), dtype=np.uint64)
-    h = hashlib.blake2b(digest_size=8)
-    for k, block in enumerate(blocks):
-        h.update(block)
-        out[k] = int.from_bytes(h.copy().digest(), "little")
-    return out
+        return chain_hashes_of(blocks)

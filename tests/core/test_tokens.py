@@ -7,11 +7,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gorgo.core.hashing import chain_hashes, chain_hashes_of
 from gorgo.core.tokens import (
     DEFAULT_BLOCK_TOKENS,
     DEFAULT_CHARS_PER_TOKEN,
     Tokenization,
-    chain_hashes,
 )
 
 TOK = Tokenization(chars_per_token=1.0, block_tokens=4)  # a block is 4 characters
@@ -122,12 +122,25 @@ def test_lone_surrogates_do_not_raise() -> None:
 
 
 def test_chain_hashes_cut_and_listed_agree() -> None:
-    data = b"0123456789ab"
-    cut = chain_hashes([data], 4)
-    listed = chain_hashes([data[0:4], data[4:8], data[8:12]], 0)
-    np.testing.assert_array_equal(cut, listed)
-    assert len(chain_hashes([b"0123456"], 4)) == 1
-    assert len(chain_hashes([], 0)) == 0
+    for block in (4, 8, 13):
+        data = bytes(range(3 * block))
+        cut = chain_hashes(data, block)
+        listed = chain_hashes_of([data[k * block:(k + 1) * block] for k in range(3)])
+        np.testing.assert_array_equal(cut, listed)
+    assert len(chain_hashes(b"0123456", 4)) == 1
+    assert len(chain_hashes(b"", 4)) == 0
+    assert len(chain_hashes_of([])) == 0
+
+
+def test_block_hash_sees_every_byte_and_the_length() -> None:
+    base = bytes(64)
+    seen = {int(chain_hashes_of([base])[0])}
+    for k in range(64):
+        flipped = bytearray(base)
+        flipped[k] = 1
+        seen.add(int(chain_hashes_of([bytes(flipped)])[0]))
+    seen.add(int(chain_hashes_of([bytes(63)])[0]))  # shorter, same zero bytes
+    assert len(seen) == 66
 
 
 @settings(max_examples=60, deadline=None)

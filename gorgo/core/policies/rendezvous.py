@@ -12,20 +12,10 @@ import numpy as np
 
 from gorgo.core.features import RequestFeatures, stable_hash
 from gorgo.core.fleet import FleetSpec
+from gorgo.core.hashing import splitmix64
 
-_GAMMA = np.uint64(0x9E3779B97F4A7C15)
-_MUL1 = np.uint64(0xBF58476D1CE4E5B9)
-_MUL2 = np.uint64(0x94D049BB133111EB)
-_S30, _S27, _S31, _S11 = np.uint64(30), np.uint64(27), np.uint64(31), np.uint64(11)
+_S11 = np.uint64(11)
 _TWO_M53 = 2.0**-53
-
-
-def splitmix64(x: np.ndarray) -> np.ndarray:
-    """The splitmix64 finaliser on a uint64 array (wrapping arithmetic, no warnings)."""
-    z = x + _GAMMA
-    z = (z ^ (z >> _S30)) * _MUL1
-    z = (z ^ (z >> _S27)) * _MUL2
-    return z ^ (z >> _S31)
 
 
 def replica_salts(spec: FleetSpec) -> np.ndarray:
