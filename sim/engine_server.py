@@ -44,6 +44,10 @@ TTFT_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
     20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
 )
+# How late each step's end was delivered (the event loop's scheduling slip), for the fleet bench.
+STEP_LAG_BUCKETS = (
+    0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0,
+)
 _FILLER = (
     "the engine writes these words so that a client can count what it receives and check that "
     "every token it was promised arrived in order without gaps or repeats and nothing more "
@@ -113,6 +117,15 @@ class _MetricsCollector(Collector):
             labels=keys,
         )
         ttft.add_metric(vals, buckets, s.ttft_sum)
+        cum = list(itertools.accumulate(s.lag_counts))
+        lag_buckets = [(repr(b), n) for b, n in zip(STEP_LAG_BUCKETS, cum, strict=False)]
+        lag_buckets.append(("+Inf", cum[-1]))
+        lag = HistogramMetricFamily(
+            "gorgo_sim:step_lag_seconds",
+            "How late each engine step ended relative to its planned end (loop slip).",
+            labels=keys,
+        )
+        lag.add_metric(vals, lag_buckets, s.lag_sum)
         hit = m.cached_tokens_total / m.prompt_tokens_total if m.prompt_tokens_total else 0.0
         if s.flavor == "sglang":
             yield gauge("sglang:num_running_reqs", "The number of running requests.", m.num_running)
@@ -154,6 +167,7 @@ class _MetricsCollector(Collector):
             success.add_metric([*vals, "length"], m.requests_finished)
             yield success
         yield ttft
+        yield lag
         # Not exposed by real engines: exact queue contents, for simulation-side analysis.
         yield gauge("gorgo_sim:waiting_prompt_tokens", "Prompt tokens in the waiting queue.",
                     m.waiting_prompt_tokens)
@@ -195,6 +209,8 @@ class EngineServer:
         self.created = int(time.time())
         self.ttft_counts = [0] * (len(TTFT_BUCKETS) + 1)
         self.ttft_sum = 0.0
+        self.lag_counts = [0] * (len(STEP_LAG_BUCKETS) + 1)
+        self.lag_sum = 0.0
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_MetricsCollector(self))
         self._pending: dict[str, _Pending] = {}
@@ -277,6 +293,9 @@ class EngineServer:
             delay = deadline - loop.time()
             if delay > 0:
                 await asyncio.sleep(delay)
+            lag = max(0.0, loop.time() - deadline)
+            self.lag_counts[bisect.bisect_left(STEP_LAG_BUCKETS, lag)] += 1
+            self.lag_sum += lag
             self._deliver(res, deadline)
             t = deadline
 

@@ -11,6 +11,12 @@ Network model: each one-way trip takes ``rtt/2`` plus normal jitter with sd ``ji
 an RTT sample has the region's mean and sd, as `sim.link` does; never negative. A response stream
 keeps one return delay for all its bytes (TCP keeps order), so TTFT = the engine's first token plus
 the return delay, measured from the request's arrival at the router.
+
+Hooks, for a controller that lives inside the simulation (the tuner bench): ``on_complete`` is
+called when a routed request's last byte is back at the router (when its span would end) with the
+record and the decision that routed it, in simulated time order; ``call_at`` runs a function at a
+simulated time, after everything else due at that instant. Neither draws from the simulation's RNG,
+so a run without hooks is exactly the run it always was, and a run with them is as deterministic.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from gorgo.core.decision import NoReplicaAvailable
+from gorgo.core.decision import Decision, NoReplicaAvailable
 from gorgo.core.features import RequestFeatures
 from gorgo.core.fleet import FleetSpec
 from gorgo.core.policies.base import Policy
@@ -31,8 +37,20 @@ from gorgo.core.router import Router
 from sim.engine import Engine, EngineRejected, EngineRequest, StepResult
 from sim.profiles import get_profile
 
-# Event kinds, in tie-break order at equal times (completions before new arrivals).
-STEP_END, CLOSE, PROBE_DONE, SCRAPE_DONE, SCRAPE_AT, SUBMIT, ARRIVE, PROBE, REFRESH = range(9)
+# Event kinds, in tie-break order at equal times (completions before new arrivals; hooks last).
+(STEP_END, CLOSE, PROBE_DONE, SCRAPE_DONE, SCRAPE_AT, SUBMIT, ARRIVE, PROBE, REFRESH,
+ CALL) = range(10)
+
+# Router intake (added after bench/crosscheck.py compared this simulation with the live stack,
+# see docs/results.md "Live cross-check"): the live router takes requests one at a time, and each
+# costs about INTAKE_BASE_S + INTAKE_PER_TOKEN_S * prompt tokens before it leaves for its replica
+# (Envoy buffering the body, the gRPC hop, JSON parsing and prefix hashing; the router's own part
+# measures 0.3 ms at 1k tokens and 1.7 ms at 40k on the 2-core dev machine). Milliseconds, but
+# decisive for the bursts of simultaneous requests in Mooncake: spread out shortest body first,
+# they reach an engine in that order, where link jitter alone would shuffle them in its FCFS
+# queue and put short prompts behind long ones.
+INTAKE_BASE_S = 0.5e-3
+INTAKE_PER_TOKEN_S = 0.05e-6
 
 
 @dataclass(slots=True)
@@ -111,6 +129,8 @@ class Simulation:
         speed: float = 1.0,
         fold: int = 64,
         policy_factory: Callable[[Simulation], Policy] | None = None,
+        on_complete: Callable[[RequestRecord, Decision], None] | None = None,
+        intake: tuple[float, float] = (INTAKE_BASE_S, INTAKE_PER_TOKEN_S),
     ) -> None:
         self.spec = spec
         self.seed = seed
@@ -129,7 +149,15 @@ class Simulation:
         self._seq = itertools.count()
         self.now = 0.0
         self._busy = [False] * len(self.engines)
-        self._decisions: dict[int, str] = {}
+        self._decisions: dict[int, Decision] = {}
+        self.on_complete = on_complete
+        self.intake = intake  # (seconds per request, seconds per prompt token); see INTAKE_*
+        self._router_free = 0.0  # when the router has taken every request that arrived so far
+
+    def call_at(self, t: float, fn: Callable[[], None]) -> None:
+        """Run ``fn()`` at simulated time ``t`` (not before now); the run still ends with its last
+        request, so a callback that reschedules itself does not keep it going."""
+        self._push(max(t, self.now), CALL, fn)
 
     def _push(self, t: float, kind: int, payload: object) -> None:
         heapq.heappush(self._heap, (t, kind, next(self._seq), payload))
@@ -149,7 +177,12 @@ class Simulation:
             for k in range(n)
         ]
         self.features = features
-        for k in range(n):
+        # Requests that arrive at the same instant (Mooncake quantises its timestamps to ~3 s, up
+        # to 28 per value) reach the router shortest body first, as they do live: Envoy reads all
+        # the bodies at once and the router sees each when its body is complete. Arrival order
+        # alone (the trace's index) made simultaneous long prompts jump ahead of short ones;
+        # bench/crosscheck.py measured the live order (docs/results.md, Live cross-check).
+        for k in sorted(range(n), key=lambda k: (arrivals[k], features[k].prompt_tokens)):
             self._push(arrivals[k], ARRIVE, k)
         sig = self.spec.signals
         state = self.router.state
@@ -167,6 +200,7 @@ class Simulation:
             ARRIVE: self._arrive, SUBMIT: self._submit, STEP_END: self._step_end,
             CLOSE: self._close, PROBE: self._probe, PROBE_DONE: self._probe_done,
             SCRAPE_AT: self._scrape_at, SCRAPE_DONE: self._scrape_done, REFRESH: self._refresh,
+            CALL: self._call,
         }
         self._open = n
         while heap and self._open > 0:
@@ -193,8 +227,11 @@ class Simulation:
             return
         rec.replica = d.replica
         rec.predicted_ms = d.predicted_ms
-        self._decisions[k] = d.id
-        self._push(self.now + self.net.one_way(d.replica), SUBMIT, k)
+        self._decisions[k] = d
+        base, per_token = self.intake
+        sent = max(self.now, self._router_free) + base + per_token * self.features[k].prompt_tokens
+        self._router_free = sent
+        self._push(sent + self.net.one_way(d.replica), SUBMIT, k)
 
     def _done(self) -> None:
         self._open -= 1
@@ -251,8 +288,14 @@ class Simulation:
             self._busy[i] = False
 
     def _close(self, k: int) -> None:
-        self.router.complete(self._decisions.pop(k))
+        d = self._decisions.pop(k)
+        self.router.complete(d.id)
+        if self.on_complete is not None:
+            self.on_complete(self.records[k], d)
         self._done()
+
+    def _call(self, fn: Callable[[], None]) -> None:
+        fn()
 
     # --- signals -------------------------------------------------------------------------------
 
