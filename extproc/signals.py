@@ -85,7 +85,7 @@ class Signals:
         else:
             # Priced at once (the penalty), ejected after repeated failures.
             self.metrics.probe_errors.labels(replica.name).inc()
-            s.record_failed_response(i, self.clock())
+            s.record_failed_probe(i, self.clock())
 
     async def scrape_all(self) -> None:
         await asyncio.gather(*(self.scrape(i) for i in range(self.router.state.n)))

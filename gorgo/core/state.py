@@ -202,7 +202,19 @@ class FleetState:
         self.penalty_at[i] = now
 
     def record_failed_response(self, i: int, now: float) -> None:
-        """A 5xx or failed connection from replica i: penalise it and count towards ejection."""
+        """A 5xx or failed connection from replica i: penalise it and count towards ejection.
+
+        Once it is ejected only probes count: answers to requests routed before the ejection keep
+        arriving (a stalled stream ends at the idle timeout), and each would otherwise double the
+        backoff and push back the probe that re-admits the replica.
+        """
+        self.add_penalty(i, self.spec.penalties.error_ms, now)
+        if self.healthy[i]:
+            self.record_failure(i, now)
+
+    def record_failed_probe(self, i: int, now: float) -> None:
+        """A failed health probe: priced at once, counts towards ejection and, while ejected,
+        doubles the backoff."""
         self.add_penalty(i, self.spec.penalties.error_ms, now)
         self.record_failure(i, now)
 

@@ -233,3 +233,22 @@ def test_record_sent_caches_prefix_and_counts_inflight() -> None:
     assert s.prefix.blocks_held(0) == 4
     assert s.inflight_reqs[0] == 1 and s.inflight_prompt_tokens[0] == 16
     assert s.backlog_tokens[0] == 16
+
+
+def test_late_failures_of_an_ejected_replica_do_not_extend_its_backoff() -> None:
+    from gorgo.core.fleet import parse_fleet as _parse
+    from gorgo.core.state import FleetState as _State
+
+    s = _State(_parse({"regions": {"a": None},
+                       "replicas": [{"name": "x", "region": "a", "address": "127.0.0.1:1"}]}))
+    for _ in range(3):
+        s.record_failed_probe(0, now=0.0)
+    assert not s.healthy[0]
+    retry_at = s.retry_at[0]
+    s.now = 0.0
+    before = s.penalty()[0]
+    s.record_failed_response(0, now=0.0)  # a stream routed before the ejection fails late
+    assert s.retry_at[0] == retry_at  # backoff unchanged ...
+    assert s.penalty()[0] > before  # ... but the failure is still priced
+    s.record_failed_probe(0, now=retry_at)  # a failed re-probe does extend it
+    assert s.retry_at[0] > retry_at
