@@ -1,0 +1,107 @@
+"""A trace slice prepared once for many offline runs: arrivals, request features, output lengths.
+
+Features are what the router parses from each request body; building them (synthetic prompt text
+plus chained block hashes) costs far more than routing, so a bench builds them once and every run
+reuses the same immutable objects. Runs differ only in the time scale applied to the arrivals,
+the policy and the seed.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from gorgo.core.features import RequestFeatures, extract_features
+from gorgo.core.fleet import FleetSpec
+from gorgo.core.tokens import Tokenization
+from sim.offline import SimResult, Simulation
+from sim.oracle import oracle_factory
+from sim.traces import TraceRequest, load_trace
+
+ORACLE = "oracle"
+CHAT_PATH = "/v1/chat/completions"
+MODEL = "sim"
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Requests in arrival order; ``arrivals`` are seconds from the first one, in trace time."""
+
+    trace: str
+    arrivals: np.ndarray
+    features: tuple[RequestFeatures, ...]
+    output_tokens: tuple[int, ...]
+
+    @property
+    def n(self) -> int:
+        return len(self.features)
+
+    @property
+    def span_s(self) -> float:
+        return float(self.arrivals[-1] - self.arrivals[0]) if self.n else 0.0
+
+    @property
+    def mean_rate_rps(self) -> float:
+        """Mean arrival rate at time scale 1: requests per second between first and last arrival."""
+        if self.n < 2 or self.span_s <= 0:
+            raise ValueError(f"{self.trace}: need two or more distinct arrival times for a rate")
+        return (self.n - 1) / self.span_s
+
+    @property
+    def mean_prompt_tokens(self) -> float:
+        return float(np.mean([f.prompt_tokens for f in self.features])) if self.n else 0.0
+
+    def scale_for_rate(self, rate_rps: float) -> float:
+        """Factor on the arrival times that makes the mean arrival rate ``rate_rps``."""
+        return self.mean_rate_rps / rate_rps
+
+    def head(self, n: int) -> Workload:
+        """The first ``n`` requests (sharing the feature objects)."""
+        return replace(self, arrivals=self.arrivals[:n], features=self.features[:n],
+                       output_tokens=self.output_tokens[:n])
+
+
+def build_workload(trace: str, tok: Tokenization, requests: int | None = None) -> Workload:
+    """Load ``trace`` (a `load_trace` spec), keep the first ``requests`` and parse each body."""
+    reqs = load_trace(trace)
+    return workload_from_requests(trace, reqs[:requests] if requests is not None else reqs, tok)
+
+
+def workload_from_requests(
+    name: str, reqs: Sequence[TraceRequest], tok: Tokenization
+) -> Workload:
+    """Parse each request's chat body as the router would; ``name`` labels the workload."""
+    if not reqs:
+        raise ValueError(f"{name}: no requests")
+    features = tuple(
+        extract_features(CHAT_PATH, {}, json.dumps(r.chat_body(tok, MODEL)).encode(), tok)
+        for r in reqs
+    )
+    arrivals = np.array([r.arrival_s for r in reqs], dtype=float)
+    return Workload(
+        trace=name,
+        arrivals=arrivals - arrivals[0],
+        features=features,
+        output_tokens=tuple(r.output_tokens for r in reqs),
+    )
+
+
+def tokenization(spec: FleetSpec) -> Tokenization:
+    return Tokenization(spec.chars_per_token, spec.block_tokens)
+
+
+def simulate(
+    spec: FleetSpec, policy: str, workload: Workload, scale: float, seed: int
+) -> SimResult:
+    """One offline run with the arrivals multiplied by ``scale``.
+
+    The fleet is renamed per seed because policies seed their own generators from the fleet name
+    (random does): the seed then changes the link jitter and every policy RNG together.
+    """
+    spec = replace(spec, name=f"{spec.name}/seed{seed}")
+    factory = oracle_factory if policy == ORACLE else None
+    sim = Simulation(spec, policy, seed=seed, policy_factory=factory)
+    return sim.run((workload.arrivals * scale).tolist(), workload.features, workload.output_tokens)
