@@ -34,7 +34,6 @@ import json
 import math
 import os
 import re
-import signal
 import sys
 import tempfile
 import time
@@ -52,6 +51,7 @@ import sim.replay as replay_module
 from extproc.messages import DECISION_HEADER
 from gorgo.core.fleet import FleetSpec, load_fleet
 from gorgo.core.tokens import Tokenization
+from gorgo.docblock import public_args, stop_on_signals, write_block
 from gorgo.envoy_config import render_bootstrap
 from gorgo.envoy_proc import EnvoyProcess
 from gorgo.procs import GorgoProcess, free_port, wait_for
@@ -463,45 +463,13 @@ def from_json(data: dict[str, Any]) -> tuple[list[PolicyComparison], dict[str, A
     return comps, data["config"]
 
 
-def write_docs(block: str, doc: Path = DOC) -> None:
-    """Replace the generated block of the section, keeping notes around it. The rest of the file
-    belongs to others and may change under us: it is re-read right before writing."""
-    generated = f"{BEGIN}\n{block}{END}\n"
-    text = doc.read_text() if doc.exists() else "# Results\n"
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        tail = rest.split(END, 1)[1].lstrip("\n")
-        text = head + generated + (f"\n{tail}" if tail else "")
-    elif SECTION in text:
-        head, rest = text.split(SECTION, 1)
-        nxt = re.search(r"^## ", rest, re.M)
-        tail = rest[nxt.start():] if nxt else ""
-        text = f"{head}{SECTION}\n\n{generated}" + (f"\n{tail}" if tail else "")
-    else:
-        text = text.rstrip("\n") + f"\n\n{SECTION}\n\n{generated}"
-    doc.parent.mkdir(parents=True, exist_ok=True)
-    doc.write_text(text)
+def write_docs(block: str) -> None:
+    write_block(DOC, SECTION, BEGIN, END, block, "# Results")
 
 
 # --- main -------------------------------------------------------------------------------------
 
 
-def _public_args(argv: Sequence[str]) -> list[str]:
-    """The command line without ``--out PATH`` (a local file), as the docs show it."""
-    out: list[str] = []
-    skip = False
-    for a in argv:
-        if skip:
-            skip = False
-        elif a == "--out":
-            skip = True
-        elif not a.startswith("--out="):
-            out.append(a)
-    return out
-
-
-def _interrupt(signum: int, _frame: Any) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -532,11 +500,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.write_docs:
             write_docs(block)
         return 0 if all(c.within() for c in comps) else 1
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, _interrupt)
+    stop_on_signals()
     policies = [x.strip() for x in args.policies.split(",") if x.strip()]
     command = ".venv/bin/python bench/crosscheck.py" + "".join(
-        f" {a}" for a in _public_args(argv if argv is not None else sys.argv[1:]))
+        f" {a}" for a in public_args(argv if argv is not None else sys.argv[1:]))
 
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)

@@ -64,6 +64,7 @@ from gorgo._xds.envoy.service.ext_proc.v3.external_processor_pb2_grpc import (
 )
 from gorgo.core.fleet import LINK_PRESETS, FleetSpec, load_fleet, parse_fleet
 from gorgo.core.router import Router
+from gorgo.docblock import stop_on_signals, write_block
 from gorgo.envoy_config import EXTPROC_CLUSTER, render_bootstrap
 from gorgo.envoy_proc import EnvoyProcess, envoy_binary
 from gorgo.procs import GorgoProcess, free_port, wait_for
@@ -947,29 +948,11 @@ def render(r: Results, command: str) -> str:
 
 
 def write_docs(block: str) -> None:
-    """Replace the generated block of the Data plane section, keeping any notes around it."""
-    generated = f"{BEGIN}\n{block}{END}\n"
-    text = DOC.read_text() if DOC.exists() else "# Benchmarks\n"
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        tail = rest.split(END, 1)[1].lstrip("\n")
-        text = head + generated + (f"\n{tail}" if tail else "")
-    elif SECTION in text:
-        head, rest = text.split(SECTION, 1)
-        nxt = re.search(r"^## ", rest, re.M)
-        tail = rest[nxt.start():] if nxt else ""
-        text = f"{head}{SECTION}\n\n{generated}" + (f"\n{tail}" if tail else "")
-    else:
-        text = text.rstrip("\n") + f"\n\n{SECTION}\n\n{generated}"
-    DOC.parent.mkdir(parents=True, exist_ok=True)
-    DOC.write_text(text)
+    write_block(DOC, SECTION, BEGIN, END, block, "# Benchmarks")
 
 
 # --- main ---------------------------------------------------------------------------------------
 
-
-def _interrupt(signum: int, _frame: Any) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def _step(name: str) -> Callable[[], None]:
@@ -1029,8 +1012,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.serve_noop is not None:
         asyncio.run(serve_noop(args.serve_noop))
         return 0
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, _interrupt)
+    stop_on_signals()
     plan = QUICK if args.quick else FULL
     if args.connections:
         plan = dataclasses.replace(plan, connections=args.connections)

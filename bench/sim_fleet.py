@@ -38,7 +38,6 @@ import os
 import platform
 import re
 import resource
-import signal
 import sys
 import tempfile
 import time
@@ -52,6 +51,7 @@ import yaml
 
 from gorgo.core.fleet import load_fleet
 from gorgo.core.tokens import Tokenization
+from gorgo.docblock import public_args, stop_on_signals, write_block
 from gorgo.procs import GorgoProcess, free_port
 from sim.presets import PRESETS
 from sim.replay import ReplayResult, RequestRecord, replay, select_window, summarize_records
@@ -533,42 +533,10 @@ def slip_by_second(records: Sequence[RequestRecord]) -> list[dict[str, Any]]:
              "p50_slip_ms": summarize(v).p50} for k, v in sorted(buckets.items())]
 
 
-def write_docs(block: str, doc: Path = DOC) -> None:
-    """Replace the generated block of the section, keeping notes around it; other sections are
-    re-read right before writing and left as they are."""
-    generated = f"{BEGIN}\n{block}{END}\n"
-    text = doc.read_text() if doc.exists() else "# Benchmarks\n"
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        tail = rest.split(END, 1)[1].lstrip("\n")
-        text = head + generated + (f"\n{tail}" if tail else "")
-    elif SECTION in text:
-        head, rest = text.split(SECTION, 1)
-        nxt = re.search(r"^## ", rest, re.M)
-        tail = rest[nxt.start():] if nxt else ""
-        text = f"{head}{SECTION}\n\n{generated}" + (f"\n{tail}" if tail else "")
-    else:
-        text = text.rstrip("\n") + f"\n\n{SECTION}\n\n{generated}"
-    doc.parent.mkdir(parents=True, exist_ok=True)
-    doc.write_text(text)
+def write_docs(block: str) -> None:
+    write_block(DOC, SECTION, BEGIN, END, block, "# Benchmarks")
 
 
-def _public_args(argv: Sequence[str]) -> list[str]:
-    """The command line without ``--out PATH`` (a local file), as the docs show it."""
-    out: list[str] = []
-    skip = False
-    for a in argv:
-        if skip:
-            skip = False
-        elif a == "--out":
-            skip = True
-        elif not a.startswith("--out="):
-            out.append(a)
-    return out
-
-
-def _interrupt(signum: int, _frame: Any) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -589,10 +557,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--write-docs", action="store_true",
                    help=f"write the results into '{SECTION}' of {DOC.relative_to(ROOT)}")
     args = p.parse_args(argv)
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, _interrupt)
+    stop_on_signals()
     command = ".venv/bin/python bench/sim_fleet.py" + "".join(
-        f" {a}" for a in _public_args(argv if argv is not None else sys.argv[1:]))
+        f" {a}" for a in public_args(argv if argv is not None else sys.argv[1:]))
     runs: list[Results] = []
     try:
         for nice in args.nice:
