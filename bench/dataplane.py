@@ -67,7 +67,7 @@ from gorgo.core.router import Router
 from gorgo.docblock import stop_on_signals, write_block
 from gorgo.envoy_config import EXTPROC_CLUSTER, render_bootstrap
 from gorgo.envoy_proc import EnvoyProcess, envoy_binary
-from gorgo.procs import GorgoProcess, free_port, wait_for
+from gorgo.procs import GorgoProcess, free_port, stop_group, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "benchmarks.md"
@@ -445,13 +445,7 @@ class NoopProcess:
             raise RuntimeError(f"no-op ext_proc did not start: {line}{self.p.stdout.read()}")
 
     def stop(self) -> None:
-        if self.p.poll() is None:
-            os.killpg(self.p.pid, signal.SIGTERM)
-            try:
-                self.p.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.p.pid, signal.SIGKILL)
-                self.p.wait()
+        stop_group(self.p)
 
 
 @dataclass

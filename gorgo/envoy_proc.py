@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -18,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from gorgo.procs import stop_group
 
 
 def envoy_binary() -> str:
@@ -81,13 +82,8 @@ class EnvoyProcess:
             return ""
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        if self.proc is not None:
+            stop_group(self.proc, grace=5.0)
         self._dir.cleanup()
 
     def __enter__(self) -> EnvoyProcess:

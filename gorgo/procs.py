@@ -100,12 +100,18 @@ class GorgoProcess:
             self.p.wait(10)
 
     def stop(self) -> None:
-        if self.p.poll() is None:
-            os.killpg(self.p.pid, signal.SIGTERM)
-            try:
-                self.p.wait(10)
-            except subprocess.TimeoutExpired:
-                self.kill()
+        stop_group(self.p)
+
+
+def stop_group(p: subprocess.Popen, grace: float = 10.0) -> None:
+    """SIGTERM a child's whole process group, SIGKILL it if it outlives ``grace``."""
+    if p.poll() is None:
+        os.killpg(p.pid, signal.SIGTERM)
+        try:
+            p.wait(grace)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
 
 
 def wait_for(pred: Callable[[], bool], timeout: float = 10.0, interval: float = 0.05) -> bool:

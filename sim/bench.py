@@ -38,7 +38,7 @@ from sim.capacity import Capacity, cache_key, cached_capacity, find_capacity, pr
 from sim.offline import SimResult
 from sim.presets import PRESETS, resolve_fleet
 from sim.profiles import get_profile
-from sim.stats import percentile
+from sim.stats import jsonable, percentile
 from sim.workload import ORACLE, Workload, build_workload, simulate, tokenization
 
 DEFAULT_LOADS = (0.5, 0.8, 0.95)
@@ -529,17 +529,6 @@ def reproduce_command(args: argparse.Namespace) -> str:
     return " ".join(shlex.quote(p) for p in parts)
 
 
-def _clean(obj: Any) -> Any:
-    """JSON-safe: non-finite floats become null, numpy scalars plain numbers."""
-    if isinstance(obj, dict):
-        return {str(k): _clean(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return [_clean(v) for v in obj]
-    if isinstance(obj, np.generic):
-        obj = obj.item()
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    return obj
 
 
 def write_outputs(
@@ -588,7 +577,7 @@ def write_outputs(
                            for p, w in walls.items()},
         "machine": machine or {"cpus": None, "loadavg_start": math.nan, "loadavg_end": math.nan},
     }
-    (out / "results.json").write_text(json.dumps(_clean(doc), indent=1) + "\n")
+    (out / "results.json").write_text(json.dumps(jsonable(doc), indent=1) + "\n")
     np.savez_compressed(out / TTFT_FILE, **{_run_key(r): r["ttft_ms"] for r in runs})
 
     samples: dict[str, dict[str, np.ndarray]] = {}

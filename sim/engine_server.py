@@ -29,7 +29,13 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
 
-from gorgo.core.features import RequestError, endpoint_for_path, parse_json_body, prompt_text
+from gorgo.core.features import (
+    RequestError,
+    endpoint_for_path,
+    parse_json_body,
+    positive_int,
+    prompt_text,
+)
 from gorgo.core.tokens import DEFAULT_BLOCK_TOKENS, DEFAULT_CHARS_PER_TOKEN, Tokenization
 from sim.engine import Engine, EngineRejected, EngineRequest, StepResult
 from sim.profiles import PROFILES, get_profile
@@ -369,7 +375,8 @@ class EngineServer:
             stream = body.get("stream", False)
             if not isinstance(stream, bool):
                 raise RequestError(400, "'stream' must be a boolean.", param="stream")
-            max_tokens = _max_tokens(body, self.default_max_tokens)
+            max_tokens = positive_int(body, "max_completion_tokens", "max_tokens")
+            max_tokens = self.default_max_tokens if max_tokens is None else max_tokens
             include_usage = _include_usage(body)
         except RequestError as exc:
             return web.json_response(exc.to_body(), status=exc.status)
@@ -509,16 +516,6 @@ def _reset(request: web.Request) -> None:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
     transport.abort()
 
-
-def _max_tokens(body: dict[str, Any], default: int) -> int:
-    for name in ("max_completion_tokens", "max_tokens"):
-        value = body.get(name)
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise RequestError(400, f"'{name}' must be a positive integer.", param=name)
-        return value
-    return default
 
 
 def _include_usage(body: dict[str, Any]) -> bool:

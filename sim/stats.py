@@ -7,8 +7,10 @@ summaries stay valid JSON.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import numpy as np
 
@@ -77,3 +79,16 @@ def rate_per_s(count: int, span_s: float) -> float | None:
 def _finite(values: Iterable[float | None]) -> np.ndarray:
     arr = np.fromiter((np.nan if v is None else v for v in values), dtype=float)
     return arr[np.isfinite(arr)]
+
+
+def jsonable(obj: Any) -> Any:
+    """JSON-safe copy: non-finite floats become null, tuples lists, numpy scalars plain numbers."""
+    if isinstance(obj, dict):
+        return {str(k): jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [jsonable(v) for v in obj]
+    if isinstance(obj, np.generic):
+        obj = obj.item()
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    return obj

@@ -47,6 +47,7 @@ import numpy as np
 from gorgo.core.decision import Decision
 from gorgo.core.fleet import FleetSpec, Weights
 from sim.offline import RequestRecord, SimResult, Simulation
+from sim.stats import jsonable
 from sim.workload import Workload
 from tuner.calibration import CalibrationConfig
 from tuner.optimizer import OptimizerConfig, Proposal, Tuner
@@ -796,24 +797,13 @@ def _save_cache(path: Path, slice_key: str, static: dict[str, dict[str, float]])
     doc = {k: v for k, v in doc.items() if k.partition("|code=")[0] != prefix}  # stale code
     doc[slice_key] = static
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(_jsonable(doc)) + "\n")
+    tmp.write_text(json.dumps(jsonable(doc)) + "\n")
     tmp.replace(path)
 
 
 # ------------------------------------------------------------------------------------- outputs
 
 
-def _jsonable(obj: Any) -> Any:
-    """Non-finite floats become null, tuples lists, numpy scalars plain numbers."""
-    if isinstance(obj, dict):
-        return {str(k): _jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return [_jsonable(v) for v in obj]
-    if isinstance(obj, np.generic):
-        obj = obj.item()
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    return obj
 
 
 def reproduce_command(args: argparse.Namespace) -> str:
@@ -1029,7 +1019,7 @@ def write_outputs(
         "null_runs": nulls,
         "null_total": null_total(nulls),
     }
-    (out / "results.json").write_text(json.dumps(_jsonable(doc), indent=1) + "\n")
+    (out / "results.json").write_text(json.dumps(jsonable(doc), indent=1) + "\n")
     return render(out, json.loads((out / "results.json").read_text()))
 
 

@@ -211,7 +211,8 @@ def prompt_text(endpoint: str, body: Mapping[str, Any]) -> str:
     return "\n".join(pieces)
 
 
-def _opt_int(body: Mapping[str, Any], *names: str) -> int | None:
+def positive_int(body: Mapping[str, Any], *names: str) -> int | None:
+    """The first of ``names`` present in ``body``, which must be a positive integer."""
     for name in names:
         value = body.get(name)
         if value is None:
@@ -255,7 +256,7 @@ def extract_features(
     stream = False if stream is None else stream
     if not isinstance(stream, bool):
         raise RequestError(400, "'stream' must be a boolean.", param="stream")
-    max_tokens = _opt_int(body, "max_tokens", "max_completion_tokens", "max_output_tokens")
+    max_tokens = positive_int(body, "max_tokens", "max_completion_tokens", "max_output_tokens")
     session = headers.get(SESSION_HEADER) or None
     for key in ("prompt_cache_key", "user"):
         if session is None and isinstance(body.get(key), str) and body[key]:
