@@ -104,7 +104,10 @@ class AdminApi:
         w = s.weights
         return {"rtt": w.rtt, "queue": w.queue, "version": w.version,
                 "prefill_rate": {name: float(r) for name, r in zip(s.names, s.prefill_rate,
-                                                                    strict=True)}}
+                                                                    strict=True)},
+                "prefill_rate_hint": {r.name: float(r.prefill_rate)
+                                      for r in self.router.spec.replicas},
+                "routed": {str(v): dict(c) for v, c in self.router.routed.items()}}
 
     async def get(self, request: web.Request) -> web.Response:
         denied = self._authorize(request)
@@ -126,7 +129,7 @@ class AdminApi:
                  weights.queue, f" prefill_rate={rates}" if rates else "")
         return web.json_response(self.current())
 
-    def _validate(self, raw: bytes) -> tuple[Weights, dict[str, float]]:
+    def _validate(self, raw: bytes) -> tuple[Weights, dict[str, float | None]]:
         try:
             body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError):
@@ -145,18 +148,21 @@ class AdminApi:
         version = body["version"]
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
             raise _Invalid(400, "version must be a non-negative integer", "version")
-        rates: dict[str, float] = {}
+        rates: dict[str, float | None] = {}
         raw_rates = body.get("prefill_rate")
         if raw_rates is not None:
             if not isinstance(raw_rates, dict):
-                raise _Invalid(400, "prefill_rate must be an object {replica: tokens/s}",
+                raise _Invalid(400, "prefill_rate must be an object {replica: tokens/s or null}",
                                "prefill_rate")
             names = self.router.state.names
             for name, value in raw_rates.items():
                 field = f"prefill_rate.{name}"
                 if name not in names:
                     raise _Invalid(400, f"unknown replica {name!r}", field)
-                rates[name] = _number(value, field, *PREFILL_RATE_BOUNDS)
+                # null: back to the fleet file's hint (the tuner withdraws a rate it can no
+                # longer confirm)
+                rates[name] = None if value is None else _number(value, field,
+                                                                 *PREFILL_RATE_BOUNDS)
         active = self.router.state.weights.version
         if version <= active:
             raise _Invalid(409, f"version {version} is not above the active version {active}",

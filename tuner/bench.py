@@ -89,7 +89,7 @@ class NullTuner(Tuner):
 
 def null_config(config: OptimizerConfig) -> OptimizerConfig:
     """Never converges, so an A/A run evaluates for as long as the slice lasts."""
-    return replace(config, min_sigma=1e-300, max_failures=10**9)
+    return replace(config, min_sigma=1e-300, max_failures=10**9, model_step=False)
 
 
 @dataclass
@@ -156,7 +156,8 @@ def tuned_run(
     """Run the slice with the optimiser in the loop; see the module docstring."""
     cfg = settings.config
     cls = NullTuner if settings.null else Tuner
-    tuner = cls(cfg, initial=settings.start, seed=settings.seed, calibration=settings.calibration)
+    tuner = cls(cfg, initial=settings.start, seed=settings.seed, calibration=settings.calibration,
+                hints={r.name: r.prefill_rate for r in spec.replicas})
     rtt0, queue0 = tuner.incumbent
     spec = fleet_for_seed(with_weights(spec, rtt0, queue0), settings.seed)
     trace = TuneTrace()
@@ -174,6 +175,8 @@ def tuned_run(
             ask()
 
     def ask() -> None:
+        for v in tuner.counting():  # what `gorgo tuner` reads from GET /admin/weights
+            tuner.routed(v, sim.router.routed.get(v, {}).get(cfg.policy, 0))
         before = len(tuner.history)
         p = tuner.next_weights(sim.now)
         for entry in tuner.history[before:]:
@@ -435,9 +438,13 @@ def summarize_run(
             LIVE_MAX, math.nan),
         "published": [list(p) for p in trace.published],
         "evaluations_log": [
-            {k: h.get(k) for k in ("samples", "t", "incumbent", "candidate", "accepted", "reason",
-                                   "p95_incumbent", "p95_candidate", "e2e_incumbent",
-                                   "e2e_candidate", "sigma")} for h in evals],
+            {k: h.get(k) for k in ("samples", "t", "kind", "incumbent", "candidate", "accepted",
+                                   "reason", "p95_incumbent", "p95_candidate", "e2e_incumbent",
+                                   "e2e_candidate", "n_incumbent", "n_candidate", "missing",
+                                   "sigma")} for h in evals],
+        "model_evaluations": sum(h.get("kind") == "model" for h in evals),
+        "model_accepted": sum(h.get("kind") == "model" and bool(h["accepted"]) for h in evals),
+        "extended": sum(h["event"] == "extended" for h in trace.history),
         "final_status": {k: trace.status.get(k) for k in ("phase", "sigma", "failures",
                                                           "ignored_samples")},
     }
@@ -932,8 +939,12 @@ def summary_markdown(doc: dict[str, Any]) -> str:
         ignored = [r["final_status"]["ignored_samples"] / r["samples"] for r in guarded]
         per_eval = [r["samples"] / r["evaluations"] for r in guarded if r["evaluations"]]
         md.append(f"- {np.mean(per_eval):.0f} samples per evaluation on average; "
-                  f"{np.mean(ignored):.0%} of all samples counted for no window (requests "
-                  "still in flight when their evaluation ended)")
+                  f"{np.mean(ignored):.0%} of all samples counted for no window (routed under a "
+                  "warm-up or bridge version, or by an evaluation that was dropped)")
+        fitted = sum(r.get("model_evaluations", 0) for r in guarded)
+        md.append(f"- fitted-weights candidates: {fitted} evaluated, "
+                  f"{sum(r.get('model_accepted', 0) for r in guarded)} accepted, "
+                  f"{sum(r.get('extended', 0) for r in guarded)} extensions")
     if guarded:
         levels = list(guarded[0]["stays_within_by_tolerance"])
         md += ["", "Median over seeds of the samples until the incumbent stays within a "

@@ -1,18 +1,29 @@
-"""Per-replica prefill rate from the residuals of live requests, by windowed least squares.
+"""Per-replica prefill rate from the residuals of live requests, by a windowed quantile fit.
 
-The router prices prefill as ``uncached_tokens / prefill_rate`` and queue wait as
-``waiting_tokens / prefill_rate``; the rate comes from the fleet file and is only a hint. What the
-request actually paid beyond the network is ``TTFT - RTT``, so per replica we fit
+The router prices prefill as ``uncached_tokens / prefill_rate``; the rate comes from the fleet file
+and is only a hint. What a request actually paid beyond the network is ``TTFT - RTT``, so per
+replica we fit
 
-    TTFT - RTT  =  c  +  b_u * uncached_tokens  +  b_q * queued_tokens
+    TTFT - RTT  =  c  +  b * uncached_tokens        (rate = 1000 / b tokens/s)
 
-over the last ``window`` successful requests, and the rate is ``1000 / b_u`` tokens/s. The
-intercept absorbs fixed per-request cost (scheduling, first decode step); the queue gets its own
-slope so that an imperfect queue estimate does not bias the prefill slope. Queued tokens are not on
-the span, but the decision carries ``queue_ms`` and ``prefill_ms`` priced at the rate the router
-used, so ``queued = queue_ms * uncached / prefill_ms``. A rate is reported only from enough
-samples, with enough spread in uncached tokens to identify the slope, and inside sane bounds: a
-noisy fit must never publish a zero, negative or absurd rate.
+over the replica's last ``window`` successful requests, and report a rate only when the fit can be
+trusted. Two kinds of waiting corrupt the slope, and each is kept out its own way:
+
+* Predicted queue. The router's queue estimate is worst exactly when a replica is overloaded (it
+  was off by tens of seconds in simulation), and any regression on it leaks that error into the
+  prefill slope: fitted rates came out up to 6x the true one. So only rows the router expected to
+  wait little for (``queue_ms <= max_queue_share * prefill_ms``) are fitted at all; a replica
+  whose window holds too few of them reports nothing.
+* Unseen queue. Requests the router expected to start at once still wait behind chunks of other
+  prompts, and short prompts wait relatively longer, which flattens a least-squares slope (rates
+  5-16 % high at sane weights). Waiting only ever adds time, so we fit a low conditional
+  ``quantile`` of TTFT - RTT, the service time of the requests that did not wait.
+
+A fit is also rejected unless the older and newer halves of its rows agree on the slope, and a
+rate is never outside ``[min_rate, max_rate]``. Everything is recomputed from the current window:
+a replica whose window cannot confirm a rate is absent from `rates` (the optimizer keeps what it
+published until a new fit replaces it: with only trustworthy fits published, "unconfirmed" is not
+"wrong", and withdrawing a rate that prices a slow engine out would send traffic back to it).
 """
 
 from __future__ import annotations
@@ -24,14 +35,22 @@ import numpy as np
 
 from tuner.samples import Sample
 
+_TOKENS_PER_UNIT = 1000.0  # the slope is fitted per 1k tokens, for a well-conditioned system
+_IRLS_ITERATIONS = 100
+_IRLS_FLOOR_MS = 1e-3  # residuals below this count as exact fits in the reweighting
+
 
 @dataclass(frozen=True, slots=True)
 class CalibrationConfig:
-    window: int = 400
-    min_samples: int = 50
+    window: int = 400  # successful requests per replica, clean or not
+    min_samples: int = 50  # clean rows (little predicted queue) needed in the window
     min_spread_tokens: float = 64.0  # standard deviation of uncached tokens needed for a slope
     min_rate: float = 100.0  # tokens/s
     max_rate: float = 1e7
+    max_queue_share: float = 0.25  # a row is fitted only if queue_ms <= this * prefill_ms
+    quantile: float = 0.1  # conditional quantile of TTFT - RTT fitted
+    max_slope_disagreement: float = 0.25  # |slope(older half) - slope(newer half)| / slope
+    slower_by: float = 0.3  # a queue-dominated replica's fit counts only if this much slower
 
     def validate(self) -> None:
         if self.window < 3 or self.min_samples < 3 or self.min_samples > self.window:
@@ -40,66 +59,128 @@ class CalibrationConfig:
             raise ValueError("calibration: need 0 < min_rate < max_rate")
         if self.min_spread_tokens < 0:
             raise ValueError("calibration: min_spread_tokens must be >= 0")
+        if not self.max_queue_share >= 0:
+            raise ValueError("calibration: max_queue_share must be >= 0")
+        if not 0 < self.quantile < 1:
+            raise ValueError("calibration: need 0 < quantile < 1")
+        if not self.max_slope_disagreement > 0:
+            raise ValueError("calibration: max_slope_disagreement must be > 0")
+        if not 0 < self.slower_by < 1:
+            raise ValueError("calibration: need 0 < slower_by < 1")
 
 
 @dataclass(frozen=True, slots=True)
 class RateEstimate:
     rate: float  # tokens/s
-    intercept_ms: float
-    queue_ms_per_token: float
-    samples: int
+    intercept_ms: float  # fixed per-request cost at the fitted quantile
+    samples: int  # clean rows fitted
+    window_rows: int  # successful requests in the window
+
+
+def quantile_fit(x: np.ndarray, y: np.ndarray, tau: float) -> tuple[float, float] | None:
+    """(intercept, slope) of the ``tau`` conditional quantile of y on x, by iteratively
+    reweighted least squares on the check loss; None when the system is singular."""
+    a = np.column_stack([np.ones_like(x), x])
+    try:
+        beta = np.linalg.lstsq(a, y, rcond=None)[0]
+        for _ in range(_IRLS_ITERATIONS):
+            r = y - a @ beta
+            w = np.where(r >= 0, tau, 1.0 - tau) / np.maximum(np.abs(r), _IRLS_FLOOR_MS)
+            nxt = np.linalg.solve(a.T @ (a * w[:, None]), a.T @ (w * y))
+            done = np.allclose(nxt, beta, rtol=1e-7, atol=1e-9)
+            beta = nxt
+            if done:
+                break
+    except np.linalg.LinAlgError:
+        return None
+    if not np.all(np.isfinite(beta)):
+        return None
+    return float(beta[0]), float(beta[1])
 
 
 class PrefillCalibrator:
     """Pure and clock-free: fed samples, asked for rates."""
 
-    def __init__(self, config: CalibrationConfig | None = None) -> None:
+    def __init__(self, config: CalibrationConfig | None = None,
+                 hints: dict[str, float] | None = None) -> None:
         self.config = config or CalibrationConfig()
         self.config.validate()
-        self._rows: dict[str, deque[tuple[float, float, float]]] = {}
-        self._rate_used: dict[str, float] = {}
+        self.hints = dict(hints or {})  # the fleet file's rates, what the router falls back to
+        # (uncached tokens, TTFT - RTT, clean, tokens ahead incl. its own) per successful
+        # request, newest last.
+        self._rows: dict[str, deque[tuple[float, float, bool, float]]] = {}
+        self._rate_used: dict[str, float] = {}  # the rate the router priced each replica at
 
     def observe(self, s: Sample) -> None:
         if not s.ok:
             return
         if s.uncached_tokens > 0 and s.prefill_ms > 0:
             self._rate_used[s.replica] = s.uncached_tokens * 1000.0 / s.prefill_ms
-        if s.queue_ms > 0:
-            rate_used = self._rate_used.get(s.replica)
-            if rate_used is None:
-                return  # queued tokens unknown until this replica's rate has been seen
-            queued = s.queue_ms * rate_used / 1000.0
-        else:
-            queued = 0.0
+        rate_used = self._rate_used.get(s.replica)
+        work = float("nan") if rate_used is None else (
+            (s.queue_ms + s.prefill_ms) * rate_used / 1000.0)
+        clean = s.queue_ms <= self.config.max_queue_share * s.prefill_ms
         rows = self._rows.setdefault(s.replica, deque(maxlen=self.config.window))
-        rows.append((float(s.uncached_tokens), queued, s.ttft_ms - s.rtt_ms))
+        rows.append((float(s.uncached_tokens), s.ttft_ms - s.rtt_ms, clean, work))
+
+    def _slope(self, u: np.ndarray, y: np.ndarray) -> tuple[float, float] | None:
+        if u.std() < self.config.min_spread_tokens:
+            return None
+        fit = quantile_fit(u / _TOKENS_PER_UNIT, y, self.config.quantile)
+        if fit is None or not fit[1] > 0:
+            return None
+        return fit[0], fit[1] / _TOKENS_PER_UNIT
 
     def estimate(self, replica: str) -> RateEstimate | None:
         cfg = self.config
         rows = self._rows.get(replica)
-        if rows is None or len(rows) < cfg.min_samples:
+        if rows is None:
             return None
-        data = np.asarray(rows)
-        u, q, y = data[:, 0], data[:, 1], data[:, 2]
-        if u.std() < cfg.min_spread_tokens:
+        clean = [(u, y) for u, y, ok, _ in rows if ok]
+        if len(clean) >= cfg.min_samples:
+            data = np.asarray(clean)
+            return self._fit(data[:, 0], data[:, 1], len(rows))
+        return self._slower(replica, rows)
+
+    def _fit(self, x: np.ndarray, y: np.ndarray, window_rows: int) -> RateEstimate | None:
+        cfg = self.config
+        fit = self._slope(x, y)
+        if fit is None:
             return None
-        cols = [np.ones_like(u), u]
-        with_queue = q.std() > 0
-        if with_queue:
-            cols.append(q)
-        coef, *_ = np.linalg.lstsq(np.column_stack(cols), y, rcond=None)
-        slope = float(coef[1])
-        if not slope > 0:
+        intercept, slope = fit
+        half = len(x) // 2
+        older, newer = self._slope(x[:half], y[:half]), self._slope(x[half:], y[half:])
+        if older is None or newer is None:
+            return None
+        if abs(older[1] - newer[1]) > cfg.max_slope_disagreement * slope:
             return None
         rate = 1000.0 / slope
         if not cfg.min_rate <= rate <= cfg.max_rate:
             return None
-        return RateEstimate(
-            rate=rate,
-            intercept_ms=float(coef[0]),
-            queue_ms_per_token=float(coef[2]) if with_queue else float("nan"),
-            samples=len(rows),
-        )
+        return RateEstimate(rate=rate, intercept_ms=intercept, samples=len(x),
+                            window_rows=window_rows)
+
+    def _slower(self, replica: str, rows: deque[tuple[float, float, bool, float]]
+                ) -> RateEstimate | None:
+        """A replica that always has a queue never yields clean rows, and the commonest reason is
+        the one calibration exists for: an engine slower than its hint, which the router keeps
+        feeding because it looks fast. Then the time to first token is the work ahead of the
+        request (queued tokens plus its own) at the true rate, so that is fitted instead. The
+        router's queue estimate makes this fit unreliable (under overload it has come out many
+        times too fast), so it only ever counts when it says *slower* than the fleet file's hint,
+        by more than ``slower_by``: the error it can make is to steer traffic away, never towards.
+        The comparison is with the hint, not with the rate in use, which is this fit's own
+        output once published (comparing with that would withdraw it again). Without a known
+        hint, the rate the router priced the replica at stands in."""
+        cfg = self.config
+        hint = self.hints.get(replica, self._rate_used.get(replica))
+        data = np.asarray([(w, y) for _, y, _, w in rows if np.isfinite(w)])
+        if hint is None or len(data) < cfg.min_samples:
+            return None
+        est = self._fit(data[:, 0], data[:, 1], len(rows))
+        if est is None or est.rate > (1.0 - cfg.slower_by) * hint:
+            return None
+        return est
 
     def rates(self) -> dict[str, float]:
         """Replica -> tokens/s for every replica with a trustworthy estimate."""

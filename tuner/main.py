@@ -243,6 +243,19 @@ class _StatusCollector(Collector):
         yield ev
 
 
+def _hints(docs: list[Any]) -> dict[str, float]:
+    """The fleet file's prefill rates, from the routers' GET /admin/weights (routers that did not
+    answer, or that predate the field, contribute nothing)."""
+    out: dict[str, float] = {}
+    for doc in docs:
+        hint = doc.get("prefill_rate_hint") if isinstance(doc, dict) else None
+        if isinstance(hint, dict):
+            for name, rate in hint.items():
+                if isinstance(rate, int | float) and not isinstance(rate, bool) and rate > 0:
+                    out.setdefault(str(name), float(rate))
+    return out
+
+
 class TunerService:
     """The running tuner: receiver, optimizer, publisher and state file, on one event loop."""
 
@@ -254,6 +267,7 @@ class TunerService:
         self.otlp_port = 0
         self.status_port = 0
         self.max_version_seen = -1
+        self._routed: dict[str, dict[int, int]] = {t.url: {} for t in cfg.routers}
         self._saved = -1
         self._loaded = False  # never overwrite a state file this process could not read
         self._http: web.AppRunner | None = None
@@ -268,10 +282,12 @@ class TunerService:
         current = await asyncio.gather(*(self.publisher.fetch(t) for t in cfg.routers))
         versions = [c["version"] for c in current
                     if isinstance(c, dict) and isinstance(c.get("version"), int)]
+        hints = _hints(current)
         state = load_state(cfg.state_file)
         if state is not None:
             try:
-                tuner = Tuner.restore(cfg.optimizer, state, calibration=cfg.calibration)
+                tuner = Tuner.restore(cfg.optimizer, state, calibration=cfg.calibration,
+                                      hints=hints)
             except ValueError as exc:
                 raise StateError(f"{cfg.state_file}: {exc}") from None
             log.info("resumed from %s: incumbent rtt=%.4g queue=%.4g, %d evaluations, next "
@@ -282,7 +298,8 @@ class TunerService:
             if initial is None:
                 live = next((c for c in current if isinstance(c, dict)), None)
                 initial = (float(live["rtt"]), float(live["queue"])) if live else (1.0, 1.0)
-            tuner = Tuner(cfg.optimizer, initial, seed=cfg.seed, calibration=cfg.calibration)
+            tuner = Tuner(cfg.optimizer, initial, seed=cfg.seed, calibration=cfg.calibration,
+                          hints=hints)
             log.info("starting fresh from rtt=%.4g queue=%.4g", *tuner.incumbent)
         if versions:
             tuner.ensure_version_above(max(versions))
@@ -335,7 +352,32 @@ class TunerService:
                 "receiver": {**self.receiver.counts, "max_version_seen": self.max_version_seen},
                 "routers": self.publisher.status()}
 
+    async def count_routed(self) -> None:
+        """Tell the optimiser how many requests each router made under the versions it scores:
+        a window is complete once all of them reported back. A router that does not answer
+        keeps its last count."""
+        versions = self.tuner.counting()
+        if not versions:
+            return
+        targets = self.cfg.routers
+        docs = await asyncio.gather(*(self.publisher.fetch(t, quiet=True) for t in targets))
+        policy = self.cfg.optimizer.policy
+        wanted = set(versions)
+        for t, doc in zip(targets, docs, strict=True):
+            counts = self._routed[t.url]
+            routed = doc.get("routed") if isinstance(doc, dict) else None
+            if isinstance(routed, dict):
+                for key, by_policy in routed.items():
+                    n = by_policy.get(policy) if isinstance(by_policy, dict) else None
+                    if isinstance(n, int) and key.isdigit() and int(key) in wanted:
+                        counts[int(key)] = max(counts.get(int(key), 0), n)
+            for v in [v for v in counts if v not in wanted]:
+                del counts[v]
+        for v in versions:
+            self.tuner.routed(v, sum(c.get(v, 0) for c in self._routed.values()))
+
     async def tick(self, now: float) -> None:
+        await self.count_routed()
         proposal = self.tuner.next_weights(now)
         if proposal is not None:
             w = proposal.weights

@@ -6,28 +6,34 @@ spans and a wall clock; an offline simulation can drive it from a virtual clock.
 
 How one evaluation runs, and why (docs/tuner.md has the full story):
 
-* Every window publishes its own weights version, and a sample counts only for the window whose
-  version routed it, so late spans of an earlier window never leak into the next one's score.
+* Every window publishes its own weights version and routes ``window_samples`` requests (the
+  routers count them), and it is scored on every one of them, attributed by the version that
+  routed it: a window closed on its first completions would be scored on its fastest requests.
 * Incumbent and candidate run in alternating windows (ABBA order, so a linear trend in load
   cancels), so the incumbent is re-measured under the same conditions instead of keeping the score
-  of one lucky window forever.
+  of one lucky window forever. While an evaluation waits for its slowest requests, the next one
+  already routes; a verdict that changes the incumbent drops it.
 * Lower p95 is better and the test is on the difference of p95s: the candidate is accepted only if
-  a seeded, window-stratified bootstrap puts the upper (1 - fpr) bound of ``p95_c - p95_i`` below
-  ``-margin * p95_i``. No score is negated and no multiplicative tolerance is applied to one.
+  a seeded, window-stratified block bootstrap puts the upper (1 - fpr) bound of ``p95_c - p95_i``
+  below ``-margin * p95_i``. No score is negated and no multiplicative tolerance is applied to
+  one. Before every request has reported back, only an acceptance that no outcome of the missing
+  ones could undo is taken.
 * A candidate must also not worsen E2E p95 by more than ``e2e_margin`` nor the error rate by more
   than ``max_error_increase``.
-* Steps are log-normal in log space, reflected at the bounds (a bound is not an attractor); the
-  step size follows the 1/5 success rule. Small step size or many failures in a row: converged,
-  and from then on the incumbent is monitored; a drift of live p95 restarts the search. A newly
-  accepted incumbent stays on probation until it has been re-measured: if its live p95 regresses
-  past ``rollback``, the previous weights come back.
+* Candidates are log-normal steps in log space, reflected at the bounds (a bound is not an
+  attractor), with the 1/5 success rule for the step size; and, when it is far from the
+  incumbent, the weights under which the cost predicts the TTFT delivered (`tuner.weight_fit`),
+  which is how the search leaves bad weights fast. Small step size or many failures in a row:
+  converged, and from then on the incumbent is monitored; a drift of live p95 restarts the search.
+  A newly accepted incumbent stays on probation until it has been re-measured: if its live p95
+  regresses past ``rollback``, the previous weights come back.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 import numpy as np
@@ -35,8 +41,11 @@ import numpy as np
 from gorgo.core.fleet import Weights
 from tuner.calibration import CalibrationConfig, PrefillCalibrator
 from tuner.samples import Sample
+from tuner.weight_fit import QueueWeightFit
 
-INCUMBENT, CANDIDATE, MONITOR = "incumbent", "candidate", "monitor"
+INCUMBENT, CANDIDATE, MONITOR, BRIDGE = "incumbent", "candidate", "monitor", "bridge"
+STEP, MODEL = "step", "model"  # a candidate from a random step, or from the weight fit
+UNFINISHED_MS = 1e12  # stands in for a request that has not reported back, in the worst case
 EVALUATING, CONVERGED = "evaluating", "converged"
 STATE_FORMAT = 1
 
@@ -50,13 +59,15 @@ class OptimizerConfig:
     step_up: float = 1.5  # sigma *= step_up on success ...
     success_rate: float = 0.2  # ... and shrinks on failure so that this rate holds it (1/5 rule)
     max_failures: int = 20  # failed evaluations in a row that also mean converged
-    window_samples: int = 40  # successful requests per window, at least
+    window_samples: int = 40  # requests a window routes (all of them are scored)
     min_window_s: float = 0.0  # and at least this long
+    census_timeout_s: float = 300.0  # a closed window still missing requests is scored anyway
     pairs: int = 2  # incumbent/candidate window pairs per evaluation
     quantile: float = 0.95
     fpr: float = 0.05  # chance of accepting a candidate that is not better
     margin: float = 0.01  # the candidate must beat the incumbent's p95 by this fraction
     bootstrap: int = 2000
+    block: int = 8  # bootstrap block (consecutive arrivals): bursts queue together
     e2e_margin: float = 0.05
     max_error_increase: float = 0.02  # absolute error-rate increase a candidate may bring
     monitor_samples: int = 200  # window size once converged
@@ -65,6 +76,10 @@ class OptimizerConfig:
     restart_sigma: float = 0.5
     rollback: float = 0.2  # re-measured new incumbent worse than the old one was by this: undo
     calibrate: bool = True
+    model_step: bool = True  # also propose the weights a fit of TTFT to the cost terms implies
+    model_min_samples: int = 40
+    model_retry: float = 0.5  # log distance the fit must move before it is proposed again
+    model_pairs: int = 4  # an inconclusive but promising fitted candidate runs up to this many
     rate_change: float = 0.05  # publish a calibrated prefill rate only if it moved this much
     history: int = 500  # evaluation records kept in the state file
     policy: str = "gorgo"  # only requests this policy routed depend on the weights
@@ -81,6 +96,11 @@ class OptimizerConfig:
             (self.max_failures >= 1, "max_failures must be >= 1"),
             (self.window_samples >= 5, "window_samples must be >= 5"),
             (self.min_window_s >= 0, "min_window_s must be >= 0"),
+            (self.census_timeout_s > 0, "census_timeout_s must be > 0"),
+            (self.block >= 1, "block must be >= 1"),
+            (self.model_min_samples >= 10, "model_min_samples must be >= 10"),
+            (self.model_retry > 0, "model_retry must be > 0"),
+            (self.model_pairs >= self.pairs, "model_pairs must be >= pairs"),
             (self.pairs >= 1, "pairs must be >= 1"),
             (0 < self.quantile < 1, "quantile must be in (0, 1)"),
             (0 < self.fpr < 0.5, "fpr must be in (0, 0.5)"),
@@ -120,25 +140,76 @@ class Proposal:
 
 @dataclass(slots=True)
 class Window:
-    """Requests routed under one weights version."""
+    """Every request routed under one weights version (two, if it was renumbered).
+
+    A window is scored on all the requests it routed, not on the first ones to complete: those
+    are the fast ones, and a window closed on completions is scored on its fastest requests.
+    """
 
     arm: str
     version: int
     opened_at: float
     ttft: list[float] = field(default_factory=list)
     e2e: list[float] = field(default_factory=list)
+    arrival: list[float] = field(default_factory=list)  # s, to keep bursts together
     errors: int = 0
+    routed_by: dict[int, int] = field(default_factory=dict)  # version -> decisions routers report
+    closed_at: float | None = None  # when it stopped routing
 
     def add(self, s: Sample) -> None:
         if s.ok:
             self.ttft.append(s.ttft_ms)
             self.e2e.append(s.e2e_ms)
+            if s.end_unix_s > 0:  # 0: the span's end time is unknown; arrival order is lost
+                self.arrival.append(s.end_unix_s - s.e2e_ms / 1000.0)
         else:
             self.errors += 1
 
     @property
     def n(self) -> int:
         return len(self.ttft)
+
+    @property
+    def received(self) -> int:
+        return len(self.ttft) + self.errors
+
+    @property
+    def routed(self) -> int:
+        """Decisions made under this window; without a report from the routers, what arrived."""
+        return max(sum(self.routed_by.values()), self.received)
+
+    @property
+    def missing(self) -> int:
+        return self.routed - self.received
+
+    def complete(self, now: float, timeout_s: float) -> bool:
+        """Closed, and every request it routed reported back (or it waited long enough)."""
+        return self.closed_at is not None and (
+            self.missing == 0 or now - self.closed_at >= timeout_s)
+
+    def values(self, attr: str, fill: float | None) -> np.ndarray:
+        """Values in arrival order; each missing request appended as ``fill`` (None: left out)."""
+        v = np.asarray(getattr(self, attr), dtype=float)
+        if len(self.arrival) == v.size:
+            v = v[np.argsort(np.asarray(self.arrival), kind="stable")]
+        if fill is not None and self.missing:
+            v = np.concatenate([v, np.full(self.missing, fill)])
+        return v
+
+
+@dataclass(slots=True)
+class Evaluation:
+    """One incumbent-vs-candidate comparison: its windows in ABBA order."""
+
+    incumbent: tuple[float, float]
+    plan: list[str]
+    windows: list[Window] = field(default_factory=list)
+    candidate: tuple[float, float] | None = None  # drawn when its first window opens
+    kind: str = STEP
+    looked_at: tuple[int, int, bool] | None = None  # (received, routed, final) at the last look
+
+    def arm(self, arm: str) -> list[Window]:
+        return [w for w in self.windows if w.arm == arm]
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,11 +236,6 @@ def window_plan(pairs: int) -> list[str]:
     return plan
 
 
-def _pooled(windows: Sequence[Window], attr: str) -> np.ndarray:
-    parts = [np.asarray(getattr(w, attr), dtype=float) for w in windows]
-    return np.concatenate(parts) if parts else np.empty(0)
-
-
 def _error_rate(windows: Sequence[Window]) -> float:
     errors = sum(w.errors for w in windows)
     total = errors + sum(w.n for w in windows)
@@ -177,15 +243,22 @@ def _error_rate(windows: Sequence[Window]) -> float:
 
 
 def _bootstrap_quantile(
-    windows: Sequence[Window], q: float, reps: int, rng: np.random.Generator
+    parts: Sequence[np.ndarray], q: float, reps: int, block: int, rng: np.random.Generator
 ) -> np.ndarray:
-    """Quantile of ``reps`` resamples, each window resampled within itself (stratified)."""
-    parts = []
-    for w in windows:
-        values = np.asarray(w.ttft, dtype=float)
-        if values.size:
-            parts.append(values[rng.integers(0, values.size, size=(reps, values.size))])
-    return _row_quantile(np.concatenate(parts, axis=1), q)
+    """Quantile of ``reps`` resamples; each window is resampled within itself (stratified) in
+    circular blocks of consecutive arrivals, so a burst that queued together stays together and
+    widens the interval instead of passing for independent evidence."""
+    cols = []
+    for v in parts:
+        n = v.size
+        if not n:
+            continue
+        length = min(block, n)
+        k = -(-n // length)
+        starts = rng.integers(0, n, size=(reps, k))
+        idx = ((starts[:, :, None] + np.arange(length)) % n).reshape(reps, k * length)[:, :n]
+        cols.append(v[idx])
+    return _row_quantile(np.concatenate(cols, axis=1), q)
 
 
 def _row_quantile(a: np.ndarray, q: float) -> np.ndarray:
@@ -202,10 +275,20 @@ def compare(
     candidate: Sequence[Window],
     cfg: OptimizerConfig,
     rng: np.random.Generator,
+    *,
+    fill: tuple[float, float] | None = None,
 ) -> Verdict:
-    """Accept the candidate only if it is better beyond the noise and breaks no guard."""
-    ti, tc = _pooled(incumbent, "ttft"), _pooled(candidate, "ttft")
-    ei, ec = _pooled(incumbent, "e2e"), _pooled(candidate, "e2e")
+    """Accept the candidate only if it is better beyond the noise and breaks no guard.
+
+    ``fill`` (incumbent, candidate) stands in for requests a window routed that have not reported
+    back yet; None leaves them out.
+    """
+    fi, fc = fill if fill is not None else (None, None)
+    ti_parts = [w.values("ttft", fi) for w in incumbent]
+    tc_parts = [w.values("ttft", fc) for w in candidate]
+    ti, tc = _concat(ti_parts), _concat(tc_parts)
+    ei = _concat([w.values("e2e", fi) for w in incumbent])
+    ec = _concat([w.values("e2e", fc) for w in candidate])
     erri, errc = _error_rate(incumbent), _error_rate(candidate)
     if ti.size == 0 or tc.size == 0:
         nan = float("nan")
@@ -214,10 +297,13 @@ def compare(
     q = cfg.quantile
     p95_i, p95_c = float(np.quantile(ti, q)), float(np.quantile(tc, q))
     e2e_i, e2e_c = float(np.quantile(ei, q)), float(np.quantile(ec, q))
-    diff = (_bootstrap_quantile(candidate, q, cfg.bootstrap, rng)
-            - _bootstrap_quantile(incumbent, q, cfg.bootstrap, rng))
+    diff = (_bootstrap_quantile(tc_parts, q, cfg.bootstrap, cfg.block, rng)
+            - _bootstrap_quantile(ti_parts, q, cfg.bootstrap, cfg.block, rng))
     upper = float(np.quantile(diff, 1.0 - cfg.fpr))
-    margin = cfg.margin * p95_i
+    # The margin scales with what the incumbent measured, never with a filled-in stand-in: the
+    # test must only get easier to pass as the incumbent's unknown requests get slower.
+    known = _concat([w.values("ttft", None) for w in incumbent])
+    margin = cfg.margin * float(np.quantile(known, q)) if known.size else 0.0
     if not upper < -margin:
         reason = "not_better"
     elif e2e_c > e2e_i * (1.0 + cfg.e2e_margin):
@@ -228,6 +314,27 @@ def compare(
         reason = "better"
     return Verdict(reason == "better", reason, p95_i, p95_c, upper, margin, e2e_i, e2e_c,
                    erri, errc, int(ti.size), int(tc.size))
+
+
+def decide(ev: Evaluation, cfg: OptimizerConfig, rng: np.random.Generator,
+           final: bool) -> Verdict | None:
+    """The verdict once every routed request reported back, or earlier if it is an acceptance
+    that no outcome of the missing requests could undo.
+
+    The early look fills the incumbent's missing requests in as instantly fast and the
+    candidate's as never finishing: if the candidate still wins, it wins. A clear improvement is
+    thus taken without waiting for the slowest stream of the evaluation; anything closer, and
+    every rejection, waits for all of it.
+    """
+    inc, cand = ev.arm(INCUMBENT), ev.arm(CANDIDATE)
+    if final:
+        return compare(inc, cand, cfg, rng)
+    worst = compare(inc, cand, cfg, rng, fill=(0.0, UNFINISHED_MS))
+    return worst if worst.accepted else None
+
+
+def _concat(parts: Sequence[np.ndarray]) -> np.ndarray:
+    return np.concatenate(parts) if parts else np.empty(0)
 
 
 def _reflect(x: np.ndarray, lo: float, hi: float) -> np.ndarray:
@@ -251,11 +358,13 @@ class Tuner:
         seed: int = 0,
         calibration: CalibrationConfig | None = None,
         next_version: int = 1,
+        hints: dict[str, float] | None = None,
     ) -> None:
         config.validate()
         self.cfg = config
         self.rng = np.random.default_rng(seed)
-        self.calibrator = PrefillCalibrator(calibration) if config.calibrate else None
+        # hints: the fleet file's prefill rates (GET /admin/weights "prefill_rate_hint")
+        self.calibrator = PrefillCalibrator(calibration, hints) if config.calibrate else None
         self.incumbent = self._clip(initial)
         self.incumbent_p95: float | None = None
         self.last_good: tuple[float, float] | None = None  # set while the incumbent is on probation
@@ -273,18 +382,25 @@ class Tuner:
         self.active: Proposal | None = None
         self.ignored = 0  # samples of a version that belongs to no current window
         self.other_policy = 0  # samples routed by a policy the weights do not steer
-        self._windows: dict[int, Window] = {}  # version -> window (current evaluation/monitor)
-        self._eval: list[Window] = []
-        self._plan: list[str] = []
-        self._candidate: tuple[float, float] | None = None
-        self._open: Window | None = None
+        self.fit = QueueWeightFit(min_samples=config.model_min_samples) if config.model_step \
+            else None
+        self.model_tried: tuple[float, float] | None = None
+        self.seen = 0  # samples observed by this process
+        self._windows: dict[int, Window] = {}  # version -> window still to be scored
+        self._eval: Evaluation | None = None  # the evaluation routing now
+        self._pending: list[Evaluation] = []  # routed, waiting for their requests to report
+        self._open: Window | None = None  # routing now (None: a bridge or nothing is live)
         self._drift_run = 0  # monitor windows in a row beyond the drift threshold (signed)
 
     # --- inputs -------------------------------------------------------------------------------
 
     def observe(self, s: Sample) -> None:
+        self.seen += 1
+        # The residuals do not depend on who chose the replica: every request calibrates.
         if self.calibrator is not None:
-            self.calibrator.observe(s)  # the residuals do not depend on who chose the replica
+            self.calibrator.observe(s)
+        if self.fit is not None:
+            self.fit.observe(s)
         if s.policy != self.cfg.policy:
             self.other_policy += 1
             return
@@ -294,19 +410,43 @@ class Tuner:
             return
         w.add(s)
 
+    def counting(self) -> list[int]:
+        """Versions whose decision counts (`routed`) the caller should report."""
+        return [v for v, w in self._windows.items() if w.arm != MONITOR]
+
+    def routed(self, version: int, decisions: int) -> None:
+        """The routers made ``decisions`` with the tuned policy under ``version`` so far."""
+        w = self._windows.get(version)
+        if w is not None:
+            w.routed_by[version] = max(w.routed_by.get(version, 0), int(decisions))
+
     def next_weights(self, now: float) -> Proposal | None:
         """New weights to publish now, or None while the live ones stand."""
-        if self.active is None or self._open is None:
-            return self._start_monitor(now) if self.phase == CONVERGED else self._start_eval(now)
-        w = self._open
-        target = self.cfg.monitor_samples if w.arm == MONITOR else self.cfg.window_samples
-        if w.n < target or now - w.opened_at < self.cfg.min_window_s:
+        if self.active is None:
+            if self.phase == CONVERGED:
+                return self._start_monitor(now)
+            return self._bridge(now) if self._warming_up() else self._start_eval(now)
+        if self.phase == CONVERGED:
+            return self._monitor(now)
+        proposal = self._decide_pending(now)
+        if proposal is not None:
+            return proposal
+        w, ev = self._open, self._eval
+        if w is None or ev is None:  # a bridge: the incumbent holds, unscored
+            return None if self._pending or self._warming_up() else self._start_eval(now)
+        if w.routed < self.cfg.window_samples or now - w.opened_at < self.cfg.min_window_s:
             return None
-        if w.arm == MONITOR:
-            return self._end_monitor_window(now)
-        if len(self._eval) < len(self._plan):
-            return self._open_window(self._plan[len(self._eval)], now)
-        return self._finish_eval(now)
+        w.closed_at = now
+        if len(ev.windows) < len(ev.plan):
+            return self._open_window(ev.plan[len(ev.windows)], now)
+        self._pending.append(ev)
+        self._eval = None
+        proposal = self._decide_pending(now)
+        if proposal is not None:
+            return proposal
+        # While its slowest requests finish, the next evaluation already routes (its incumbent
+        # windows stay valid unless the verdict changes the incumbent); one at a time.
+        return self._bridge(now) if len(self._pending) > 1 else self._start_eval(now)
 
     def ensure_version_above(self, floor: int) -> None:
         """Never issue a version <= ``floor`` (a router already holds it)."""
@@ -317,11 +457,12 @@ class Tuner:
     def renumber(self, floor: int) -> Proposal | None:
         """Re-issue the active proposal with a version above ``floor``; samples of either count."""
         self.ensure_version_above(floor)
-        if self.active is None or self._open is None:
+        if self.active is None:
             return None
         v = self._take_version()
-        self._windows[v] = self._open
-        self._open.version = v
+        if self._open is not None:
+            self._windows[v] = self._open
+            self._open.version = v
         w = self.active.weights
         self.active = Proposal(Weights(w.rtt, w.queue, v), self.active.prefill_rate,
                                self.active.arm)
@@ -345,6 +486,32 @@ class Tuner:
         r, q = np.exp(_reflect(x, lo, hi))
         return self._clip((float(r), float(q)))
 
+    def _warming_up(self) -> bool:
+        """The first evaluation waits, with the incumbent bridged under an unscored version,
+        until the weight fit has its samples (a few seconds of traffic): from bad weights the fit
+        is the one candidate that can leave them in a single evaluation. Unscored, so the
+        evaluation's incumbent windows are as short as its candidate's, and a clear win is not
+        held up by the stragglers of a long wait."""
+        return (self.fit is not None and self.model_tried is None and self.evaluations == 0
+                and not self.fit.ready() and self.seen < 4 * self.cfg.model_min_samples)
+
+    def _model_candidate(self) -> tuple[float, float] | None:
+        """The fitted weights, when they are far from the incumbent and from the last ones tried
+        (a rejected fit is not proposed again until the fleet's behaviour moved it)."""
+        if self.fit is None:
+            return None
+        b = self.fit.queue_weight()
+        if b is None:
+            return None
+        point = self._clip((1.0, b))
+
+        def far(other: tuple[float, float]) -> bool:
+            return math.dist(np.log(point), np.log(other)) > self.cfg.model_retry
+
+        if far(self.incumbent) and (self.model_tried is None or far(self.model_tried)):
+            return point
+        return None
+
     def _refresh_rates(self) -> None:
         """Calibrated rates change only between evaluations, so both arms share one cost model."""
         if self.calibrator is None:
@@ -357,22 +524,100 @@ class Tuner:
 
     def _start_eval(self, now: float) -> Proposal:
         self.phase = EVALUATING
-        self._windows = {}
-        self._eval = []
         self._refresh_rates()
-        self._candidate = self._sample_candidate()
-        self._plan = window_plan(self.cfg.pairs)
-        return self._open_window(self._plan[0], now)
+        self._eval = Evaluation(self.incumbent, window_plan(self.cfg.pairs))
+        return self._open_window(self._eval.plan[0], now)
 
     def _open_window(self, arm: str, now: float) -> Proposal:
+        ev = self._eval
+        assert ev is not None
+        if arm == CANDIDATE and ev.candidate is None:
+            model = self._model_candidate()
+            if model is not None:
+                ev.candidate, ev.kind = model, MODEL
+                self.model_tried = model
+                self.revision += 1
+            else:
+                ev.candidate = self._sample_candidate()
         v = self._take_version()
         w = Window(arm, v, now)
         self._windows[v] = w
-        self._eval.append(w)
+        ev.windows.append(w)
         self._open = w
-        rtt, queue = self._candidate if arm == CANDIDATE and self._candidate else self.incumbent
+        rtt, queue = ev.candidate if arm == CANDIDATE and ev.candidate else ev.incumbent
         self.active = Proposal(Weights(rtt, queue, v), dict(self.rates), arm)
         return self.active
+
+    def _bridge(self, now: float) -> Proposal:
+        """The incumbent under a version no window scores, until a pending verdict is in."""
+        self._open = None
+        rtt, queue = self.incumbent
+        self.active = Proposal(Weights(rtt, queue, self._take_version()), dict(self.rates),
+                               BRIDGE)
+        return self.active
+
+    def _abandon(self) -> None:
+        """Drop every evaluation in flight (the incumbent they measured is no longer live)."""
+        self._windows = {}
+        self._eval = None
+        self._pending = []
+        self._open = None
+
+    def _decide_pending(self, now: float) -> Proposal | None:
+        """Verdicts in order; one that changes the incumbent restarts the search from it."""
+        while self._pending:
+            ev = self._pending[0]
+            final = all(w.complete(now, self.cfg.census_timeout_s) for w in ev.windows)
+            seen = (sum(w.received for w in ev.windows), sum(w.routed for w in ev.windows), final)
+            if seen == ev.looked_at:
+                return None  # nothing new since the last look: same verdict (none)
+            ev.looked_at = seen
+            verdict = decide(ev, self._test_config(ev), self.rng, final)
+            if verdict is None:
+                return None
+            self._pending.pop(0)
+            if self._promising(ev, verdict):
+                return self._extend(ev, verdict, now)
+            for w in ev.windows:
+                for version in [v for v, x in self._windows.items() if x is w]:
+                    del self._windows[version]
+            changed = self._apply(ev, verdict, now)
+            if self.phase == CONVERGED:
+                self._abandon()
+                return self._start_monitor(now)
+            if changed:
+                self._abandon()
+                return self._start_eval(now)
+        return None
+
+    def _looks(self) -> int:
+        return max(1, self.cfg.model_pairs // self.cfg.pairs)
+
+    def _test_config(self, ev: Evaluation) -> OptimizerConfig:
+        """A fitted candidate may be looked at several times (`_extend`), so each look gets its
+        share of the false-positive rate (Bonferroni) and the total stays at ``fpr``."""
+        if ev.kind != MODEL or self._looks() == 1:
+            return self.cfg
+        return replace(self.cfg, fpr=self.cfg.fpr / self._looks())
+
+    def _promising(self, ev: Evaluation, v: Verdict) -> bool:
+        """A fitted candidate that measured better but not beyond the noise gets more windows
+        instead of a rejection: it is proposed rarely and, from bad weights, it is the way out."""
+        return (ev.kind == MODEL and v.reason == "not_better" and v.p95_candidate < v.p95_incumbent
+                and len(ev.plan) < 2 * self._looks() * self.cfg.pairs)
+
+    def _extend(self, ev: Evaluation, v: Verdict, now: float) -> Proposal:
+        """Route ``pairs`` more ABBA pairs for ``ev``; the evaluation routing meanwhile (it
+        measured the same incumbent, but its candidate is not the one being extended) is dropped."""
+        self._record({"event": "extended", "candidate": list(ev.candidate or ev.incumbent),
+                      "p95_incumbent": v.p95_incumbent, "p95_candidate": v.p95_candidate,
+                      "n_incumbent": v.n_incumbent, "n_candidate": v.n_candidate}, now)
+        keep = {v: w for v, w in self._windows.items() if any(w is x for x in ev.windows)}
+        self._abandon()
+        self._windows = keep
+        ev.plan = window_plan(len(ev.plan) // 2 + self.cfg.pairs)
+        self._eval = ev
+        return self._open_window(ev.plan[len(ev.windows)], now)
 
     def _regressed(self, p95: float) -> bool:
         """On probation, the new incumbent's fresh p95 is compared with what the weights it
@@ -402,42 +647,53 @@ class Tuner:
             self.failures += 1
         self.revision += 1
 
-    def _finish_eval(self, now: float) -> Proposal:
-        inc = [w for w in self._eval if w.arm == INCUMBENT]
-        cand = [w for w in self._eval if w.arm == CANDIDATE]
-        candidate = self._candidate or self.incumbent
+    def _apply(self, ev: Evaluation, v: Verdict, now: float) -> bool:
+        """Act on a verdict; True if the incumbent changed."""
+        inc = ev.arm(INCUMBENT)
+        candidate = ev.candidate or ev.incumbent
         self.evaluations += 1
-        p95_i = float(np.quantile(_pooled(inc, "ttft"), self.cfg.quantile))
+        p95_i = float(np.quantile(_concat([w.values("ttft", None) for w in inc]),
+                                  self.cfg.quantile))
         if self._regressed(p95_i):
             self._rollback(p95_i, now)
-            return self._start_eval(now)
+            return True
         self.last_good = self.last_good_p95 = None  # re-measured without regression
-        v = compare(inc, cand, self.cfg, self.rng)
         self._record({
-            "event": "evaluation", "incumbent": list(self.incumbent),
+            "event": "evaluation", "kind": ev.kind, "incumbent": list(ev.incumbent),
             "candidate": list(candidate), "accepted": v.accepted, "reason": v.reason,
             "p95_incumbent": v.p95_incumbent, "p95_candidate": v.p95_candidate,
             "diff_upper_ms": v.diff_upper_ms, "margin_ms": v.margin_ms,
             "e2e_incumbent": v.e2e_incumbent, "e2e_candidate": v.e2e_candidate,
             "errors_incumbent": v.errors_incumbent, "errors_candidate": v.errors_candidate,
             "n_incumbent": v.n_incumbent, "n_candidate": v.n_candidate,
-            "versions": [w.version for w in self._eval], "sigma": self.sigma,
+            "missing": sum(w.missing for w in ev.windows),
+            "versions": [w.version for w in ev.windows], "sigma": self.sigma,
         }, now)
+        changed = False
         if v.accepted:
             self.last_good, self.last_good_p95 = self.incumbent, v.p95_incumbent
             self.incumbent, self.incumbent_p95 = candidate, v.p95_candidate
             self.accepted += 1
+            changed = True
         else:
             self.incumbent_p95 = v.p95_incumbent
-        self._step(success=v.accepted)
+        if ev.kind == STEP:  # the 1/5 rule is about random steps; a model proposal is not one
+            self._step(success=v.accepted)
         if self.sigma < self.cfg.min_sigma or self.failures >= self.cfg.max_failures:
             self.phase = CONVERGED
             self._record({"event": "converged", "incumbent": list(self.incumbent),
                           "p95": self.incumbent_p95}, now)
-            return self._start_monitor(now)
-        return self._start_eval(now)
+        return changed
 
     # --- converged: monitoring ----------------------------------------------------------------
+
+    def _monitor(self, now: float) -> Proposal | None:
+        w = self._open
+        if w is None:
+            return self._start_monitor(now)
+        if w.n < self.cfg.monitor_samples or now - w.opened_at < self.cfg.min_window_s:
+            return None
+        return self._end_monitor_window(now)
 
     def _start_monitor(self, now: float) -> Proposal:
         """Publish the incumbent; the first monitor window (larger than an evaluation's) sets the
@@ -445,9 +701,7 @@ class Tuner:
         self.phase = CONVERGED
         self.baseline_p95 = None
         self._drift_run = 0
-        self._windows = {}
-        self._eval = []
-        self._candidate = None
+        self._abandon()
         self._refresh_rates()
         v = self._take_version()
         w = Window(MONITOR, v, now)
@@ -463,6 +717,7 @@ class Tuner:
         self.sigma = max(self.sigma, self.cfg.restart_sigma)
         self.failures = 0
         self.revision += 1
+        self._abandon()
         return self._start_eval(now)
 
     def _end_monitor_window(self, now: float) -> Proposal | None:
@@ -520,7 +775,10 @@ class Tuner:
             "active": None if self.active is None else {
                 **self.active.body(), "arm": self.active.arm},
             "window": None if w is None else {"arm": w.arm, "version": w.version,
-                                              "samples": w.n, "errors": w.errors},
+                                              "samples": w.n, "errors": w.errors,
+                                              "routed": w.routed},
+            "pending_evaluations": len(self._pending),
+            "awaiting_requests": sum(w.missing for ev in self._pending for w in ev.windows),
             "ignored_samples": self.ignored,
             "other_policy_samples": self.other_policy,
             "baseline_p95_ms": _finite_or_none(self.baseline_p95),
@@ -548,6 +806,7 @@ class Tuner:
             "baseline_p95": _finite_or_none(self.baseline_p95),
             "next_version": self.next_version,
             "prefill_rate": dict(self.rates),
+            "model_tried": None if self.model_tried is None else list(self.model_tried),
             "history": list(self.history),
             "rng": self.rng.bit_generator.state,
         }
@@ -559,12 +818,13 @@ class Tuner:
         state: dict[str, Any],
         *,
         calibration: CalibrationConfig | None = None,
+        hints: dict[str, float] | None = None,
     ) -> Tuner:
         """A tuner resumed from `snapshot`; raises ValueError on a state it cannot trust."""
         try:
             if state.get("format") != STATE_FORMAT:
                 raise ValueError(f"unknown state format {state.get('format')!r}")
-            t = cls(config, _pair(state["incumbent"]), calibration=calibration,
+            t = cls(config, _pair(state["incumbent"]), calibration=calibration, hints=hints,
                     next_version=int(state["next_version"]))
             t.incumbent_p95 = _opt_float(state.get("incumbent_p95"))
             t.last_good = None if state.get("last_good") is None else _pair(state["last_good"])
@@ -579,6 +839,8 @@ class Tuner:
             if t.phase not in (EVALUATING, CONVERGED):
                 raise ValueError(f"unknown phase {t.phase!r}")
             t.baseline_p95 = _opt_float(state.get("baseline_p95"))
+            tried = state.get("model_tried")
+            t.model_tried = None if tried is None else _pair(tried)
             t.rates = {str(k): float(v) for k, v in dict(state.get("prefill_rate") or {}).items()}
             t.history = list(state.get("history") or [])[-config.history:] if config.history else []
             if state.get("rng") is not None:

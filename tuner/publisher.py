@@ -76,17 +76,20 @@ class Publisher:
     def _headers(self, t: RouterTarget) -> dict[str, str]:
         return {"authorization": f"Bearer {t.token}"}
 
-    async def fetch(self, t: RouterTarget) -> dict[str, Any] | None:
-        """The router's active weights, or None if it did not answer with them."""
+    async def fetch(self, t: RouterTarget, *, quiet: bool = False) -> dict[str, Any] | None:
+        """The router's active weights, or None if it did not answer with them (``quiet``: a
+        poll repeated every tick, whose failures the publishing path already reports)."""
         assert self._session is not None, "use `async with Publisher(...)`"
         try:
             async with self._session.get(t.endpoint, headers=self._headers(t)) as r:
                 if r.status != 200:
-                    log.warning("GET %s: HTTP %d", t.endpoint, r.status)
+                    if not quiet:
+                        log.warning("GET %s: HTTP %d", t.endpoint, r.status)
                     return None
                 return await r.json()
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-            log.warning("GET %s: %s", t.endpoint, exc or type(exc).__name__)
+            if not quiet:
+                log.warning("GET %s: %s", t.endpoint, exc or type(exc).__name__)
             return None
 
     async def put(self, t: RouterTarget, proposal: Proposal) -> PublishResult:

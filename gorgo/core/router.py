@@ -20,6 +20,8 @@ from gorgo.core.policies import REGISTRY, make_policy
 from gorgo.core.policies.base import Policy
 from gorgo.core.state import FleetState
 
+ROUTED_VERSIONS = 64  # weights versions whose decision counts are kept
+
 
 @dataclass(slots=True)
 class _Open:
@@ -56,6 +58,9 @@ class Router:
         self._id_prefix = id_prefix
         self._open: dict[str, _Open] = {}
         self.shed_count = 0
+        # weights version -> policy -> decisions: the tuner scores a version on every request it
+        # routed, so it must know how many there were (its spans arrive only as they complete).
+        self.routed: dict[int, dict[str, int]] = {}
 
     def policy_for(self, f: RequestFeatures) -> Policy:
         """The requested policy when the fleet allows overrides and knows it, else the default."""
@@ -84,9 +89,18 @@ class Router:
         d.prompt_tokens = f.prompt_tokens
         d.weights_version = w.version
         d.id = f"{self._id_prefix}-{next(self._ids)}"
+        self._count(w.version, d.policy)
         s.record_sent(i, f, d.uncached_tokens)
         self._open[d.id] = _Open(i, f.prompt_tokens, f.block_hashes)
         return d
+
+    def _count(self, version: int, policy: str) -> None:
+        by_policy = self.routed.get(version)
+        if by_policy is None:
+            by_policy = self.routed[version] = {}
+            if len(self.routed) > ROUTED_VERSIONS:
+                del self.routed[min(self.routed)]
+        by_policy[policy] = by_policy.get(policy, 0) + 1
 
     def _admit(self, f: RequestFeatures, terms: CostTerms) -> None:
         """Shed when even the best routable replica is predicted past this request's limit.

@@ -179,11 +179,15 @@ class FleetState:
         self.eng_scraped_at[i] = now
         self.sent_since_scrape[i] = 0.0
 
-    def set_weights(self, weights: Weights, prefill_rate: dict[str, float] | None = None) -> None:
+    def set_weights(
+        self, weights: Weights, prefill_rate: dict[str, float | None] | None = None
+    ) -> None:
+        """New weights and prefill rates; a rate of None goes back to the fleet file's hint."""
         self.version += 1
         self.weights = weights
         for name, rate in (prefill_rate or {}).items():
-            self.prefill_rate[self.names.index(name)] = rate
+            i = self.names.index(name)
+            self.prefill_rate[i] = self.spec.replicas[i].prefill_rate if rate is None else rate
 
     # --- health ------------------------------------------------------------------------------
 

@@ -196,3 +196,21 @@ def test_reassign_moves_accounting_to_the_replica_that_served() -> None:
     assert r.complete(d.id)
     assert r.state.inflight_reqs.sum() == 0 and r.state.inflight_prompt_tokens.sum() == 0
     assert not r.reassign(d.id, d.replica)
+
+
+def test_decisions_are_counted_per_weights_version_and_policy() -> None:
+    """The tuner scores a version on every request it routed, so the router counts them; only
+    the latest ROUTED_VERSIONS versions are kept."""
+    from gorgo.core.router import ROUTED_VERSIONS
+
+    r = Router(spec(allow_policy_override=True))
+    r.route(req("a"), now=0.0)
+    r.route(req("b", policy="round-robin"), now=0.0)
+    r.state.set_weights(Weights(2.0, 0.5, 7))
+    for _ in range(3):
+        r.route(req("c"), now=0.0)
+    assert r.routed == {0: {"gorgo": 1, "round-robin": 1}, 7: {"gorgo": 3}}
+    for v in range(8, 8 + ROUTED_VERSIONS):
+        r.state.set_weights(Weights(1.0, 1.0, v))
+        r.route(req("d"), now=0.0)
+    assert len(r.routed) == ROUTED_VERSIONS and 0 not in r.routed and 7 not in r.routed

@@ -108,25 +108,36 @@ def test_get_and_put_apply_weights_and_rates_to_routing() -> None:
         status, doc = await call("GET", headers=AUTH)
         assert status == 200
         assert doc == {"rtt": 1.0, "queue": 1.0, "version": 0,
-                       "prefill_rate": {"a": 1000.0, "b": 2000.0}}
+                       "prefill_rate": {"a": 1000.0, "b": 2000.0},
+                       "prefill_rate_hint": {"a": 1000.0, "b": 2000.0}, "routed": {}}
         status, doc = await call("PUT", headers=AUTH, data={
             "rtt": 2.5, "queue": 0.25, "version": 7, "prefill_rate": {"b": 4000}})
         assert status == 200
         assert doc == {"rtt": 2.5, "queue": 0.25, "version": 7,
-                       "prefill_rate": {"a": 1000.0, "b": 4000.0}}
+                       "prefill_rate": {"a": 1000.0, "b": 4000.0},
+                       "prefill_rate_hint": {"a": 1000.0, "b": 2000.0}, "routed": {}}
         status, doc = await call("GET", headers={"authorization": f"bearer {TOKEN}"})
         assert status == 200 and doc["version"] == 7
+        # null withdraws a rate: back to the fleet file's hint.
+        status, doc = await call("PUT", headers=AUTH, data={
+            "rtt": 2.5, "queue": 0.25, "version": 8, "prefill_rate": {"b": None}})
+        assert status == 200 and doc["prefill_rate"] == {"a": 1000.0, "b": 2000.0}
+        status, doc = await call("PUT", headers=AUTH, data={
+            "rtt": 2.5, "queue": 0.25, "version": 9, "prefill_rate": {"b": 4000}})
+        assert status == 200 and doc["prefill_rate"]["b"] == 4000.0
 
     with_admin(router, TOKEN, body)
     w = router.state.weights
-    assert (w.rtt, w.queue, w.version) == (2.5, 0.25, 7)
+    assert (w.rtt, w.queue, w.version) == (2.5, 0.25, 9)
     # Every later decision is stamped with the active version and priced at the new rate.
     f = extract_features("/v1/completions", {}, b'{"prompt": "' + b"x" * 4000 + b'"}',
                          router.state.tok)
     d = router.route(f, now=0.0)
-    assert d.weights_version == 7
+    assert d.weights_version == 9
     rate = 1000.0 if d.replica == 0 else 4000.0
     assert d.prefill_ms == pytest.approx(d.uncached_tokens * 1000.0 / rate)
+    # ... and counted under it, which is how the tuner knows when a window has reported back.
+    assert router.routed == {9: {d.policy: 1}}
 
 
 @pytest.mark.parametrize(("payload", "field"), [

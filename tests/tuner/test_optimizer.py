@@ -7,6 +7,7 @@ import json
 import math
 from collections.abc import Callable
 from dataclasses import replace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ import pytest
 from gorgo.core.fleet import Weights
 from tuner.calibration import CalibrationConfig
 from tuner.optimizer import (
+    BRIDGE,
     CANDIDATE,
     CONVERGED,
     EVALUATING,
@@ -30,6 +32,11 @@ from tuner.optimizer import (
 from tuner.samples import Sample
 
 BASE_MS = 300.0
+
+
+def es_config(**kw: Any) -> OptimizerConfig:
+    """The evolution strategy alone: no candidate from the weight fit (tests of it say so)."""
+    return OptimizerConfig(**{"model_step": False, **kw})
 
 
 def windows(arm: str, values: list[np.ndarray], e2e_extra: float = 500.0) -> list[Window]:
@@ -62,23 +69,23 @@ def test_slightly_worse_candidate_rejected_where_negated_scores_accepted_it() ->
     cand = windows(CANDIDATE, [np.full(40, 100.4)] * 2)
     score_i, score_c = -100.0, -100.4
     assert score_c >= score_i * 1.005  # the flawed rule accepts the worse candidate
-    v = compare(inc, cand, OptimizerConfig(), np.random.default_rng(0))
+    v = compare(inc, cand, es_config(), np.random.default_rng(0))
     assert not v.accepted and v.reason == "not_better"
     assert v.p95_candidate > v.p95_incumbent
     # Equal is not better either, even with no margin at all.
     same = windows(CANDIDATE, [np.full(40, 100.0)] * 2)
-    assert not compare(inc, same, OptimizerConfig(margin=0.0), np.random.default_rng(0)).accepted
+    assert not compare(inc, same, es_config(margin=0.0), np.random.default_rng(0)).accepted
     # Better, but by less than the margin: not accepted.
     close = windows(CANDIDATE, [np.full(40, 99.0)] * 2)
-    assert not compare(inc, close, OptimizerConfig(margin=0.02), np.random.default_rng(0)).accepted
+    assert not compare(inc, close, es_config(margin=0.02), np.random.default_rng(0)).accepted
     far = windows(CANDIDATE, [np.full(40, 97.0)] * 2)
-    assert compare(inc, far, OptimizerConfig(margin=0.02), np.random.default_rng(0)).accepted
+    assert compare(inc, far, es_config(margin=0.02), np.random.default_rng(0)).accepted
 
 
 @pytest.mark.parametrize("worse", [1.3, 1.5, 2.0])
 def test_candidate_worse_beyond_the_noise_is_never_accepted(worse: float) -> None:
     rng = np.random.default_rng(11)
-    cfg = OptimizerConfig(bootstrap=500)
+    cfg = es_config(bootstrap=500)
     assert sum(trial(rng, cfg, worse) for _ in range(200)) == 0
 
 
@@ -89,21 +96,21 @@ def test_slightly_worse_noisy_candidate_is_within_the_false_positive_rate(
     """Inside the noise (a p95 of 80 log-normal samples varies by ~10 %) no finite test can
     promise "never"; what it can promise is the configured false-positive rate."""
     rng = np.random.default_rng(11)
-    cfg = OptimizerConfig(bootstrap=500)
+    cfg = es_config(bootstrap=500)
     assert sum(trial(rng, cfg, worse) for _ in range(400)) / 400 <= cfg.fpr
 
 
 @pytest.mark.parametrize("fpr", [0.05, 0.10])
 def test_equal_candidate_accepted_at_most_at_the_false_positive_rate(fpr: float) -> None:
     rng = np.random.default_rng(2024)
-    cfg = OptimizerConfig(fpr=fpr, margin=0.0, bootstrap=500)
+    cfg = es_config(fpr=fpr, margin=0.0, bootstrap=500)
     rate = sum(trial(rng, cfg, 1.0) for _ in range(200)) / 200
     assert rate <= fpr + 0.03
 
 
 def test_clearly_better_candidate_is_usually_accepted() -> None:
     rng = np.random.default_rng(5)
-    cfg = OptimizerConfig(bootstrap=500)
+    cfg = es_config(bootstrap=500)
     assert sum(trial(rng, cfg, 0.6) for _ in range(50)) >= 40
 
 
@@ -111,7 +118,7 @@ def test_e2e_guard_rejects_better_ttft_with_worse_e2e() -> None:
     rng = np.random.default_rng(1)
     inc = windows(INCUMBENT, noisy(rng, 1.0), e2e_extra=1000.0)
     cand = windows(CANDIDATE, noisy(rng, 0.5), e2e_extra=2000.0)
-    v = compare(inc, cand, OptimizerConfig(), rng)
+    v = compare(inc, cand, es_config(), rng)
     assert not v.accepted and v.reason == "e2e_worse"
     assert v.e2e_candidate > v.e2e_incumbent * 1.05
 
@@ -122,7 +129,7 @@ def test_error_guard_rejects_a_candidate_that_fails_more() -> None:
     cand = windows(CANDIDATE, noisy(rng, 0.5))
     for w in cand:
         w.errors = 5  # ~11 % errors, the incumbent has none
-    v = compare(inc, cand, OptimizerConfig(), rng)
+    v = compare(inc, cand, es_config(), rng)
     assert not v.accepted and v.reason == "more_errors"
 
 
@@ -167,7 +174,7 @@ def bowl(w: Weights, rng: np.random.Generator) -> float:
 def test_windows_alternate_abba_and_every_window_has_its_own_version() -> None:
     assert window_plan(1) == [INCUMBENT, CANDIDATE]
     assert window_plan(2) == [INCUMBENT, CANDIDATE, CANDIDATE, INCUMBENT]
-    t = Tuner(OptimizerConfig(window_samples=10, pairs=2), (1.0, 1.0), seed=3)
+    t = Tuner(es_config(window_samples=10, pairs=2), (1.0, 1.0), seed=3)
     props, _ = drive(t, flat, 10 * 8 + 5, np.random.default_rng(0))
     assert [p.arm for p in props[:8]] == [INCUMBENT, CANDIDATE, CANDIDATE, INCUMBENT] * 2
     versions = [p.weights.version for p in props]
@@ -180,7 +187,7 @@ def test_windows_alternate_abba_and_every_window_has_its_own_version() -> None:
 
 
 def test_samples_count_only_for_the_version_that_routed_them() -> None:
-    cfg = OptimizerConfig(window_samples=10, pairs=1, margin=0.0, max_failures=50)
+    cfg = es_config(window_samples=10, pairs=1, margin=0.0, max_failures=50)
     t = Tuner(cfg, (1.0, 1.0), seed=0)
     p_inc = t.next_weights(0.0)
     assert p_inc.arm == INCUMBENT
@@ -211,7 +218,7 @@ def test_samples_count_only_for_the_version_that_routed_them() -> None:
 
 
 def test_requests_of_other_policies_do_not_score_the_weights() -> None:
-    t = Tuner(OptimizerConfig(window_samples=5), (1.0, 1.0))
+    t = Tuner(es_config(window_samples=5), (1.0, 1.0))
     p = t.next_weights(0.0)
     for _ in range(20):  # e.g. x-gorgo-policy: round-robin, under the same weights version
         t.observe(replace(mk(100.0, p.weights.version), policy="round-robin"))
@@ -219,17 +226,25 @@ def test_requests_of_other_policies_do_not_score_the_weights() -> None:
     assert t.next_weights(1.0) is None
 
 
-def test_errors_do_not_fill_a_window() -> None:
-    t = Tuner(OptimizerConfig(window_samples=10), (1.0, 1.0))
+def test_errors_are_routed_requests_but_never_latencies() -> None:
+    """A window routes a number of requests, failed ones included (they are its error rate); a
+    candidate whose requests all failed has no p95 and is never accepted."""
+    t = Tuner(es_config(window_samples=10, pairs=1), (1.0, 1.0))
     p = t.next_weights(0.0)
-    for _ in range(30):
-        t.observe(mk(100.0, p.weights.version, status=503))
-    assert t.next_weights(1.0) is None
-    assert t.window_for(p.weights.version).errors == 30
+    for _ in range(10):
+        t.observe(mk(100.0, p.weights.version))
+    cand = t.next_weights(1.0)
+    assert cand.arm == CANDIDATE
+    for _ in range(10):
+        t.observe(mk(1.0, cand.weights.version, status=503))
+    w = t.window_for(cand.weights.version)
+    assert (w.n, w.errors, w.routed) == (0, 10, 10)
+    t.next_weights(2.0)
+    assert t.history[-1]["reason"] == "no_samples" and t.accepted == 0
 
 
 def test_min_window_duration_is_respected() -> None:
-    t = Tuner(OptimizerConfig(window_samples=5, min_window_s=10.0), (1.0, 1.0))
+    t = Tuner(es_config(window_samples=5, min_window_s=10.0), (1.0, 1.0))
     p = t.next_weights(0.0)
     for _ in range(50):
         t.observe(mk(100.0, p.weights.version))
@@ -238,7 +253,7 @@ def test_min_window_duration_is_respected() -> None:
 
 
 def test_renumbered_proposal_keeps_its_window() -> None:
-    t = Tuner(OptimizerConfig(window_samples=10), (1.0, 1.0))
+    t = Tuner(es_config(window_samples=10), (1.0, 1.0))
     p = t.next_weights(0.0)
     t.observe(mk(100.0, p.weights.version))
     q = t.renumber(41)
@@ -254,20 +269,20 @@ def test_renumbered_proposal_keeps_its_window() -> None:
 
 def test_weights_stay_in_bounds_and_the_bound_is_not_an_attractor() -> None:
     lo, hi = 0.05, 20.0
-    cfg = OptimizerConfig(bounds=(lo, hi), initial_sigma=2.0, max_sigma=2.0)
+    cfg = es_config(bounds=(lo, hi), initial_sigma=2.0, max_sigma=2.0)
     t = Tuner(cfg, (50.0, 0.001), seed=9)  # outside: clipped
     assert t.incumbent == (hi, lo)
     cands = np.array([t._sample_candidate() for _ in range(2000)])
     assert (cands >= lo).all() and (cands <= hi).all()
     assert np.mean(np.isclose(cands, lo) | np.isclose(cands, hi)) < 0.01
-    t2 = Tuner(OptimizerConfig(bounds=(lo, hi), window_samples=10, max_failures=1000), seed=4)
+    t2 = Tuner(es_config(bounds=(lo, hi), window_samples=10, max_failures=1000), seed=4)
     props, _ = drive(t2, bowl, 20_000, np.random.default_rng(4))
     for p in props:
         assert lo <= p.weights.rtt <= hi and lo <= p.weights.queue <= hi
 
 
 def test_step_size_follows_the_one_fifth_rule() -> None:
-    cfg = OptimizerConfig(window_samples=10, pairs=1, initial_sigma=0.5, step_up=1.5,
+    cfg = es_config(window_samples=10, pairs=1, initial_sigma=0.5, step_up=1.5,
                           max_failures=100)
     t = Tuner(cfg, (1.0, 1.0), seed=1)
 
@@ -287,7 +302,7 @@ def test_step_size_follows_the_one_fifth_rule() -> None:
 
 
 def test_converges_then_monitors_and_restarts_on_drift() -> None:
-    cfg = OptimizerConfig(window_samples=10, pairs=1, max_failures=3, monitor_samples=50,
+    cfg = es_config(window_samples=10, pairs=1, max_failures=3, monitor_samples=50,
                           drift=0.2, drift_windows=3, restart_sigma=0.8)
     t = Tuner(cfg, (1.0, 1.0), seed=2)
     rng = np.random.default_rng(2)
@@ -319,7 +334,7 @@ def test_converges_then_monitors_and_restarts_on_drift() -> None:
 
 
 def test_small_step_size_also_means_converged() -> None:
-    cfg = OptimizerConfig(window_samples=5, pairs=1, initial_sigma=0.04, min_sigma=0.03,
+    cfg = es_config(window_samples=5, pairs=1, initial_sigma=0.04, min_sigma=0.03,
                           max_failures=100)
     t = Tuner(cfg, (1.0, 1.0))
     drive(t, lambda w, r: 100.0, 5 * 2 * 5, np.random.default_rng(0))
@@ -327,7 +342,7 @@ def test_small_step_size_also_means_converged() -> None:
 
 
 def test_regressing_new_incumbent_is_rolled_back() -> None:
-    cfg = OptimizerConfig(window_samples=10, pairs=1, rollback=0.25, max_failures=100)
+    cfg = es_config(window_samples=10, pairs=1, rollback=0.25, max_failures=100)
     t = Tuner(cfg, (1.0, 1.0), seed=7)
     first = t.next_weights(0.0)
     for _ in range(10):
@@ -352,7 +367,7 @@ def test_regressing_new_incumbent_is_rolled_back() -> None:
 
 
 def test_search_finds_the_bowl_minimum() -> None:
-    cfg = OptimizerConfig(window_samples=40, max_failures=10)
+    cfg = es_config(window_samples=40, max_failures=10, block=1)  # iid noise: no bursts
     t = Tuner(cfg, (1.0, 1.0), seed=1)
     drive(t, bowl, 40_000, np.random.default_rng(5))
     assert t.accepted >= 1
@@ -364,7 +379,7 @@ def test_search_finds_the_bowl_minimum() -> None:
 def test_tuner_fpr_over_many_evaluations_on_a_flat_landscape() -> None:
     """End to end (windows, versions, ABBA, bootstrap): weights do not matter, so every
     acceptance is a false positive."""
-    cfg = OptimizerConfig(window_samples=40, max_failures=10_000, fpr=0.05, bootstrap=500,
+    cfg = es_config(window_samples=40, max_failures=10_000, fpr=0.05, bootstrap=500,
                           min_sigma=1e-9)
     t = Tuner(cfg, (1.0, 1.0), seed=8)
     drive(t, flat, 160 * 200 + 1, np.random.default_rng(8))
@@ -373,7 +388,7 @@ def test_tuner_fpr_over_many_evaluations_on_a_flat_landscape() -> None:
 
 
 def test_calibrated_rates_ride_with_the_weights_and_change_only_between_evaluations() -> None:
-    cfg = OptimizerConfig(window_samples=10, pairs=1)
+    cfg = es_config(window_samples=10, pairs=1)
     cal = CalibrationConfig(min_samples=20, window=200)
     t = Tuner(cfg, (1.0, 1.0), calibration=cal)
     rng = np.random.default_rng(0)
@@ -398,7 +413,7 @@ def test_calibrated_rates_ride_with_the_weights_and_change_only_between_evaluati
 
 
 def test_snapshot_round_trips_through_json_and_resumes_versions() -> None:
-    cfg = OptimizerConfig(window_samples=10, max_failures=100)
+    cfg = es_config(window_samples=10, max_failures=100)
     t = Tuner(cfg, (1.0, 1.0), seed=3)
     props, _ = drive(t, bowl, 500, np.random.default_rng(3))
     snap = json.loads(json.dumps(t.snapshot(), allow_nan=False))
@@ -421,11 +436,11 @@ def test_snapshot_round_trips_through_json_and_resumes_versions() -> None:
 ])
 def test_untrustworthy_state_is_refused(bad: dict) -> None:
     with pytest.raises(ValueError):
-        Tuner.restore(OptimizerConfig(), bad)
+        Tuner.restore(es_config(), bad)
 
 
 def test_ensure_version_above_never_goes_down() -> None:
-    t = Tuner(OptimizerConfig(), next_version=10)
+    t = Tuner(es_config(), next_version=10)
     t.ensure_version_above(3)
     assert t.next_weights(0.0).weights.version == 10
     t.ensure_version_above(100)
@@ -448,7 +463,7 @@ def test_config_from_mapping_checks_types_and_ranges() -> None:
 def test_winners_curse_alone_does_not_roll_back() -> None:
     """Re-measured, a winner regresses from its lucky window by chance; that is no reason to
     undo it as long as it is not worse than the weights it replaced."""
-    cfg = OptimizerConfig(window_samples=10, pairs=1, rollback=0.2, max_failures=100)
+    cfg = es_config(window_samples=10, pairs=1, rollback=0.2, max_failures=100)
     t = Tuner(cfg, (1.0, 1.0), seed=7)
     for ms in (100.0, 60.0, 95.0, 95.0):  # incumbent, winner, winner re-measured, candidate
         p = t.active or t.next_weights(0.0)
@@ -458,3 +473,173 @@ def test_winners_curse_alone_does_not_roll_back() -> None:
     assert t.accepted == 1 and t.incumbent != (1.0, 1.0)
     assert [h["event"] for h in t.history] == ["evaluation", "evaluation"]
     assert t.last_good is None  # probation passed
+
+
+# --- census: a window is scored on every request it routed ------------------------------------
+
+
+def test_a_window_is_scored_on_every_request_it_routed() -> None:
+    """Closed on completions, a window would be scored on its fastest requests. Here it waits for
+    every request the routers say it routed, and the next evaluation routes in the meantime."""
+    cfg = es_config(window_samples=10, pairs=1, margin=0.0)
+    t = Tuner(cfg, (1.0, 1.0), seed=0)
+    v_inc = t.next_weights(0.0).weights.version
+    t.routed(v_inc, 10)
+    for _ in range(8):
+        t.observe(mk(100.0, v_inc))  # two requests are still streaming
+    cand = t.next_weights(1.0)
+    assert cand.arm == CANDIDATE
+    t.routed(cand.weights.version, 10)
+    for _ in range(10):
+        t.observe(mk(100.0, cand.weights.version))
+    nxt = t.next_weights(2.0)
+    assert t.evaluations == 0 and nxt.arm == INCUMBENT  # the next evaluation already routes
+    assert t.status()["awaiting_requests"] == 2 and t.counting() == [v_inc, cand.weights.version,
+                                                                     nxt.weights.version]
+    for _ in range(2):
+        t.observe(mk(5000.0, v_inc))  # the stragglers: slow, and they count
+    t.next_weights(3.0)
+    h = next(e for e in t.history if e["event"] == "evaluation")
+    assert t.evaluations == 1 and h["n_incumbent"] == 10 and h["missing"] == 0
+    assert h["p95_incumbent"] > 1000.0
+
+
+def test_a_clear_win_is_taken_before_the_incumbents_stragglers_report() -> None:
+    """Early acceptance fills the incumbent's missing requests in as instant and the candidate's
+    as never finishing: it is taken only when no outcome of them could undo it."""
+    cfg = es_config(window_samples=20, pairs=1)
+    t = Tuner(cfg, (1.0, 1.0), seed=0)
+    rng = np.random.default_rng(0)
+    v_inc = t.next_weights(0.0).weights.version
+    t.routed(v_inc, 20)
+    for _ in range(18):
+        t.observe(mk(1000.0 * rng.lognormal(0.0, 0.1), v_inc))
+    cand = t.next_weights(1.0)
+    v_c = cand.weights.version
+    t.routed(v_c, 20)
+    for _ in range(19):
+        t.observe(mk(100.0 * rng.lognormal(0.0, 0.1), v_c))
+    t.next_weights(2.0)
+    assert t.evaluations == 0  # one candidate request could still be arbitrarily slow
+    t.observe(mk(100.0, v_c))
+    p = t.next_weights(3.0)
+    assert t.accepted == 1 and t.history[-1]["missing"] == 2
+    # The evaluation routing meanwhile measured the old incumbent: dropped, restarted from the
+    # new one.
+    assert p.arm == INCUMBENT and (p.weights.rtt, p.weights.queue) == t.incumbent
+    assert t.incumbent == (cand.weights.rtt, cand.weights.queue)
+
+
+def test_requests_that_never_report_back_stop_blocking_after_the_census_timeout() -> None:
+    cfg = es_config(window_samples=10, pairs=1, census_timeout_s=30.0)
+    t = Tuner(cfg, (1.0, 1.0), seed=0)
+    v_inc = t.next_weights(0.0).weights.version
+    t.routed(v_inc, 12)  # two of them will never export a span (a router restarted, say)
+    for _ in range(10):
+        t.observe(mk(100.0, v_inc))
+    cand = t.next_weights(1.0)
+    t.routed(cand.weights.version, 10)
+    for _ in range(10):
+        t.observe(mk(100.0, cand.weights.version))
+    t.next_weights(2.0)
+    t.next_weights(30.0)
+    assert t.evaluations == 0
+    t.next_weights(31.5)  # 30 s after the incumbent window closed
+    assert t.evaluations == 1 and t.history[-1]["missing"] == 2
+
+
+# --- the weight fit proposes a candidate -------------------------------------------------------
+
+
+def physical(rng: np.random.Generator, version: int, b: float = 2.0) -> Sample:
+    """TTFT = RTT + prefill + b * queue estimate (+ noise): the router's queue is off by b."""
+    q = float(rng.uniform(0.0, 2000.0))
+    ttft = 50.0 + 300.0 + b * q + float(rng.normal(0.0, 20.0))
+    return Sample(ttft, ttft + 400.0, 200, "r0", "near", "gorgo", version, 0.0, 50.0, q, 300.0,
+                  0, 100)
+
+
+def test_the_fitted_weights_are_the_first_candidate_and_are_not_retried_unchanged() -> None:
+    cfg = OptimizerConfig(window_samples=10, pairs=1, model_min_samples=20)
+    t = Tuner(cfg, (20.0, 0.05), seed=0)
+    rng = np.random.default_rng(0)
+    warm = t.next_weights(0.0)
+    assert warm.arm == BRIDGE  # the first evaluation waits, unscored, for the fit's samples
+    for _ in range(10):
+        t.observe(physical(rng, warm.weights.version))
+    assert t.next_weights(1.0) is None and t.window_for(warm.weights.version) is None
+    for _ in range(10):
+        t.observe(physical(rng, warm.weights.version))
+    p = t.next_weights(1.5)
+    assert p.arm == INCUMBENT and (p.weights.rtt, p.weights.queue) == (20.0, 0.05)
+    for _ in range(10):
+        t.observe(physical(rng, p.weights.version))
+    cand = t.next_weights(2.0)
+    assert cand.arm == CANDIDATE
+    assert cand.weights.rtt == 1.0 and cand.weights.queue == pytest.approx(2.0, rel=0.05)
+    for _ in range(20):
+        t.observe(physical(rng, cand.weights.version))  # no better: rejected
+    p = t.next_weights(3.0)
+    assert t.history[-1]["kind"] == "model" and not t.history[-1]["accepted"]
+    assert t.sigma == cfg.initial_sigma and t.failures == 0  # not a step of the 1/5 rule
+    for _ in range(10):
+        t.observe(physical(rng, p.weights.version))
+    cand = t.next_weights(4.0)
+    assert cand.arm == CANDIDATE and cand.weights.rtt != 1.0  # a random step this time
+    assert t.model_tried == (1.0, pytest.approx(2.0, rel=0.05))
+
+
+def test_block_bootstrap_widens_the_interval_for_bursts() -> None:
+    """Requests of one burst queue together; resampled one by one they pass for independent
+    evidence and identical weights look different far more often than ``fpr``."""
+
+    def bursty(rng: np.random.Generator, arm: str) -> list[Window]:
+        out = []
+        for k in range(2):
+            w = Window(arm, k, 0.0)
+            w.ttft = list(BASE_MS * np.repeat(rng.lognormal(0.0, 0.3, 5), 8)
+                          * rng.lognormal(0.0, 0.2, 40))
+            w.e2e = [x + 500.0 for x in w.ttft]
+            out.append(w)
+        return out
+
+    rates = {}
+    for block in (1, 8):
+        cfg = es_config(block=block, bootstrap=500)
+        rng = np.random.default_rng(1)
+        rates[block] = np.mean([compare(bursty(rng, INCUMBENT), bursty(rng, CANDIDATE), cfg,
+                                        rng).accepted for _ in range(200)])
+    assert rates[8] < 0.6 * rates[1]
+
+
+def test_a_promising_but_inconclusive_fitted_candidate_gets_more_windows() -> None:
+    """Measured better, but not beyond the noise: the fitted candidate runs more ABBA pairs (up
+    to ``model_pairs``), each look at ``fpr`` / looks, instead of being dropped."""
+    cfg = OptimizerConfig(window_samples=10, pairs=1, model_min_samples=20, model_pairs=2)
+    t = Tuner(cfg, (20.0, 0.05), seed=0)
+    rng = np.random.default_rng(0)
+    warm = t.next_weights(0.0)
+    for _ in range(20):
+        t.observe(physical(rng, warm.weights.version))
+    values = BASE_MS * rng.lognormal(0.0, 0.5, 10)
+
+    def feed(p: Proposal, scale: float) -> None:
+        for v in values:
+            t.observe(mk(float(v * scale), p.weights.version))
+
+    p = t.next_weights(1.0)
+    feed(p, 1.0)
+    cand = t.next_weights(2.0)
+    assert cand.arm == CANDIDATE and t.model_tried is not None
+    feed(cand, 0.97)
+    more = t.next_weights(3.0)
+    assert t.history[-1]["event"] == "extended" and t.evaluations == 0
+    assert more.arm == CANDIDATE and (more.weights.rtt, more.weights.queue) == t.model_tried
+    feed(more, 0.97)
+    last = t.next_weights(4.0)
+    assert last.arm == INCUMBENT
+    feed(last, 1.0)
+    t.next_weights(5.0)
+    h = t.history[-1]
+    assert h["event"] == "evaluation" and h["kind"] == "model" and not h["accepted"]
+    assert (h["n_incumbent"], h["n_candidate"], len(h["versions"])) == (20, 20, 4)

@@ -4,8 +4,9 @@ status endpoint, persistence and resume."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -64,7 +65,8 @@ def write_config(tmp: Path, apps: list[RouterApp], **extra: Any) -> Path:
         "state_file": "state/tuner.json",
         "routers": [{"url": r.url, "token_file": "admin-token"} for r in apps],
         "seed": 1,
-        "optimizer": {"window_samples": 5, "pairs": 1, "bootstrap": 200},
+        "optimizer": {"window_samples": 5, "pairs": 1, "bootstrap": 200,
+                      "model_step": False},
         **extra,
     }
     path = tmp / "tuner.yaml"
@@ -74,6 +76,22 @@ def write_config(tmp: Path, apps: list[RouterApp], **extra: Any) -> Path:
 
 def run(body: Callable[[], Awaitable[None]]) -> None:
     asyncio.run(body())
+
+
+@contextlib.asynccontextmanager
+async def two_routers(tmp_path: Path) -> AsyncIterator[tuple[TunerService, RouterApp, RouterApp]]:
+    """A started tuner publishing to two routers; the tuner and router a are stopped after (a test
+    that stops b stops it itself)."""
+    a, b = RouterApp(), RouterApp()
+    await a.start()
+    await b.start()
+    svc = TunerService(load_config(write_config(tmp_path, [a, b])))
+    await svc.start()
+    try:
+        yield svc, a, b
+    finally:
+        await svc.stop()
+        await a.stop()
 
 
 async def export_samples(port: int, version: int, n: int, ttft_us: int, span_builders) -> None:
@@ -120,7 +138,7 @@ def test_publishes_to_every_router_and_resumes_after_restart(tmp_path: Path,
             assert doc["receiver"]["samples"] == 10
             assert doc["tuner"]["ignored_samples"] == 5
             assert doc["tuner"]["window"] == {"arm": "candidate", "version": 12, "samples": 0,
-                                              "errors": 0}
+                                              "errors": 0, "routed": 0}
             assert [r["acked_version"] for r in doc["routers"]] == [12, 12]
             status, text = await get_json(f"http://127.0.0.1:{svc.status_port}/metrics")
             assert 'gorgo_tuner_spans_total{result="samples"} 10.0' in text
@@ -157,12 +175,7 @@ def test_conflicting_version_is_renumbered_and_an_outage_does_not_block_others(
     tmp_path: Path,
 ) -> None:
     async def body() -> None:
-        a, b = RouterApp(), RouterApp()
-        await a.start()
-        await b.start()
-        svc = TunerService(load_config(write_config(tmp_path, [a, b])))
-        await svc.start()
-        try:
+        async with two_routers(tmp_path) as (svc, a, b):
             await svc.tick(0.0)
             assert a.weights.version == b.weights.version == 1
             # An operator pushed v50 to b by hand; the tuner's next version would be 2.
@@ -190,9 +203,6 @@ def test_conflicting_version_is_renumbered_and_an_outage_does_not_block_others(
                 await asyncio.sleep(0.1)
             assert b2.weights.version == 52
             await b2.stop()
-        finally:
-            await svc.stop()
-            await a.stop()
 
     run(body)
 
@@ -268,3 +278,30 @@ def test_config_defaults(tmp_path: Path) -> None:
     assert cfg.routers[0] == RouterTarget("http://127.0.0.1:9", TOKEN)
     assert cfg.state_file == tmp_path / "gorgo-tuner-state.json"
     assert cfg.optimizer == OptimizerConfig()
+
+
+def test_counts_what_every_router_routed_under_the_scored_versions(tmp_path: Path) -> None:
+    """A window is complete once every request it routed reported back; the routers say how
+    many there were (summed over routers), and a router that stops answering keeps its count."""
+    from gorgo.core.features import extract_features
+
+    def route(app: RouterApp, n: int) -> None:
+        for k in range(n):
+            f = extract_features("/v1/completions", {}, json.dumps({"prompt": f"p{k}"}).encode(),
+                                 app.router.state.tok)
+            app.router.route(f, now=0.0)
+
+    async def body() -> None:
+        async with two_routers(tmp_path) as (svc, a, b):
+            await svc.tick(0.0)
+            v = svc.tuner.active.weights.version
+            route(a, 3)
+            route(b, 4)
+            await svc.count_routed()
+            assert svc.tuner.window_for(v).routed == 7
+            await b.stop()  # b's 4 stay counted
+            route(a, 2)
+            await svc.count_routed()
+            assert svc.tuner.window_for(v).routed == 9
+
+    run(body)
