@@ -938,7 +938,8 @@ def summary_markdown(doc: dict[str, Any]) -> str:
     if guarded:
         ignored = [r["final_status"]["ignored_samples"] / r["samples"] for r in guarded]
         per_eval = [r["samples"] / r["evaluations"] for r in guarded if r["evaluations"]]
-        md.append(f"- {np.mean(per_eval):.0f} samples per evaluation on average; "
+        per_eval_text = f"{np.mean(per_eval):.0f}" if per_eval else "n/a (no evaluation)"
+        md.append(f"- {per_eval_text} samples per evaluation on average; "
                   f"{np.mean(ignored):.0%} of all samples counted for no window (routed under a "
                   "warm-up or bridge version, or by an evaluation that was dropped)")
         fitted = sum(r.get("model_evaluations", 0) for r in guarded)
