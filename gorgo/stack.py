@@ -49,7 +49,8 @@ class LiveStack:
 
     def __init__(self, fleet_doc: dict[str, Any], workdir: Path, opts: StackOptions) -> None:
         self.opts = opts
-        self.workdir = Path(workdir)
+        # Absolute: the tuner reads relative paths in its config relative to the config file.
+        self.workdir = Path(workdir).resolve()
         self.workdir.mkdir(parents=True, exist_ok=True)
         doc = dict(fleet_doc, policy=opts.policy, allow_policy_override=True)
         self.fleet_path = self.workdir / "fleet.yaml"

@@ -11,10 +11,13 @@ from gorgo.cli import main
 pytestmark = pytest.mark.envoy
 
 
-def test_short_demo_writes_report_and_plots(tmp_path: Path) -> None:
+def test_short_demo_writes_report_and_plots(tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    # A relative results folder, as `make demo` uses: every process must still find its files.
+    monkeypatch.chdir(tmp_path)
     out = tmp_path / "demo"
     rc = main(["demo", "--duration", "8", "--baselines", "round-robin",
-               "--offline-policies", "gorgo,round-robin", "--out", str(out)])
+               "--offline-policies", "gorgo,round-robin", "--out", "demo"])
     assert rc == 0
     report = (out / "report.md").read_text()
     assert "| gorgo |" in report and "| round-robin |" in report
