@@ -159,8 +159,7 @@ class AdminApi:
                 field = f"prefill_rate.{name}"
                 if name not in names:
                     raise _Invalid(400, f"unknown replica {name!r}", field)
-                # null: back to the fleet file's hint (the tuner withdraws a rate it can no
-                # longer confirm)
+                # null: back to the fleet file's hint (an operator undoing a calibrated rate)
                 rates[name] = None if value is None else _number(value, field,
                                                                  *PREFILL_RATE_BOUNDS)
         active = self.router.state.weights.version

@@ -302,7 +302,7 @@ def compare(
     upper = float(np.quantile(diff, 1.0 - cfg.fpr))
     # The margin scales with what the incumbent measured, never with a filled-in stand-in: the
     # test must only get easier to pass as the incumbent's unknown requests get slower.
-    known = _concat([w.values("ttft", None) for w in incumbent])
+    known = ti if fi is None else _concat([w.values("ttft", None) for w in incumbent])
     margin = cfg.margin * float(np.quantile(known, q)) if known.size else 0.0
     if not upper < -margin:
         reason = "not_better"
@@ -578,9 +578,8 @@ class Tuner:
             self._pending.pop(0)
             if self._promising(ev, verdict):
                 return self._extend(ev, verdict, now)
-            for w in ev.windows:
-                for version in [v for v, x in self._windows.items() if x is w]:
-                    del self._windows[version]
+            for version in self._versions_of(ev):
+                del self._windows[version]
             changed = self._apply(ev, verdict, now)
             if self.phase == CONVERGED:
                 self._abandon()
@@ -589,6 +588,10 @@ class Tuner:
                 self._abandon()
                 return self._start_eval(now)
         return None
+
+    def _versions_of(self, ev: Evaluation) -> dict[int, Window]:
+        """The versions that count for ``ev``'s windows (a renumbered window has two)."""
+        return {v: w for v, w in self._windows.items() if any(w is x for x in ev.windows)}
 
     def _looks(self) -> int:
         return max(1, self.cfg.model_pairs // self.cfg.pairs)
@@ -612,7 +615,7 @@ class Tuner:
         self._record({"event": "extended", "candidate": list(ev.candidate or ev.incumbent),
                       "p95_incumbent": v.p95_incumbent, "p95_candidate": v.p95_candidate,
                       "n_incumbent": v.n_incumbent, "n_candidate": v.n_candidate}, now)
-        keep = {v: w for v, w in self._windows.items() if any(w is x for x in ev.windows)}
+        keep = self._versions_of(ev)
         self._abandon()
         self._windows = keep
         ev.plan = window_plan(len(ev.plan) // 2 + self.cfg.pairs)
