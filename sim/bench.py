@@ -424,13 +424,8 @@ def main(args: argparse.Namespace) -> int:
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.monotonic()
-    log(f"bench sim: building request features for {args.trace} "
-        f"({args.requests or 'all'} requests) ...")
-    try:
-        workload = build_workload(args.trace, tokenization(spec), args.requests)
-        _ = workload.mean_rate_rps
-    except (ValueError, OSError) as exc:
-        print(f"bench sim: cannot load {args.trace!r}: {exc}", file=sys.stderr)
+    workload = load_workload("bench sim", args.trace, spec, args.requests, log)
+    if workload is None:
         return 2
     cap_n = min(args.capacity_requests or workload.n, workload.n)
     _CTX.update(spec=spec, workload=workload, capacity_workload=workload.head(cap_n))
@@ -454,6 +449,20 @@ def main(args: argparse.Namespace) -> int:
     log(f"bench sim: {len(runs)} runs in {time.monotonic() - t_start:.0f} s; wrote "
         f"{out / 'results.md'}, results.json and plots")
     return 0
+
+
+def load_workload(cmd: str, trace: str, spec: FleetSpec, requests: int | None,
+                  log: Callable[[str], None]) -> Workload | None:
+    """The trace's request features for ``spec``, or None once ``cmd: cannot load ...`` is
+    printed (a bench exits 2 on it rather than with a traceback)."""
+    log(f"{cmd}: building request features for {trace} ({requests or 'all'} requests) ...")
+    try:
+        workload = build_workload(trace, tokenization(spec), requests)
+        _ = workload.mean_rate_rps
+    except (ValueError, OSError) as exc:
+        print(f"{cmd}: cannot load {trace!r}: {exc}", file=sys.stderr)
+        return None
+    return workload
 
 
 def _capacity(args: argparse.Namespace, spec: FleetSpec, workload: Workload, pool: Any,

@@ -647,9 +647,8 @@ def optimizer_config(opts: Sequence[str], calibrate: bool) -> OptimizerConfig:
 
 
 def main(args: argparse.Namespace) -> int:
-    from sim.bench import Progress
+    from sim.bench import Progress, load_workload
     from sim.presets import resolve_fleet
-    from sim.workload import build_workload, tokenization
 
     try:
         spec = resolve_fleet(args.fleet)
@@ -676,13 +675,8 @@ def main(args: argparse.Namespace) -> int:
         return 0
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.monotonic()
-    log(f"bench tune: building request features for {args.trace} "
-        f"({args.requests or 'all'} requests) ...")
-    try:
-        workload = build_workload(args.trace, tokenization(spec), args.requests)
-        _ = workload.mean_rate_rps
-    except (ValueError, OSError) as exc:
-        print(f"bench tune: cannot load {args.trace!r}: {exc}", file=sys.stderr)
+    workload = load_workload("bench tune", args.trace, spec, args.requests, log)
+    if workload is None:
         return 2
     _CTX.update(spec=spec, workload=workload, capacity_workload=workload)
     seeds = list(range(1, args.seeds + 1))

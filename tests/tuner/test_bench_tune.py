@@ -191,6 +191,14 @@ def test_bad_arguments_exit_2(tmp_path: Path) -> None:
     assert cli_main([*base, "--grid", "1"]) == 2
 
 
+@pytest.mark.parametrize("bench", ["tune", "sim"])
+def test_a_trace_that_cannot_be_loaded_exits_2(bench: str, tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli_main(["bench", bench, "--trace", "no-such-trace", "--capacity", "1",
+                     "--out", str(tmp_path)]) == 2
+    assert f"bench {bench}: cannot load 'no-such-trace'" in capsys.readouterr().err
+
+
 def test_with_weights_replaces_only_what_it_is_given(fleet: FleetSpec) -> None:
     name = fleet.replicas[0].name
     f = with_weights(fleet, 2.0, 0.5, {name: 123.0})
