@@ -47,19 +47,19 @@ import numpy as np
 import yaml
 from scipy import stats
 
-import sim.replay as replay_module
+import gorgo.sim.replay as replay_module
 from extproc.messages import DECISION_HEADER
 from gorgo.core.fleet import FleetSpec, load_fleet
 from gorgo.core.tokens import Tokenization
-from gorgo.docblock import public_args, stop_on_signals, write_block
 from gorgo.envoy_config import render_bootstrap
-from gorgo.envoy_proc import EnvoyProcess
-from gorgo.procs import GorgoProcess, free_port, wait_for
-from sim.offline import Simulation
-from sim.presets import PRESETS
-from sim.replay import RequestRecord, replay, select_window
-from sim.traces import TraceRequest, load_trace
-from sim.workload import workload_from_requests
+from gorgo.harness.docblock import public_args, stop_on_signals, write_block
+from gorgo.harness.envoy_proc import EnvoyProcess
+from gorgo.harness.procs import GorgoProcess, free_port, wait_for
+from gorgo.sim.offline import Simulation
+from gorgo.sim.presets import PRESETS
+from gorgo.sim.replay import RequestRecord, replay, select_window
+from gorgo.sim.traces import TraceRequest, load_trace
+from gorgo.sim.workload import workload_from_requests
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "results.md"

@@ -64,10 +64,10 @@ from gorgo._xds.envoy.service.ext_proc.v3.external_processor_pb2_grpc import (
 )
 from gorgo.core.fleet import LINK_PRESETS, FleetSpec, load_fleet, parse_fleet
 from gorgo.core.router import Router
-from gorgo.docblock import stop_on_signals, write_block
 from gorgo.envoy_config import EXTPROC_CLUSTER, render_bootstrap
-from gorgo.envoy_proc import EnvoyProcess, envoy_binary
-from gorgo.procs import GorgoProcess, free_port, stop_group, wait_for
+from gorgo.harness.docblock import stop_on_signals, write_block
+from gorgo.harness.envoy_proc import EnvoyProcess, envoy_binary
+from gorgo.harness.procs import GorgoProcess, free_port, stop_group, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "benchmarks.md"

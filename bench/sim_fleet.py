@@ -51,12 +51,12 @@ import yaml
 
 from gorgo.core.fleet import load_fleet
 from gorgo.core.tokens import Tokenization
-from gorgo.docblock import public_args, stop_on_signals, write_block
-from gorgo.procs import GorgoProcess, free_port
-from sim.presets import PRESETS
-from sim.replay import ReplayResult, RequestRecord, replay, select_window, summarize_records
-from sim.stats import summarize
-from sim.traces import TraceRequest, load_trace
+from gorgo.harness.docblock import public_args, stop_on_signals, write_block
+from gorgo.harness.procs import GorgoProcess, free_port
+from gorgo.sim.presets import PRESETS
+from gorgo.sim.replay import ReplayResult, RequestRecord, replay, select_window, summarize_records
+from gorgo.sim.stats import summarize
+from gorgo.sim.traces import TraceRequest, load_trace
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "benchmarks.md"

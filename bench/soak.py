@@ -1,6 +1,6 @@
 """Soak: the whole stack under steady load for a long time, watching every process's memory.
 
-Stands up `gorgo sim fleet` + `gorgo extproc` + `gorgo tuner` + real Envoy (gorgo.stack.LiveStack),
+Stands up `gorgo sim fleet` + `gorgo extproc` + `gorgo tuner` + real Envoy (gorgo.harness.stack.LiveStack),
 replays the Azure conversation trace open-loop at ``--load`` of the fleet's capacity for
 ``--duration`` seconds, and reads each process's resident memory (VmRSS in /proc/PID/status)
 every ``--sample`` seconds. When the load stops, the router must have nothing in flight and the
@@ -41,12 +41,12 @@ import numpy as np
 
 from gorgo.core.fleet import FleetSpec, parse_fleet
 from gorgo.core.tokens import Tokenization
-from gorgo.stack import LiveStack, StackOptions, with_free_ports
-from sim.capacity import Capacity, analytic_estimate, find_capacity
-from sim.presets import fleet_document
-from sim.replay import RequestRecord, replay
-from sim.traces import TraceRequest, azure_trace
-from sim.workload import workload_from_requests
+from gorgo.harness.stack import LiveStack, StackOptions, with_free_ports
+from gorgo.sim.capacity import Capacity, analytic_estimate, find_capacity
+from gorgo.sim.presets import fleet_document
+from gorgo.sim.replay import RequestRecord, replay
+from gorgo.sim.traces import TraceRequest, azure_trace
+from gorgo.sim.workload import workload_from_requests
 
 PROFILE = "h100-llama3-8b"
 LINKS = {"near": {"rtt_ms": 10.0, "jitter_ms": 1.0}, "far": {"rtt_ms": 60.0, "jitter_ms": 3.0}}

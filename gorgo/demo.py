@@ -32,11 +32,11 @@ import numpy as np
 from gorgo.core.features import extract_features
 from gorgo.core.fleet import parse_fleet
 from gorgo.core.tokens import Tokenization
-from gorgo.stack import LiveStack, StackOptions, with_free_ports
-from sim.presets import fleet_document
-from sim.replay import RequestRecord, replay, select_window
-from sim.stats import summarize
-from sim.traces import load_trace
+from gorgo.harness.stack import LiveStack, StackOptions, with_free_ports
+from gorgo.sim.presets import fleet_document
+from gorgo.sim.replay import RequestRecord, replay, select_window
+from gorgo.sim.stats import summarize
+from gorgo.sim.traces import load_trace
 
 REGIONS = ("us-east", "eu-frankfurt", "ap-seoul")
 DEMO_PROFILE = "h100-llama3-8b"
@@ -155,8 +155,8 @@ async def _replay(requests, url: str, time_scale: float, stack: LiveStack, run: 
 
 def run_offline(doc: dict[str, Any], requests, time_scale: float, policies: list[str],
                 seed: int) -> dict[str, list[float]]:
-    from sim.offline import Simulation
-    from sim.oracle import oracle_factory
+    from gorgo.sim.offline import Simulation
+    from gorgo.sim.oracle import oracle_factory
 
     spec = parse_fleet(doc)
     tok = Tokenization(spec.chars_per_token, spec.block_tokens)

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from gorgo.procs import LoopThread
+from gorgo.harness.procs import LoopThread
 
 
 @pytest.fixture

@@ -31,12 +31,12 @@ import pytest
 
 from gorgo.core.state import FAILURES_TO_EJECT
 from gorgo.core.tokens import Tokenization
-from gorgo.procs import GorgoProcess, wait_for
-from gorgo.stack import LiveStack, StackOptions, with_free_ports
-from sim.presets import fleet_document
-from sim.profiles import get_profile
-from sim.replay import RequestRecord, replay
-from sim.traces import TraceRequest, azure_trace
+from gorgo.harness.procs import GorgoProcess, wait_for
+from gorgo.harness.stack import LiveStack, StackOptions, with_free_ports
+from gorgo.sim.presets import fleet_document
+from gorgo.sim.profiles import get_profile
+from gorgo.sim.replay import RequestRecord, replay
+from gorgo.sim.traces import TraceRequest, azure_trace
 
 pytestmark = [pytest.mark.envoy, pytest.mark.slow]
 

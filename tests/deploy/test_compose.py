@@ -34,7 +34,7 @@ from gorgo.envoy_config import (
     PICKER_HEADER,
     render_bootstrap,
 )
-from gorgo.envoy_proc import envoy_binary
+from gorgo.harness.envoy_proc import envoy_binary
 from tuner.main import parse_config
 
 REPO = Path(__file__).resolve().parents[2]

@@ -11,7 +11,7 @@ import aiohttp
 import pytest
 
 from gorgo.envoy_config import DECISION_FIELDS, TTFT_TAG
-from gorgo.procs import wait_for
+from gorgo.harness.procs import wait_for
 from tests.support.e2e import (
     CHUNK_GAP_S,
     CHUNKS,

@@ -22,8 +22,8 @@ import yaml
 
 from gorgo.core.fleet import load_fleet
 from gorgo.envoy_config import EXTPROC_CLUSTER, PICKER_CLUSTER, render_bootstrap
-from gorgo.envoy_proc import EnvoyProcess, envoy_binary
-from gorgo.procs import BIN, free_port, wait_for
+from gorgo.harness.envoy_proc import EnvoyProcess, envoy_binary
+from gorgo.harness.procs import BIN, free_port, wait_for
 from tests.support.e2e import Stack, chat, get, start_stack, stop_stack
 
 pytestmark = pytest.mark.envoy

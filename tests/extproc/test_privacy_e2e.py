@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from gorgo.procs import wait_for
+from gorgo.harness.procs import wait_for
 from tests.support.e2e import GorgoMetrics, chat, start_stack, stop_stack
 
 pytestmark = pytest.mark.envoy

@@ -23,8 +23,8 @@ from aiohttp import web
 
 from gorgo.core.fleet import load_fleet
 from gorgo.envoy_config import FLEET_CLUSTER, render_bootstrap
-from gorgo.envoy_proc import EnvoyProcess
-from gorgo.procs import GorgoProcess, LoopThread, free_port, wait_for
+from gorgo.harness.envoy_proc import EnvoyProcess
+from gorgo.harness.procs import GorgoProcess, LoopThread, free_port, wait_for
 from tests.support.e2e import GorgoMetrics, chat
 
 pytestmark = pytest.mark.envoy

@@ -10,8 +10,8 @@ from extproc.signals import Signals
 from extproc.telemetry import RouterMetrics
 from gorgo.core.fleet import parse_fleet
 from gorgo.core.router import Router
-from gorgo.procs import free_port
-from sim.fleet import SimFleet
+from gorgo.harness.procs import free_port
+from gorgo.sim.fleet import SimFleet
 
 
 def test_router_probes_rtt_and_scrapes_sglang_and_vllm_metrics() -> None:

@@ -21,7 +21,7 @@ from gorgo.envoy_config import (
     render_bootstrap,
     render_yaml,
 )
-from gorgo.envoy_proc import envoy_binary
+from gorgo.harness.envoy_proc import envoy_binary
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "envoy" / "fleet.example.yaml"

@@ -10,11 +10,11 @@ import pytest
 
 from gorgo.cli import main as cli_main
 from gorgo.core.fleet import parse_fleet
-from sim.bench import ci95, goal_check, parse_policies
-from sim.capacity import analytic_estimate, cached_capacity, find_capacity, is_stable, probe
-from sim.presets import PRESETS, fleet_document, preset_fleet, resolve_fleet
-from sim.traces import chat_trace
-from sim.workload import tokenization, workload_from_requests
+from gorgo.sim.bench import ci95, goal_check, parse_policies
+from gorgo.sim.capacity import analytic_estimate, cached_capacity, find_capacity, is_stable, probe
+from gorgo.sim.presets import PRESETS, fleet_document, preset_fleet, resolve_fleet
+from gorgo.sim.traces import chat_trace
+from gorgo.sim.workload import tokenization, workload_from_requests
 
 
 def test_presets_match_the_paper_fleet() -> None:

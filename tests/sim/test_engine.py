@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from gorgo.core.tokens import Tokenization
-from sim.engine import Engine, EngineRejected, EngineRequest, StepResult, idle_latencies
-from sim.profiles import PROFILES, EngineProfile, describe, get_profile
+from gorgo.sim.engine import Engine, EngineRejected, EngineRequest, StepResult, idle_latencies
+from gorgo.sim.profiles import PROFILES, EngineProfile, describe, get_profile
 
 TOK = Tokenization(chars_per_token=4.0, block_tokens=16)
 BT = TOK.block_tokens

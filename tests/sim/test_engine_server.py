@@ -15,9 +15,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gorgo.core.features import prompt_text
 from gorgo.core.tokens import Tokenization
-from sim.engine import Engine
-from sim.engine_server import SERVED_BY_HEADER, EngineServer, add_arguments, build_server
-from sim.profiles import EngineProfile, get_profile
+from gorgo.sim.engine import Engine
+from gorgo.sim.engine_server import SERVED_BY_HEADER, EngineServer, add_arguments, build_server
+from gorgo.sim.profiles import EngineProfile, get_profile
 
 TOK = Tokenization()
 MODEL = "test-model"
@@ -373,7 +373,7 @@ def test_cli_arguments_build_a_server():
 
 def test_main_serves_until_sigterm():
     code = ("import argparse, sys\n"
-            "from sim.engine_server import add_arguments, main\n"
+            "from gorgo.sim.engine_server import add_arguments, main\n"
             "p = argparse.ArgumentParser(); add_arguments(p)\n"
             "sys.exit(main(p.parse_args(sys.argv[1:])))\n")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}

@@ -9,8 +9,8 @@ import aiohttp
 import pytest
 
 from gorgo.core.fleet import parse_fleet
-from gorgo.procs import free_port
-from sim.fleet import SimFleet
+from gorgo.harness.procs import free_port
+from gorgo.sim.fleet import SimFleet
 
 
 def _spec(ports: list[int]):

@@ -1,6 +1,6 @@
 import pytest
 
-from sim.kv_cache import PrefixKVCache
+from gorgo.sim.kv_cache import PrefixKVCache
 
 B = 4
 

@@ -13,7 +13,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from sim.link import LINK_PRESETS, Link
+from gorgo.sim.link import LINK_PRESETS, Link
 
 HOST = "127.0.0.1"
 

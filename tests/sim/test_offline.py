@@ -9,10 +9,10 @@ import pytest
 
 from gorgo.core.fleet import FleetSpec, parse_fleet
 from gorgo.core.policies import REGISTRY
-from sim.offline import SimResult
-from sim.presets import fleet_document
-from sim.traces import TraceRequest, chat_trace
-from sim.workload import ORACLE, Workload, simulate, tokenization, workload_from_requests
+from gorgo.sim.offline import SimResult
+from gorgo.sim.presets import fleet_document
+from gorgo.sim.traces import TraceRequest, chat_trace
+from gorgo.sim.workload import ORACLE, Workload, simulate, tokenization, workload_from_requests
 
 PROFILE = "h100-llama3-8b"
 

@@ -20,7 +20,7 @@ import pytest
 from aiohttp import web
 
 from gorgo.core.tokens import Tokenization
-from sim.replay import (
+from gorgo.sim.replay import (
     EXIT_INTERRUPTED,
     RequestRecord,
     add_arguments,
@@ -30,8 +30,8 @@ from sim.replay import (
     select_window,
     summarize_records,
 )
-from sim.stats import percentile, rate_per_s, summarize
-from sim.traces import TraceRequest, load_trace
+from gorgo.sim.stats import percentile, rate_per_s, summarize
+from gorgo.sim.traces import TraceRequest, load_trace
 
 HOST = "127.0.0.1"
 TOK = Tokenization()
@@ -274,7 +274,7 @@ def test_sigint_stops_cleanly_and_writes_results(server: SSEServer, tmp_path: Pa
     out, summary = tmp_path / "out.jsonl", tmp_path / "summary.json"
     code = (
         "import argparse, sys\n"
-        "from sim.replay import add_arguments, main\n"
+        "from gorgo.sim.replay import add_arguments, main\n"
         "p = argparse.ArgumentParser(); add_arguments(p)\n"
         "sys.exit(main(p.parse_args(sys.argv[1:])))\n"
     )

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from gorgo.core.tokens import Tokenization
-from sim import traces
-from sim.traces import (
+from gorgo.sim import traces
+from gorgo.sim.traces import (
     DESCRIPTION,
     TraceRequest,
     azure_trace,

@@ -20,8 +20,8 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 
 from gorgo.core.fleet import load_fleet
 from gorgo.envoy_config import render_bootstrap
-from gorgo.envoy_proc import EnvoyProcess
-from gorgo.procs import GorgoProcess, LoopThread, free_port, wait_for
+from gorgo.harness.envoy_proc import EnvoyProcess
+from gorgo.harness.procs import GorgoProcess, LoopThread, free_port, wait_for
 
 CHUNKS = 5
 CHUNK_GAP_S = 0.08

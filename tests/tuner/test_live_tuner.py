@@ -23,11 +23,11 @@ import yaml
 from gorgo.core.fleet import load_fleet
 from gorgo.core.tokens import Tokenization
 from gorgo.envoy_config import OTLP_CLUSTER, render_bootstrap
-from gorgo.envoy_proc import EnvoyProcess
-from gorgo.procs import GorgoProcess, LoopThread, free_port, wait_for
-from sim.engine import Engine
-from sim.engine_server import EngineServer
-from sim.profiles import get_profile
+from gorgo.harness.envoy_proc import EnvoyProcess
+from gorgo.harness.procs import GorgoProcess, LoopThread, free_port, wait_for
+from gorgo.sim.engine import Engine
+from gorgo.sim.engine_server import EngineServer
+from gorgo.sim.profiles import get_profile
 
 pytestmark = pytest.mark.envoy
 ADMIN_TOKEN = "live-admin-token"

@@ -25,10 +25,10 @@ from aiohttp import web
 
 from gorgo.core.fleet import FleetSpec, ReplicaSpec, load_fleet
 from gorgo.core.tokens import Tokenization
-from sim.engine import Engine
-from sim.engine_server import EngineServer
-from sim.link import Link
-from sim.profiles import get_profile
+from gorgo.sim.engine import Engine
+from gorgo.sim.engine_server import EngineServer
+from gorgo.sim.link import Link
+from gorgo.sim.profiles import get_profile
 
 log = logging.getLogger("gorgo.sim.fleet")
 

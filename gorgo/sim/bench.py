@@ -34,12 +34,12 @@ from scipy import stats as sstats
 
 from gorgo.core.fleet import FleetSpec
 from gorgo.core.policies import REGISTRY
-from sim.capacity import Capacity, cache_key, cached_capacity, find_capacity, probe
-from sim.offline import SimResult
-from sim.presets import PRESETS, resolve_fleet
-from sim.profiles import get_profile
-from sim.stats import jsonable, percentile
-from sim.workload import ORACLE, Workload, build_workload, simulate, tokenization
+from gorgo.sim.capacity import Capacity, cache_key, cached_capacity, find_capacity, probe
+from gorgo.sim.offline import SimResult
+from gorgo.sim.presets import PRESETS, resolve_fleet
+from gorgo.sim.profiles import get_profile
+from gorgo.sim.stats import jsonable, percentile
+from gorgo.sim.workload import ORACLE, Workload, build_workload, simulate, tokenization
 
 DEFAULT_LOADS = (0.5, 0.8, 0.95)
 GOAL_LOAD = 0.8
@@ -552,7 +552,7 @@ def write_outputs(
     machine: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """results.md, results.json, the plots and ttft_ms.npz (for --report-only) in ``out``."""
-    from sim import plots  # matplotlib only when writing
+    from gorgo.sim import plots  # matplotlib only when writing
 
     runs = sorted(runs, key=lambda r: (r["load"], policies.index(r["policy"]), r["seed"]))
     agg = aggregate(runs)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gorgo.docblock import public_args, write_block
+from gorgo.harness.docblock import public_args, write_block
 
 
 def test_block_is_created_then_replaced_keeping_the_rest(tmp_path: Path) -> None:

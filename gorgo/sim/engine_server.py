@@ -37,8 +37,8 @@ from gorgo.core.features import (
     prompt_text,
 )
 from gorgo.core.tokens import DEFAULT_BLOCK_TOKENS, DEFAULT_CHARS_PER_TOKEN, Tokenization
-from sim.engine import Engine, EngineRejected, EngineRequest, StepResult
-from sim.profiles import PROFILES, get_profile
+from gorgo.sim.engine import Engine, EngineRejected, EngineRequest, StepResult
+from gorgo.sim.profiles import PROFILES, get_profile
 
 FLAVORS = ("sglang", "vllm")
 FAIL_MODES = (None, "503", "reset")

@@ -34,8 +34,8 @@ from gorgo.core.features import RequestFeatures
 from gorgo.core.fleet import FleetSpec
 from gorgo.core.policies.base import Policy
 from gorgo.core.router import Router
-from sim.engine import Engine, EngineRejected, EngineRequest, StepResult
-from sim.profiles import get_profile
+from gorgo.sim.engine import Engine, EngineRejected, EngineRequest, StepResult
+from gorgo.sim.profiles import get_profile
 
 # Event kinds, in tie-break order at equal times (completions before new arrivals; hooks last).
 (STEP_END, CLOSE, PROBE_DONE, SCRAPE_DONE, SCRAPE_AT, SUBMIT, ARRIVE, PROBE, REFRESH,

@@ -15,7 +15,7 @@ from gorgo.core.features import RequestFeatures
 from gorgo.core.fleet import FleetSpec
 from gorgo.core.policies.base import PolicyBase
 from gorgo.core.state import FleetState
-from sim.engine import Engine
+from gorgo.sim.engine import Engine
 
 
 class Oracle(PolicyBase):

@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from gorgo.core.tokens import Tokenization
-from sim.kv_cache import PrefixKVCache
-from sim.profiles import EngineProfile
+from gorgo.sim.kv_cache import PrefixKVCache
+from gorgo.sim.profiles import EngineProfile
 
 WAITING, PREFILLING, DECODING = 0, 1, 2
 

@@ -127,7 +127,7 @@ def describe(
     tokenization: Tokenization | None = None,
 ) -> list[ProfileRow]:
     """TTFT and ITL the profile produces, measured by driving the engine model itself."""
-    from sim.engine import idle_latencies  # engine imports this module
+    from gorgo.sim.engine import idle_latencies  # engine imports this module
 
     tok = tokenization or Tokenization()
     rows = []

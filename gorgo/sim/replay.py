@@ -30,8 +30,8 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from gorgo.core.tokens import Tokenization
-from sim.stats import percentile, rate_per_s, summarize
-from sim.traces import DESCRIPTION, TraceRequest, load_trace, parse_spec
+from gorgo.sim.stats import percentile, rate_per_s, summarize
+from gorgo.sim.traces import DESCRIPTION, TraceRequest, load_trace, parse_spec
 
 ENDPOINT_PATHS: dict[str, str] = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 REPLICA_HEADERS: tuple[str, ...] = ("x-gorgo-replica", "x-gorgo-served-by")

@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from gorgo.procs import stop_group
+from gorgo.harness.procs import stop_group
 
 
 def envoy_binary() -> str:

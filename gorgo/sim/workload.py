@@ -17,9 +17,9 @@ import numpy as np
 from gorgo.core.features import RequestFeatures, extract_features
 from gorgo.core.fleet import FleetSpec
 from gorgo.core.tokens import Tokenization
-from sim.offline import SimResult, Simulation
-from sim.oracle import oracle_factory
-from sim.traces import TraceRequest, load_trace
+from gorgo.sim.offline import SimResult, Simulation
+from gorgo.sim.oracle import oracle_factory
+from gorgo.sim.traces import TraceRequest, load_trace
 
 ORACLE = "oracle"
 CHAT_PATH = "/v1/chat/completions"

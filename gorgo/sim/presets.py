@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from gorgo.core.fleet import FleetSpec, load_fleet, parse_fleet
-from sim.profiles import get_profile
+from gorgo.sim.profiles import get_profile
 
 PAPER_PROFILE = "2xl40s-qwen3.5-35b-a3b-fp8"
 PAPER_REGIONS = ("us-east", "eu-frankfurt", "ap-seoul")  # link presets; the proxy is in us-east

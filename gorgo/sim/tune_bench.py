@@ -46,9 +46,9 @@ import numpy as np
 
 from gorgo.core.decision import Decision
 from gorgo.core.fleet import FleetSpec, Weights
-from sim.offline import RequestRecord, SimResult, Simulation
-from sim.stats import jsonable
-from sim.workload import Workload
+from gorgo.sim.offline import RequestRecord, SimResult, Simulation
+from gorgo.sim.stats import jsonable
+from gorgo.sim.workload import Workload
 from tuner.calibration import CalibrationConfig
 from tuner.optimizer import OptimizerConfig, Proposal, Tuner
 from tuner.samples import Sample
@@ -223,8 +223,8 @@ def static_metrics(
     rtt: float, queue: float, rates: dict[str, float], seed: int
 ) -> dict[str, float]:
     """p95 TTFT and E2E (and the rest of `sim.bench.run_metrics`) of static weights on the slice."""
-    from sim.bench import run_metrics
-    from sim.workload import simulate
+    from gorgo.sim.bench import run_metrics
+    from gorgo.sim.workload import simulate
 
     spec: FleetSpec = _CTX["spec"]
     fleet = with_weights(spec, rtt, queue, rates)
@@ -248,7 +248,7 @@ def _static_job(job: tuple[str, float, float, tuple[tuple[str, float], ...], int
 
 
 def _tune_job(job: tuple[str, TuneSettings]) -> Any:
-    from sim.bench import run_metrics
+    from gorgo.sim.bench import run_metrics
 
     label, settings = job
     t0 = time.perf_counter()
@@ -259,7 +259,7 @@ def _tune_job(job: tuple[str, TuneSettings]) -> Any:
 
 
 def _probe_job(rate: float) -> Any:
-    from sim.capacity import probe
+    from gorgo.sim.capacity import probe
 
     return probe(_CTX["spec"], _CTX["capacity_workload"], rate)
 
@@ -268,8 +268,9 @@ def _probe_job(rate: float) -> Any:
 
 
 # Modules (besides all of gorgo.core) whose source decides what a static run measures.
-SIM_MODULES = ("sim.offline", "sim.engine", "sim.kv_cache", "sim.profiles", "sim.workload",
-               "sim.traces", "sim.link")
+SIM_MODULES = ("gorgo.sim.offline", "gorgo.sim.engine", "gorgo.sim.kv_cache", "gorgo.sim.profiles",
+               "gorgo.sim.workload",
+               "gorgo.sim.traces", "gorgo.sim.link")
 
 
 def model_digest() -> str:
@@ -571,7 +572,7 @@ def plot_grid(doc: dict[str, Any], path: Path) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from sim.presets import PRESETS
+    from gorgo.sim.presets import PRESETS
 
     parser.add_argument("--trace", default="mooncake", metavar="SPEC",
                         help="trace spec as for `gorgo replay` (default: mooncake)")
@@ -647,8 +648,8 @@ def optimizer_config(opts: Sequence[str], calibrate: bool) -> OptimizerConfig:
 
 
 def main(args: argparse.Namespace) -> int:
-    from sim.bench import Progress, load_workload
-    from sim.presets import resolve_fleet
+    from gorgo.sim.bench import Progress, load_workload
+    from gorgo.sim.presets import resolve_fleet
 
     try:
         spec = resolve_fleet(args.fleet)
@@ -762,8 +763,8 @@ def log(msg: str) -> None:
 
 def _capacity(args: argparse.Namespace, spec: FleetSpec, workload: Workload, ctx: Any) -> float:
     """Capacity (req/s) exactly as `gorgo bench sim` defines and caches it."""
-    from sim.capacity import cache_key, cached_capacity, find_capacity
-    from sim.presets import PRESETS
+    from gorgo.sim.capacity import cache_key, cached_capacity, find_capacity
+    from gorgo.sim.presets import PRESETS
 
     if args.capacity is not None:
         return float(args.capacity)

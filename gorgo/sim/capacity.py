@@ -45,8 +45,8 @@ from pathlib import Path
 import numpy as np
 
 from gorgo.core.fleet import FleetSpec
-from sim.profiles import get_profile
-from sim.workload import Workload, simulate
+from gorgo.sim.profiles import get_profile
+from gorgo.sim.workload import Workload, simulate
 
 CRITERION_VERSION = 1
 DRAIN_FRACTION = 0.05

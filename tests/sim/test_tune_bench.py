@@ -12,11 +12,10 @@ import pytest
 
 from gorgo.cli import main as cli_main
 from gorgo.core.fleet import FleetSpec, parse_fleet
-from sim.offline import Simulation
-from sim.presets import fleet_document
-from sim.traces import chat_trace
-from sim.workload import Workload, simulate, tokenization, workload_from_requests
-from tuner.bench import (
+from gorgo.sim.offline import Simulation
+from gorgo.sim.presets import fleet_document
+from gorgo.sim.traces import chat_trace
+from gorgo.sim.tune_bench import (
     TuneSettings,
     TuneTrace,
     _load_cache,
@@ -29,6 +28,7 @@ from tuner.bench import (
     wilson,
     with_weights,
 )
+from gorgo.sim.workload import Workload, simulate, tokenization, workload_from_requests
 from tuner.optimizer import OptimizerConfig
 
 PROFILE = "h100-llama3-8b"

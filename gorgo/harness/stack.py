@@ -21,8 +21,8 @@ import yaml
 
 from gorgo.core.fleet import FleetSpec, load_fleet
 from gorgo.envoy_config import render_bootstrap
-from gorgo.envoy_proc import EnvoyProcess
-from gorgo.procs import GorgoProcess, free_ports, wait_for
+from gorgo.harness.envoy_proc import EnvoyProcess
+from gorgo.harness.procs import GorgoProcess, free_ports, wait_for
 
 
 def with_free_ports(doc: dict[str, Any]) -> dict[str, Any]:
