@@ -1,6 +1,7 @@
 """Soak: the whole stack under steady load for a long time, watching every process's memory.
 
-Stands up `gorgo sim fleet` + `gorgo extproc` + `gorgo tuner` + real Envoy (gorgo.harness.stack.LiveStack),
+Stands up `gorgo sim fleet` + `gorgo extproc` + `gorgo tuner` + real Envoy
+(gorgo.harness.stack.LiveStack),
 replays the Azure conversation trace open-loop at ``--load`` of the fleet's capacity for
 ``--duration`` seconds, and reads each process's resident memory (VmRSS in /proc/PID/status)
 every ``--sample`` seconds. When the load stops, the router must have nothing in flight and the
