@@ -48,7 +48,7 @@ import yaml
 from scipy import stats
 
 import gorgo.sim.replay as replay_module
-from extproc.messages import DECISION_HEADER
+from gorgo.core.contract import DECISION_HEADER
 from gorgo.core.fleet import FleetSpec, load_fleet
 from gorgo.core.tokens import Tokenization
 from gorgo.envoy_config import render_bootstrap

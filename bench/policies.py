@@ -21,7 +21,8 @@ import time
 
 import numpy as np
 
-from gorgo.core.features import SESSION_HEADER, RequestFeatures, extract_features
+from gorgo.core.contract import SESSION_HEADER
+from gorgo.core.features import RequestFeatures, extract_features
 from gorgo.core.fleet import FleetSpec, parse_fleet
 from gorgo.core.policies import REGISTRY
 from gorgo.core.router import Router
@@ -37,7 +38,7 @@ def fleet(n: int) -> dict:
     return {
         "regions": {r: {} for r in REGIONS},
         "replicas": [
-            {"name": f"r{i}", "region": REGIONS[i % 3], "address": f"10.0.{i // 250}.{i % 250}:80",
+            {"name": f"r{i}", "engine": "sim", "region": REGIONS[i % 3], "address": f"10.0.{i // 250}.{i % 250}:80",
              "prefill_rate": 8000 + 1000 * (i % 5)}
             for i in range(n)
         ],

@@ -23,21 +23,21 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter
 
+from gorgo.core.contract import PREFILL_RATE_BOUNDS, VERSION_MAX, WEIGHT_BOUNDS
 from gorgo.core.explain import explain
 from gorgo.core.features import RequestError, extract_features
-from gorgo.core.fleet import Weights
 from gorgo.core.router import Router
+from gorgo.core.weights import Weights
+from gorgo.errors import UserError
 
 log = logging.getLogger("gorgo.admin")
 
-WEIGHT_BOUNDS = (0.05, 20.0)
-PREFILL_RATE_BOUNDS = (1.0, 1e9)  # tokens/s
 TOKEN_ENV = "GORGO_ADMIN_TOKEN"
 DISABLED = "admin API disabled"
-_FIELDS = ("rtt", "queue", "version", "prefill_rate")
+_FIELDS = (*WEIGHT_BOUNDS, "version", "prefill_rate")
 
 
-class AdminTokenError(ValueError):
+class AdminTokenError(UserError, ValueError):
     """The configured token file cannot be used."""
 
 
@@ -102,7 +102,7 @@ class AdminApi:
     def current(self) -> dict[str, Any]:
         s = self.router.state
         w = s.weights
-        return {"rtt": w.rtt, "queue": w.queue, "version": w.version,
+        return {**w, "version": w.version,
                 "prefill_rate": {name: float(r) for name, r in zip(s.names, s.prefill_rate,
                                                                     strict=True)},
                 "prefill_rate_hint": {r.name: float(r.prefill_rate)
@@ -125,8 +125,9 @@ class AdminApi:
             return exc.response()
         self.router.state.set_weights(weights, rates)
         self.updates.labels("applied").inc()
-        log.info("weights v%d applied: rtt=%g queue=%g%s", weights.version, weights.rtt,
-                 weights.queue, f" prefill_rate={rates}" if rates else "")
+        log.info("weights v%d applied: %s%s", weights.version,
+                 " ".join(f"{k}={v:g}" for k, v in weights.items()),
+                 f" prefill_rate={rates}" if rates else "")
         return web.json_response(self.current())
 
     def _validate(self, raw: bytes) -> tuple[Weights, dict[str, float | None]]:
@@ -139,15 +140,14 @@ class AdminApi:
         for key in body:
             if key not in _FIELDS:
                 raise _Invalid(400, f"unknown field {key!r} (allowed: {', '.join(_FIELDS)})", key)
-        for key in ("rtt", "queue", "version"):
+        for key in (*WEIGHT_BOUNDS, "version"):
             if key not in body:
                 raise _Invalid(400, f"{key} is required", key)
-        lo, hi = WEIGHT_BOUNDS
-        rtt = _number(body["rtt"], "rtt", lo, hi)
-        queue = _number(body["queue"], "queue", lo, hi)
+        values = {k: _number(body[k], k, lo, hi) for k, (lo, hi) in WEIGHT_BOUNDS.items()}
         version = body["version"]
-        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
-            raise _Invalid(400, "version must be a non-negative integer", "version")
+        if (isinstance(version, bool) or not isinstance(version, int)
+                or not 0 <= version <= VERSION_MAX):
+            raise _Invalid(400, f"version must be an integer in [0, {VERSION_MAX}]", "version")
         rates: dict[str, float | None] = {}
         raw_rates = body.get("prefill_rate")
         if raw_rates is not None:
@@ -166,7 +166,7 @@ class AdminApi:
         if version <= active:
             raise _Invalid(409, f"version {version} is not above the active version {active}",
                            "version", active_version=active)
-        return Weights(rtt, queue, version), rates
+        return Weights(values, version), rates
 
 
     async def explain(self, request: web.Request) -> web.Response:

@@ -6,23 +6,26 @@ import argparse
 import asyncio
 import logging
 import os
-import signal
 
 import grpc
 from aiohttp import web
 
-from extproc.admin import AdminTokenError, load_admin_token
+from extproc.admin import load_admin_token
 from extproc.http_api import make_app
 from extproc.service import ExtProcService
 from extproc.signals import Signals
 from extproc.telemetry import RouterMetrics
+from gorgo import shutdown
 from gorgo._xds.envoy.service.ext_proc.v3.external_processor_pb2_grpc import (
     add_ExternalProcessorServicer_to_server,
 )
-from gorgo.core.fleet import load_fleet
+from gorgo.core.fleet import FleetSpec, load_fleet
 from gorgo.core.router import Router
+from gorgo.errors import UserError, bind_error, check_port
 
 log = logging.getLogger("gorgo.extproc")
+GRPC_HINT = "free it or pick another --port (0 = any free port)"
+METRICS_HINT = "free it or pick another --metrics-port (0 = any free port, -1 = off)"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -55,19 +58,34 @@ class ExtProcServer:
     async def start(
         self, host: str, port: int, metrics_host: str = "127.0.0.1", metrics_port: int = 0
     ) -> None:
+        """Listen on both ports (a port in use is a UserError); `stop` undoes a failed start."""
+        grpc_what = f"the ext_proc gRPC server on {host}:{port}"
+        metrics_what = f"the metrics endpoint on {metrics_host}:{metrics_port}"
+        check_port(host, port, grpc_what, GRPC_HINT)
+        if metrics_port > 0:
+            check_port(metrics_host, metrics_port, metrics_what, METRICS_HINT)
         self._grpc = grpc.aio.server(options=[
             ("grpc.max_receive_message_length", self.router.spec.limits.max_body_bytes + 65536),
             ("grpc.max_concurrent_streams", 10000),
+            ("grpc.so_reuseport", 0),  # else a second router would silently share the port
         ])
         add_ExternalProcessorServicer_to_server(self.service, self._grpc)
-        self.grpc_port = self._grpc.add_insecure_port(f"{host}:{port}")
+        try:
+            self.grpc_port = self._grpc.add_insecure_port(f"{host}:{port}")
+        except RuntimeError:  # "Failed to bind": the port was taken since check_port
+            self.grpc_port = 0
+        if not self.grpc_port:
+            raise UserError(f"cannot listen for {grpc_what}; {GRPC_HINT}")
         await self._grpc.start()
         if metrics_port >= 0:
             self._http = web.AppRunner(make_app(self.metrics, self.router, self.admin_token),
                                         access_log=None)
             await self._http.setup()
             site = web.TCPSite(self._http, metrics_host, metrics_port)
-            await site.start()
+            try:
+                await site.start()
+            except OSError as exc:
+                raise bind_error(exc, metrics_what, METRICS_HINT) from None
             self.metrics_port = self._http.addresses[-1][1]
         await self.signals.start()
 
@@ -79,16 +97,14 @@ class ExtProcServer:
             await self._grpc.stop(grace)
 
 
-async def serve(args: argparse.Namespace) -> int:
-    spec = load_fleet(args.fleet)
-    try:
-        token = load_admin_token(args.admin_token_file)
-    except AdminTokenError as exc:
-        log.error("%s", exc)
-        return 2
+async def serve(args: argparse.Namespace, spec: FleetSpec, token: str | None) -> int:
     router = Router(spec, id_prefix=os.urandom(3).hex())
     server = ExtProcServer(router, admin_token=token)
-    await server.start(args.host, args.port, args.metrics_host, args.metrics_port)
+    try:
+        await server.start(args.host, args.port, args.metrics_host, args.metrics_port)
+    except BaseException:
+        await server.stop(0)
+        raise
     log.info("gorgo extproc: gRPC on %s:%d, metrics on %s:%d, %d replicas, policy %s, "
              "admin API %s", args.host, server.grpc_port, args.metrics_host, server.metrics_port,
              len(spec.replicas), spec.policy, "enabled" if token else "disabled")
@@ -97,14 +113,15 @@ async def serve(args: argparse.Namespace) -> int:
                     args.metrics_host)
     print(f"READY grpc={server.grpc_port} metrics={server.metrics_port}", flush=True)
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    shutdown.on_stop(stop.set)
     await stop.wait()
     await server.stop()
     return 0
 
 
 def main(args: argparse.Namespace) -> int:
+    """Serve until SIGTERM/SIGINT (0); a bad fleet, token file or port is a UserError."""
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(message)s")
-    return asyncio.run(serve(args))
+    spec = load_fleet(args.fleet)
+    token = load_admin_token(args.admin_token_file)
+    return asyncio.run(serve(args, spec, token))

@@ -14,18 +14,18 @@ from gorgo._xds.envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 im
 )
 from gorgo._xds.envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from gorgo._xds.envoy.type.v3.http_status_pb2 import HttpStatus
+from gorgo.core.contract import (
+    CLUSTER_HEADER,
+    DECISION_HEADER,
+    ENDPOINTS_HEADER,
+    METADATA_NAMESPACE,
+    PICKER_HEADER,
+    PICKER_NAMESPACE,
+    REPLICA_HEADER,
+)
 
-CLUSTER_HEADER = "x-gorgo-cluster"
-# Ordered IP:port list for Envoy's override-host policy: attempt k goes to the k-th address.
-ENDPOINTS_HEADER = "x-gorgo-endpoints"
 # Set by Envoy on the response (include_attempt_count_in_response): 2 means the retry served it.
 ATTEMPT_COUNT_HEADER = "x-envoy-attempt-count"
-# Gateway API Inference Extension endpoint-picker protocol: header and dynamic metadata.
-PICKER_HEADER = "x-gateway-destination-endpoint"
-PICKER_NAMESPACE = "envoy.lb"
-REPLICA_HEADER = "x-gorgo-replica"
-DECISION_HEADER = "x-gorgo-decision-id"
-METADATA_NAMESPACE = "gorgo"
 
 CONTINUE_REQUEST_HEADERS = pb.ProcessingResponse(request_headers=pb.HeadersResponse())
 CONTINUE_RESPONSE_HEADERS = pb.ProcessingResponse(response_headers=pb.HeadersResponse())

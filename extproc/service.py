@@ -26,8 +26,9 @@ from gorgo._xds.envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from gorgo._xds.envoy.service.ext_proc.v3.external_processor_pb2_grpc import (
     ExternalProcessorServicer,
 )
-from gorgo.core.decision import Decision, NoReplicaAvailable, Shed
-from gorgo.core.features import RequestError, RequestFeatures, extract_features
+from gorgo.core.contract import decision_fields
+from gorgo.core.decision import SHED, Decision, Rejection
+from gorgo.core.features import RequestError, extract_features
 from gorgo.core.router import Router
 
 log = logging.getLogger("gorgo.extproc")
@@ -186,34 +187,17 @@ class ExtProcService(ExternalProcessorServicer):
             d = self.router.route(f, self.clock())
         except RequestError as err:
             return self._reject(err)
-        except Shed as exc:
-            self.metrics.shed.labels(str(f.priority if f.priority is not None else "default")).inc()
-            return messages.immediate(
-                429,
-                RequestError(429, f"The fleet is overloaded: {exc}. Retry later.",
-                             type="overloaded_error", code="overloaded").to_body(),
-                "gorgo_shed",
-                {"retry-after": f"{exc.retry_after_s:.0f}"},
-            )
-        except NoReplicaAvailable as exc:
-            retry = f"{exc.retry_after_s:.0f}"
-            self.metrics.rejected.labels("503").inc()
-            return messages.immediate(
-                503,
-                RequestError(503, "No healthy replica is available.", type="server_error",
-                             code="no_healthy_replica").to_body(),
-                "gorgo_no_healthy_replica",
-                {"retry-after": retry},
-            )
         except Exception:
             log.exception("routing failed; failing open to the default route")
             self.metrics.fail_open.inc()
             return (messages.CONTINUE_REQUEST_HEADERS if on_headers
                     else messages.CONTINUE_REQUEST_BODY)
+        if isinstance(d, Rejection):
+            return self._refuse(d)
         st.decision = d
         s = self.router.state
         replica = s.names[d.replica]
-        fields = self._fields(d, f, replica)
+        fields = decision_fields(d, replica, s.regions[s.region_idx[d.replica]])
         endpoint = s.spec.replicas[d.replica].address if self.picker else None
         st.fallback = next_best(d) if self.retries else None
         # Only with a routable next-best replica: a one-address list would leave the retry to
@@ -226,22 +210,16 @@ class ExtProcService(ExternalProcessorServicer):
         self.metrics.decision_seconds.observe(time.perf_counter() - t0)
         return answer
 
-    def _fields(self, d: Decision, f: RequestFeatures, replica: str) -> dict[str, Any]:
-        s = self.router.state
-        return {
-            "decision_id": d.id,
-            "replica": replica,
-            "region": s.regions[s.region_idx[d.replica]],
-            "policy": d.policy,
-            "weights_version": d.weights_version,
-            "predicted_ttft_ms": round(d.predicted_ms, 3),
-            "rtt_ms": round(d.rtt_ms, 3),
-            "queue_ms": round(d.queue_ms, 3),
-            "prefill_ms": round(d.prefill_ms, 3),
-            "penalty_ms": round(d.penalty_ms, 3),
-            "uncached_tokens": d.uncached_tokens,
-            "prompt_tokens": d.prompt_tokens,
-        }
+    def _refuse(self, r: Rejection) -> pb.ProcessingResponse:
+        """The router's rejection as Envoy's immediate response, with Retry-After."""
+        if r.reason == SHED:
+            self.metrics.shed.labels(str(r.priority if r.priority is not None else "default")).inc()
+            err = RequestError(429, r.message, type="overloaded_error", code="overloaded")
+        else:
+            self.metrics.rejected.labels(str(r.status)).inc()
+            err = RequestError(r.status, r.message, type="server_error", code=r.reason)
+        return messages.immediate(r.status, err.to_body(), f"gorgo_{r.reason}",
+                                  {"retry-after": f"{r.retry_after_s:.0f}"})
 
     def _too_large(self) -> pb.ProcessingResponse:
         return self._reject(RequestError(

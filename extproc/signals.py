@@ -1,4 +1,8 @@
-"""Background signal tasks: RTT/health probes and engine metric scrapes, never on the request path.
+"""Background tasks: RTT/health probes, engine metric scrapes and the router's tick, never on the
+request path.
+
+The tick (`Router.tick`, every ``TICK_INTERVAL_S``) runs the policies' periodic duties, such as
+`irb`'s re-solve; the offline simulator calls the same method on its virtual clock.
 
 Each tick probes every due replica concurrently, so one slow region never delays the others. Probes
 run over keep-alive connections: a probe that had to open a new connection paid a handshake too,
@@ -15,9 +19,9 @@ from types import SimpleNamespace
 
 import aiohttp
 
-from extproc.engine_metrics import parse_engine_metrics
+from extproc.engine_metrics import EngineLoad, parse_engine_metrics
 from extproc.telemetry import RouterMetrics
-from gorgo.core.router import Router
+from gorgo.core.router import TICK_INTERVAL_S, Router
 
 log = logging.getLogger("gorgo.signals")
 
@@ -39,7 +43,9 @@ class Signals:
         self._session = aiohttp.ClientSession(
             timeout=timeout, connector=conn, trace_configs=[trace])
         sig = self.spec.signals
+        self.tick()  # before the first request: policies plan on the fleet as it starts
         self._tasks = [
+            asyncio.create_task(self._every(TICK_INTERVAL_S, self._tick)),
             asyncio.create_task(self._every(sig.probe_interval_s, self.probe_all)),
             asyncio.create_task(self._every(sig.scrape_interval_s, self.scrape_all)),
         ]
@@ -60,6 +66,12 @@ class Signals:
                 log.exception("signal tick failed")
             await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
 
+    def tick(self) -> None:
+        self.router.tick(self.clock())
+
+    async def _tick(self) -> None:
+        self.tick()
+
     async def probe_all(self) -> None:
         due = self.router.state.probe_due(self.clock())
         await asyncio.gather(*(self.probe(i) for i in range(self.router.state.n) if due[i]))
@@ -77,15 +89,25 @@ class Signals:
             ok = False
         rtt_ms = (time.perf_counter() - t0) * 1000
         if ok:
-            s.record_success(i)
-            if not ctx.new_connection:
-                s.observe_rtt(i, rtt_ms)
-            elif not warm and s.rtt_samples[i] == 0:
+            self.apply_probe(i, None if ctx.new_connection else rtt_ms)
+            if ctx.new_connection and not warm and s.rtt_samples[i] == 0:
                 await self.probe(i, warm=True)  # the connection is open now: sample at once
         else:
             # Priced at once (the penalty), ejected after repeated failures.
             self.metrics.probe_errors.labels(replica.name).inc()
             s.record_failed_probe(i, self.clock())
+
+    def apply_probe(self, i: int, rtt_ms: float | None) -> None:
+        """A probe answered: the replica is healthy, and ``rtt_ms`` (if a sample) updates its RTT.
+
+        The simulator applies the same two state calls when its probe returns."""
+        self.router.state.record_success(i)
+        if rtt_ms is not None:
+            self.router.state.observe_rtt(i, rtt_ms)
+
+    def apply_scrape(self, i: int, load: EngineLoad) -> None:
+        self.router.state.observe_engine(
+            i, self.clock(), load.queue_reqs, load.running_reqs, load.kv_usage)
 
     async def scrape_all(self) -> None:
         await asyncio.gather(*(self.scrape(i) for i in range(self.router.state.n)))
@@ -102,9 +124,7 @@ class Signals:
             self.metrics.scrape_errors.labels(replica.name).inc()
             log.debug("scrape of %s failed: %s", replica.name, exc)
             return
-        self.router.state.observe_engine(
-            i, self.clock(), load.queue_reqs, load.running_reqs, load.kv_usage
-        )
+        self.apply_scrape(i, load)
 
 
 async def _mark_new_connection(session, trace_ctx, params) -> None:

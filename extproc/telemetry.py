@@ -41,8 +41,8 @@ class _StateCollector(Collector):
                 g.add_metric([replica, s.regions[s.region_idx[i]]], float(values[i]))
             yield g
         w = GaugeMetricFamily("gorgo_weights", "Active cost weights", labels=["term"])
-        w.add_metric(["rtt"], s.weights.rtt)
-        w.add_metric(["queue"], s.weights.queue)
+        for term, value in s.weights.items():
+            w.add_metric([term], value)
         yield w
         v = GaugeMetricFamily("gorgo_weights_version", "Active weights version")
         v.add_metric([], s.weights.version)

@@ -24,25 +24,26 @@ from typing import Any
 
 import yaml
 
+from gorgo.core.contract import (
+    CLUSTER_HEADER,
+    DECISION_FIELDS,
+    ENDPOINTS_HEADER,
+    METADATA_NAMESPACE,
+    PICKER_HEADER,
+    SPAN_PREFIX,
+    TTFT_ATTR,
+)
 from gorgo.core.fleet import FleetSpec, load_fleet
 
 _T = "type.googleapis.com/"
 EXTPROC_CLUSTER = "gorgo_extproc"
 OTLP_CLUSTER = "otel_collector"
 PICKER_CLUSTER = "picker_original_dst"
-PICKER_HEADER = "x-gateway-destination-endpoint"
-CLUSTER_HEADER = "x-gorgo-cluster"
 FLEET_CLUSTER = "gorgo_fleet"
-ENDPOINTS_HEADER = "x-gorgo-endpoints"
 # Only failures before any response byte: Envoy never retries once headers went downstream.
 RETRY_ON = "connect-failure,reset,refused-stream,retriable-status-codes"
 RETRY_STATUS_CODES = (503,)
-TTFT_TAG = "gen_ai.response.time_to_first_chunk"
 TTFT_FORMAT = "%COMMON_DURATION(DS_RX_BEG:US_RX_BODY_BEG:us)%"
-DECISION_FIELDS = (
-    "decision_id", "replica", "region", "policy", "weights_version", "predicted_ttft_ms",
-    "rtt_ms", "queue_ms", "prefill_ms", "penalty_ms", "uncached_tokens", "prompt_tokens",
-)
 TOO_LARGE_BODY = (
     '{"error":{"message":"Request body too large.","type":"invalid_request_error",'
     '"param":null,"code":"request_too_large"}}'
@@ -168,8 +169,8 @@ def _routes(spec: FleetSpec, picker: bool) -> list[dict]:
 def _tracing(otlp: str | None, service_name: str) -> dict | None:
     if otlp is None:
         return None
-    tags = [{"tag": TTFT_TAG, "value": TTFT_FORMAT}]
-    tags += [{"tag": f"gorgo.{k}", "value": f"%DYNAMIC_METADATA(gorgo:{k})%"}
+    tags = [{"tag": TTFT_ATTR, "value": TTFT_FORMAT}]
+    tags += [{"tag": f"{SPAN_PREFIX}{k}", "value": f"%DYNAMIC_METADATA({METADATA_NAMESPACE}:{k})%"}
              for k in DECISION_FIELDS]
     return {
         "random_sampling": {"value": 100},
@@ -215,7 +216,7 @@ def render_bootstrap(
                              "timeout": f"{t.connect_ms / 1000:g}s"},
             "message_timeout": f"{t.message_ms / 1000:g}s",
             "failure_mode_allow": True,
-            "metadata_options": {"receiving_namespaces": {"untyped": ["gorgo"]}},
+            "metadata_options": {"receiving_namespaces": {"untyped": [METADATA_NAMESPACE]}},
             "processing_mode": {
                 "request_header_mode": "SEND", "request_body_mode": BODY_MODES[body_mode],
                 "response_header_mode": "SEND", "response_body_mode": "NONE",

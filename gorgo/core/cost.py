@@ -1,47 +1,53 @@
-"""The GORGO cost model: predicted TTFT per replica = RTT + queue wait + uncached prefill, in ms.
+"""The GORGO cost: per replica, the weighted sum of the registered terms, in milliseconds.
 
-A replica that misbehaves also carries an anomaly penalty (ms, decaying): it is part of the cost
-the `gorgo` policy minimises, so a replica that fails fast never looks cheap.
+With the shipped terms that is predicted TTFT = w_rtt * RTT + w_queue * queue wait + uncached
+prefill, plus a decaying anomaly penalty so a replica that fails fast never looks cheap. The terms
+themselves live in `gorgo.core.terms`; this module only evaluates and sums them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
 
 from gorgo.core.features import RequestFeatures
-from gorgo.core.fleet import Weights
 from gorgo.core.state import FleetState
+from gorgo.core.terms import TERMS
+from gorgo.core.weights import Weights
 
 
 @dataclass(frozen=True, slots=True)
 class CostTerms:
-    """Each term per replica, unweighted, in milliseconds."""
+    """Each registered term per replica, unweighted, keyed by term name (ms)."""
 
-    rtt_ms: np.ndarray
-    queue_ms: np.ndarray
-    prefill_ms: np.ndarray
+    values: Mapping[str, np.ndarray]
     uncached_tokens: np.ndarray
-    penalty_ms: np.ndarray
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self.values[name]
 
     def total(self, w: Weights) -> np.ndarray:
-        return w.rtt * self.rtt_ms + w.queue * self.queue_ms + self.prefill_ms + self.penalty_ms
+        """The weighted sum per replica: the one place the terms are added up."""
+        out = np.zeros(len(self.uncached_tokens))
+        for t in TERMS:
+            out += w.factor(t) * self.values[t.name]
+        return out
+
+    def at(self, i: int) -> dict[str, float]:
+        """Replica i's terms as plain floats (a decision's breakdown)."""
+        return {t.name: float(self.values[t.name][i]) for t in TERMS}
 
 
 def cost_terms(f: RequestFeatures, s: FleetState) -> CostTerms:
-    """All three terms for every replica at ``s.now``, vectorised; memoised per request."""
+    """All terms for every replica at ``s.now``, vectorised; memoised per request and state."""
     key = (f, s.now, s.version)
     if s.terms_memo is not None and s.terms_memo[0] == key:
         return s.terms_memo[1]
-    ms_per_token = 1000.0 / s.prefill_rate
-    uncached = s.uncached_tokens(f)
     terms = CostTerms(
-        rtt_ms=s.rtt_or_default(),
-        queue_ms=s.waiting_tokens() * ms_per_token,
-        prefill_ms=uncached * ms_per_token,
-        uncached_tokens=uncached,
-        penalty_ms=s.penalty(),
+        values={t.name: t.compute(f, s) for t in TERMS},
+        uncached_tokens=s.uncached_tokens(f),
     )
     s.terms_memo = (key, terms)
     return terms

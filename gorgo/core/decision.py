@@ -1,4 +1,5 @@
-"""A routing decision: the replica, and the predicted TTFT split into its terms (all in ms)."""
+"""What routing one request yields: a decision (the replica, and the predicted cost split into its
+terms, in ms) or a rejection (no routable replica, or shed by admission control)."""
 
 from __future__ import annotations
 
@@ -6,24 +7,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+NO_REPLICA = "no_healthy_replica"
+SHED = "shed"
+
 
 class NoReplicaAvailable(Exception):
-    """Every replica is ejected or unroutable: answer 503 with Retry-After."""
+    """Raised by a policy when every replica is ejected; the router turns it into a Rejection."""
 
     def __init__(self, retry_after_s: float) -> None:
         super().__init__(f"no healthy replica; retry after {retry_after_s:.0f} s")
-        self.retry_after_s = retry_after_s
-
-
-class Shed(Exception):
-    """Admission control refused the request: answer 429 with Retry-After."""
-
-    def __init__(self, predicted_ms: float, limit_ms: float, retry_after_s: float) -> None:
-        super().__init__(
-            f"best predicted TTFT {predicted_ms:.0f} ms exceeds the limit {limit_ms:.0f} ms"
-        )
-        self.predicted_ms = predicted_ms
-        self.limit_ms = limit_ms
         self.retry_after_s = retry_after_s
 
 
@@ -32,13 +24,28 @@ class Decision:
     replica: int
     policy: str
     predicted_ms: float = float("nan")
-    rtt_ms: float = float("nan")
-    queue_ms: float = float("nan")
-    prefill_ms: float = float("nan")
-    penalty_ms: float = 0.0
+    terms: dict[str, float] = field(default_factory=dict)  # term name -> unweighted ms
     uncached_tokens: int = 0
     prompt_tokens: int = 0
     weights_version: int = 0
     id: str = ""
     # Per-replica costs the policy ranked by (lower is better), for explain and fallbacks.
     scores: np.ndarray | None = field(default=None, repr=False)
+
+
+@dataclass(frozen=True, slots=True)
+class Rejection:
+    """The router refused the request: 503 (no routable replica) or 429 (shed), with Retry-After.
+
+    Both drivers turn it into the same outcome: the live server answers ``status`` with an
+    OpenAI-style error, the simulator records a failed request.
+    """
+
+    status: int
+    reason: str  # NO_REPLICA or SHED
+    retry_after_s: float
+    message: str
+    priority: int | None = None
+
+
+RouteResult = Decision | Rejection

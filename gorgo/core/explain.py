@@ -1,7 +1,8 @@
 """Why a request would go where it goes: every replica's cost terms and the winner's margin.
 
-Explaining must not change routing, so the policy decides on a shallow copy (its counters and
-cursors stay put) and nothing is counted in flight.
+Explaining must not change routing: the policy decides on a deep copy (its counters, cursors,
+caches and random generators stay put), the fleet state's clock is restored, and nothing is
+counted in flight.
 """
 
 from __future__ import annotations
@@ -16,8 +17,7 @@ from gorgo.core.cost import cost_terms
 from gorgo.core.decision import NoReplicaAvailable
 from gorgo.core.features import RequestFeatures
 from gorgo.core.router import Router
-
-TERMS = ("rtt_ms", "queue_ms", "prefill_ms", "penalty_ms")
+from gorgo.core.terms import TERMS
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,8 +32,8 @@ class Explanation:
                 "replicas": self.rows}
 
     def table(self) -> str:
-        cols = ("replica", "region", "healthy", "rtt_ms", "queue_ms", "prefill_ms",
-                "penalty_ms", "uncached_tokens", "predicted_ttft_ms", "policy_score")
+        cols = ("replica", "region", "healthy", *(t.field for t in TERMS), "uncached_tokens",
+                "predicted_ttft_ms", "policy_score")
         lines = [" ".join(f"{c:>{max(9, len(c))}}" for c in cols)]
         for row in sorted(self.rows, key=lambda r: r["policy_score"]):
             mark = " <" if row["replica"] == self.winner else ""
@@ -47,25 +47,28 @@ def _fmt(v: Any) -> str:
 
 def explain(router: Router, f: RequestFeatures, now: float) -> Explanation:
     s = router.state
+    live = router.policy_for(f)
+    # The copy shares the fleet spec (immutable) but nothing the policy mutates.
+    policy = copy.deepcopy(live, {id(live.spec): live.spec, id(s): s})
+    was = s.now
     s.now = now
-    policy = copy.copy(router.policy_for(f))
-    terms = cost_terms(f, s)
-    total = terms.total(s.weights)
     try:
-        d = policy.choose(f, s)
-        winner: int | None = d.replica
-        scores = d.scores if d.scores is not None else total
-    except NoReplicaAvailable:
-        winner, scores = None, np.full(s.n, np.inf)
+        terms = cost_terms(f, s)
+        total = terms.total(s.weights)
+        try:
+            d = policy.choose(f, s)
+            winner: int | None = d.replica
+            scores = d.scores if d.scores is not None else total
+        except NoReplicaAvailable:
+            winner, scores = None, np.full(s.n, np.inf)
+    finally:
+        s.now = was
     rows = [
         {
             "replica": s.names[i],
             "region": s.regions[s.region_idx[i]],
             "healthy": bool(s.healthy[i]),
-            "rtt_ms": float(terms.rtt_ms[i]),
-            "queue_ms": float(terms.queue_ms[i]),
-            "prefill_ms": float(terms.prefill_ms[i]),
-            "penalty_ms": float(terms.penalty_ms[i]),
+            **{t.field: float(terms[t.name][i]) for t in TERMS},
             "uncached_tokens": int(terms.uncached_tokens[i]),
             "predicted_ttft_ms": float(total[i]),
             "policy_score": float(scores[i]),
@@ -91,8 +94,8 @@ def _reason(names, terms, total, scores, winner, policy: str) -> str:
     if policy not in ("gorgo",):
         return (f"{names[winner]} wins under {policy} with score {scores[winner]:.3g} "
                 f"against {names[r]}'s {scores[r]:.3g}")
-    diffs = {t: float(getattr(terms, t)[r] - getattr(terms, t)[winner]) for t in TERMS}
+    diffs = {t.name: float(terms[t.name][r] - terms[t.name][winner]) for t in TERMS}
     biggest = max(diffs, key=lambda t: diffs[t])
-    parts = ", ".join(f"{t[:-3]} {v:+.1f} ms" for t, v in diffs.items())
+    parts = ", ".join(f"{t} {v:+.1f} ms" for t, v in diffs.items())
     return (f"{names[winner]} wins: predicted {total[winner]:.1f} ms vs {names[r]} "
-            f"{total[r]:.1f} ms (runner-up costs {parts}; mostly {biggest[:-3]})")
+            f"{total[r]:.1f} ms (runner-up costs {parts}; mostly {biggest})")

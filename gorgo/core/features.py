@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from gorgo.core.contract import POLICY_HEADER, PRIORITY_HEADER, SESSION_HEADER
 from gorgo.core.tokens import Tokenization
 
 ENDPOINTS = {
@@ -24,9 +25,6 @@ ENDPOINTS = {
     "/v1/completions": "completions",
     "/v1/responses": "responses",
 }
-SESSION_HEADER = "x-session-id"
-POLICY_HEADER = "x-gorgo-policy"
-PRIORITY_HEADER = "x-gorgo-priority"
 DEFAULT_MAX_DEPTH = 64
 AFFINITY_HEAD_TOKENS = 256
 

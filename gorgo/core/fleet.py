@@ -16,6 +16,10 @@ from typing import Any
 
 import yaml
 
+from gorgo.core.contract import WEIGHT_BOUNDS
+from gorgo.core.weights import Weights
+from gorgo.errors import UserError
+
 ENGINE_KINDS = ("sglang", "vllm", "sim")
 DEFAULT_PROFILE = "h100-llama3-8b"
 LINK_PRESETS: dict[str, tuple[float, float]] = {
@@ -27,23 +31,14 @@ LINK_PRESETS: dict[str, tuple[float, float]] = {
 }
 
 
-class FleetError(ValueError):
+class FleetError(UserError, ValueError):
     """A fleet file problem; the message starts with the path of the offending field."""
-
-
-@dataclass(frozen=True, slots=True)
-class Weights:
-    """Weights of the `gorgo` cost terms; ``version`` is stamped into every decision."""
-
-    rtt: float = 1.0
-    queue: float = 1.0
-    version: int = 0
 
 
 @dataclass(frozen=True, slots=True)
 class RegionSpec:
     name: str
-    rtt_ms: float  # emulated link RTT (simulation only; the router measures its own)
+    rtt_ms: float  # emulated link RTT (regions.<name>.sim; the router measures its own)
     jitter_ms: float
 
 
@@ -214,24 +209,31 @@ def _bool(obj: Mapping[str, Any], key: str, path: str) -> bool:
     return value
 
 
+SIM_REGION_FIELDS = {"link", "rtt_ms", "jitter_ms"}
+
+
 def _region(name: str, raw: Any, path: str) -> RegionSpec:
-    if raw is None:
-        raw = {}
-    raw = _mapping(raw, path)
-    _check_keys(raw, {"link", "rtt_ms", "jitter_ms"}, path)
-    if "link" in raw:
-        preset = raw["link"]
+    """A region; its emulated link (simulator only) lives in its ``sim`` section."""
+    raw = _mapping({} if raw is None else raw, path)
+    moved = sorted(SIM_REGION_FIELDS & set(raw))
+    if moved:
+        raise FleetError(f"{path}.{moved[0]}: simulator-only: move it under {path}.sim")
+    _check_keys(raw, {"sim"}, path)
+    sraw = _mapping(raw.get("sim") or {}, f"{path}.sim")
+    _check_keys(sraw, SIM_REGION_FIELDS, f"{path}.sim")
+    if "link" in sraw:
+        preset = sraw["link"]
         if not isinstance(preset, str) or preset not in LINK_PRESETS:
             raise FleetError(
-                f"{path}.link: unknown preset {preset!r} (known: {', '.join(LINK_PRESETS)})"
+                f"{path}.sim.link: unknown preset {preset!r} (known: {', '.join(LINK_PRESETS)})"
             )
         rtt, jitter = LINK_PRESETS[preset]
     else:
         rtt, jitter = LINK_PRESETS.get(name, LINK_PRESETS["local"])
     return RegionSpec(
         name=name,
-        rtt_ms=_num(raw, "rtt_ms", path, rtt),
-        jitter_ms=_num(raw, "jitter_ms", path, jitter),
+        rtt_ms=_num(sraw, "rtt_ms", f"{path}.sim", rtt),
+        jitter_ms=_num(sraw, "jitter_ms", f"{path}.sim", jitter),
     )
 
 
@@ -254,7 +256,7 @@ def _replica(raw: Any, path: str, regions: set[str]) -> ReplicaSpec:
     region = _str(raw, "region", path)
     if region not in regions:
         raise FleetError(f"{path}.region: unknown region {region!r} (known: {sorted(regions)})")
-    engine = _str(raw, "engine", path, "sim")
+    engine = _str(raw, "engine", path)
     if engine not in ENGINE_KINDS:
         raise FleetError(f"{path}.engine: must be one of {ENGINE_KINDS}, got {engine!r}")
     address = _address(_str(raw, "address", path), f"{path}.address")
@@ -331,6 +333,30 @@ def _retries(raw: Mapping[str, Any], replicas: tuple[ReplicaSpec, ...], path: st
     )
 
 
+def _policy(raw: Mapping[str, Any], source: str) -> str:
+    # Imported here: the policies import this module for FleetSpec.
+    from gorgo.core.policies import REGISTRY
+
+    policy = _str(raw, "policy", source, "gorgo")
+    if policy not in REGISTRY:
+        raise FleetError(
+            f"{source}.policy: unknown policy {policy!r} (known: {', '.join(REGISTRY)})")
+    return policy
+
+
+def _weights(raw: Mapping[str, Any], path: str) -> Weights:
+    """The cost weights, one per weighted term of the registry, inside the contract's bounds."""
+    wraw = _mapping(raw.get("weights") or {}, path)
+    _check_keys(wraw, set(WEIGHT_BOUNDS), path)
+    values = {}
+    for key, (lo, hi) in WEIGHT_BOUNDS.items():
+        value = _num(wraw, key, path, Weights()[key], minimum=lo)
+        if value > hi:
+            raise FleetError(f"{path}.{key}: must be <= {hi:g}, got {value!r}")
+        values[key] = value
+    return Weights(values)
+
+
 def parse_fleet(raw: Any, source: str = "fleet") -> FleetSpec:
     """Validate a decoded fleet document; every error names the field it is about."""
     raw = _mapping(raw, source)
@@ -362,13 +388,8 @@ def parse_fleet(raw: Any, source: str = "fleet") -> FleetSpec:
     proxy_region = _str(raw, "proxy_region", source, regions[0].name)
     if proxy_region not in region_names:
         raise FleetError(f"{source}.proxy_region: unknown region {proxy_region!r}")
-    policy = _str(raw, "policy", source, "gorgo")
-    wraw = _mapping(raw.get("weights") or {}, f"{source}.weights")
-    _check_keys(wraw, {"rtt", "queue"}, f"{source}.weights")
-    weights = Weights(
-        rtt=_num(wraw, "rtt", f"{source}.weights", 1.0),
-        queue=_num(wraw, "queue", f"{source}.weights", 1.0),
-    )
+    policy = _policy(raw, source)
+    weights = _weights(raw, f"{source}.weights")
     allow = _bool(raw, "allow_policy_override", source)
     picker = _bool(raw, "endpoint_picker", source)
     clusters = [r.cluster for r in replicas]

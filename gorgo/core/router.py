@@ -2,7 +2,10 @@
 
 `route` picks a replica with the configured (or, where allowed, the requested) policy, prices the
 winner with the cost model so every decision carries its predicted TTFT and terms, and counts the
-request in flight. `complete` releases that accounting exactly once, whatever ended the request.
+request in flight; it returns a `Decision` or a `Rejection`, never raises for a refused request.
+`complete` releases that accounting exactly once, whatever ended the request. `tick` owns every
+periodic duty of the policies; both drivers (the ext_proc server and the simulator) call it every
+``TICK_INTERVAL_S``, so a policy behaves the same live and offline.
 """
 
 from __future__ import annotations
@@ -12,8 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from gorgo.core.cost import CostTerms, cost_terms
-from gorgo.core.decision import Decision, Shed
+from gorgo.core.cost import cost_terms
+from gorgo.core.decision import NO_REPLICA, SHED, Decision, NoReplicaAvailable, Rejection
 from gorgo.core.features import RequestFeatures
 from gorgo.core.fleet import FleetError, FleetSpec
 from gorgo.core.policies import REGISTRY, make_policy
@@ -21,6 +24,7 @@ from gorgo.core.policies.base import Policy
 from gorgo.core.state import FleetState
 
 ROUTED_VERSIONS = 64  # weights versions whose decision counts are kept
+TICK_INTERVAL_S = 0.25  # how often the drivers call Router.tick
 
 
 @dataclass(slots=True)
@@ -58,6 +62,7 @@ class Router:
         self._id_prefix = id_prefix
         self._open: dict[str, _Open] = {}
         self.shed_count = 0
+        self._refresh_due: dict[str, float] = {}
         # weights version -> policy -> decisions: the tuner scores a version on every request it
         # routed, so it must know how many there were (its spans arrive only as they complete).
         self.routed: dict[int, dict[str, int]] = {}
@@ -68,28 +73,43 @@ class Router:
             return self.policies[f.policy]
         return self.policies[self.default_policy]
 
-    def route(self, f: RequestFeatures, now: float) -> Decision:
-        """Choose a replica and count the request in flight.
+    def tick(self, now: float) -> None:
+        """Run every policy duty that is due at ``now`` (a refresh each ``refresh_interval_s``).
 
-        Raises NoReplicaAvailable (nothing routable) or Shed (admission control).
+        Only the policies this router can route with are refreshed: the default, and all of them
+        when the fleet allows per-request overrides.
         """
         s = self.state
         s.now = now
+        names = self.policies if self.spec.allow_policy_override else (self.default_policy,)
+        for name in names:
+            policy = self.policies[name]
+            interval = policy.refresh_interval_s
+            if interval > 0 and now >= self._refresh_due.get(name, -np.inf):
+                policy.refresh(s)
+                self._refresh_due[name] = now + interval
+
+    def route(self, f: RequestFeatures, now: float) -> Decision | Rejection:
+        """Choose a replica and count the request in flight, or say why not."""
+        s = self.state
+        s.now = now
         terms = cost_terms(f, s)
-        self._admit(f, terms)
-        d = self.policy_for(f).choose(f, s)
+        total = terms.total(s.weights)
+        shed = self._admit(f, total)
+        if shed is not None:
+            return shed
+        try:
+            d = self.policy_for(f).choose(f, s)
+        except NoReplicaAvailable as exc:
+            return Rejection(503, NO_REPLICA, exc.retry_after_s, "No healthy replica is available.")
         i = d.replica
-        w = s.weights
-        d.rtt_ms = float(terms.rtt_ms[i])
-        d.queue_ms = float(terms.queue_ms[i])
-        d.prefill_ms = float(terms.prefill_ms[i])
-        d.penalty_ms = float(terms.penalty_ms[i])
-        d.predicted_ms = w.rtt * d.rtt_ms + w.queue * d.queue_ms + d.prefill_ms + d.penalty_ms
+        d.terms = terms.at(i)
+        d.predicted_ms = float(total[i])
         d.uncached_tokens = int(terms.uncached_tokens[i])
         d.prompt_tokens = f.prompt_tokens
-        d.weights_version = w.version
+        d.weights_version = s.weights.version
         d.id = f"{self._id_prefix}-{next(self._ids)}"
-        self._count(w.version, d.policy)
+        self._count(d.weights_version, d.policy)
         s.record_sent(i, f, d.uncached_tokens)
         self._open[d.id] = _Open(i, f.prompt_tokens, f.block_hashes)
         return d
@@ -102,7 +122,7 @@ class Router:
                 del self.routed[min(self.routed)]
         by_policy[policy] = by_policy.get(policy, 0) + 1
 
-    def _admit(self, f: RequestFeatures, terms: CostTerms) -> None:
+    def _admit(self, f: RequestFeatures, total: np.ndarray) -> Rejection | None:
         """Shed when even the best routable replica is predicted past this request's limit.
 
         The limit is the SLO stretched by priority, so higher priorities are shed later and no
@@ -110,17 +130,21 @@ class Router:
         """
         shed = self.spec.shedding
         if shed.slo_ms <= 0:
-            return
-        s = self.state
-        total = np.where(s.routable(), terms.total(s.weights), np.inf)
-        best = float(total.min())
+            return None
+        best = float(np.where(self.state.routable(), total, np.inf).min())
         if not np.isfinite(best):
-            return  # nothing routable: the policy raises NoReplicaAvailable
+            return None  # nothing routable: the policy says so
         priority = shed.default_priority if f.priority is None else max(f.priority, 0)
         limit = shed.slo_ms * (1.0 + shed.priority_step * priority)
-        if best > limit:
-            self.shed_count += 1
-            raise Shed(best, limit, max(1.0, (best - shed.slo_ms) / 1000.0))
+        if best <= limit:
+            return None
+        self.shed_count += 1
+        return Rejection(
+            429, SHED, max(1.0, (best - shed.slo_ms) / 1000.0),
+            f"The fleet is overloaded: best predicted TTFT {best:.0f} ms exceeds the limit "
+            f"{limit:.0f} ms. Retry later.",
+            priority=f.priority,
+        )
 
     def complete(self, decision_id: str) -> bool:
         """Release a request's in-flight accounting; False if it was already released."""

@@ -13,9 +13,10 @@ import math
 import numpy as np
 
 from gorgo.core.features import RequestFeatures
-from gorgo.core.fleet import FleetSpec, Weights
+from gorgo.core.fleet import FleetSpec
 from gorgo.core.prefix_index import PrefixIndex
 from gorgo.core.tokens import Tokenization
+from gorgo.core.weights import Weights
 
 FAILURES_TO_EJECT = 3
 BACKOFF_BASE_S = 1.0

@@ -34,6 +34,8 @@ from scipy import stats as sstats
 
 from gorgo.core.fleet import FleetSpec
 from gorgo.core.policies import REGISTRY
+from gorgo.errors import UserError
+from gorgo.progress import StatusLine
 from gorgo.sim.capacity import Capacity, cache_key, cached_capacity, find_capacity, probe
 from gorgo.sim.offline import SimResult
 from gorgo.sim.presets import PRESETS, resolve_fleet
@@ -97,6 +99,7 @@ def run_metrics(res: SimResult, spec: FleetSpec) -> tuple[dict[str, float], np.n
     m: dict[str, float] = {
         "requests": float(n),
         "failed": 100.0 * float((~ok).sum()) / n if n else 0.0,
+        "shed": float(res.extra.get("shed", 0)),
         "ttft_mean_ms": float(ttft.mean()) if n else math.nan,
         "ttft_p50_ms": _pct(ttft, 50),
         "ttft_p90_ms": _pct(ttft, 90),
@@ -317,14 +320,14 @@ def _probe_job(rate: float) -> Any:
 
 
 class Progress:
-    """A one-line progress bar on stderr (one line per update when stderr is not a terminal)."""
+    """A progress bar on stderr (a gorgo.progress.StatusLine: plain periodic lines off a tty)."""
 
     def __init__(self, total: int, label: str) -> None:
         self.total = total
         self.label = label
         self.done = 0
         self.t0 = time.monotonic()
-        self.tty = sys.stderr.isatty()
+        self.status = StatusLine(sys.stderr)
 
     def step(self, note: str = "") -> None:
         self.done += 1
@@ -335,13 +338,7 @@ class Progress:
         bar = "#" * fill + "." * (width - fill)
         line = (f"{self.label} [{bar}] {self.done}/{self.total} {_clock(el)} elapsed, "
                 f"eta {_clock(eta)} {note}")
-        if self.tty:
-            sys.stderr.write("\r" + line[:150].ljust(150))
-            if self.done == self.total:
-                sys.stderr.write("\n")
-        else:
-            sys.stderr.write(line + "\n")
-        sys.stderr.flush()
+        (self.status.done if self.done >= self.total else self.status.update)(line)
 
 
 def _clock(s: float) -> str:
@@ -415,8 +412,7 @@ def main(args: argparse.Namespace) -> int:
         if args.seeds < 1 or args.jobs < 1:
             raise ValueError("--seeds and --jobs must be >= 1")
     except ValueError as exc:
-        print(f"bench sim: {exc}", file=sys.stderr)
-        return 2
+        raise UserError(str(exc)) from None
     if args.report_only:
         return report_only(args, spec)
     log = _logger()
@@ -425,8 +421,6 @@ def main(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.monotonic()
     workload = load_workload("bench sim", args.trace, spec, args.requests, log)
-    if workload is None:
-        return 2
     cap_n = min(args.capacity_requests or workload.n, workload.n)
     _CTX.update(spec=spec, workload=workload, capacity_workload=workload.head(cap_n))
     log(f"bench sim: {workload.n} requests, mean {workload.mean_rate_rps:.3f} req/s at scale 1, "
@@ -452,16 +446,15 @@ def main(args: argparse.Namespace) -> int:
 
 
 def load_workload(cmd: str, trace: str, spec: FleetSpec, requests: int | None,
-                  log: Callable[[str], None]) -> Workload | None:
-    """The trace's request features for ``spec``, or None once ``cmd: cannot load ...`` is
-    printed (a bench exits 2 on it rather than with a traceback)."""
+                  log: Callable[[str], None]) -> Workload:
+    """The trace's request features for ``spec``; UserError ``cannot load ...`` if the trace
+    cannot be used (a bench exits 2 on it rather than with a traceback)."""
     log(f"{cmd}: building request features for {trace} ({requests or 'all'} requests) ...")
     try:
         workload = build_workload(trace, tokenization(spec), requests)
         _ = workload.mean_rate_rps
     except (ValueError, OSError) as exc:
-        print(f"{cmd}: cannot load {trace!r}: {exc}", file=sys.stderr)
-        return None
+        raise UserError(f"cannot load {trace!r}: {exc}") from None
     return workload
 
 
@@ -505,9 +498,13 @@ def _run_key(r: dict[str, Any]) -> str:
 
 def report_only(args: argparse.Namespace, spec: FleetSpec) -> int:
     """Rewrite results.md and the plots from a finished bench's results.json and ttft_ms.npz."""
-    doc = json.loads((args.out / "results.json").read_text())
-    with np.load(args.out / TTFT_FILE) as npz:
-        ttft = {k: npz[k] for k in npz.files}
+    try:
+        doc = json.loads((args.out / "results.json").read_text())
+        with np.load(args.out / TTFT_FILE) as npz:
+            ttft = {k: npz[k] for k in npz.files}
+    except (OSError, ValueError) as exc:
+        raise UserError(f"--report-only needs a finished bench's results in {args.out}: "
+                        f"{exc}") from None
     runs = []
     for r in doc["runs"]:
         # null is a non-finite number: +inf for latencies (failed requests), else NaN.

@@ -29,16 +29,16 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from gorgo.core.decision import Decision, NoReplicaAvailable
+from gorgo.core.decision import Decision, Rejection
 from gorgo.core.features import RequestFeatures
 from gorgo.core.fleet import FleetSpec
 from gorgo.core.policies.base import Policy
-from gorgo.core.router import Router
+from gorgo.core.router import TICK_INTERVAL_S, Router
 from gorgo.sim.engine import Engine, EngineRejected, EngineRequest, StepResult
 from gorgo.sim.profiles import get_profile
 
 # Event kinds, in tie-break order at equal times (completions before new arrivals; hooks last).
-(STEP_END, CLOSE, PROBE_DONE, SCRAPE_DONE, SCRAPE_AT, SUBMIT, ARRIVE, PROBE, REFRESH,
+(STEP_END, CLOSE, PROBE_DONE, SCRAPE_DONE, SCRAPE_AT, SUBMIT, ARRIVE, PROBE, TICK,
  CALL) = range(10)
 
 # Router intake (added after bench/crosscheck.py compared this simulation with the live stack,
@@ -60,8 +60,8 @@ class RequestRecord:
     prompt_tokens: int
     output_tokens: int
     replica: int = -1
-    status: int = 0  # 200 served, 503 no replica / engine queue full, 400 too large
-    ttft: float = math.nan  # seconds, from arrival at the router
+    status: int = 0  # 200 served, 503 no replica / engine queue full, 429 shed, 400 too large
+    ttft: float = math.nan  # seconds, from arrival at the router; inf when refused
     e2e: float = math.nan
     itl: float = math.nan  # mean inter-token gap
     cached_tokens: int = 0  # engine's real prefix-cache hit
@@ -191,15 +191,14 @@ class Simulation:
             state.observe_rtt(i, (self.net.one_way(i) + self.net.one_way(i)) * 1000.0)
             self._push(self.rng.uniform(0, sig.probe_interval_s), PROBE, i)
             self._push(self.rng.uniform(0, sig.scrape_interval_s), SCRAPE_AT, i)
-        if getattr(self.policy, "refresh_interval_s", 0.0):
-            self._push(0.0, REFRESH, None)
+        self._push(0.0, TICK, None)
         self._progress = progress
         events = 0
         heap = self._heap
         handlers = {
             ARRIVE: self._arrive, SUBMIT: self._submit, STEP_END: self._step_end,
             CLOSE: self._close, PROBE: self._probe, PROBE_DONE: self._probe_done,
-            SCRAPE_AT: self._scrape_at, SCRAPE_DONE: self._scrape_done, REFRESH: self._refresh,
+            SCRAPE_AT: self._scrape_at, SCRAPE_DONE: self._scrape_done, TICK: self._tick,
             CALL: self._call,
         }
         self._open = n
@@ -213,16 +212,18 @@ class Simulation:
             policy=self.policy.name, seed=self.seed, records=self.records,
             regions=s.regions, replica_region=s.region_idx.tolist(), sim_time_s=self.now,
             events=events, leaked_inflight=int(s.inflight_reqs.sum()),
+            extra={"shed": self.router.shed_count},
         )
 
     # --- request path --------------------------------------------------------------------------
 
     def _arrive(self, k: int) -> None:
         rec = self.records[k]
-        try:
-            d = self.router.route(self.features[k], self.now)
-        except NoReplicaAvailable:
-            rec.status = 503
+        d = self.router.route(self.features[k], self.now)
+        if isinstance(d, Rejection):
+            # Refused by the router (no replica, or shed): a failed request, as live.
+            rec.status = d.status
+            rec.ttft = rec.e2e = math.inf
             self._done()
             return
         rec.replica = d.replica
@@ -319,8 +320,7 @@ class Simulation:
         i, waiting, running, usage = payload
         self.router.state.observe_engine(i, self.now, waiting, running, usage)
 
-    def _refresh(self, _: object) -> None:
-        self.router.state.now = self.now
-        self.policy.refresh(self.router.state)
-        self._push(self.now + self.policy.refresh_interval_s, REFRESH, None)
+    def _tick(self, _: object) -> None:
+        self.router.tick(self.now)
+        self._push(self.now + TICK_INTERVAL_S, TICK, None)
 

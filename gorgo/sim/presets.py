@@ -38,7 +38,7 @@ def fleet_document(
     prof = get_profile(profile)
     speed = speed or {}
     links = links or {}
-    regions = {r: dict(links.get(r, {"link": r})) for r in replicas}
+    regions = {r: {"sim": dict(links.get(r, {"link": r}))} for r in replicas}
     reps = []
     for region, count in replicas.items():
         s = float(speed.get(region, 1.0))
@@ -48,6 +48,7 @@ def fleet_document(
                 sim["speed"] = s
             reps.append({
                 "name": f"{region}-{k}",
+                "engine": "sim",
                 "region": region,
                 "address": f"127.0.0.1:{BASE_PORT + len(reps)}",
                 "prefill_rate": s * 1000.0 / prof.c_prefill_ms_per_token,

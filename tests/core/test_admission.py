@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from gorgo.core.decision import Shed
+from gorgo.core.decision import SHED, Decision, Rejection
 from gorgo.core.features import extract_features
 from gorgo.core.fleet import parse_fleet
 from gorgo.core.router import Router
@@ -14,10 +14,10 @@ from gorgo.core.router import Router
 
 def _router(**extra) -> Router:
     spec = parse_fleet({
-        "regions": {"a": {"rtt_ms": 10}, "b": {"rtt_ms": 100}},
+        "regions": {"a": {"sim": {"rtt_ms": 10}}, "b": {"sim": {"rtt_ms": 100}}},
         "replicas": [
-            {"name": "a0", "region": "a", "address": "127.0.0.1:1", "prefill_rate": 1000},
-            {"name": "b0", "region": "b", "address": "127.0.0.1:2", "prefill_rate": 1000},
+            {"name": "a0", "engine": "sim", "region": "a", "address": "127.0.0.1:1", "prefill_rate": 1000},
+            {"name": "b0", "engine": "sim", "region": "b", "address": "127.0.0.1:2", "prefill_rate": 1000},
         ],
         **extra,
     })
@@ -35,8 +35,16 @@ def _features(r: Router, tokens: int, priority: int | None = None, text: str = "
 
 def test_no_shedding_when_disabled() -> None:
     r = _router()
-    for k in range(20):
-        r.route(_features(r, 2000, text=chr(97 + k)), 0.0)
+    assert r.spec.shedding.slo_ms == 0  # the default: admission control off
+    decisions = [r.route(_features(r, 2000, priority=0, text=chr(97 + k)), 0.0)
+                 for k in range(20)]
+    # 20 x 2000 tokens on two 1000 tokens/s replicas: tens of seconds of predicted TTFT at the
+    # lowest priority, which any SLO would shed; with shedding off every request is routed.
+    assert all(isinstance(d, Decision) for d in decisions), decisions
+    assert all(0 <= d.replica < r.state.n for d in decisions)
+    assert decisions[-1].predicted_ms > 10_000
+    assert r.shed_count == 0
+    assert r.open_requests == 20
 
 
 def test_sheds_only_past_the_slo_and_lowest_priority_first() -> None:
@@ -47,9 +55,9 @@ def test_sheds_only_past_the_slo_and_lowest_priority_first() -> None:
     # Now both replicas have a backlog; the best is a0 or b0 at about 1000+ ms queue + 1000 ms.
     r.route(_features(r, 1000, text="b"), 0.0)
     f_low = _features(r, 1000, priority=0, text="c")
-    with pytest.raises(Shed) as exc:
-        r.route(f_low, 0.0)
-    assert exc.value.limit_ms == 1500 and exc.value.retry_after_s >= 1
+    shed = r.route(f_low, 0.0)
+    assert isinstance(shed, Rejection) and shed.reason == SHED and shed.status == 429
+    assert "limit 1500 ms" in shed.message and shed.retry_after_s >= 1 and shed.priority == 0
     # Priority 2: limit 1500 * (1 + 0.5 * 2) = 3000 ms: admitted.
     d = r.route(_features(r, 1000, priority=2, text="d"), 0.0)
     assert d.predicted_ms <= 3000
@@ -67,9 +75,9 @@ def test_a_request_that_meets_the_slo_is_never_shed() -> None:
     d = r.route(_features(r, 10, priority=0, text="z"), 0.0)
     assert d.predicted_ms <= 1500
     # 1200 ms queue + 400 ms prefill on the best replica: shed at the lowest priority.
-    with pytest.raises(Shed) as exc:
-        r.route(_features(r, 400, priority=0, text="y"), 0.0)
-    assert exc.value.predicted_ms > 1500
+    shed = r.route(_features(r, 400, priority=0, text="y"), 0.0)
+    assert isinstance(shed, Rejection) and shed.reason == SHED
+    assert r.shed_count == 1
 
 
 def test_failed_responses_penalise_and_the_penalty_decays() -> None:
@@ -82,7 +90,7 @@ def test_failed_responses_penalise_and_the_penalty_decays() -> None:
     assert s.penalty()[0] == pytest.approx(500.0)
     # While penalised, a0 (10 ms RTT) loses to b0 (100 ms RTT) for a short prompt.
     d = r.route(_features(r, 10, text="p"), 10.0)
-    assert d.replica == 1 and d.penalty_ms == 0.0
+    assert d.replica == 1 and d.terms["penalty"] == 0.0
     s.now = 100.0
     assert s.penalty()[0] < 1.0
     d = r.route(_features(r, 10, text="q"), 100.0)

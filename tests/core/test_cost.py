@@ -9,8 +9,9 @@ import pytest
 
 from gorgo.core.cost import CostTerms, cost_terms
 from gorgo.core.features import RequestFeatures, extract_features
-from gorgo.core.fleet import FleetSpec, Weights, parse_fleet
+from gorgo.core.fleet import FleetSpec, parse_fleet
 from gorgo.core.state import FleetState
+from gorgo.core.weights import Weights
 
 
 def spec() -> FleetSpec:
@@ -20,8 +21,8 @@ def spec() -> FleetSpec:
         "block_tokens": 4,
         "chars_per_token": 1.0,
         "replicas": [
-            {"name": "a", "region": "near", "address": "h:1", "prefill_rate": 1000},
-            {"name": "b", "region": "far", "address": "h:2", "prefill_rate": 2000},
+            {"name": "a", "engine": "sim", "region": "near", "address": "h:1", "prefill_rate": 1000},
+            {"name": "b", "engine": "sim", "region": "far", "address": "h:2", "prefill_rate": 2000},
         ],
     })
 
@@ -42,13 +43,13 @@ def test_exact_terms() -> None:
     s.release_inflight(1, shared.prompt_tokens)
     f = prompt("x" * 8 + "y" * 12, s)  # 20 tokens
     t = cost_terms(f, s)
-    np.testing.assert_allclose(t.rtt_ms, [10.0, 50.0])
-    np.testing.assert_allclose(t.queue_ms, [500.0, 150.0])  # 500/1000 s, 300/2000 s
+    np.testing.assert_allclose(t["rtt"], [10.0, 50.0])
+    np.testing.assert_allclose(t["queue"], [500.0, 150.0])  # 500/1000 s, 300/2000 s
     np.testing.assert_array_equal(t.uncached_tokens, [20, 12])
-    np.testing.assert_allclose(t.prefill_ms, [20.0, 6.0])  # 20/1000 s, 12/2000 s
+    np.testing.assert_allclose(t["prefill"], [20.0, 6.0])  # 20/1000 s, 12/2000 s
     np.testing.assert_allclose(t.total(Weights()), [530.0, 206.0])
-    np.testing.assert_allclose(t.total(Weights(rtt=2.0, queue=0.5)), [290.0, 181.0])
-    np.testing.assert_allclose(t.total(Weights(rtt=0.0, queue=0.0)), [20.0, 6.0])
+    np.testing.assert_allclose(t.total(Weights({"rtt": 2.0, "queue": 0.5})), [290.0, 181.0])
+    np.testing.assert_allclose(t.total(Weights({"rtt": 0.0, "queue": 0.0})), [20.0, 6.0])
 
 
 def test_queue_term_follows_the_clock() -> None:
@@ -56,23 +57,23 @@ def test_queue_term_follows_the_clock() -> None:
     s.now = 1.0
     s.add_inflight(0, 1000, 1000)
     f = prompt("abcd", s)
-    assert cost_terms(f, s).queue_ms[0] == pytest.approx(1000.0)
+    assert cost_terms(f, s)["queue"][0] == pytest.approx(1000.0)
     s.now = 1.4  # 400 of 1000 tokens prefilled
-    assert cost_terms(f, s).queue_ms[0] == pytest.approx(600.0)
+    assert cost_terms(f, s)["queue"][0] == pytest.approx(600.0)
 
 
 def test_unprobed_rtt_is_worst_known() -> None:
     s = FleetState(spec())
     s.observe_rtt(1, 80.0)
-    np.testing.assert_allclose(cost_terms(prompt("a", s), s).rtt_ms, [80.0, 80.0])
+    np.testing.assert_allclose(cost_terms(prompt("a", s), s)["rtt"], [80.0, 80.0])
 
 
 def test_prefill_rate_update_changes_terms() -> None:
     s = FleetState(spec())
     f = prompt("a" * 40, s)
-    np.testing.assert_allclose(cost_terms(f, s).prefill_ms, [40.0, 20.0])
+    np.testing.assert_allclose(cost_terms(f, s)["prefill"], [40.0, 20.0])
     s.set_weights(Weights(version=1), {"a": 4000.0})
-    np.testing.assert_allclose(cost_terms(f, s).prefill_ms, [10.0, 20.0])
+    np.testing.assert_allclose(cost_terms(f, s)["prefill"], [10.0, 20.0])
 
 
 def test_memoised_per_request_and_invalidated_by_writes() -> None:
@@ -90,10 +91,8 @@ def test_memoised_per_request_and_invalidated_by_writes() -> None:
 
 def test_total_is_weighted_sum() -> None:
     t = CostTerms(
-        rtt_ms=np.array([1.0, 2.0]),
-        queue_ms=np.array([10.0, 20.0]),
-        prefill_ms=np.array([100.0, 200.0]),
+        values={"rtt": np.array([1.0, 2.0]), "queue": np.array([10.0, 20.0]),
+                "prefill": np.array([100.0, 200.0]), "penalty": np.array([0.0, 1000.0])},
         uncached_tokens=np.array([1, 2]),
-        penalty_ms=np.array([0.0, 1000.0]),
     )
-    np.testing.assert_allclose(t.total(Weights(rtt=3.0, queue=0.1)), [104.0, 1208.0])
+    np.testing.assert_allclose(t.total(Weights({"rtt": 3.0, "queue": 0.1})), [104.0, 1208.0])

@@ -12,9 +12,9 @@ from gorgo.core.router import Router
 
 def _router() -> Router:
     spec = parse_fleet({
-        "regions": {"a": {"rtt_ms": 10}, "b": {"rtt_ms": 200}},
-        "replicas": [{"name": "a0", "region": "a", "address": "127.0.0.1:1", "prefill_rate": 1000},
-                     {"name": "b0", "region": "b", "address": "127.0.0.1:2", "prefill_rate": 1000}],
+        "regions": {"a": {"sim": {"rtt_ms": 10}}, "b": {"sim": {"rtt_ms": 200}}},
+        "replicas": [{"name": "a0", "engine": "sim", "region": "a", "address": "127.0.0.1:1", "prefill_rate": 1000},
+                     {"name": "b0", "engine": "sim", "region": "b", "address": "127.0.0.1:2", "prefill_rate": 1000}],
     })
     r = Router(spec)
     r.state.observe_rtt(0, 10.0)

@@ -18,17 +18,17 @@ from gorgo.core.fleet import (
     Limits,
     Signals,
     Timeouts,
-    Weights,
     load_fleet,
     parse_fleet,
 )
+from gorgo.core.weights import Weights
 
 
 def doc() -> dict[str, Any]:
     return {
-        "regions": {"us-east": {}, "eu-frankfurt": {"link": "eu-frankfurt"}},
+        "regions": {"us-east": {}, "eu-frankfurt": {"sim": {"link": "eu-frankfurt"}}},
         "replicas": [
-            {"name": "a", "region": "us-east", "address": "10.0.0.1:8000"},
+            {"name": "a", "engine": "sim", "region": "us-east", "address": "10.0.0.1:8000"},
             {"name": "b", "region": "eu-frankfurt", "address": "10.0.0.2:8000",
              "engine": "vllm", "prefill_rate": 5000, "kv_capacity_tokens": 1000},
         ],
@@ -52,7 +52,7 @@ def test_defaults() -> None:
     assert spec.name == "fleet"
     assert spec.policy == "gorgo"
     assert spec.allow_policy_override is False
-    assert spec.weights == Weights(1.0, 1.0, 0)
+    assert spec.weights == Weights({"rtt": 1.0, "queue": 1.0}, 0)
     assert spec.block_tokens == 64 and spec.chars_per_token == 4.0
     assert spec.proxy_region == "us-east"  # the first region
     assert spec.default_cluster == "a"  # the first replica's cluster
@@ -83,7 +83,7 @@ def test_region_link_presets_and_overrides() -> None:
     raw = doc()
     raw["regions"] = {
         "us-east": None,
-        "eu-frankfurt": {"link": "ap-seoul", "rtt_ms": 100},
+        "eu-frankfurt": {"sim": {"link": "ap-seoul", "rtt_ms": 100}},
         "lab": {},
     }
     raw["replicas"][1]["region"] = "lab"
@@ -108,7 +108,7 @@ def test_explicit_values_are_kept() -> None:
     raw["replicas"][0]["sim"] = {"profile": "tiny", "flavor": "vllm", "port": 9001}
     spec = parse_fleet(raw)
     assert spec.name == "prod" and spec.policy == "round-robin" and spec.allow_policy_override
-    assert spec.weights == Weights(0.5, 2.0, 0)
+    assert spec.weights == Weights({"rtt": 0.5, "queue": 2.0}, 0)
     assert (spec.block_tokens, spec.chars_per_token) == (16, 3.5)
     assert spec.proxy_region == "eu-frankfurt" and spec.default_cluster == "cb"
     assert spec.timeouts.message_ms == 250 and isinstance(spec.timeouts.message_ms, int)
@@ -156,7 +156,9 @@ def _del(path: list) -> Any:
         # unknown fields, at every level
         (_set(["polcy"], "gorgo"), "fleet.polcy: unknown field"),
         (_set(["replicas", 0, "adress"], "x:1"), "fleet.replicas[0].adress: unknown field"),
-        (_set(["regions", "us-east", "rtt"], 5), "fleet.regions.us-east.rtt: unknown field"),
+        (_set(["regions", "us-east"], {"rtt": 5}), "fleet.regions.us-east.rtt: unknown field"),
+        (_set(["regions", "us-east"], {"sim": {"rtt": 5}}),
+         "fleet.regions.us-east.sim.rtt: unknown field"),
         (_set(["weights"], {"prefill": 1}), "fleet.weights.prefill: unknown field"),
         (_set(["timeouts"], {"message": 1}), "fleet.timeouts.message: unknown field"),
         (_set(["signals"], {"alpha": 1}), "fleet.signals.alpha: unknown field"),
@@ -165,14 +167,20 @@ def _del(path: list) -> Any:
          "fleet.replicas[0].sim.flavour: unknown field"),
         # regions
         (_set(["replicas", 1, "region"], "mars"), "fleet.replicas[1].region: unknown region"),
-        (_set(["regions", "us-east"], {"link": "moon"}),
-         "fleet.regions.us-east.link: unknown preset"),
+        (_set(["regions", "us-east"], {"sim": {"link": "moon"}}),
+         "fleet.regions.us-east.sim.link: unknown preset"),
+        # simulator-only fields belong in a sim section
+        (_set(["regions", "us-east"], {"link": "us-east"}),
+         "fleet.regions.us-east.link: simulator-only: move it under fleet.regions.us-east.sim"),
+        (_set(["regions", "us-east"], {"rtt_ms": 5}),
+         "fleet.regions.us-east.rtt_ms: simulator-only"),
         (_set(["regions"], {}), "fleet.regions: at least one region"),
         (_del(["regions"]), "fleet.regions: expected a mapping"),
         (_set(["regions", "us-east"], [1]), "fleet.regions.us-east: expected a mapping"),
         (_set(["proxy_region"], "mars"), "fleet.proxy_region: unknown region"),
         # engines
         (_set(["replicas", 1, "engine"], "tgi"), "fleet.replicas[1].engine: must be one of"),
+        (_del(["replicas", 0, "engine"]), "fleet.replicas[0].engine: required"),
         (_set(["replicas", 1, "sim"], {"flavor": "vllm"}),
          "fleet.replicas[1].sim: only allowed with engine: sim"),
         (_set(["replicas", 0, "sim"], {"flavor": "tgi"}), "fleet.replicas[0].sim.flavor:"),
@@ -194,6 +202,7 @@ def _del(path: list) -> Any:
         (_del(["replicas", 0, "name"]), "fleet.replicas[0].name: required"),
         (_set(["replicas", 0, "name"], ""), "fleet.replicas[0].name: expected a non-empty"),
         (_set(["policy"], 3), "fleet.policy: expected a non-empty string"),
+        (_set(["policy"], "gorgoo"), "fleet.policy: unknown policy 'gorgoo' (known: "),
         # numbers
         (_set(["replicas", 0, "prefill_rate"], "fast"),
          "fleet.replicas[0].prefill_rate: expected a number"),
@@ -205,15 +214,17 @@ def _del(path: list) -> Any:
         (_set(["replicas", 0, "kv_capacity_tokens"], 10.5),
          "fleet.replicas[0].kv_capacity_tokens: expected an integer"),
         (_set(["replicas", 0, "sim"], {"port": -1}), "fleet.replicas[0].sim.port: must be >= 0"),
-        (_set(["weights"], {"rtt": -1}), "fleet.weights.rtt: must be >= 0"),
+        (_set(["weights"], {"rtt": -1}), "fleet.weights.rtt: must be >= 0.05"),
+        (_set(["weights"], {"queue": 0}), "fleet.weights.queue: must be >= 0.05"),
+        (_set(["weights"], {"queue": 21}), "fleet.weights.queue: must be <= 20"),
         (_set(["weights"], {"queue": "x"}), "fleet.weights.queue: expected a number"),
         (_set(["block_tokens"], 0), "fleet.block_tokens: must be >= 1"),
         (_set(["block_tokens"], 2.5), "fleet.block_tokens: expected an integer"),
         (_set(["chars_per_token"], 0), "fleet.chars_per_token: must be > 0"),
         (_set(["timeouts"], {"message_ms": 1.5}), "fleet.timeouts.message_ms: expected an integer"),
         (_set(["signals"], {"metrics_stale_s": -1}), "fleet.signals.metrics_stale_s: must be >="),
-        (_set(["regions", "us-east"], {"rtt_ms": "far"}),
-         "fleet.regions.us-east.rtt_ms: expected a number"),
+        (_set(["regions", "us-east"], {"sim": {"rtt_ms": "far"}}),
+         "fleet.regions.us-east.sim.rtt_ms: expected a number"),
         # others
         (_set(["replicas"], []), "fleet.replicas: expected a non-empty list"),
         (_set(["replicas"], {"a": 1}), "fleet.replicas: expected a non-empty list"),
@@ -245,8 +256,8 @@ def test_top_level_must_be_mapping() -> None:
 
 
 def test_unhashable_link_preset_is_a_fleet_error() -> None:
-    assert bad(_set(["regions", "us-east"], {"link": ["us-east"]})).startswith(
-        "fleet.regions.us-east.link:"
+    assert bad(_set(["regions", "us-east"], {"sim": {"link": ["us-east"]}})).startswith(
+        "fleet.regions.us-east.sim.link:"
     )
 
 

@@ -43,7 +43,7 @@ def spec(n: int = 3, rates: list[float] | None = None, **extra: Any) -> FleetSpe
         "block_tokens": 4,
         "chars_per_token": 1.0,
         "replicas": [
-            {"name": f"r{i}", "region": "local", "address": f"h:{i + 1}",
+            {"name": f"r{i}", "engine": "sim", "region": "local", "address": f"h:{i + 1}",
              "prefill_rate": rates[i], "kv_capacity_tokens": kv}
             for i in range(n)
         ],

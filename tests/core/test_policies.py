@@ -10,13 +10,14 @@ import pytest
 
 from gorgo.core.decision import NoReplicaAvailable
 from gorgo.core.features import RequestFeatures, extract_features
-from gorgo.core.fleet import FleetSpec, Weights, parse_fleet
+from gorgo.core.fleet import FleetSpec, parse_fleet
 from gorgo.core.policies import REGISTRY, make_policy
 from gorgo.core.policies.base import PolicyBase, retry_after
 from gorgo.core.policies.gorgo import Gorgo
 from gorgo.core.policies.least_request import LeastRequest
 from gorgo.core.policies.round_robin import RoundRobin
 from gorgo.core.state import FAILURES_TO_EJECT, FleetState
+from gorgo.core.weights import Weights
 
 
 def spec(n: int = 3) -> FleetSpec:
@@ -25,7 +26,7 @@ def spec(n: int = 3) -> FleetSpec:
         "block_tokens": 4,
         "chars_per_token": 1.0,
         "replicas": [
-            {"name": f"r{i}", "region": "local", "address": f"h:{i + 1}", "prefill_rate": 1000}
+            {"name": f"r{i}", "engine": "sim", "region": "local", "address": f"h:{i + 1}", "prefill_rate": 1000}
             for i in range(n)
         ],
     })
@@ -159,11 +160,11 @@ def test_gorgo_uses_state_weights() -> None:
     f = prompt("z", s)
     p = Gorgo(s.spec)
     assert p.choose(f, s).replica == 0  # 100 + 0 + 1 vs 10 + 200 + 1
-    s.set_weights(Weights(rtt=1.0, queue=0.0, version=2))
+    s.set_weights(Weights({"rtt": 1.0, "queue": 0.0}, version=2))
     assert p.choose(f, s).replica == 1  # 101 vs 11
-    s.set_weights(Weights(rtt=3.0, queue=1.0, version=3))
+    s.set_weights(Weights({"rtt": 3.0, "queue": 1.0}, version=3))
     assert p.choose(f, s).replica == 1  # 301 vs 231
-    s.set_weights(Weights(rtt=0.0, queue=1.0, version=4))
+    s.set_weights(Weights({"rtt": 0.0, "queue": 1.0}, version=4))
     assert p.choose(f, s).replica == 0  # 1 vs 201
 
 

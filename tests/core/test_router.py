@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
-from gorgo.core.decision import Decision, NoReplicaAvailable
-from gorgo.core.features import POLICY_HEADER, RequestFeatures, extract_features
-from gorgo.core.fleet import FleetError, FleetSpec, Weights, parse_fleet
+from gorgo.core.contract import POLICY_HEADER
+from gorgo.core.decision import NO_REPLICA, Decision, Rejection
+from gorgo.core.features import RequestFeatures, extract_features
+from gorgo.core.fleet import FleetError, FleetSpec, parse_fleet
 from gorgo.core.policies.base import PolicyBase
 from gorgo.core.router import Router
 from gorgo.core.state import FAILURES_TO_EJECT, FleetState
+from gorgo.core.weights import Weights
 
 
 def spec(**extra: object) -> FleetSpec:
@@ -21,8 +24,8 @@ def spec(**extra: object) -> FleetSpec:
         "block_tokens": 4,
         "chars_per_token": 1.0,
         "replicas": [
-            {"name": "a", "region": "local", "address": "h:1", "prefill_rate": 1000},
-            {"name": "b", "region": "local", "address": "h:2", "prefill_rate": 2000},
+            {"name": "a", "engine": "sim", "region": "local", "address": "h:1", "prefill_rate": 1000},
+            {"name": "b", "engine": "sim", "region": "local", "address": "h:2", "prefill_rate": 2000},
         ],
         **extra,
     })
@@ -38,7 +41,7 @@ def test_decision_carries_terms() -> None:
     r = Router(spec())
     r.state.observe_rtt(0, 10.0)
     r.state.observe_rtt(1, 40.0)
-    r.state.set_weights(Weights(rtt=1.0, queue=1.0, version=5))
+    r.state.set_weights(Weights({"rtt": 1.0, "queue": 1.0}, version=5))
     r.state.now = 0.0
     r.state.add_inflight(0, 100, 100)  # 100 ms queue on a
     r.state.add_inflight(1, 400, 400)  # 200 ms queue on b
@@ -46,7 +49,7 @@ def test_decision_carries_terms() -> None:
     # a: 10 + 100 + 20 = 130; b: 40 + 200 + 10 = 250.
     assert d.replica == 0
     assert d.policy == "gorgo"
-    assert (d.rtt_ms, d.queue_ms, d.prefill_ms) == pytest.approx((10.0, 100.0, 20.0))
+    assert d.terms == pytest.approx({"rtt": 10.0, "queue": 100.0, "prefill": 20.0, "penalty": 0.0})
     assert d.predicted_ms == pytest.approx(130.0)
     assert d.uncached_tokens == 20 and d.prompt_tokens == 20
     assert d.weights_version == 5
@@ -126,8 +129,11 @@ def test_unknown_override_falls_back_to_default() -> None:
 
 
 def test_unknown_default_policy_is_fleet_error() -> None:
+    with pytest.raises(FleetError, match=r"^fleet.policy: unknown policy 'fastest'"):
+        spec(policy="fastest")
+    # A spec built in code (not parsed) is checked when the router starts.
     with pytest.raises(FleetError, match=r"^policy: unknown policy 'fastest'"):
-        Router(spec(policy="fastest"))
+        Router(replace(spec(), policy="fastest"))
 
 
 class _AlwaysLast(PolicyBase):
@@ -138,11 +144,11 @@ class _AlwaysLast(PolicyBase):
 
 
 def test_extra_policies() -> None:
-    sp = spec(policy="always-last")
+    sp = replace(spec(), policy="always-last")
     r = Router(sp, extra_policies={"always-last": _AlwaysLast(sp)})
     d = r.route(req("x" * 4), now=0.0)
     assert (d.replica, d.policy) == (1, "always-last")
-    assert d.prefill_ms == pytest.approx(2.0)  # priced by the cost model all the same
+    assert d.terms["prefill"] == pytest.approx(2.0)  # priced by the cost model all the same
 
 
 def test_no_replica_available_leaves_no_accounting() -> None:
@@ -150,9 +156,10 @@ def test_no_replica_available_leaves_no_accounting() -> None:
     for i in range(2):
         for _ in range(FAILURES_TO_EJECT):
             r.state.record_failure(i, now=10.0)
-    with pytest.raises(NoReplicaAvailable) as info:
-        r.route(req("x"), now=10.0)
-    assert info.value.retry_after_s >= 1.0
+    rejected = r.route(req("x"), now=10.0)
+    assert isinstance(rejected, Rejection)
+    assert (rejected.status, rejected.reason) == (503, NO_REPLICA)
+    assert rejected.retry_after_s >= 1.0
     assert r.open_requests == 0
     assert r.state.inflight_reqs.sum() == 0
     r.state.record_success(1)
@@ -181,7 +188,7 @@ def test_reassign_moves_accounting_to_the_replica_that_served() -> None:
 
     spec = _parse({
         "regions": {"a": None},
-        "replicas": [{"name": f"r{i}", "region": "a", "address": f"127.0.0.1:{i + 1}"}
+        "replicas": [{"name": f"r{i}", "engine": "sim", "region": "a", "address": f"127.0.0.1:{i + 1}"}
                      for i in range(2)],
     })
     r = _Router(spec)
@@ -206,11 +213,11 @@ def test_decisions_are_counted_per_weights_version_and_policy() -> None:
     r = Router(spec(allow_policy_override=True))
     r.route(req("a"), now=0.0)
     r.route(req("b", policy="round-robin"), now=0.0)
-    r.state.set_weights(Weights(2.0, 0.5, 7))
+    r.state.set_weights(Weights({"rtt": 2.0, "queue": 0.5}, 7))
     for _ in range(3):
         r.route(req("c"), now=0.0)
     assert r.routed == {0: {"gorgo": 1, "round-robin": 1}, 7: {"gorgo": 3}}
     for v in range(8, 8 + ROUTED_VERSIONS):
-        r.state.set_weights(Weights(1.0, 1.0, v))
+        r.state.set_weights(Weights({"rtt": 1.0, "queue": 1.0}, v))
         r.route(req("d"), now=0.0)
     assert len(r.routed) == ROUTED_VERSIONS and 0 not in r.routed and 7 not in r.routed

@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 from gorgo.core.features import RequestFeatures, extract_features
-from gorgo.core.fleet import FleetSpec, Weights, parse_fleet
+from gorgo.core.fleet import FleetSpec, parse_fleet
 from gorgo.core.state import BACKOFF_MAX_S, FAILURES_TO_EJECT, FleetState
+from gorgo.core.weights import Weights
 
 
 def spec(**signals: float) -> FleetSpec:
@@ -19,10 +20,10 @@ def spec(**signals: float) -> FleetSpec:
         "chars_per_token": 1.0,
         "signals": {"rtt_ewma_alpha": 0.5, "metrics_stale_s": 5.0, **signals},
         "replicas": [
-            {"name": "a", "region": "us-east", "address": "h:1", "prefill_rate": 1000,
+            {"name": "a", "engine": "sim", "region": "us-east", "address": "h:1", "prefill_rate": 1000,
              "kv_capacity_tokens": 40},
-            {"name": "b", "region": "ap-seoul", "address": "h:2", "prefill_rate": 2000},
-            {"name": "c", "region": "us-east", "address": "h:3", "prefill_rate": 4000},
+            {"name": "b", "engine": "sim", "region": "ap-seoul", "address": "h:2", "prefill_rate": 2000},
+            {"name": "c", "engine": "sim", "region": "us-east", "address": "h:3", "prefill_rate": 4000},
         ],
     })
 
@@ -188,7 +189,7 @@ def test_probe_due() -> None:
 def test_set_weights_and_rates() -> None:
     s = FleetState(spec())
     v = s.version
-    s.set_weights(Weights(rtt=0.5, queue=2.0, version=7), {"c": 8000.0})
+    s.set_weights(Weights({"rtt": 0.5, "queue": 2.0}, version=7), {"c": 8000.0})
     assert s.weights.version == 7
     np.testing.assert_array_equal(s.prefill_rate, [1000.0, 2000.0, 8000.0])
     assert s.version > v
@@ -240,7 +241,7 @@ def test_late_failures_of_an_ejected_replica_do_not_extend_its_backoff() -> None
     from gorgo.core.state import FleetState as _State
 
     s = _State(_parse({"regions": {"a": None},
-                       "replicas": [{"name": "x", "region": "a", "address": "127.0.0.1:1"}]}))
+                       "replicas": [{"name": "x", "engine": "sim", "region": "a", "address": "127.0.0.1:1"}]}))
     for _ in range(3):
         s.record_failed_probe(0, now=0.0)
     assert not s.healthy[0]

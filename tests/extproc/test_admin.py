@@ -15,12 +15,12 @@ from aiohttp import web
 from extproc.admin import (
     DISABLED,
     TOKEN_ENV,
-    WEIGHT_BOUNDS,
     AdminTokenError,
     load_admin_token,
 )
 from extproc.http_api import make_app
 from extproc.telemetry import RouterMetrics
+from gorgo.core.contract import WEIGHT_BOUNDS
 from gorgo.core.features import extract_features
 from gorgo.core.fleet import parse_fleet
 from gorgo.core.router import Router
@@ -33,8 +33,8 @@ def make_router() -> Router:
     return Router(parse_fleet({
         "regions": {"local": {}},
         "replicas": [
-            {"name": "a", "region": "local", "address": "127.0.0.1:1", "prefill_rate": 1000},
-            {"name": "b", "region": "local", "address": "127.0.0.1:2", "prefill_rate": 2000},
+            {"name": "a", "engine": "sim", "region": "local", "address": "127.0.0.1:1", "prefill_rate": 1000},
+            {"name": "b", "engine": "sim", "region": "local", "address": "127.0.0.1:2", "prefill_rate": 2000},
         ],
     }))
 
@@ -128,21 +128,21 @@ def test_get_and_put_apply_weights_and_rates_to_routing() -> None:
 
     with_admin(router, TOKEN, body)
     w = router.state.weights
-    assert (w.rtt, w.queue, w.version) == (2.5, 0.25, 9)
+    assert (w["rtt"], w["queue"], w.version) == (2.5, 0.25, 9)
     # Every later decision is stamped with the active version and priced at the new rate.
     f = extract_features("/v1/completions", {}, b'{"prompt": "' + b"x" * 4000 + b'"}',
                          router.state.tok)
     d = router.route(f, now=0.0)
     assert d.weights_version == 9
     rate = 1000.0 if d.replica == 0 else 4000.0
-    assert d.prefill_ms == pytest.approx(d.uncached_tokens * 1000.0 / rate)
+    assert d.terms["prefill"] == pytest.approx(d.uncached_tokens * 1000.0 / rate)
     # ... and counted under it, which is how the tuner knows when a window has reported back.
     assert router.routed == {9: {d.policy: 1}}
 
 
 @pytest.mark.parametrize(("payload", "field"), [
-    ({"rtt": WEIGHT_BOUNDS[0] / 2, "queue": 1, "version": 1}, "rtt"),
-    ({"rtt": 1, "queue": WEIGHT_BOUNDS[1] * 2, "version": 1}, "queue"),
+    ({"rtt": WEIGHT_BOUNDS["rtt"][0] / 2, "queue": 1, "version": 1}, "rtt"),
+    ({"rtt": 1, "queue": WEIGHT_BOUNDS["queue"][1] * 2, "version": 1}, "queue"),
     ({"rtt": 0, "queue": 1, "version": 1}, "rtt"),
     ({"rtt": -1, "queue": 1, "version": 1}, "rtt"),
     ({"rtt": "1", "queue": 1, "version": 1}, "rtt"),
@@ -204,7 +204,7 @@ def test_stale_or_equal_version_is_409_with_active_version() -> None:
             == 200
 
     with_admin(router, TOKEN, body)
-    assert (router.state.weights.rtt, router.state.weights.version) == (3.0, 6)
+    assert (router.state.weights["rtt"], router.state.weights.version) == (3.0, 6)
 
 
 def test_token_from_file_wins_over_env(tmp_path: Path) -> None:

@@ -10,7 +10,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from gorgo.envoy_config import DECISION_FIELDS, TTFT_TAG
+from gorgo.core.contract import DECISION_FIELDS
+from gorgo.core.contract import TTFT_ATTR as TTFT_TAG
 from gorgo.harness.procs import wait_for
 from tests.support.e2e import (
     CHUNK_GAP_S,

@@ -139,8 +139,8 @@ def start_retry_stack(tmp: Path, n: int = 3, **retries) -> RetryStack:
     for u in ups:
         lt.run(u.start())
     doc = {
-        "regions": {"near": {"rtt_ms": 1, "jitter_ms": 0}},
-        "replicas": [{"name": u.name, "region": "near", "address": f"127.0.0.1:{u.port}",
+        "regions": {"near": {"sim": {"rtt_ms": 1, "jitter_ms": 0}}},
+        "replicas": [{"name": u.name, "engine": "sim", "region": "near", "address": f"127.0.0.1:{u.port}",
                       "health_url": f"http://127.0.0.1:{u.side_port}/health",
                       "metrics_url": f"http://127.0.0.1:{u.side_port}/metrics",
                       "engine": "sglang"} for u in ups],

@@ -9,15 +9,13 @@ from pathlib import Path
 import pytest
 import yaml
 
+from gorgo.core.contract import CLUSTER_HEADER, DECISION_FIELDS, ENDPOINTS_HEADER
+from gorgo.core.contract import TTFT_ATTR as TTFT_TAG
 from gorgo.core.fleet import load_fleet
 from gorgo.envoy_config import (
-    CLUSTER_HEADER,
-    DECISION_FIELDS,
-    ENDPOINTS_HEADER,
     FLEET_CLUSTER,
     PICKER_CLUSTER,
     TTFT_FORMAT,
-    TTFT_TAG,
     render_bootstrap,
     render_yaml,
 )

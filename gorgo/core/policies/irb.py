@@ -33,7 +33,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from scipy.optimize import linprog
 
 from gorgo.core.decision import Decision
 from gorgo.core.features import RequestFeatures, stable_hash
@@ -80,6 +79,8 @@ def solve_weights(
     if lam >= capacity.sum():
         weights[idx] = capacity / capacity.sum()
         return weights, True, float("nan")
+    from scipy.optimize import linprog  # only irb needs scipy: keep it off every router's import
+
     rho = (np.arange(segments) + 0.5) / segments * cap
     cost = rtt_ms[idx, None] + 1000.0 / (mu[:, None] * (1.0 - rho[None, :]) ** 2)
     upper = np.repeat(capacity / segments, segments)

@@ -1,0 +1,18 @@
+"""The registry of cost terms, in the order they are reported.
+
+Adding a term: write its module (a `CostTerm` named ``TERM``), add it to ``TERMS`` and describe it
+in docs/architecture.md. Everything else (the total, decision fields, span tags, admin validation,
+explain, the tuner's samples, search space and fit) iterates over this tuple.
+"""
+
+from __future__ import annotations
+
+from gorgo.core.terms import penalty, prefill, queue, rtt
+from gorgo.core.terms.base import ANCHOR, EXCLUDED, FIXED, FREE, CostTerm
+
+TERMS: tuple[CostTerm, ...] = (rtt.TERM, queue.TERM, prefill.TERM, penalty.TERM)
+BY_NAME: dict[str, CostTerm] = {t.name: t for t in TERMS}
+# Terms that carry a weight, keyed by weight name (what Weights holds and the tuner searches).
+WEIGHTED: dict[str, CostTerm] = {t.weight: t for t in TERMS if t.weight is not None}
+
+__all__ = ["ANCHOR", "BY_NAME", "EXCLUDED", "FIXED", "FREE", "TERMS", "WEIGHTED", "CostTerm"]
