@@ -3,18 +3,24 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
+
+import pytest
 
 from gorgo.core.explain import explain
 from gorgo.core.features import extract_features
 from gorgo.core.fleet import parse_fleet
+from gorgo.core.policies import REGISTRY
 from gorgo.core.router import Router
 
 
 def _router() -> Router:
     spec = parse_fleet({
         "regions": {"a": {"sim": {"rtt_ms": 10}}, "b": {"sim": {"rtt_ms": 200}}},
-        "replicas": [{"name": "a0", "engine": "sim", "region": "a", "address": "127.0.0.1:1", "prefill_rate": 1000},
-                     {"name": "b0", "engine": "sim", "region": "b", "address": "127.0.0.1:2", "prefill_rate": 1000}],
+        "replicas": [{"name": "a0", "engine": "sim", "region": "a", "address": "127.0.0.1:1",
+                      "prefill_rate": 1000},
+                     {"name": "b0", "engine": "sim", "region": "b", "address": "127.0.0.1:2",
+                      "prefill_rate": 1000}],
     })
     r = Router(spec)
     r.state.observe_rtt(0, 10.0)
@@ -42,3 +48,33 @@ def test_explain_when_nothing_is_routable() -> None:
     f = extract_features("/v1/models", {}, b"", r.state.tok)
     exp = explain(r, f, 0.0)
     assert exp.winner is None and "no replica" in exp.reason
+
+
+def _routes(policy: str, explaining: bool) -> list[int]:
+    base = _router().spec
+    r = Router(replace(base, policy=policy))
+    r.state.observe_rtt(0, 10.0)
+    r.state.observe_rtt(1, 200.0)
+    r.tick(0.0)
+    out = []
+    for k in range(10):
+        text = f"user {k % 3} " + "y" * (400 * (k % 4 + 1))
+        headers = {"x-session-id": f"s{k % 3}"} if k % 2 == 0 else {}
+        body = json.dumps({"messages": [{"role": "user", "content": text}]}).encode()
+        f = extract_features("/v1/chat/completions", headers, body, r.state.tok)
+        now = 0.3 * k
+        if explaining:
+            explain(r, f, now)
+            explain(r, f, now)
+        d = r.route(f, now)
+        out.append(d.replica)
+        r.tick(now)
+        if k % 2:
+            r.complete(d.id)
+    return out
+
+
+@pytest.mark.parametrize("policy", sorted(REGISTRY))
+def test_explaining_changes_no_decision(policy: str) -> None:
+    """Explain decides on a deep copy: generators (random, irb), cursors and counters stay put."""
+    assert _routes(policy, explaining=True) == _routes(policy, explaining=False)
