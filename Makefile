@@ -1,9 +1,9 @@
-# Two entry points for a fresh machine: `make demo` and `make test`.
+# Two entry points for a fresh machine: `make demo` and `make test`; `make test-fast` while editing.
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: venv demo test lint protos
+.PHONY: venv demo test test-fast lint protos
 venv: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -18,6 +18,12 @@ test: venv
 	$(BIN)/ruff check .
 	$(BIN)/python protos/generate.py --check
 	$(BIN)/python -m pytest -q
+
+# The same checks without the tests that start a real Envoy or run for more than a few seconds.
+test-fast: venv
+	$(BIN)/ruff check .
+	$(BIN)/python protos/generate.py --check
+	$(BIN)/python -m pytest -q -m "not envoy and not slow"
 
 lint: venv
 	$(BIN)/ruff check .

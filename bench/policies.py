@@ -38,7 +38,8 @@ def fleet(n: int) -> dict:
     return {
         "regions": {r: {} for r in REGIONS},
         "replicas": [
-            {"name": f"r{i}", "engine": "sim", "region": REGIONS[i % 3], "address": f"10.0.{i // 250}.{i % 250}:80",
+            {"name": f"r{i}", "engine": "sim", "region": REGIONS[i % 3],
+             "address": f"10.0.{i // 250}.{i % 250}:80",
              "prefill_rate": 8000 + 1000 * (i % 5)}
             for i in range(n)
         ],

@@ -16,8 +16,10 @@ def _router(**extra) -> Router:
     spec = parse_fleet({
         "regions": {"a": {"sim": {"rtt_ms": 10}}, "b": {"sim": {"rtt_ms": 100}}},
         "replicas": [
-            {"name": "a0", "engine": "sim", "region": "a", "address": "127.0.0.1:1", "prefill_rate": 1000},
-            {"name": "b0", "engine": "sim", "region": "b", "address": "127.0.0.1:2", "prefill_rate": 1000},
+            {"name": "a0", "engine": "sim", "region": "a", "address": "127.0.0.1:1",
+             "prefill_rate": 1000},
+            {"name": "b0", "engine": "sim", "region": "b", "address": "127.0.0.1:2",
+             "prefill_rate": 1000},
         ],
         **extra,
     })

@@ -21,7 +21,8 @@ def spec() -> FleetSpec:
         "block_tokens": 4,
         "chars_per_token": 1.0,
         "replicas": [
-            {"name": "a", "engine": "sim", "region": "near", "address": "h:1", "prefill_rate": 1000},
+            {"name": "a", "engine": "sim", "region": "near", "address": "h:1",
+             "prefill_rate": 1000},
             {"name": "b", "engine": "sim", "region": "far", "address": "h:2", "prefill_rate": 2000},
         ],
     })

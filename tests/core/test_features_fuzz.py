@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -73,6 +74,7 @@ def test_arbitrary_json(path: str, headers: dict[str, str], value: object) -> No
     _check(path, headers, json.dumps(value).encode())
 
 
+@pytest.mark.slow  # about 4 s of generation
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.sampled_from(PATHS[:3]), HEADERS, shaped)
 def test_request_shaped_json(path: str, headers: dict[str, str], body: dict) -> None:

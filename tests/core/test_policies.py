@@ -26,7 +26,8 @@ def spec(n: int = 3) -> FleetSpec:
         "block_tokens": 4,
         "chars_per_token": 1.0,
         "replicas": [
-            {"name": f"r{i}", "engine": "sim", "region": "local", "address": f"h:{i + 1}", "prefill_rate": 1000}
+            {"name": f"r{i}", "engine": "sim", "region": "local", "address": f"h:{i + 1}",
+             "prefill_rate": 1000}
             for i in range(n)
         ],
     })

@@ -24,8 +24,10 @@ def spec(**extra: object) -> FleetSpec:
         "block_tokens": 4,
         "chars_per_token": 1.0,
         "replicas": [
-            {"name": "a", "engine": "sim", "region": "local", "address": "h:1", "prefill_rate": 1000},
-            {"name": "b", "engine": "sim", "region": "local", "address": "h:2", "prefill_rate": 2000},
+            {"name": "a", "engine": "sim", "region": "local", "address": "h:1",
+             "prefill_rate": 1000},
+            {"name": "b", "engine": "sim", "region": "local", "address": "h:2",
+             "prefill_rate": 2000},
         ],
         **extra,
     })
@@ -188,7 +190,8 @@ def test_reassign_moves_accounting_to_the_replica_that_served() -> None:
 
     spec = _parse({
         "regions": {"a": None},
-        "replicas": [{"name": f"r{i}", "engine": "sim", "region": "a", "address": f"127.0.0.1:{i + 1}"}
+        "replicas": [{"name": f"r{i}", "engine": "sim", "region": "a",
+                      "address": f"127.0.0.1:{i + 1}"}
                      for i in range(2)],
     })
     r = _Router(spec)

@@ -20,10 +20,13 @@ def spec(**signals: float) -> FleetSpec:
         "chars_per_token": 1.0,
         "signals": {"rtt_ewma_alpha": 0.5, "metrics_stale_s": 5.0, **signals},
         "replicas": [
-            {"name": "a", "engine": "sim", "region": "us-east", "address": "h:1", "prefill_rate": 1000,
+            {"name": "a", "engine": "sim", "region": "us-east", "address": "h:1",
+             "prefill_rate": 1000,
              "kv_capacity_tokens": 40},
-            {"name": "b", "engine": "sim", "region": "ap-seoul", "address": "h:2", "prefill_rate": 2000},
-            {"name": "c", "engine": "sim", "region": "us-east", "address": "h:3", "prefill_rate": 4000},
+            {"name": "b", "engine": "sim", "region": "ap-seoul", "address": "h:2",
+             "prefill_rate": 2000},
+            {"name": "c", "engine": "sim", "region": "us-east", "address": "h:3",
+             "prefill_rate": 4000},
         ],
     })
 
@@ -241,7 +244,8 @@ def test_late_failures_of_an_ejected_replica_do_not_extend_its_backoff() -> None
     from gorgo.core.state import FleetState as _State
 
     s = _State(_parse({"regions": {"a": None},
-                       "replicas": [{"name": "x", "engine": "sim", "region": "a", "address": "127.0.0.1:1"}]}))
+                       "replicas": [{"name": "x", "engine": "sim", "region": "a",
+                                     "address": "127.0.0.1:1"}]}))
     for _ in range(3):
         s.record_failed_probe(0, now=0.0)
     assert not s.healthy[0]

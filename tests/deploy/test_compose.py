@@ -190,7 +190,7 @@ def test_every_gorgo_command_parses_with_the_cli(services: dict[str, Any]) -> No
         "envoy", "envoy-gpu", "otel-collector", "jaeger", "sglang", "vllm", "admin-token"}
     for name in sorted(ran):
         svc = services[name]
-        assert svc["build"] == ".", name
+        assert svc["build"] == {"context": ".", "target": "router"}, name  # no matplotlib
         _gorgo(svc)
     assert set(_gorgo_services(services, "sim", "fleet")) == set(SIM_SERVICES)
     assert set(_gorgo_services(services, "extproc")) == {"extproc", "extproc-gpu"}
@@ -273,6 +273,8 @@ def test_every_mounted_file_exists_and_volumes_are_declared(compose: dict[str, A
 # --- Envoy ------------------------------------------------------------------------------------
 
 
+# Runs `envoy --version`.
+@pytest.mark.envoy
 def test_envoy_image_matches_the_tested_envoy(services: dict[str, Any]) -> None:
     out = subprocess.run([envoy_binary(), "--version"], capture_output=True, text=True,
                          timeout=30).stdout
@@ -284,6 +286,8 @@ def test_envoy_image_matches_the_tested_envoy(services: dict[str, Any]) -> None:
         assert m and m.groups() == tested.groups(), f"{name}: {image} vs tested {out.strip()}"
 
 
+# Runs `envoy --mode validate`.
+@pytest.mark.envoy
 @pytest.mark.parametrize("path", sorted(RENDERS))
 def test_rendered_envoy_config_validates_and_is_fresh(path: str, tmp_path: Path) -> None:
     args = list(RENDERS[path])
@@ -450,21 +454,45 @@ def test_gpu_profile_engines_match_their_fleet_file(services: dict[str, Any]) ->
 # --- the project image ------------------------------------------------------------------------
 
 
+def _stages(lines: list[str]) -> dict[str, list[str]]:
+    """The Dockerfile's build stages by name, each with its lines from its FROM on."""
+    stages: dict[str, list[str]] = {}
+    for ln in lines:
+        if ln.startswith("FROM "):
+            words = ln.split()
+            assert len(words) == 4 and words[2] == "AS", f"unnamed stage: {ln}"
+            stages[words[3]] = []
+        stages[list(stages)[-1]].append(ln)
+    return stages
+
+
 def test_dockerfile_builds_the_cli_image() -> None:
     text = (REPO / "Dockerfile").read_text()
     lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.startswith("#")]
-    assert lines[0] == "FROM python:3.11-slim"
-    assert 'ENTRYPOINT ["gorgo"]' in lines
-    users = [ln.split()[1] for ln in lines if ln.startswith("USER ")]
-    assert users and users[-1] not in ("root", "0")
-    installs = [ln for ln in lines if "pip install" in ln]
-    assert installs == ["RUN pip install . && rm -rf /src"]  # runtime dependencies only
+    stages = _stages(lines)
+    # router last: a plain `docker build .` gives the router image
+    assert list(stages) == ["base", "sim", "router"]
+    assert stages["base"][0] == "FROM python:3.11-slim AS base"
+    assert stages["sim"][0] == "FROM base AS sim"
+    assert stages["router"][0] == "FROM base AS router"
+    assert 'ENTRYPOINT ["gorgo"]' in stages["base"]
+    for name in ("sim", "router"):
+        users = [ln.split()[1] for ln in stages[name] if ln.startswith("USER ")]
+        assert users and users[-1] not in ("root", "0"), name
+    installs = {name: [ln for ln in body if "pip install" in ln] for name, body in stages.items()}
+    assert installs == {
+        "base": [],
+        "sim": ["RUN pip install '.[sim]' && rm -rf /src"],  # + matplotlib, for the bench plots
+        "router": ["RUN pip install . && rm -rf /src"],  # runtime dependencies only
+    }
     pyproject = (REPO / "pyproject.toml").read_text()
+    assert re.search(r"^sim = \[", pyproject, re.M), "the [sim] extra the sim target installs"
     include = re.search(r"include = \[([^\]]*)\]", pyproject)
     assert include
     packages = [p.strip().strip('"').rstrip("*") for p in include.group(1).split(",")]
-    for pkg in packages:
-        assert f"COPY {pkg} ./{pkg}" in lines, pkg
+    copies = [ln for ln in lines if ln.startswith("COPY ")]
+    assert copies == ["COPY pyproject.toml README.md ./", *(f"COPY {p} ./{p}" for p in packages)]
+    assert set(copies) <= set(stages["base"])
     ignored = (REPO / ".dockerignore").read_text().split()
     assert not set(packages) & set(ignored)
     assert {".venv", ".git", "tests"} <= set(ignored)
@@ -483,6 +511,8 @@ def test_entry_point_runs_outside_an_editable_install() -> None:
 # --- drop-in configs and docs -----------------------------------------------------------------
 
 
+# Runs `envoy --mode validate`.
+@pytest.mark.envoy
 def test_dropin_envoy_validates_and_agrees_with_the_renderer() -> None:
     _validate(REPO / DROPIN)
     boot = yaml.safe_load((REPO / DROPIN).read_text())

@@ -33,8 +33,10 @@ def make_router() -> Router:
     return Router(parse_fleet({
         "regions": {"local": {}},
         "replicas": [
-            {"name": "a", "engine": "sim", "region": "local", "address": "127.0.0.1:1", "prefill_rate": 1000},
-            {"name": "b", "engine": "sim", "region": "local", "address": "127.0.0.1:2", "prefill_rate": 2000},
+            {"name": "a", "engine": "sim", "region": "local", "address": "127.0.0.1:1",
+             "prefill_rate": 1000},
+            {"name": "b", "engine": "sim", "region": "local", "address": "127.0.0.1:2",
+             "prefill_rate": 2000},
         ],
     }))
 

@@ -27,7 +27,7 @@ CHAT = "/v1/chat/completions"
 def _router(**extra: Any) -> Router:
     return Router(parse_fleet({
         "regions": {"near": {}},
-        "replicas": [{"name": f"r{i}", "engine": "sim", "region": "near", "address": f"10.0.0.{i + 1}:8000",
+        "replicas": [{"name": f"r{i}", "region": "near", "address": f"10.0.0.{i + 1}:8000",
                       "engine": "sglang"} for i in range(3)],
         "allow_policy_override": True,
         "endpoint_picker": True,

@@ -21,7 +21,7 @@ from gorgo.core.router import Router
 def _doc(hosts: list[str], **extra) -> dict:
     return {
         "regions": {"near": {}},
-        "replicas": [{"name": f"r{i}", "engine": "sim", "region": "near", "address": f"{h}:{8000 + i}",
+        "replicas": [{"name": f"r{i}", "region": "near", "address": f"{h}:{8000 + i}",
                       "engine": "sglang"} for i, h in enumerate(hosts)],
         "allow_policy_override": True,
         **extra,

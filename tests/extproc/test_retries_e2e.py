@@ -140,7 +140,7 @@ def start_retry_stack(tmp: Path, n: int = 3, **retries) -> RetryStack:
         lt.run(u.start())
     doc = {
         "regions": {"near": {"sim": {"rtt_ms": 1, "jitter_ms": 0}}},
-        "replicas": [{"name": u.name, "engine": "sim", "region": "near", "address": f"127.0.0.1:{u.port}",
+        "replicas": [{"name": u.name, "region": "near", "address": f"127.0.0.1:{u.port}",
                       "health_url": f"http://127.0.0.1:{u.side_port}/health",
                       "metrics_url": f"http://127.0.0.1:{u.side_port}/metrics",
                       "engine": "sglang"} for u in ups],
@@ -219,6 +219,7 @@ def test_every_port_closed_is_one_retry_then_a_json_503(stack: RetryStack) -> No
     assert stats["upstream_rq_retry"] == 3 and stats.get("upstream_rq_retry_success", 0) == 0
 
 
+@pytest.mark.slow
 def test_failure_after_response_bytes_is_not_retried(stack: RetryStack) -> None:
     for u in stack.ups:
         u.mode = "midstream"

@@ -21,7 +21,8 @@ def test_router_probes_rtt_and_scrapes_sglang_and_vllm_metrics() -> None:
             "regions": {"near": {"sim": {"rtt_ms": 2, "jitter_ms": 0}},
                         "far": {"sim": {"rtt_ms": 60, "jitter_ms": 0}}},
             "replicas": [
-                {"name": "sg", "engine": "sim", "region": "near", "address": f"127.0.0.1:{ports[0]}",
+                {"name": "sg", "engine": "sim", "region": "near",
+                 "address": f"127.0.0.1:{ports[0]}",
                  "sim": {"profile": "tiny-test", "flavor": "sglang"}},
                 {"name": "vl", "engine": "sim", "region": "far", "address": f"127.0.0.1:{ports[1]}",
                  "sim": {"profile": "tiny-test", "flavor": "vllm"}},

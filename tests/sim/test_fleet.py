@@ -15,7 +15,8 @@ from gorgo.sim.fleet import SimFleet
 
 def _spec(ports: list[int]):
     return parse_fleet({
-        "regions": {"near": {"sim": {"rtt_ms": 2, "jitter_ms": 0}}, "far": {"sim": {"rtt_ms": 80, "jitter_ms": 0}}},
+        "regions": {"near": {"sim": {"rtt_ms": 2, "jitter_ms": 0}},
+                    "far": {"sim": {"rtt_ms": 80, "jitter_ms": 0}}},
         "replicas": [
             {"name": f"r{i}", "engine": "sim", "region": "near" if i == 0 else "far",
              "address": f"127.0.0.1:{p}", "sim": {"profile": "tiny-test"}}

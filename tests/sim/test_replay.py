@@ -20,6 +20,7 @@ import pytest
 from aiohttp import web
 
 from gorgo.core.tokens import Tokenization
+from gorgo.errors import UserError
 from gorgo.sim.replay import (
     EXIT_INTERRUPTED,
     RequestRecord,
@@ -125,17 +126,21 @@ def _requests(n: int, rate: float, session: str | None = None) -> list[TraceRequ
 
 
 def test_fires_on_schedule_and_measures_latency(server: SSEServer) -> None:
-    reqs = _requests(150, rate=50.0)
+    n = 100  # 2 s at 50 req/s
+    reqs = _requests(n, rate=50.0)
     seen: list[RequestRecord] = []
     result = asyncio.run(
         replay(reqs, f"http://{HOST}:{server.port}", 1.0, tok=TOK, on_result=seen.append)
     )
     assert not result.interrupted
-    assert len(result.records) == len(seen) == 150
-    assert [r.index for r in result.records] == list(range(150))
+    assert len(result.records) == len(seen) == n
+    assert [r.index for r in result.records] == list(range(n))
     summary = result.summary
-    assert summary["ok"] == 150 and summary["errors"] == {}
-    assert summary["slip_ms"]["p99"] < 5.0, summary["slip_ms"]
+    assert summary["ok"] == n and summary["errors"] == {}
+    # Never early, and kept up: the typical send is on time and even the late tail stays under
+    # two 20 ms inter-arrival gaps (a loaded machine delays wake-ups, it never advances them).
+    slip = summary["slip_ms"]
+    assert slip["min"] > -0.01 and slip["p50"] < 5.0 and slip["p99"] < 40.0, slip
     assert summary["req_per_s"] == pytest.approx(50.0, rel=0.05)
     for rec in result.records:
         assert rec.scheduled_s == pytest.approx(rec.index / 50.0, abs=1e-6)
@@ -147,7 +152,7 @@ def test_fires_on_schedule_and_measures_latency(server: SSEServer) -> None:
         assert rec.prompt_tokens == 200 and rec.cached_tokens == 64
         assert rec.completion_tokens == 4
         assert rec.replica == "r1"
-    assert summary["replicas"] == {"r1": 150}
+    assert summary["replicas"] == {"r1": n}
     assert summary["cache_hit_ratio"] == pytest.approx(64 / 200)
     assert server.received[0]["stream_options"] == {"include_usage": True}
 
@@ -267,7 +272,8 @@ def test_cli_honours_offset_duration_and_max_requests(server: SSEServer, tmp_pat
         assert row["scheduled_s"] == pytest.approx((arrival - 2.0) * 0.5, abs=1e-6)
         assert row["scheduled_s"] >= (first - 2.0) * 0.5 - 1e-9
 
-    assert main(_args("--trace", "nosuch", "--url", url)) == 2
+    with pytest.raises(UserError, match="unknown trace source 'nosuch'"):
+        main(_args("--trace", "nosuch", "--url", url))  # gorgo.cli prints it and exits 2
 
 
 def test_sigint_stops_cleanly_and_writes_results(server: SSEServer, tmp_path: Path) -> None:

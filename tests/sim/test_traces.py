@@ -24,10 +24,6 @@ from gorgo.sim.traces import (
 )
 
 TOK = Tokenization()
-HAVE_TRACES = (traces_dir() / traces.MOONCAKE_FILE).is_file() and (
-    traces_dir() / traces.AZURE_FILE
-).is_file()
-needs_traces = pytest.mark.skipif(not HAVE_TRACES, reason="shared/traces not present")
 
 
 def _common_blocks(a: str, b: str, tok: Tokenization) -> int:
@@ -109,7 +105,6 @@ def test_mooncake_hash_ids_map_to_shared_blocks(tmp_path: Path) -> None:
     assert len(load_trace(f"mooncake:path={path},limit=2")) == 2
 
 
-@needs_traces
 def test_real_mooncake_slice_reuses_prefixes_as_the_trace_says() -> None:
     reqs = mooncake_trace(limit=400)
     assert len(reqs) == 400
@@ -136,7 +131,6 @@ def test_real_mooncake_slice_reuses_prefixes_as_the_trace_says() -> None:
         seen_hashes.update(int(h) for h in hashes)
 
 
-@needs_traces
 def test_azure_slice_has_times_lengths_and_only_the_system_prefix_shared() -> None:
     reqs = azure_trace(limit=200)
     assert len(reqs) == 200
@@ -218,9 +212,8 @@ def test_spec_parsing() -> None:
 
 def test_traces_dir_resolution(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.delenv(traces.TRACES_ENV, raising=False)
-    repo = Path(traces.__file__).resolve().parents[1]
-    if (repo.parent / "shared" / "traces").is_dir():
-        assert traces_dir() == repo.parent / "shared" / "traces"
+    repo = Path(__file__).resolve().parents[2]
+    assert traces_dir() == repo / "data" / "traces"
     monkeypatch.setenv(traces.TRACES_ENV, os.fspath(tmp_path))
     assert traces_dir() == tmp_path
     assert traces_dir("/elsewhere") == Path("/elsewhere")
@@ -229,3 +222,18 @@ def test_traces_dir_resolution(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) 
         json.dumps({"timestamp": 7, "input_length": 3, "output_length": 1, "hash_ids": [9]}) + "\n"
     )
     assert load_trace("mooncake")[0].arrival_s == pytest.approx(0.007)
+
+
+def test_a_missing_trace_file_is_a_one_line_error_naming_the_path(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv(traces.TRACES_ENV, os.fspath(tmp_path))
+    for spec, file in (("mooncake", traces.MOONCAKE_FILE), ("azure", traces.AZURE_FILE)):
+        with pytest.raises(traces.TraceNotFound) as info:
+            load_trace(spec)
+        message = str(info.value)
+        assert "\n" not in message
+        assert os.fspath(tmp_path / file) in message
+    # An explicit path that is not there says so too, and it is a ValueError like any bad spec.
+    with pytest.raises(ValueError, match=r"nope\.jsonl"):
+        load_trace(f"mooncake:{tmp_path / 'nope.jsonl'}")

@@ -141,8 +141,9 @@ async def post(url, body, headers):
 
 def write_fleet(tmp: Path, ports: list[int], **extra) -> Path:
     doc = {
-        "regions": {"near": {"sim": {"rtt_ms": 1, "jitter_ms": 0}}, "far": {"sim": {"rtt_ms": 1, "jitter_ms": 0}}},
-        "replicas": [{"name": f"r{i}", "engine": "sim", "region": "near" if i < 2 else "far",
+        "regions": {"near": {"sim": {"rtt_ms": 1, "jitter_ms": 0}},
+                    "far": {"sim": {"rtt_ms": 1, "jitter_ms": 0}}},
+        "replicas": [{"name": f"r{i}", "region": "near" if i < 2 else "far",
                       "address": f"127.0.0.1:{p}", "engine": "sglang", "prefill_rate": 10000}
                      for i, p in enumerate(ports)],
         "policy": "gorgo",

@@ -117,8 +117,9 @@ class Live:
 def _write_configs(tmp: Path, engines: list[EngineServer]) -> Path:
     fleet = tmp / "fleet.yaml"
     fleet.write_text(yaml.safe_dump({
-        "regions": {"near": {"sim": {"rtt_ms": 1, "jitter_ms": 0}}, "far": {"sim": {"rtt_ms": 1, "jitter_ms": 0}}},
-        "replicas": [{"name": f"r{i}", "engine": "sim", "region": "near" if i < 2 else "far",
+        "regions": {"near": {"sim": {"rtt_ms": 1, "jitter_ms": 0}},
+                    "far": {"sim": {"rtt_ms": 1, "jitter_ms": 0}}},
+        "replicas": [{"name": f"r{i}", "region": "near" if i < 2 else "far",
                       "address": f"127.0.0.1:{e.port}", "engine": "sglang",
                       "prefill_rate": 20000} for i, e in enumerate(engines)],
         "signals": {"probe_interval_s": 0.2, "scrape_interval_s": 0.2},
