@@ -33,7 +33,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from gorgo.core.terms import prefill, queue, rtt
 from tuner.samples import Sample
+
+# The terms this fit is about, by name (`Sample.terms`): the rate prices prefill and queue alike.
+RTT, QUEUE, PREFILL = rtt.TERM.name, queue.TERM.name, prefill.TERM.name
 
 _TOKENS_PER_UNIT = 1000.0  # the slope is fitted per 1k tokens, for a well-conditioned system
 _IRLS_ITERATIONS = 100
@@ -114,14 +118,15 @@ class PrefillCalibrator:
     def observe(self, s: Sample) -> None:
         if not s.ok:
             return
-        if s.uncached_tokens > 0 and s.prefill_ms > 0:
-            self._rate_used[s.replica] = s.uncached_tokens * 1000.0 / s.prefill_ms
+        rtt_ms, queue_ms, prefill_ms = (s.terms[name] for name in (RTT, QUEUE, PREFILL))
+        if s.uncached_tokens > 0 and prefill_ms > 0:
+            self._rate_used[s.replica] = s.uncached_tokens * 1000.0 / prefill_ms
         rate_used = self._rate_used.get(s.replica)
         work = float("nan") if rate_used is None else (
-            (s.queue_ms + s.prefill_ms) * rate_used / 1000.0)
-        clean = s.queue_ms <= self.config.max_queue_share * s.prefill_ms
+            (queue_ms + prefill_ms) * rate_used / 1000.0)
+        clean = queue_ms <= self.config.max_queue_share * prefill_ms
         rows = self._rows.setdefault(s.replica, deque(maxlen=self.config.window))
-        rows.append((float(s.uncached_tokens), s.ttft_ms - s.rtt_ms, clean, work))
+        rows.append((float(s.uncached_tokens), s.ttft_ms - rtt_ms, clean, work))
 
     def _slope(self, u: np.ndarray, y: np.ndarray) -> tuple[float, float] | None:
         if u.std() < self.config.min_spread_tokens:

@@ -16,7 +16,8 @@ Config (YAML; relative paths are relative to the config file)::
     state_file: tuner-state.json
     routers:
       - {url: "http://127.0.0.1:9100", token_file: admin-token}
-    initial_weights: {rtt: 1.0, queue: 1.0}   # optional; default: the first router's weights
+    initial_weights: {rtt: 1.0, queue: 1.0}   # optional, every weight key; default: the
+                                              # first router's live weights
     seed: 0
     tick_s: 0.5
     log_every_s: 30
@@ -31,7 +32,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import signal
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -43,7 +43,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from extproc.admin import WEIGHT_BOUNDS
+from gorgo import shutdown
+from gorgo.core.contract import WEIGHT_BOUNDS
+from gorgo.core.terms import WEIGHTED
+from gorgo.errors import UserError, check_port
 from tuner.calibration import CalibrationConfig
 from tuner.optimizer import OptimizerConfig, Tuner, config_from_mapping
 from tuner.publisher import Publisher, RouterTarget
@@ -55,7 +58,7 @@ log = logging.getLogger("gorgo.tuner")
 MAX_RENUMBERS_PER_TICK = 3
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A tuner config problem; the message starts with the offending field."""
 
 
@@ -67,7 +70,7 @@ class TunerConfig:
     otlp_token: str | None = None
     tls: tuple[bytes, bytes] | None = None  # (certificate chain, private key) PEM
     status_listen: str | None = None
-    initial_weights: tuple[float, float] | None = None
+    initial_weights: dict[str, float] | None = None  # weight key -> factor, every key
     seed: int = 0
     tick_s: float = 0.5
     log_every_s: float = 30.0
@@ -149,9 +152,10 @@ def parse_config(raw: Any, base: Path) -> TunerConfig:
         raise ConfigError("state_file: expected a file path")
     initial = raw.get("initial_weights")
     if initial is not None:
-        if not isinstance(initial, Mapping) or set(initial) != {"rtt", "queue"}:
-            raise ConfigError("initial_weights: expected {rtt, queue}")
-        initial = (_positive(initial, "rtt", 1.0), _positive(initial, "queue", 1.0))
+        if not isinstance(initial, Mapping) or set(initial) != set(WEIGHTED):
+            raise ConfigError(f"initial_weights: expected {{{', '.join(WEIGHTED)}}}")
+        # clipped to the optimiser's bounds, as any start is
+        initial = {k: _positive(initial, k, 1.0) for k in WEIGHTED}
     seed = raw.get("seed", 0)
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ConfigError(f"seed: expected an integer, got {seed!r}")
@@ -159,9 +163,11 @@ def parse_config(raw: Any, base: Path) -> TunerConfig:
         optimizer = config_from_mapping(dict(raw.get("optimizer") or {}))
     except (ValueError, TypeError) as exc:
         raise ConfigError(str(exc)) from None
-    lo, hi = optimizer.bounds
-    if lo < WEIGHT_BOUNDS[0] or hi > WEIGHT_BOUNDS[1]:
-        raise ConfigError(f"optimizer.bounds: must lie within the routers' {list(WEIGHT_BOUNDS)}")
+    for k, (lo, hi) in optimizer.bounds.items():
+        rlo, rhi = WEIGHT_BOUNDS[k]
+        if lo < rlo or hi > rhi:
+            raise ConfigError(f"optimizer.bounds.{k}: [{lo:g}, {hi:g}] must lie within the "
+                              f"routers' [{rlo:g}, {rhi:g}]")
     calibration = _calibration(raw.get("calibration") or {})
     return TunerConfig(
         routers=tuple(routers), state_file=base / state_file, listen=listen,
@@ -223,8 +229,8 @@ class _StatusCollector(Collector):
         yield unauth
         t = self.service.tuner
         w = GaugeMetricFamily("gorgo_tuner_incumbent_weight", "Incumbent weights", labels=["term"])
-        w.add_metric(["rtt"], t.incumbent[0])
-        w.add_metric(["queue"], t.incumbent[1])
+        for key, value in t.incumbent.items():
+            w.add_metric([key], value)
         yield w
         for name, doc, value in (
             ("gorgo_tuner_sigma", "ES step size (log space)", t.sigma),
@@ -241,6 +247,21 @@ class _StatusCollector(Collector):
         ev.add_metric(["true"], t.accepted)
         ev.add_metric(["false"], t.evaluations - t.accepted)
         yield ev
+
+
+def _fmt(weights: Mapping[str, float]) -> str:
+    return " ".join(f"{k}={v:.4g}" for k, v in weights.items())
+
+
+def _live_weights(doc: Mapping[str, Any]) -> dict[str, float]:
+    """A router's weights from its GET /admin/weights; a key it lacks (a router older than the
+    term) is left to the term's default."""
+    out = {}
+    for k in WEIGHTED:
+        v = doc.get(k)
+        if isinstance(v, int | float) and not isinstance(v, bool) and v > 0:
+            out[k] = float(v)
+    return out
 
 
 def _hints(docs: list[Any]) -> dict[str, float]:
@@ -290,17 +311,16 @@ class TunerService:
                                       hints=hints)
             except ValueError as exc:
                 raise StateError(f"{cfg.state_file}: {exc}") from None
-            log.info("resumed from %s: incumbent rtt=%.4g queue=%.4g, %d evaluations, next "
-                     "version %d", cfg.state_file, *tuner.incumbent, tuner.evaluations,
-                     tuner.next_version)
+            log.info("resumed from %s: incumbent %s, %d evaluations, next version %d",
+                     cfg.state_file, _fmt(tuner.incumbent), tuner.evaluations, tuner.next_version)
         else:
             initial = cfg.initial_weights
             if initial is None:
                 live = next((c for c in current if isinstance(c, dict)), None)
-                initial = (float(live["rtt"]), float(live["queue"])) if live else (1.0, 1.0)
+                initial = _live_weights(live) if live else {}
             tuner = Tuner(cfg.optimizer, initial, seed=cfg.seed, calibration=cfg.calibration,
                           hints=hints)
-            log.info("starting fresh from rtt=%.4g queue=%.4g", *tuner.incumbent)
+            log.info("starting fresh from %s", _fmt(tuner.incumbent))
         if versions:
             tuner.ensure_version_above(max(versions))
         return tuner
@@ -381,8 +401,7 @@ class TunerService:
         proposal = self.tuner.next_weights(now)
         if proposal is not None:
             w = proposal.weights
-            log.info("publishing v%d (%s): rtt=%.4g queue=%.4g", w.version, proposal.arm,
-                     w.rtt, w.queue)
+            log.info("publishing v%d (%s): %s", w.version, proposal.arm, _fmt(w))
         for _ in range(MAX_RENUMBERS_PER_TICK):
             self.save()  # before publishing: a version is never issued twice
             if self.tuner.active is None:
@@ -397,26 +416,33 @@ class TunerService:
     def log_status(self) -> None:
         t = self.tuner.status()
         c = self.receiver.counts
-        log.info("status: %s v%s, incumbent rtt=%.4g queue=%.4g, sigma=%.3g, %d/%d accepted; "
+        log.info("status: %s v%s, incumbent %s, sigma=%.3g, %d/%d accepted; "
                  "spans %d, samples %d, dropped %s",
-                 t["phase"], (t["active"] or {}).get("version"), t["incumbent"]["rtt"],
-                 t["incumbent"]["queue"], t["sigma"], t["accepted"], t["evaluations"],
+                 t["phase"], (t["active"] or {}).get("version"), _fmt(self.tuner.incumbent),
+                 t["sigma"], t["accepted"], t["evaluations"],
                  c.get("spans", 0), c.get("samples", 0),
                  {r: c.get(r, 0) for r in DROP_REASONS})
 
 
 async def serve(cfg: TunerConfig) -> int:
+    """Run until SIGTERM/SIGINT (0); a bad state file or a port in use is a UserError."""
+    for key in ("listen", "status_listen"):
+        value = getattr(cfg, key)
+        if value is not None:
+            host, port = _hostport(value, key)
+            check_port(host, port, f"{key} {value}", f"free it or change {key} in the config")
     service = TunerService(cfg)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    shutdown.on_stop(stop.set)
     try:
         await service.start()
-    except (StateError, OSError, RuntimeError) as exc:
-        log.error("cannot start: %s", exc)
+    except (OSError, RuntimeError) as exc:  # a port taken since the check (gRPC: RuntimeError)
         await service.stop()
-        return 2
+        raise UserError(f"cannot start: {exc}") from None
+    except BaseException:
+        await service.stop()
+        raise
     print(f"READY otlp={service.otlp_port} status={service.status_port}", flush=True)
     last_log = loop.time()
     try:
@@ -442,10 +468,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    """Tune until SIGTERM/SIGINT (0); a bad config is a ConfigError (a UserError)."""
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(message)s")
-    try:
-        cfg = load_config(args.config)
-    except ConfigError as exc:
-        log.error("%s", exc)
-        return 2
-    return asyncio.run(serve(cfg))
+    return asyncio.run(serve(load_config(args.config)))

@@ -1,4 +1,10 @@
-"""(1+1) evolution strategy over the cost weights (w_rtt, w_queue), scored on live p95 TTFT.
+"""(1+1) evolution strategy over the cost weights, scored on live p95 TTFT.
+
+The search space is the registry's weighted terms (`gorgo.core.terms.WEIGHTED`, in that order:
+today ``rtt`` and ``queue``), each inside the contract's bounds (``WEIGHT_BOUNDS`` of
+`gorgo.core.contract`) intersected with the configured ``bounds``. Points of the search (incumbents,
+candidates, the fitted weights) are mappings weight key -> factor; a `Proposal` carries them as
+`Weights` with a fresh version.
 
 Pure and single-threaded: the caller feeds samples (`Tuner.observe`) and asks, with its own clock,
 whether new weights should go live (`Tuner.next_weights(now)`). The live tuner drives it from OTLP
@@ -32,27 +38,59 @@ How one evaluation runs, and why (docs/tuner.md has the full story):
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 import numpy as np
 
-from gorgo.core.fleet import Weights
+from gorgo.core.contract import WEIGHT_BOUNDS
+from gorgo.core.terms import WEIGHTED
+from gorgo.core.weights import Weights
 from tuner.calibration import CalibrationConfig, PrefillCalibrator
 from tuner.samples import Sample
-from tuner.weight_fit import QueueWeightFit
+from tuner.weight_fit import WeightFit
 
 INCUMBENT, CANDIDATE, MONITOR, BRIDGE = "incumbent", "candidate", "monitor", "bridge"
 STEP, MODEL = "step", "model"  # a candidate from a random step, or from the weight fit
 UNFINISHED_MS = 1e12  # stands in for a request that has not reported back, in the worst case
 EVALUATING, CONVERGED = "evaluating", "converged"
-STATE_FORMAT = 1
+STATE_FORMAT = 2  # 2: weights are {key: factor}; 1 (still read): [rtt, queue] lists
+LEGACY_KEYS = ("rtt", "queue")  # what a format-1 list holds, in order
+KEYS: tuple[str, ...] = tuple(WEIGHTED)  # the search space's dimensions, in registry order
+
+Point = dict[str, float]  # weight key -> factor, one entry per KEYS
+Bounds = dict[str, tuple[float, float]]
+
+
+def normalize_bounds(value: Any) -> Bounds:
+    """``[low, high]`` for every weight, or ``{key: [low, high]}`` for some (the others keep the
+    contract's bounds): as one (low, high) per weight key, in KEYS order."""
+    def pair(v: Any, where: str) -> tuple[float, float]:
+        if (not isinstance(v, list | tuple) or len(v) != 2
+                or not all(isinstance(x, int | float) and not isinstance(x, bool) for x in v)):
+            raise ValueError(f"{where}: expected [low, high], got {v!r}")
+        return float(v[0]), float(v[1])
+
+    if isinstance(value, Mapping):
+        unknown = sorted(set(value) - set(KEYS))
+        if unknown:
+            raise ValueError(f"bounds.{unknown[0]}: unknown weight (known: {', '.join(KEYS)})")
+        return {k: pair(value[k], f"bounds.{k}") if k in value else WEIGHT_BOUNDS[k]
+                for k in KEYS}
+    if not isinstance(value, list | tuple):
+        raise ValueError(f"bounds: expected [low, high] or {{weight: [low, high]}}, got {value!r}")
+    return dict.fromkeys(KEYS, pair(value, "bounds"))
+
+
+def _default_bounds() -> Bounds:
+    return {k: WEIGHT_BOUNDS[k] for k in KEYS}
 
 
 @dataclass(frozen=True, slots=True)
 class OptimizerConfig:
-    bounds: tuple[float, float] = (0.05, 20.0)  # for each weight
+    # per weight key; given as [low, high] (every weight) or {key: [low, high]} (those named)
+    bounds: Bounds = field(default_factory=_default_bounds)
     initial_sigma: float = 0.5  # step size in log space (0.5 ~ a factor of 1.6)
     min_sigma: float = 0.03  # below this the search has converged
     max_sigma: float = 2.0
@@ -84,10 +122,27 @@ class OptimizerConfig:
     history: int = 500  # evaluation records kept in the state file
     policy: str = "gorgo"  # only requests this policy routed depend on the weights
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "bounds", normalize_bounds(self.bounds))
+
+    def search_bounds(self) -> Bounds:
+        """The configured bounds intersected with the contract's, per weight key: what the
+        routers would accept is the most the search may propose."""
+        out = {}
+        for k, (lo, hi) in self.bounds.items():
+            clo, chi = WEIGHT_BOUNDS[k]
+            out[k] = (max(lo, clo), min(hi, chi))
+        return out
+
     def validate(self) -> None:
-        lo, hi = self.bounds
+        for k, (lo, hi) in self.bounds.items():
+            if not 0 < lo < hi:
+                raise ValueError(f"optimizer: bounds.{k}: need 0 < low < high")
+        for k, (lo, hi) in self.search_bounds().items():
+            if not lo < hi:
+                raise ValueError(f"optimizer: bounds.{k}: {list(self.bounds[k])} does not overlap "
+                                 f"the routers' {list(WEIGHT_BOUNDS[k])}")
         checks = [
-            (0 < lo < hi, "bounds: need 0 < low < high"),
             (0 < self.min_sigma < self.initial_sigma <= self.max_sigma,
              "need 0 < min_sigma < initial_sigma <= max_sigma"),
             (0 < self.restart_sigma <= self.max_sigma, "need 0 < restart_sigma <= max_sigma"),
@@ -131,8 +186,7 @@ class Proposal:
 
     def body(self) -> dict[str, Any]:
         """The JSON body of the router's PUT /admin/weights."""
-        out: dict[str, Any] = {"rtt": self.weights.rtt, "queue": self.weights.queue,
-                               "version": self.weights.version}
+        out: dict[str, Any] = {**self.weights, "version": self.weights.version}
         if self.prefill_rate:
             out["prefill_rate"] = dict(self.prefill_rate)
         return out
@@ -201,10 +255,10 @@ class Window:
 class Evaluation:
     """One incumbent-vs-candidate comparison: its windows in ABBA order."""
 
-    incumbent: tuple[float, float]
+    incumbent: Point
     plan: list[str]
     windows: list[Window] = field(default_factory=list)
-    candidate: tuple[float, float] | None = None  # drawn when its first window opens
+    candidate: Point | None = None  # drawn when its first window opens
     kind: str = STEP
     looked_at: tuple[int, int, bool] | None = None  # (received, routed, final) at the last look
 
@@ -347,13 +401,22 @@ def _finite_or_none(x: float | None) -> float | None:
     return None if x is None or not math.isfinite(x) else float(x)
 
 
+def _vec(p: Mapping[str, float]) -> np.ndarray:
+    """A point as a vector, in KEYS order."""
+    return np.array([p[k] for k in KEYS], dtype=float)
+
+
+def _from_vec(x: Sequence[float] | np.ndarray) -> Point:
+    return {k: float(v) for k, v in zip(KEYS, x, strict=True)}
+
+
 class Tuner:
     """The (1+1)-ES state machine; see the module docstring."""
 
     def __init__(
         self,
         config: OptimizerConfig,
-        initial: tuple[float, float] = (1.0, 1.0),
+        initial: Mapping[str, float] | None = None,
         *,
         seed: int = 0,
         calibration: CalibrationConfig | None = None,
@@ -365,9 +428,11 @@ class Tuner:
         self.rng = np.random.default_rng(seed)
         # hints: the fleet file's prefill rates (GET /admin/weights "prefill_rate_hint")
         self.calibrator = PrefillCalibrator(calibration, hints) if config.calibrate else None
-        self.incumbent = self._clip(initial)
+        self.bounds = config.search_bounds()
+        # initial: weight key -> factor; a weight it does not name starts at the term's default
+        self.incumbent: Point = self._clip(initial or {})
         self.incumbent_p95: float | None = None
-        self.last_good: tuple[float, float] | None = None  # set while the incumbent is on probation
+        self.last_good: Point | None = None  # set while the incumbent is on probation
         self.last_good_p95: float | None = None
         self.sigma = config.initial_sigma
         self.failures = 0
@@ -382,9 +447,8 @@ class Tuner:
         self.active: Proposal | None = None
         self.ignored = 0  # samples of a version that belongs to no current window
         self.other_policy = 0  # samples routed by a policy the weights do not steer
-        self.fit = QueueWeightFit(min_samples=config.model_min_samples) if config.model_step \
-            else None
-        self.model_tried: tuple[float, float] | None = None
+        self.fit = WeightFit(min_samples=config.model_min_samples) if config.model_step else None
+        self.model_tried: Point | None = None
         self.seen = 0  # samples observed by this process
         self._windows: dict[int, Window] = {}  # version -> window still to be scored
         self._eval: Evaluation | None = None  # the evaluation routing now
@@ -463,16 +527,19 @@ class Tuner:
         if self._open is not None:
             self._windows[v] = self._open
             self._open.version = v
-        w = self.active.weights
-        self.active = Proposal(Weights(w.rtt, w.queue, v), self.active.prefill_rate,
+        self.active = Proposal(self.active.weights.replace(version=v), self.active.prefill_rate,
                                self.active.arm)
         return self.active
 
     # --- evaluation ---------------------------------------------------------------------------
 
-    def _clip(self, w: tuple[float, float]) -> tuple[float, float]:
-        lo, hi = self.cfg.bounds
-        return (min(max(float(w[0]), lo), hi), min(max(float(w[1]), lo), hi))
+    def _clip(self, w: Mapping[str, float]) -> Point:
+        """Every weight key, inside the search bounds (missing: the term's default)."""
+        unknown = sorted(set(w) - set(KEYS))
+        if unknown:
+            raise ValueError(f"unknown weight {unknown[0]!r} (known: {', '.join(KEYS)})")
+        return {k: min(max(float(w.get(k, WEIGHTED[k].default)), lo), hi)
+                for k, (lo, hi) in self.bounds.items()}
 
     def _take_version(self) -> int:
         v = self.next_version
@@ -480,11 +547,11 @@ class Tuner:
         self.revision += 1
         return v
 
-    def _sample_candidate(self) -> tuple[float, float]:
-        lo, hi = (math.log(b) for b in self.cfg.bounds)
-        x = np.log(np.asarray(self.incumbent)) + self.sigma * self.rng.standard_normal(2)
-        r, q = np.exp(_reflect(x, lo, hi))
-        return self._clip((float(r), float(q)))
+    def _sample_candidate(self) -> Point:
+        lo = np.log([self.bounds[k][0] for k in KEYS])
+        hi = np.log([self.bounds[k][1] for k in KEYS])
+        x = np.log(_vec(self.incumbent)) + self.sigma * self.rng.standard_normal(len(KEYS))
+        return self._clip(_from_vec(np.exp(_reflect(x, lo, hi))))
 
     def _warming_up(self) -> bool:
         """The first evaluation waits, with the incumbent bridged under an unscored version,
@@ -495,18 +562,19 @@ class Tuner:
         return (self.fit is not None and self.model_tried is None and self.evaluations == 0
                 and not self.fit.ready() and self.seen < 4 * self.cfg.model_min_samples)
 
-    def _model_candidate(self) -> tuple[float, float] | None:
-        """The fitted weights, when they are far from the incumbent and from the last ones tried
-        (a rejected fit is not proposed again until the fleet's behaviour moved it)."""
+    def _model_candidate(self) -> Point | None:
+        """The fitted weights (a weight the fit says nothing about keeps the incumbent's), when
+        they are far from the incumbent and from the last ones tried (a rejected fit is not
+        proposed again until the fleet's behaviour moved it)."""
         if self.fit is None:
             return None
-        b = self.fit.queue_weight()
-        if b is None:
+        fitted = self.fit.weights()
+        if fitted is None:
             return None
-        point = self._clip((1.0, b))
+        point = self._clip({**self.incumbent, **fitted})
 
-        def far(other: tuple[float, float]) -> bool:
-            return math.dist(np.log(point), np.log(other)) > self.cfg.model_retry
+        def far(other: Point) -> bool:
+            return math.dist(np.log(_vec(point)), np.log(_vec(other))) > self.cfg.model_retry
 
         if far(self.incumbent) and (self.model_tried is None or far(self.model_tried)):
             return point
@@ -544,15 +612,14 @@ class Tuner:
         self._windows[v] = w
         ev.windows.append(w)
         self._open = w
-        rtt, queue = ev.candidate if arm == CANDIDATE and ev.candidate else ev.incumbent
-        self.active = Proposal(Weights(rtt, queue, v), dict(self.rates), arm)
+        point = ev.candidate if arm == CANDIDATE and ev.candidate else ev.incumbent
+        self.active = Proposal(Weights(point, v), dict(self.rates), arm)
         return self.active
 
     def _bridge(self, now: float) -> Proposal:
         """The incumbent under a version no window scores, until a pending verdict is in."""
         self._open = None
-        rtt, queue = self.incumbent
-        self.active = Proposal(Weights(rtt, queue, self._take_version()), dict(self.rates),
+        self.active = Proposal(Weights(self.incumbent, self._take_version()), dict(self.rates),
                                BRIDGE)
         return self.active
 
@@ -612,7 +679,7 @@ class Tuner:
     def _extend(self, ev: Evaluation, v: Verdict, now: float) -> Proposal:
         """Route ``pairs`` more ABBA pairs for ``ev``; the evaluation routing meanwhile (it
         measured the same incumbent, but its candidate is not the one being extended) is dropped."""
-        self._record({"event": "extended", "candidate": list(ev.candidate or ev.incumbent),
+        self._record({"event": "extended", "candidate": dict(ev.candidate or ev.incumbent),
                       "p95_incumbent": v.p95_incumbent, "p95_candidate": v.p95_candidate,
                       "n_incumbent": v.n_incumbent, "n_candidate": v.n_candidate}, now)
         keep = self._versions_of(ev)
@@ -631,8 +698,8 @@ class Tuner:
 
     def _rollback(self, p95: float, now: float) -> None:
         assert self.last_good is not None
-        self._record({"event": "rollback", "from": list(self.incumbent),
-                      "to": list(self.last_good), "p95_live": p95,
+        self._record({"event": "rollback", "from": dict(self.incumbent),
+                      "to": dict(self.last_good), "p95_live": p95,
                       "p95_last_good": self.last_good_p95}, now)
         self.incumbent = self.last_good
         self.incumbent_p95 = self.last_good_p95
@@ -662,8 +729,8 @@ class Tuner:
             return True
         self.last_good = self.last_good_p95 = None  # re-measured without regression
         self._record({
-            "event": "evaluation", "kind": ev.kind, "incumbent": list(ev.incumbent),
-            "candidate": list(candidate), "accepted": v.accepted, "reason": v.reason,
+            "event": "evaluation", "kind": ev.kind, "incumbent": dict(ev.incumbent),
+            "candidate": dict(candidate), "accepted": v.accepted, "reason": v.reason,
             "p95_incumbent": v.p95_incumbent, "p95_candidate": v.p95_candidate,
             "diff_upper_ms": v.diff_upper_ms, "margin_ms": v.margin_ms,
             "e2e_incumbent": v.e2e_incumbent, "e2e_candidate": v.e2e_candidate,
@@ -684,7 +751,7 @@ class Tuner:
             self._step(success=v.accepted)
         if self.sigma < self.cfg.min_sigma or self.failures >= self.cfg.max_failures:
             self.phase = CONVERGED
-            self._record({"event": "converged", "incumbent": list(self.incumbent),
+            self._record({"event": "converged", "incumbent": dict(self.incumbent),
                           "p95": self.incumbent_p95}, now)
         return changed
 
@@ -710,8 +777,7 @@ class Tuner:
         w = Window(MONITOR, v, now)
         self._windows[v] = w
         self._open = w
-        rtt, queue = self.incumbent
-        self.active = Proposal(Weights(rtt, queue, v), dict(self.rates), MONITOR)
+        self.active = Proposal(Weights(self.incumbent, v), dict(self.rates), MONITOR)
         return self.active
 
     def _restart(self, reason: str, p95: float, now: float) -> Proposal:
@@ -768,8 +834,7 @@ class Tuner:
         w = self._open
         return {
             "phase": self.phase,
-            "incumbent": {"rtt": self.incumbent[0], "queue": self.incumbent[1],
-                          "p95_ms": _finite_or_none(self.incumbent_p95)},
+            "incumbent": {**self.incumbent, "p95_ms": _finite_or_none(self.incumbent_p95)},
             "on_probation": self.last_good is not None,
             "sigma": self.sigma,
             "failures": self.failures,
@@ -795,11 +860,10 @@ class Tuner:
         """Everything needed to resume; an evaluation in progress restarts (samples are gone)."""
         return {
             "format": STATE_FORMAT,
-            "config": {k: (list(v) if isinstance(v, tuple) else v)
-                       for k, v in asdict(self.cfg).items()},
-            "incumbent": list(self.incumbent),
+            "config": asdict(self.cfg),
+            "incumbent": dict(self.incumbent),
             "incumbent_p95": _finite_or_none(self.incumbent_p95),
-            "last_good": None if self.last_good is None else list(self.last_good),
+            "last_good": None if self.last_good is None else dict(self.last_good),
             "last_good_p95": _finite_or_none(self.last_good_p95),
             "sigma": self.sigma,
             "failures": self.failures,
@@ -809,7 +873,7 @@ class Tuner:
             "baseline_p95": _finite_or_none(self.baseline_p95),
             "next_version": self.next_version,
             "prefill_rate": dict(self.rates),
-            "model_tried": None if self.model_tried is None else list(self.model_tried),
+            "model_tried": None if self.model_tried is None else dict(self.model_tried),
             "history": list(self.history),
             "rng": self.rng.bit_generator.state,
         }
@@ -825,12 +889,14 @@ class Tuner:
     ) -> Tuner:
         """A tuner resumed from `snapshot`; raises ValueError on a state it cannot trust."""
         try:
-            if state.get("format") != STATE_FORMAT:
-                raise ValueError(f"unknown state format {state.get('format')!r}")
-            t = cls(config, _pair(state["incumbent"]), calibration=calibration, hints=hints,
-                    next_version=int(state["next_version"]))
+            fmt = state.get("format")
+            if fmt not in (1, STATE_FORMAT):
+                raise ValueError(f"unknown state format {fmt!r}")
+            t = cls(config, _point(state["incumbent"], fmt), calibration=calibration,
+                    hints=hints, next_version=int(state["next_version"]))
             t.incumbent_p95 = _opt_float(state.get("incumbent_p95"))
-            t.last_good = None if state.get("last_good") is None else _pair(state["last_good"])
+            last_good = state.get("last_good")
+            t.last_good = None if last_good is None else _point(last_good, fmt)
             t.last_good_p95 = _opt_float(state.get("last_good_p95"))
             t.sigma = min(max(float(state["sigma"]), 0.0), config.max_sigma)
             if not t.sigma > 0:
@@ -843,7 +909,7 @@ class Tuner:
                 raise ValueError(f"unknown phase {t.phase!r}")
             t.baseline_p95 = _opt_float(state.get("baseline_p95"))
             tried = state.get("model_tried")
-            t.model_tried = None if tried is None else _pair(tried)
+            t.model_tried = None if tried is None else _point(tried, fmt)
             t.rates = {str(k): float(v) for k, v in dict(state.get("prefill_rate") or {}).items()}
             t.history = list(state.get("history") or [])[-config.history:] if config.history else []
             if state.get("rng") is not None:
@@ -853,13 +919,26 @@ class Tuner:
         return t
 
 
-def _pair(v: Any) -> tuple[float, float]:
-    if not isinstance(v, list | tuple) or len(v) != 2:
-        raise ValueError(f"expected [rtt, queue], got {v!r}")
-    a, b = float(v[0]), float(v[1])
-    if not (math.isfinite(a) and math.isfinite(b) and a > 0 and b > 0):
-        raise ValueError(f"weights must be finite and > 0, got {v!r}")
-    return a, b
+def _point(v: Any, fmt: int) -> Point:
+    """Weights from a state file: ``{key: factor}`` (format 1: an ``[rtt, queue]`` list). A
+    weight the registry gained since the file was written takes its term's default."""
+    if fmt == 1 and isinstance(v, list | tuple):
+        if len(v) != len(LEGACY_KEYS):
+            raise ValueError(f"expected [{', '.join(LEGACY_KEYS)}], got {v!r}")
+        v = dict(zip(LEGACY_KEYS, v, strict=True))
+    if not isinstance(v, Mapping):
+        raise ValueError(f"expected {{{', '.join(KEYS)}}}, got {v!r}")
+    unknown = sorted(set(v) - set(KEYS))
+    if unknown:
+        raise ValueError(f"unknown weight {unknown[0]!r} (known: {', '.join(KEYS)})")
+    out = {}
+    for k in KEYS:
+        x = v.get(k, WEIGHTED[k].default)
+        if isinstance(x, bool) or not isinstance(x, int | float) or not (
+                math.isfinite(x) and x > 0):
+            raise ValueError(f"weights must be finite and > 0, got {k}={x!r}")
+        out[k] = float(x)
+    return out
 
 
 def _opt_float(v: Any) -> float | None:
@@ -875,18 +954,17 @@ def config_from_mapping(raw: dict[str, Any], path: str = "optimizer") -> Optimiz
         if key not in known:
             raise ValueError(f"{path}.{key}: unknown field (allowed: {', '.join(sorted(known))})")
         default = getattr(defaults, key)
-        if isinstance(default, bool):
+        if key == "bounds":
+            try:
+                value = normalize_bounds(value)
+            except ValueError as exc:  # names bounds or bounds.<key>
+                raise ValueError(f"{path}.{exc}") from None
+        elif isinstance(default, bool):
             if not isinstance(value, bool):
                 raise ValueError(f"{path}.{key}: expected true or false")
         elif isinstance(default, str):
             if not isinstance(value, str):
                 raise ValueError(f"{path}.{key}: expected a string, got {value!r}")
-        elif isinstance(default, tuple):
-            if (not isinstance(value, list) or len(value) != 2
-                    or not all(isinstance(x, int | float) and not isinstance(x, bool)
-                               for x in value)):
-                raise ValueError(f"{path}.{key}: expected [low, high]")
-            value = (float(value[0]), float(value[1]))
         elif isinstance(default, int):
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ValueError(f"{path}.{key}: expected an integer, got {value!r}")

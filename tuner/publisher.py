@@ -1,5 +1,8 @@
 """Publishes the tuner's weights to every router's admin API (`PUT /admin/weights`).
 
+The body (`Proposal.body`) carries every weight key of the registry (the admin API requires each
+key of the contract's ``WEIGHT_BOUNDS``), the version and, when calibrated, the prefill rates.
+
 Publishing is a reconciliation, not a fire-and-forget: each router's acknowledged version is
 tracked and a router that missed an update (down, slow, restarted) gets it on a later tick, with a
 backoff. A 409 means the router already holds a version at or above ours (a previous tuner run

@@ -71,6 +71,7 @@ class TraceReceiver(trace_service_pb2_grpc.TraceServiceServicer):
         """Listen; ``tls`` is (certificate chain PEM, private key PEM). Returns the bound port."""
         self._server = grpc.aio.server(options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.so_reuseport", 0),  # a port in use fails instead of being shared
         ])
         trace_service_pb2_grpc.add_TraceServiceServicer_to_server(self, self._server)
         address = f"{host}:{port}"

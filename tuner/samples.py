@@ -5,7 +5,9 @@ Envoy writes every ``gorgo.*`` decision field and the TTFT as string attributes 
 byte). Spans are parsed strictly: a span that does not carry a decision is *foreign* (another
 service's span fanned out by the same collector), one with a decision but no TTFT is *no_ttft*, and
 one whose values do not parse is *malformed*. All three are dropped and counted, never raised past
-the receiver.
+the receiver. Every attribute name is the contract's (`gorgo.core.contract`): the TTFT in
+microseconds, the HTTP status, and each decision field under ``gorgo.``, one per cost term of the
+registry included.
 """
 
 from __future__ import annotations
@@ -19,9 +21,12 @@ from typing import Any
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
-TTFT_ATTR = "gen_ai.response.time_to_first_chunk"  # microseconds, as gorgo.envoy_config renders
-STATUS_ATTR = "http.status_code"
-PREFIX = "gorgo."
+from gorgo.core.contract import SPAN_PREFIX, STATUS_ATTR, TERM_FIELDS, TTFT_ATTR
+from gorgo.core.terms import TERMS
+
+# (term name, span tag) for every term of the registry: each decision carries each of them.
+_TERM_TAGS = tuple((t.name, SPAN_PREFIX + f)
+                   for t, f in zip(TERMS, TERM_FIELDS, strict=True))
 FOREIGN = "foreign"
 NO_TTFT = "no_ttft"
 MALFORMED = "malformed"
@@ -40,7 +45,11 @@ class SpanDropped(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class Sample:
-    """Measured latency of one request plus the decision that routed it (times in ms)."""
+    """Measured latency of one request plus the decision that routed it (times in ms).
+
+    ``terms`` holds every term of the registry, read from its ``gorgo.<name>_ms`` tag: the
+    tuner's weight fit and calibration iterate over it rather than naming fields.
+    """
 
     ttft_ms: float
     e2e_ms: float
@@ -50,9 +59,7 @@ class Sample:
     policy: str
     weights_version: int
     predicted_ttft_ms: float
-    rtt_ms: float
-    queue_ms: float
-    prefill_ms: float
+    terms: dict[str, float]  # term name (gorgo.core.terms) -> its unweighted ms in the decision
     uncached_tokens: int
     prompt_tokens: int
     decision_id: str = ""
@@ -108,7 +115,7 @@ def _text(attrs: dict[str, Any], key: str) -> str:
 def parse_span(span: Span) -> Sample:
     """The span as a Sample, or SpanDropped saying why it is not one."""
     attrs = span_attributes(span)
-    if not _present(attrs, PREFIX + "decision_id"):
+    if not _present(attrs, SPAN_PREFIX + "decision_id"):
         raise SpanDropped(FOREIGN, "no gorgo.decision_id")
     if not _present(attrs, TTFT_ATTR):
         raise SpanDropped(NO_TTFT, "no first byte from upstream")
@@ -122,17 +129,15 @@ def parse_span(span: Span) -> Sample:
         ttft_ms=_number(attrs, TTFT_ATTR) / 1000.0,
         e2e_ms=(end - start) / 1e6,
         status=status,
-        replica=_text(attrs, PREFIX + "replica"),
-        region=_text(attrs, PREFIX + "region"),
-        policy=_text(attrs, PREFIX + "policy"),
-        weights_version=_integer(attrs, PREFIX + "weights_version"),
-        predicted_ttft_ms=_number(attrs, PREFIX + "predicted_ttft_ms"),
-        rtt_ms=_number(attrs, PREFIX + "rtt_ms"),
-        queue_ms=_number(attrs, PREFIX + "queue_ms"),
-        prefill_ms=_number(attrs, PREFIX + "prefill_ms"),
-        uncached_tokens=_integer(attrs, PREFIX + "uncached_tokens"),
-        prompt_tokens=_integer(attrs, PREFIX + "prompt_tokens"),
-        decision_id=str(attrs[PREFIX + "decision_id"]),
+        replica=_text(attrs, SPAN_PREFIX + "replica"),
+        region=_text(attrs, SPAN_PREFIX + "region"),
+        policy=_text(attrs, SPAN_PREFIX + "policy"),
+        weights_version=_integer(attrs, SPAN_PREFIX + "weights_version"),
+        predicted_ttft_ms=_number(attrs, SPAN_PREFIX + "predicted_ttft_ms"),
+        terms={name: _number(attrs, tag) for name, tag in _TERM_TAGS},
+        uncached_tokens=_integer(attrs, SPAN_PREFIX + "uncached_tokens"),
+        prompt_tokens=_integer(attrs, SPAN_PREFIX + "prompt_tokens"),
+        decision_id=str(attrs[SPAN_PREFIX + "decision_id"]),
         end_unix_s=end / 1e9,
     )
 

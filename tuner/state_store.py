@@ -14,8 +14,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from gorgo.errors import UserError
 
-class StateError(ValueError):
+
+class StateError(UserError, ValueError):
     """The state file exists but cannot be used; the message names the file."""
 
 

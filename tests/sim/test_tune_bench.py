@@ -15,25 +15,29 @@ from gorgo.core.fleet import FleetSpec, parse_fleet
 from gorgo.sim.offline import Simulation
 from gorgo.sim.presets import fleet_document
 from gorgo.sim.traces import chat_trace
-from gorgo.sim.tune_bench import (
+from gorgo.sim.tunebench.points import grid, grid_axes, parse_start, point_key, static_key
+from gorgo.sim.tunebench.run import (
     TuneSettings,
     TuneTrace,
-    _load_cache,
-    _save_cache,
-    convergence,
     fleet_for_seed,
+    load_cache,
     model_digest,
     null_config,
+    save_cache,
     tuned_run,
-    wilson,
     with_weights,
 )
+from gorgo.sim.tunebench.stats import convergence, grid_best, wilson
 from gorgo.sim.workload import Workload, simulate, tokenization, workload_from_requests
 from tuner.optimizer import OptimizerConfig
 
 PROFILE = "h100-llama3-8b"
 # Small windows so a few hundred requests hold many evaluations.
 FAST = OptimizerConfig(window_samples=5, pairs=1, bootstrap=200, calibrate=False, history=10**6)
+
+
+def W(rtt: float, queue: float) -> dict[str, float]:
+    return {"rtt": rtt, "queue": queue}
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +69,7 @@ def _version_at(trace: TuneTrace, t: float, initial: int = 0) -> int:
 def test_every_sample_carries_the_version_live_when_it_was_routed(
     fleet: FleetSpec, chat: Workload, delay: float
 ) -> None:
-    st = TuneSettings(FAST, (20.0, 0.05), seed=2, tick_s=0.25, publish_delay_s=delay)
+    st = TuneSettings(FAST, W(20.0, 0.05), seed=2, tick_s=0.25, publish_delay_s=delay)
     res, trace = tuned_run(fleet, chat, 1.0, st)
     assert trace.samples == len(trace.sample_log) == chat.n == len(res.records)
     assert res.leaked_inflight == 0
@@ -86,19 +90,19 @@ def test_every_sample_carries_the_version_live_when_it_was_routed(
 
 
 def test_proposals_move_the_router_off_the_bad_start(fleet: FleetSpec, chat: Workload) -> None:
-    st = TuneSettings(FAST, (20.0, 0.05), seed=1, tick_s=0.0)
+    st = TuneSettings(FAST, W(20.0, 0.05), seed=1, tick_s=0.0)
     _, trace = tuned_run(fleet, chat, 1.0, st)
-    weights = {(p[3], p[4]) for p in trace.published}
-    assert (20.0, 0.05) in weights and len(weights) > 2  # candidates were live
+    weights = {tuple(p[3].items()) for p in trace.published}
+    assert tuple(W(20.0, 0.05).items()) in weights and len(weights) > 2  # candidates were live
     evals = [h for h in trace.history if h["event"] == "evaluation"]
     assert evals and all(h["samples"] <= trace.samples for h in evals)
-    assert trace.incumbents[0][:3] == (0, 20.0, 0.05)
+    assert trace.incumbents[0][:2] == (0, W(20.0, 0.05))
     assert [i[0] for i in trace.incumbents] == sorted(i[0] for i in trace.incumbents)
 
 
 def test_deterministic_for_a_seed(fleet: FleetSpec, chat: Workload) -> None:
     def run(seed: int) -> tuple[list, TuneTrace]:
-        res, trace = tuned_run(fleet, chat, 1.0, TuneSettings(FAST, (0.05, 20.0), seed=seed))
+        res, trace = tuned_run(fleet, chat, 1.0, TuneSettings(FAST, W(0.05, 20.0), seed=seed))
         return [astuple(r) for r in res.records], trace
 
     a, b, c = run(4), run(4), run(5)
@@ -111,13 +115,13 @@ def test_deterministic_for_a_seed(fleet: FleetSpec, chat: Workload) -> None:
 def test_a_loop_that_keeps_the_weights_is_the_static_run(fleet: FleetSpec, chat: Workload) -> None:
     # A/A: new versions are published all along, but with the same weights, so every request
     # goes where the static run sends it, with the same latencies: the hooks change nothing.
-    st = TuneSettings(null_config(FAST), (1.0, 1.0), seed=3, tick_s=0.25, null=True)
+    st = TuneSettings(null_config(FAST), W(1.0, 1.0), seed=3, tick_s=0.25, null=True)
     res, trace = tuned_run(fleet, chat, 1.0, st)
-    static = simulate(with_weights(fleet, 1.0, 1.0), "gorgo", chat, 1.0, 3)
+    static = simulate(with_weights(fleet, W(1.0, 1.0)), "gorgo", chat, 1.0, 3)
     assert len(trace.published) > 10
     assert [astuple(r) for r in res.records] == [astuple(r) for r in static.records]
     evals = [h for h in trace.history if h["event"] == "evaluation"]
-    assert evals and all(h["incumbent"] == h["candidate"] == [1.0, 1.0] for h in evals)
+    assert evals and all(h["incumbent"] == h["candidate"] == W(1.0, 1.0) for h in evals)
 
 
 def test_simulation_hooks(fleet: FleetSpec, chat: Workload) -> None:
@@ -165,12 +169,16 @@ def test_cli_tiny_slice_writes_its_outputs(tmp_path: Path) -> None:
         assert (out / name).stat().st_size > 0
     doc = json.loads((out / "results.json").read_text())
     assert len(doc["grid"]) == 4
+    assert doc["weight_keys"] == ["rtt", "queue"]
+    assert set(doc["grid_points"]) == {"rtt", "queue"}
+    assert all(set(g["weights"]) == {"rtt", "queue"} for g in doc["grid"].values())
     assert doc["optimizer"]["window_samples"] == 5
     guarded = [r for r in doc["runs"] if r["e2e_guard"]]
     free = [r for r in doc["runs"] if not r["e2e_guard"]]
     assert len(guarded) == len(free) == 1 and doc["null_runs"]
     run = guarded[0]
-    assert run["start"] == [20.0, 0.05] and run["samples"] == doc["requests"]
+    assert run["start"] == W(20.0, 0.05) and run["samples"] == doc["requests"]
+    assert set(run["final"]["weights"]) == {"rtt", "queue"}
     assert run["incumbents"][0]["samples"] == 0
     assert all(math.isfinite(i["ratio"]) for i in run["incumbents"])
     md = (out / "results.md").read_text()
@@ -186,6 +194,7 @@ def test_bad_arguments_exit_2(tmp_path: Path) -> None:
     base = ["bench", "tune", "--trace", "chat:limit=20", "--capacity", "1",
             "--out", str(tmp_path)]
     assert cli_main([*base, "--start", "1"]) == 2
+    assert cli_main([*base, "--start", "warp=2"]) == 2
     assert cli_main([*base, "--opt", "no_such_field=1"]) == 2
     assert cli_main([*base, "--opt", "pairs=0"]) == 2
     assert cli_main([*base, "--grid", "1"]) == 2
@@ -201,8 +210,8 @@ def test_a_trace_that_cannot_be_loaded_exits_2(bench: str, tmp_path: Path,
 
 def test_with_weights_replaces_only_what_it_is_given(fleet: FleetSpec) -> None:
     name = fleet.replicas[0].name
-    f = with_weights(fleet, 2.0, 0.5, {name: 123.0})
-    assert (f.weights.rtt, f.weights.queue) == (2.0, 0.5)
+    f = with_weights(fleet, W(2.0, 0.5), {name: 123.0})
+    assert dict(f.weights) == W(2.0, 0.5)
     assert f.replicas[0].prefill_rate == 123.0
     assert [r.prefill_rate for r in f.replicas[1:]] == [r.prefill_rate for r in fleet.replicas[1:]]
     assert replace(f, weights=fleet.weights, replicas=fleet.replicas) == fleet
@@ -213,11 +222,53 @@ def test_static_cache_is_per_slice_and_code(tmp_path: Path) -> None:
     old = "mooncake|paper|n=5|scale=1.0|gorgo|code=aaa"
     new = "mooncake|paper|n=5|scale=1.0|gorgo|code=bbb"
     other = "mooncake|paper|n=9|scale=1.0|gorgo|code=aaa"
-    _save_cache(path, old, {"k": {"ttft_p95_ms": 1.0}})
-    _save_cache(path, other, {"k": {"ttft_p95_ms": 2.0}})
-    assert _load_cache(path, old) == {"k": {"ttft_p95_ms": 1.0}}
-    assert _load_cache(path, new) == {}  # the simulation changed: nothing is reused
-    _save_cache(path, new, {"k": {"ttft_p95_ms": 3.0}})
-    assert _load_cache(path, old) == {}  # and the stale entries of this slice are dropped
-    assert _load_cache(path, other) == {"k": {"ttft_p95_ms": 2.0}}
+    save_cache(path, old, {"k": {"ttft_p95_ms": 1.0}})
+    save_cache(path, other, {"k": {"ttft_p95_ms": 2.0}})
+    assert load_cache(path, old) == {"k": {"ttft_p95_ms": 1.0}}
+    assert load_cache(path, new) == {}  # the simulation changed: nothing is reused
+    save_cache(path, new, {"k": {"ttft_p95_ms": 3.0}})
+    assert load_cache(path, old) == {}  # and the stale entries of this slice are dropped
+    assert load_cache(path, other) == {"k": {"ttft_p95_ms": 2.0}}
     assert len(model_digest()) == 16
+
+
+def test_start_points_grid_and_keys_follow_the_registry() -> None:
+    assert parse_start("20,0.05") == W(20.0, 0.05)  # values in registry order
+    assert parse_start("queue=0.5") == W(1.0, 0.5)  # named; the rest at its default
+    assert parse_start("rtt=2, queue=3") == W(2.0, 3.0)
+    for bad in ("1", "1,2,3", "warp=1", "rtt=0,queue=1", "rtt=x"):
+        with pytest.raises(ValueError, match="--start"):
+            parse_start(bad)
+    axes = grid_axes({"rtt": (0.1, 10.0), "queue": (1.0, 4.0)}, 3)
+    assert axes == {"rtt": [pytest.approx(0.1), pytest.approx(1.0), pytest.approx(10.0)],
+                    "queue": [pytest.approx(1.0), pytest.approx(2.0), pytest.approx(4.0)]}
+    points = grid(axes)
+    assert len(points) == 9 and all(list(p) == ["rtt", "queue"] for p in points)
+    # the cache key of two weights is the one earlier versions of the bench wrote
+    assert static_key(W(1.0, 0.5), {"r1": 3.0}, 2) == "1.0|0.5|r1=3.0|2"
+    assert point_key(W(1.0, 0.5)) == "1.0|0.5"
+    static = {static_key(p, {}, s): {"ttft_p95_ms": 100.0 + p["rtt"] + 10 * p["queue"] + s,
+                                     "e2e_p95_ms": 1.0} for p in points for s in (1, 2)}
+    best = grid_best(points, [1, 2], static)
+    assert best.weights == {"rtt": pytest.approx(0.1), "queue": pytest.approx(1.0)}
+    assert best.per_seed_p95_ms == {1: pytest.approx(111.1), 2: pytest.approx(112.1)}
+
+
+def test_a_third_weight_makes_a_cartesian_grid() -> None:
+    """Written for any number of weights: K values each, every combination."""
+    axes = {"a": [1.0, 2.0], "b": [3.0, 4.0, 5.0], "c": [6.0, 7.0]}
+    points = grid(axes, ("a", "b", "c"))
+    assert len(points) == 12 and len({tuple(p.values()) for p in points}) == 12
+    assert points[0] == {"a": 1.0, "b": 3.0, "c": 6.0} and points[1] == {"a": 1.0, "b": 3.0,
+                                                                          "c": 7.0}
+
+
+def test_the_report_imports_matplotlib_only_to_draw() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys, gorgo.sim.tunebench.cli, gorgo.sim.tunebench.report\n"
+            "print('matplotlib' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[2])
+    assert out.stdout.strip() == "False"

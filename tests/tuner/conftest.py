@@ -10,7 +10,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
-from tuner.samples import TTFT_ATTR
+from gorgo.core.contract import STATUS_ATTR, TTFT_ATTR
 
 T0_NS = 1_700_000_000 * 10**9
 
@@ -18,11 +18,11 @@ T0_NS = 1_700_000_000 * 10**9
 def envoy_attrs(**over: Any) -> dict[str, Any]:
     """Attributes as Envoy's custom tags carry them: every value a string."""
     attrs: dict[str, Any] = {
-        TTFT_ATTR: "123456", "http.status_code": "200", "gorgo.decision_id": "ab-1",
+        TTFT_ATTR: "123456", STATUS_ATTR: "200", "gorgo.decision_id": "ab-1",
         "gorgo.replica": "r0", "gorgo.region": "near", "gorgo.policy": "gorgo",
         "gorgo.weights_version": "3", "gorgo.predicted_ttft_ms": "101.5",
         "gorgo.rtt_ms": "40.25", "gorgo.queue_ms": "10", "gorgo.prefill_ms": "51.25",
-        "gorgo.uncached_tokens": "512", "gorgo.prompt_tokens": "1024",
+        "gorgo.penalty_ms": "0", "gorgo.uncached_tokens": "512", "gorgo.prompt_tokens": "1024",
         "upstream_cluster": "r0", "component": "proxy",
     }
     for k, v in over.items():

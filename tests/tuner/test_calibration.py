@@ -31,8 +31,9 @@ def traffic(rng: np.random.Generator, n: int, *, rate: float, router_rate: float
                 + abs(rng.normal(0.0, noise)))
         out.append(Sample(
             ttft_ms=ttft, e2e_ms=ttft + 300.0, status=status, replica=replica, region="x",
-            policy="gorgo", weights_version=1, predicted_ttft_ms=0.0, rtt_ms=rtt,
-            queue_ms=q / router_rate * 1000.0, prefill_ms=u / router_rate * 1000.0,
+            policy="gorgo", weights_version=1, predicted_ttft_ms=0.0,
+            terms={"rtt": rtt, "queue": q / router_rate * 1000.0,
+                   "prefill": u / router_rate * 1000.0, "penalty": 0.0},
             uncached_tokens=u, prompt_tokens=u))
     return out
 
@@ -61,7 +62,7 @@ def test_unseen_waiting_does_not_flatten_the_slope() -> None:
     rng = np.random.default_rng(2)
     samples = traffic(rng, 400, rate=3000.0, hidden_wait_ms=800.0)
     x = np.array([s.uncached_tokens for s in samples], float)
-    y = np.array([s.ttft_ms - s.rtt_ms for s in samples])
+    y = np.array([s.ttft_ms - s.terms["rtt"] for s in samples])
     ols_rate = 1000.0 / np.polyfit(x, y, 1)[0]
     assert ols_rate > 1.15 * 3000.0  # the defect this guards against
     cal = feed(PrefillCalibrator(), samples)
@@ -74,7 +75,8 @@ def test_queue_dominated_rows_do_not_move_the_rate() -> None:
     # An overloaded replica: predicted queue far above the prefill, and really 5x longer still.
     clean = traffic(rng, 100, rate=2000.0)
     overloaded = traffic(rng, 300, rate=2000.0, queue_tokens=200_000, queue_error=5.0)
-    assert all(s.queue_ms > cal.config.max_queue_share * s.prefill_ms for s in overloaded[:50])
+    assert all(s.terms["queue"] > cal.config.max_queue_share * s.terms["prefill"]
+               for s in overloaded[:50])
     for i, s in enumerate(overloaded):
         cal.observe(s)
         if i % 3 == 0 and clean:
@@ -178,8 +180,9 @@ def busy(rng: np.random.Generator, n: int, *, rate: float, router_rate: float) -
         u = int(rng.integers(64, 4096))
         q = float(rng.integers(2_000, 8_000))
         ttft = 40.0 + 12.0 + (u + q * rng.lognormal(0.0, 0.2)) / rate * 1000.0
-        out.append(Sample(ttft, ttft + 300.0, 200, "r0", "x", "gorgo", 1, 0.0, 40.0,
-                          q / router_rate * 1000.0, u / router_rate * 1000.0, u, u))
+        out.append(Sample(ttft, ttft + 300.0, 200, "r0", "x", "gorgo", 1, 0.0,
+                          {"rtt": 40.0, "queue": q / router_rate * 1000.0,
+                           "prefill": u / router_rate * 1000.0, "penalty": 0.0}, u, u))
     return out
 
 

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from gorgo.core.fleet import Weights
+from gorgo.core.weights import Weights
 from tuner.calibration import CalibrationConfig
 from tuner.optimizer import (
     BRIDGE,
@@ -32,6 +32,15 @@ from tuner.optimizer import (
 from tuner.samples import Sample
 
 BASE_MS = 300.0
+
+
+def W(rtt: float, queue: float) -> dict[str, float]:
+    """Today's weights as the tuner holds them: weight key -> factor."""
+    return {"rtt": rtt, "queue": queue}
+
+
+def terms(rtt: float = 1.0, queue: float = 0.0, prefill: float = 0.0) -> dict[str, float]:
+    return {"rtt": rtt, "queue": queue, "prefill": prefill, "penalty": 0.0}
 
 
 def es_config(**kw: Any) -> OptimizerConfig:
@@ -138,7 +147,7 @@ def test_error_guard_rejects_a_candidate_that_fails_more() -> None:
 
 def mk(ttft: float, version: int, status: int = 200, e2e: float | None = None) -> Sample:
     return Sample(ttft, ttft + 400.0 if e2e is None else e2e, status, "r0", "near", "gorgo",
-                  version, ttft, 1.0, 0.0, 0.0, 0, 100)
+                  version, ttft, terms(), 0, 100)
 
 
 Env = Callable[[Weights, np.random.Generator], float]
@@ -167,28 +176,28 @@ def flat(w: Weights, rng: np.random.Generator) -> float:
 
 def bowl(w: Weights, rng: np.random.Generator) -> float:
     """p95 rises with log-distance from the optimum (rtt 2.0, queue 0.5)."""
-    d = (math.log(w.rtt / 2.0)) ** 2 + (math.log(w.queue / 0.5)) ** 2
+    d = (math.log(w["rtt"] / 2.0)) ** 2 + (math.log(w["queue"] / 0.5)) ** 2
     return BASE_MS * (1.0 + 0.3 * d) * rng.lognormal(0.0, 0.4)
 
 
 def test_windows_alternate_abba_and_every_window_has_its_own_version() -> None:
     assert window_plan(1) == [INCUMBENT, CANDIDATE]
     assert window_plan(2) == [INCUMBENT, CANDIDATE, CANDIDATE, INCUMBENT]
-    t = Tuner(es_config(window_samples=10, pairs=2), (1.0, 1.0), seed=3)
+    t = Tuner(es_config(window_samples=10, pairs=2), W(1.0, 1.0), seed=3)
     props, _ = drive(t, flat, 10 * 8 + 5, np.random.default_rng(0))
     assert [p.arm for p in props[:8]] == [INCUMBENT, CANDIDATE, CANDIDATE, INCUMBENT] * 2
     versions = [p.weights.version for p in props]
     assert versions == sorted(set(versions)) and versions[0] == 1
     inc = [p for p in props[:4] if p.arm == INCUMBENT]
     cand = [p for p in props[:4] if p.arm == CANDIDATE]
-    assert {(p.weights.rtt, p.weights.queue) for p in inc} == {(1.0, 1.0)}
-    assert len({(p.weights.rtt, p.weights.queue) for p in cand}) == 1
-    assert (cand[0].weights.rtt, cand[0].weights.queue) != (1.0, 1.0)
+    assert all(dict(p.weights) == W(1.0, 1.0) for p in inc)
+    assert len({tuple(p.weights.items()) for p in cand}) == 1
+    assert list(cand[0].weights) == ["rtt", "queue"] and dict(cand[0].weights) != W(1.0, 1.0)
 
 
 def test_samples_count_only_for_the_version_that_routed_them() -> None:
     cfg = es_config(window_samples=10, pairs=1, margin=0.0, max_failures=50)
-    t = Tuner(cfg, (1.0, 1.0), seed=0)
+    t = Tuner(cfg, W(1.0, 1.0), seed=0)
     p_inc = t.next_weights(0.0)
     assert p_inc.arm == INCUMBENT
     for _ in range(10):
@@ -214,11 +223,11 @@ def test_samples_count_only_for_the_version_that_routed_them() -> None:
     assert last["event"] == "evaluation" and last["accepted"]
     assert last["n_incumbent"] == 15 and last["n_candidate"] == 10
     assert last["p95_incumbent"] == 100.0 and last["p95_candidate"] == 50.0
-    assert t.incumbent == (p_cand.weights.rtt, p_cand.weights.queue)
+    assert t.incumbent == dict(p_cand.weights)
 
 
 def test_requests_of_other_policies_do_not_score_the_weights() -> None:
-    t = Tuner(es_config(window_samples=5), (1.0, 1.0))
+    t = Tuner(es_config(window_samples=5), W(1.0, 1.0))
     p = t.next_weights(0.0)
     for _ in range(20):  # e.g. x-gorgo-policy: round-robin, under the same weights version
         t.observe(replace(mk(100.0, p.weights.version), policy="round-robin"))
@@ -229,7 +238,7 @@ def test_requests_of_other_policies_do_not_score_the_weights() -> None:
 def test_errors_are_routed_requests_but_never_latencies() -> None:
     """A window routes a number of requests, failed ones included (they are its error rate); a
     candidate whose requests all failed has no p95 and is never accepted."""
-    t = Tuner(es_config(window_samples=10, pairs=1), (1.0, 1.0))
+    t = Tuner(es_config(window_samples=10, pairs=1), W(1.0, 1.0))
     p = t.next_weights(0.0)
     for _ in range(10):
         t.observe(mk(100.0, p.weights.version))
@@ -244,7 +253,7 @@ def test_errors_are_routed_requests_but_never_latencies() -> None:
 
 
 def test_min_window_duration_is_respected() -> None:
-    t = Tuner(es_config(window_samples=5, min_window_s=10.0), (1.0, 1.0))
+    t = Tuner(es_config(window_samples=5, min_window_s=10.0), W(1.0, 1.0))
     p = t.next_weights(0.0)
     for _ in range(50):
         t.observe(mk(100.0, p.weights.version))
@@ -253,11 +262,11 @@ def test_min_window_duration_is_respected() -> None:
 
 
 def test_renumbered_proposal_keeps_its_window() -> None:
-    t = Tuner(es_config(window_samples=10), (1.0, 1.0))
+    t = Tuner(es_config(window_samples=10), W(1.0, 1.0))
     p = t.next_weights(0.0)
     t.observe(mk(100.0, p.weights.version))
     q = t.renumber(41)
-    assert q.weights.version == 42 and (q.weights.rtt, q.weights.queue) == (1.0, 1.0)
+    assert q.weights.version == 42 and dict(q.weights) == W(1.0, 1.0)
     t.observe(mk(100.0, 42))
     t.observe(mk(100.0, p.weights.version))  # a router that got the old number still counts
     assert t.window_for(42) is t.window_for(p.weights.version)
@@ -270,21 +279,21 @@ def test_renumbered_proposal_keeps_its_window() -> None:
 def test_weights_stay_in_bounds_and_the_bound_is_not_an_attractor() -> None:
     lo, hi = 0.05, 20.0
     cfg = es_config(bounds=(lo, hi), initial_sigma=2.0, max_sigma=2.0)
-    t = Tuner(cfg, (50.0, 0.001), seed=9)  # outside: clipped
-    assert t.incumbent == (hi, lo)
-    cands = np.array([t._sample_candidate() for _ in range(2000)])
+    t = Tuner(cfg, W(50.0, 0.001), seed=9)  # outside: clipped
+    assert t.incumbent == W(hi, lo)
+    cands = np.array([list(t._sample_candidate().values()) for _ in range(2000)])
     assert (cands >= lo).all() and (cands <= hi).all()
     assert np.mean(np.isclose(cands, lo) | np.isclose(cands, hi)) < 0.01
     t2 = Tuner(es_config(bounds=(lo, hi), window_samples=10, max_failures=1000), seed=4)
     props, _ = drive(t2, bowl, 20_000, np.random.default_rng(4))
     for p in props:
-        assert lo <= p.weights.rtt <= hi and lo <= p.weights.queue <= hi
+        assert all(lo <= x <= hi for x in p.weights.values())
 
 
 def test_step_size_follows_the_one_fifth_rule() -> None:
     cfg = es_config(window_samples=10, pairs=1, initial_sigma=0.5, step_up=1.5,
                           max_failures=100)
-    t = Tuner(cfg, (1.0, 1.0), seed=1)
+    t = Tuner(cfg, W(1.0, 1.0), seed=1)
 
     def evaluation(inc_ms: float, cand_ms: float) -> None:
         for ms in (inc_ms, cand_ms):
@@ -304,7 +313,7 @@ def test_step_size_follows_the_one_fifth_rule() -> None:
 def test_converges_then_monitors_and_restarts_on_drift() -> None:
     cfg = es_config(window_samples=10, pairs=1, max_failures=3, monitor_samples=50,
                           drift=0.2, drift_windows=3, restart_sigma=0.8)
-    t = Tuner(cfg, (1.0, 1.0), seed=2)
+    t = Tuner(cfg, W(1.0, 1.0), seed=2)
     rng = np.random.default_rng(2)
 
     def const(w: Weights, rng: np.random.Generator) -> float:
@@ -336,14 +345,14 @@ def test_converges_then_monitors_and_restarts_on_drift() -> None:
 def test_small_step_size_also_means_converged() -> None:
     cfg = es_config(window_samples=5, pairs=1, initial_sigma=0.04, min_sigma=0.03,
                           max_failures=100)
-    t = Tuner(cfg, (1.0, 1.0))
+    t = Tuner(cfg, W(1.0, 1.0))
     drive(t, lambda w, r: 100.0, 5 * 2 * 5, np.random.default_rng(0))
     assert t.phase == CONVERGED and t.evaluations < 5
 
 
 def test_regressing_new_incumbent_is_rolled_back() -> None:
     cfg = es_config(window_samples=10, pairs=1, rollback=0.25, max_failures=100)
-    t = Tuner(cfg, (1.0, 1.0), seed=7)
+    t = Tuner(cfg, W(1.0, 1.0), seed=7)
     first = t.next_weights(0.0)
     for _ in range(10):
         t.observe(mk(100.0, first.weights.version))
@@ -351,27 +360,28 @@ def test_regressing_new_incumbent_is_rolled_back() -> None:
     for _ in range(10):
         t.observe(mk(60.0, cand.weights.version))
     nxt = t.next_weights(0.0)
-    new = (cand.weights.rtt, cand.weights.queue)
+    new = dict(cand.weights)
     assert t.incumbent == new and t.history[-1]["accepted"]
     # Re-measured, the new incumbent is far worse than the weights it replaced ever were.
-    assert nxt.arm == INCUMBENT and (nxt.weights.rtt, nxt.weights.queue) == new
+    assert nxt.arm == INCUMBENT and dict(nxt.weights) == new
     for _ in range(10):
         t.observe(mk(200.0, nxt.weights.version))
     c2 = t.next_weights(0.0)
     for _ in range(10):
         t.observe(mk(200.0, c2.weights.version))
     after = t.next_weights(0.0)
-    assert t.incumbent == (1.0, 1.0)
-    assert t.history[-1]["event"] == "rollback" and t.history[-1]["to"] == [1.0, 1.0]
-    assert after.arm == INCUMBENT and (after.weights.rtt, after.weights.queue) == (1.0, 1.0)
+    assert t.incumbent == W(1.0, 1.0)
+    assert t.history[-1]["event"] == "rollback" and t.history[-1]["to"] == W(1.0, 1.0)
+    assert t.history[-1]["from"] == new
+    assert after.arm == INCUMBENT and dict(after.weights) == W(1.0, 1.0)
 
 
 def test_search_finds_the_bowl_minimum() -> None:
     cfg = es_config(window_samples=40, max_failures=10, block=1)  # iid noise: no bursts
-    t = Tuner(cfg, (1.0, 1.0), seed=1)
+    t = Tuner(cfg, W(1.0, 1.0), seed=1)
     drive(t, bowl, 40_000, np.random.default_rng(5))
     assert t.accepted >= 1
-    rtt, queue = t.incumbent
+    rtt, queue = t.incumbent["rtt"], t.incumbent["queue"]
     assert abs(math.log(rtt / 2.0)) < math.log(1.6)
     assert abs(math.log(queue / 0.5)) < math.log(1.6)
 
@@ -381,7 +391,7 @@ def test_tuner_fpr_over_many_evaluations_on_a_flat_landscape() -> None:
     acceptance is a false positive."""
     cfg = es_config(window_samples=40, max_failures=10_000, fpr=0.05, bootstrap=500,
                           min_sigma=1e-9)
-    t = Tuner(cfg, (1.0, 1.0), seed=8)
+    t = Tuner(cfg, W(1.0, 1.0), seed=8)
     drive(t, flat, 160 * 200 + 1, np.random.default_rng(8))
     assert t.evaluations == 200
     assert t.accepted / t.evaluations <= 0.05 + 0.03
@@ -390,14 +400,14 @@ def test_tuner_fpr_over_many_evaluations_on_a_flat_landscape() -> None:
 def test_calibrated_rates_ride_with_the_weights_and_change_only_between_evaluations() -> None:
     cfg = es_config(window_samples=10, pairs=1)
     cal = CalibrationConfig(min_samples=20, window=200)
-    t = Tuner(cfg, (1.0, 1.0), calibration=cal)
+    t = Tuner(cfg, W(1.0, 1.0), calibration=cal)
     rng = np.random.default_rng(0)
 
     def s(version: int) -> Sample:
         u = int(rng.integers(100, 4000))
         ttft = 30.0 + 10.0 + u / 2000.0 * 1000.0  # true rate 2000 tok/s, rtt 30
-        return Sample(ttft, ttft + 100, 200, "r1", "near", "gorgo", version, 0.0, 30.0, 0.0,
-                      u / 1000.0 * 1000.0, u, u)
+        return Sample(ttft, ttft + 100, 200, "r1", "near", "gorgo", version, 0.0,
+                      terms(rtt=30.0, prefill=u / 1000.0 * 1000.0), u, u)
 
     p = t.next_weights(0.0)
     assert p.prefill_rate == {}
@@ -414,7 +424,7 @@ def test_calibrated_rates_ride_with_the_weights_and_change_only_between_evaluati
 
 def test_snapshot_round_trips_through_json_and_resumes_versions() -> None:
     cfg = es_config(window_samples=10, max_failures=100)
-    t = Tuner(cfg, (1.0, 1.0), seed=3)
+    t = Tuner(cfg, W(1.0, 1.0), seed=3)
     props, _ = drive(t, bowl, 500, np.random.default_rng(3))
     snap = json.loads(json.dumps(t.snapshot(), allow_nan=False))
     r = Tuner.restore(cfg, snap)
@@ -424,7 +434,34 @@ def test_snapshot_round_trips_through_json_and_resumes_versions() -> None:
     assert r.rng.bit_generator.state == t.rng.bit_generator.state
     p = r.next_weights(0.0)
     assert p.weights.version > max(q.weights.version for q in props)
-    assert p.arm == INCUMBENT and (p.weights.rtt, p.weights.queue) == t.incumbent
+    assert p.arm == INCUMBENT and dict(p.weights) == t.incumbent
+
+
+def test_snapshot_keys_every_weight_by_name() -> None:
+    t = Tuner(es_config(window_samples=10, max_failures=100), W(2.0, 0.5), seed=3)
+    drive(t, bowl, 300, np.random.default_rng(3))
+    snap = t.snapshot()
+    assert snap["format"] == 2 and set(snap["incumbent"]) == {"rtt", "queue"}
+    assert snap["config"]["bounds"] == {"rtt": (0.05, 20.0), "queue": (0.05, 20.0)}
+    assert all(set(h["candidate"]) == {"rtt", "queue"} for h in snap["history"]
+               if h["event"] == "evaluation")
+    assert set(t.status()["incumbent"]) == {"rtt", "queue", "p95_ms"}
+
+
+def test_a_state_file_of_the_previous_format_still_resumes() -> None:
+    """Format 1 stored weights as [rtt, queue] lists: the same two weights, by position."""
+    old = {"format": 1, "incumbent": [0.7, 3.0], "incumbent_p95": 812.5,
+           "last_good": [1.0, 1.0], "last_good_p95": 900.0, "sigma": 0.4, "failures": 2,
+           "evaluations": 9, "accepted": 3, "phase": "evaluating", "baseline_p95": None,
+           "next_version": 41, "prefill_rate": {"r0": 2000.0}, "model_tried": [1.0, 2.5],
+           "history": [{"event": "evaluation", "incumbent": [1.0, 1.0]}], "rng": None}
+    t = Tuner.restore(es_config(), old)
+    assert t.incumbent == W(0.7, 3.0) and t.last_good == W(1.0, 1.0)
+    assert t.model_tried == W(1.0, 2.5) and t.rates == {"r0": 2000.0}
+    p = t.next_weights(0.0)
+    assert p.weights.version == 41 and dict(p.weights) == W(0.7, 3.0)
+    again = Tuner.restore(es_config(), json.loads(json.dumps(t.snapshot())))
+    assert again.incumbent == W(0.7, 3.0) and again.next_version == 42
 
 
 @pytest.mark.parametrize("bad", [
@@ -433,6 +470,14 @@ def test_snapshot_round_trips_through_json_and_resumes_versions() -> None:
      "evaluations": 0, "accepted": 0, "phase": "evaluating"},
     {"format": 1, "incumbent": [1, 1], "next_version": 3, "sigma": 0.5, "failures": 0,
      "evaluations": 0, "accepted": 0, "phase": "dancing"},
+    {"format": 1, "incumbent": [1, 1, 1], "next_version": 3, "sigma": 0.5, "failures": 0,
+     "evaluations": 0, "accepted": 0, "phase": "evaluating"},
+    {"format": 2, "incumbent": [1, 1], "next_version": 3, "sigma": 0.5, "failures": 0,
+     "evaluations": 0, "accepted": 0, "phase": "evaluating"},
+    {"format": 2, "incumbent": {"rtt": 1, "warp": 2}, "next_version": 3, "sigma": 0.5,
+     "failures": 0, "evaluations": 0, "accepted": 0, "phase": "evaluating"},
+    {"format": 2, "incumbent": {"rtt": 1, "queue": float("nan")}, "next_version": 3,
+     "sigma": 0.5, "failures": 0, "evaluations": 0, "accepted": 0, "phase": "evaluating"},
 ])
 def test_untrustworthy_state_is_refused(bad: dict) -> None:
     with pytest.raises(ValueError):
@@ -450,10 +495,19 @@ def test_ensure_version_above_never_goes_down() -> None:
 def test_config_from_mapping_checks_types_and_ranges() -> None:
     cfg = config_from_mapping({"window_samples": 20, "bounds": [0.1, 10], "fpr": 0.1,
                                "calibrate": False})
-    assert cfg.window_samples == 20 and cfg.bounds == (0.1, 10.0) and not cfg.calibrate
+    assert cfg.window_samples == 20 and not cfg.calibrate
+    assert cfg.bounds == {"rtt": (0.1, 10.0), "queue": (0.1, 10.0)}  # [low, high]: every weight
+    named = config_from_mapping({"bounds": {"queue": [0.2, 5]}})
+    assert named.bounds == {"rtt": (0.05, 20.0), "queue": (0.2, 5.0)}  # the rest: the contract's
+    assert OptimizerConfig(bounds=(0.01, 50.0)).search_bounds() == {
+        "rtt": (0.05, 20.0), "queue": (0.05, 20.0)}  # never beyond what the routers accept
     for raw, match in (({"windows": 3}, "unknown"), ({"window_samples": 2.5}, "integer"),
                        ({"fpr": "x"}, "number"), ({"fpr": 0.7}, "fpr"),
-                       ({"bounds": [5, 1]}, "bounds"), ({"calibrate": 1}, "true or false"),
+                       ({"bounds": [5, 1]}, "bounds"), ({"bounds": {"warp": [1, 2]}},
+                                                        r"bounds\.warp"),
+                       ({"bounds": {"queue": [1]}}, r"bounds\.queue"),
+                       ({"bounds": {"queue": [30, 40]}}, r"bounds\.queue.*overlap"),
+                       ({"bounds": 3}, "bounds"), ({"calibrate": 1}, "true or false"),
                        ({"policy": 3}, "string"), ({"policy": ""}, "policy"),
                        ({"window_samples": 2}, "window_samples")):
         with pytest.raises(ValueError, match=match):
@@ -464,13 +518,13 @@ def test_winners_curse_alone_does_not_roll_back() -> None:
     """Re-measured, a winner regresses from its lucky window by chance; that is no reason to
     undo it as long as it is not worse than the weights it replaced."""
     cfg = es_config(window_samples=10, pairs=1, rollback=0.2, max_failures=100)
-    t = Tuner(cfg, (1.0, 1.0), seed=7)
+    t = Tuner(cfg, W(1.0, 1.0), seed=7)
     for ms in (100.0, 60.0, 95.0, 95.0):  # incumbent, winner, winner re-measured, candidate
         p = t.active or t.next_weights(0.0)
         for _ in range(10):
             t.observe(mk(ms, p.weights.version))
         t.next_weights(0.0)
-    assert t.accepted == 1 and t.incumbent != (1.0, 1.0)
+    assert t.accepted == 1 and t.incumbent != W(1.0, 1.0)
     assert [h["event"] for h in t.history] == ["evaluation", "evaluation"]
     assert t.last_good is None  # probation passed
 
@@ -482,7 +536,7 @@ def test_a_window_is_scored_on_every_request_it_routed() -> None:
     """Closed on completions, a window would be scored on its fastest requests. Here it waits for
     every request the routers say it routed, and the next evaluation routes in the meantime."""
     cfg = es_config(window_samples=10, pairs=1, margin=0.0)
-    t = Tuner(cfg, (1.0, 1.0), seed=0)
+    t = Tuner(cfg, W(1.0, 1.0), seed=0)
     v_inc = t.next_weights(0.0).weights.version
     t.routed(v_inc, 10)
     for _ in range(8):
@@ -508,7 +562,7 @@ def test_a_clear_win_is_taken_before_the_incumbents_stragglers_report() -> None:
     """Early acceptance fills the incumbent's missing requests in as instant and the candidate's
     as never finishing: it is taken only when no outcome of them could undo it."""
     cfg = es_config(window_samples=20, pairs=1)
-    t = Tuner(cfg, (1.0, 1.0), seed=0)
+    t = Tuner(cfg, W(1.0, 1.0), seed=0)
     rng = np.random.default_rng(0)
     v_inc = t.next_weights(0.0).weights.version
     t.routed(v_inc, 20)
@@ -526,13 +580,13 @@ def test_a_clear_win_is_taken_before_the_incumbents_stragglers_report() -> None:
     assert t.accepted == 1 and t.history[-1]["missing"] == 2
     # The evaluation routing meanwhile measured the old incumbent: dropped, restarted from the
     # new one.
-    assert p.arm == INCUMBENT and (p.weights.rtt, p.weights.queue) == t.incumbent
-    assert t.incumbent == (cand.weights.rtt, cand.weights.queue)
+    assert p.arm == INCUMBENT and dict(p.weights) == t.incumbent
+    assert t.incumbent == dict(cand.weights)
 
 
 def test_requests_that_never_report_back_stop_blocking_after_the_census_timeout() -> None:
     cfg = es_config(window_samples=10, pairs=1, census_timeout_s=30.0)
-    t = Tuner(cfg, (1.0, 1.0), seed=0)
+    t = Tuner(cfg, W(1.0, 1.0), seed=0)
     v_inc = t.next_weights(0.0).weights.version
     t.routed(v_inc, 12)  # two of them will never export a span (a router restarted, say)
     for _ in range(10):
@@ -555,13 +609,13 @@ def physical(rng: np.random.Generator, version: int, b: float = 2.0) -> Sample:
     """TTFT = RTT + prefill + b * queue estimate (+ noise): the router's queue is off by b."""
     q = float(rng.uniform(0.0, 2000.0))
     ttft = 50.0 + 300.0 + b * q + float(rng.normal(0.0, 20.0))
-    return Sample(ttft, ttft + 400.0, 200, "r0", "near", "gorgo", version, 0.0, 50.0, q, 300.0,
-                  0, 100)
+    return Sample(ttft, ttft + 400.0, 200, "r0", "near", "gorgo", version, 0.0,
+                  terms(rtt=50.0, queue=q, prefill=300.0), 0, 100)
 
 
 def test_the_fitted_weights_are_the_first_candidate_and_are_not_retried_unchanged() -> None:
     cfg = OptimizerConfig(window_samples=10, pairs=1, model_min_samples=20)
-    t = Tuner(cfg, (20.0, 0.05), seed=0)
+    t = Tuner(cfg, W(20.0, 0.05), seed=0)
     rng = np.random.default_rng(0)
     warm = t.next_weights(0.0)
     assert warm.arm == BRIDGE  # the first evaluation waits, unscored, for the fit's samples
@@ -571,12 +625,12 @@ def test_the_fitted_weights_are_the_first_candidate_and_are_not_retried_unchange
     for _ in range(10):
         t.observe(physical(rng, warm.weights.version))
     p = t.next_weights(1.5)
-    assert p.arm == INCUMBENT and (p.weights.rtt, p.weights.queue) == (20.0, 0.05)
+    assert p.arm == INCUMBENT and dict(p.weights) == W(20.0, 0.05)
     for _ in range(10):
         t.observe(physical(rng, p.weights.version))
     cand = t.next_weights(2.0)
     assert cand.arm == CANDIDATE
-    assert cand.weights.rtt == 1.0 and cand.weights.queue == pytest.approx(2.0, rel=0.05)
+    assert cand.weights["rtt"] == 1.0 and cand.weights["queue"] == pytest.approx(2.0, rel=0.05)
     for _ in range(20):
         t.observe(physical(rng, cand.weights.version))  # no better: rejected
     p = t.next_weights(3.0)
@@ -585,8 +639,8 @@ def test_the_fitted_weights_are_the_first_candidate_and_are_not_retried_unchange
     for _ in range(10):
         t.observe(physical(rng, p.weights.version))
     cand = t.next_weights(4.0)
-    assert cand.arm == CANDIDATE and cand.weights.rtt != 1.0  # a random step this time
-    assert t.model_tried == (1.0, pytest.approx(2.0, rel=0.05))
+    assert cand.arm == CANDIDATE and cand.weights["rtt"] != 1.0  # a random step this time
+    assert t.model_tried == {"rtt": 1.0, "queue": pytest.approx(2.0, rel=0.05)}
 
 
 def test_block_bootstrap_widens_the_interval_for_bursts() -> None:
@@ -616,7 +670,7 @@ def test_a_promising_but_inconclusive_fitted_candidate_gets_more_windows() -> No
     """Measured better, but not beyond the noise: the fitted candidate runs more ABBA pairs (up
     to ``model_pairs``), each look at ``fpr`` / looks, instead of being dropped."""
     cfg = OptimizerConfig(window_samples=10, pairs=1, model_min_samples=20, model_pairs=2)
-    t = Tuner(cfg, (20.0, 0.05), seed=0)
+    t = Tuner(cfg, W(20.0, 0.05), seed=0)
     rng = np.random.default_rng(0)
     warm = t.next_weights(0.0)
     for _ in range(20):
@@ -634,7 +688,7 @@ def test_a_promising_but_inconclusive_fitted_candidate_gets_more_windows() -> No
     feed(cand, 0.97)
     more = t.next_weights(3.0)
     assert t.history[-1]["event"] == "extended" and t.evaluations == 0
-    assert more.arm == CANDIDATE and (more.weights.rtt, more.weights.queue) == t.model_tried
+    assert more.arm == CANDIDATE and dict(more.weights) == t.model_tried
     feed(more, 0.97)
     last = t.next_weights(4.0)
     assert last.arm == INCUMBENT

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from gorgo.core.contract import SPAN_PREFIX, TERM_FIELDS
+from gorgo.core.terms import TERMS
 from tuner.samples import FOREIGN, MALFORMED, NO_TTFT, SpanDropped, parse_export, parse_span
 
 
@@ -15,7 +17,8 @@ def test_envoy_span_becomes_a_sample(span_builders) -> None:
     assert s.status == 200 and s.ok
     assert (s.replica, s.region, s.policy, s.decision_id) == ("r0", "near", "gorgo", "ab-1")
     assert s.weights_version == 3
-    assert (s.predicted_ttft_ms, s.rtt_ms, s.queue_ms, s.prefill_ms) == (101.5, 40.25, 10, 51.25)
+    assert s.predicted_ttft_ms == 101.5
+    assert s.terms == {"rtt": 40.25, "queue": 10.0, "prefill": 51.25, "penalty": 0.0}
     assert (s.uncached_tokens, s.prompt_tokens) == (512, 1024)
     assert s.end_unix_s == pytest.approx(1_700_000_000.8125)
 
@@ -24,8 +27,19 @@ def test_typed_attribute_values_are_accepted(span_builders) -> None:
     attrs, span, _ = span_builders
     s = parse_span(span(attrs(gorgo__weights_version=4, http__status_code=503,
                               gorgo__rtt_ms=2.5, gorgo__uncached_tokens="64.0")))
-    assert (s.weights_version, s.status, s.rtt_ms, s.uncached_tokens) == (4, 503, 2.5, 64)
+    assert (s.weights_version, s.status, s.terms["rtt"], s.uncached_tokens) == (4, 503, 2.5, 64)
     assert not s.ok
+
+
+def test_every_term_of_the_registry_is_read_from_its_contract_tag(span_builders) -> None:
+    """The terms come from the registry, not from a list of fields of the tuner's own."""
+    attrs, span, _ = span_builders
+    tags = {SPAN_PREFIX + f: str(7.5 + k) for k, f in enumerate(TERM_FIELDS)}
+    s = parse_span(span({**attrs(), **tags}))
+    assert s.terms == {t.name: 7.5 + k for k, t in enumerate(TERMS)}
+    for field in TERM_FIELDS:  # each one is required, strictly
+        with pytest.raises(SpanDropped, match=MALFORMED):
+            parse_span(span(attrs(**{SPAN_PREFIX + field: None})))
 
 
 @pytest.mark.parametrize(("over", "reason"), [
@@ -48,6 +62,7 @@ def test_typed_attribute_values_are_accepted(span_builders) -> None:
     ({"gorgo__region": None}, MALFORMED),
     ({"gorgo__rtt_ms": "fast"}, MALFORMED),
     ({"gorgo__queue_ms": True}, MALFORMED),
+    ({"gorgo__penalty_ms": "-"}, MALFORMED),
     ({"gorgo__uncached_tokens": "1e400"}, MALFORMED),
     ({"gorgo__prompt_tokens": "-1"}, MALFORMED),
 ])

@@ -19,8 +19,9 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
 
 from extproc.http_api import make_app
 from extproc.telemetry import RouterMetrics
-from gorgo.core.fleet import Weights, parse_fleet
+from gorgo.core.fleet import parse_fleet
 from gorgo.core.router import Router
+from gorgo.core.weights import Weights
 from tuner.main import ConfigError, TunerService, load_config
 from tuner.optimizer import OptimizerConfig, Proposal
 from tuner.publisher import Publisher, RouterTarget
@@ -35,8 +36,10 @@ class RouterApp:
     def __init__(self) -> None:
         self.router = Router(parse_fleet({
             "regions": {"local": {}},
-            "replicas": [{"name": "r0", "region": "local", "address": "127.0.0.1:1"},
-                         {"name": "r1", "region": "local", "address": "127.0.0.1:2"}],
+            "replicas": [
+                {"name": "r0", "engine": "sim", "region": "local", "address": "127.0.0.1:1"},
+                {"name": "r1", "engine": "sim", "region": "local", "address": "127.0.0.1:2"},
+            ],
         }))
         self.runner: web.AppRunner | None = None
         self.url = ""
@@ -55,6 +58,10 @@ class RouterApp:
     @property
     def weights(self) -> Weights:
         return self.router.state.weights
+
+
+def W(rtt: float, queue: float) -> dict[str, float]:
+    return {"rtt": rtt, "queue": queue}
 
 
 def write_config(tmp: Path, apps: list[RouterApp], **extra: Any) -> Path:
@@ -115,22 +122,22 @@ def test_publishes_to_every_router_and_resumes_after_restart(tmp_path: Path,
         a, b = RouterApp(), RouterApp()
         await a.start()
         await b.start()
-        a.router.state.set_weights(Weights(1.5, 0.5, 10))  # an earlier tuner run left v10
+        a.router.state.set_weights(Weights(W(1.5, 0.5), 10))  # an earlier tuner run left v10
         cfg = load_config(write_config(tmp_path, [a, b]))
         svc = TunerService(cfg)
         await svc.start()
         try:
             # Fresh start: begins from the live weights, above the highest live version.
-            assert svc.tuner.incumbent == (1.5, 0.5)
+            assert svc.tuner.incumbent == W(1.5, 0.5)
             await svc.tick(0.0)
             assert a.weights == b.weights
-            assert a.weights.version == 11 and (a.weights.rtt, a.weights.queue) == (1.5, 0.5)
+            assert a.weights.version == 11 and dict(a.weights) == W(1.5, 0.5)
             # Samples of the live version arrive over OTLP; the window closes; a candidate goes out.
             await export_samples(svc.otlp_port, 11, 5, 100_000, span_builders)
             await svc.tick(1.0)
             assert a.weights.version == b.weights.version == 12
             assert svc.tuner.active.arm == "candidate"
-            assert (a.weights.rtt, a.weights.queue) != (1.5, 0.5)
+            assert dict(a.weights) != W(1.5, 0.5)
             # Samples of other versions are ignored, and a foreign span is counted and dropped.
             await export_samples(svc.otlp_port, 3, 5, 100_000, span_builders)
             status, doc = await get_json(f"http://127.0.0.1:{svc.status_port}/status")
@@ -143,18 +150,22 @@ def test_publishes_to_every_router_and_resumes_after_restart(tmp_path: Path,
             status, text = await get_json(f"http://127.0.0.1:{svc.status_port}/metrics")
             assert 'gorgo_tuner_spans_total{result="samples"} 10.0' in text
             assert "gorgo_tuner_active_version 12.0" in text
+            for key in ("rtt", "queue"):
+                assert f'gorgo_tuner_incumbent_weight{{term="{key}"}}' in text
+            assert set(doc["tuner"]["incumbent"]) == {"rtt", "queue", "p95_ms"}
+            assert set(doc["tuner"]["active"]) >= {"rtt", "queue", "version", "arm"}
             # A much better candidate wins the evaluation and becomes the incumbent.
             await export_samples(svc.otlp_port, 12, 5, 10_000, span_builders)
             await svc.tick(2.0)
             assert svc.tuner.accepted == 1
             winner = svc.tuner.incumbent
-            assert a.weights.version == 13 and (a.weights.rtt, a.weights.queue) == winner
+            assert a.weights.version == 13 and dict(a.weights) == winner
         finally:
             await svc.stop()
         # Killed tuner: the routers keep the last weights they accepted.
         assert a.weights.version == 13
         saved = json.loads(cfg.state_file.read_text())
-        assert saved["next_version"] == 14 and saved["incumbent"] == list(winner)
+        assert saved["next_version"] == 14 and saved["incumbent"] == winner
         # Restart: resumes the incumbent and the version counter.
         svc2 = TunerService(cfg)
         await svc2.start()
@@ -162,7 +173,7 @@ def test_publishes_to_every_router_and_resumes_after_restart(tmp_path: Path,
             assert svc2.tuner.incumbent == winner and svc2.tuner.accepted == 1
             await svc2.tick(0.0)
             assert a.weights.version == b.weights.version == 14
-            assert (a.weights.rtt, a.weights.queue) == winner
+            assert dict(a.weights) == winner
         finally:
             await svc2.stop()
             await a.stop()
@@ -179,12 +190,12 @@ def test_conflicting_version_is_renumbered_and_an_outage_does_not_block_others(
             await svc.tick(0.0)
             assert a.weights.version == b.weights.version == 1
             # An operator pushed v50 to b by hand; the tuner's next version would be 2.
-            b.router.state.set_weights(Weights(3.0, 3.0, 50))
+            b.router.state.set_weights(Weights(W(3.0, 3.0), 50))
             svc.tuner.renumber(1)  # force a republish of the same window as v2
             await svc.tick(0.1)
             assert a.weights.version == b.weights.version == 51
             assert svc.tuner.active.weights.version == 51
-            assert (b.weights.rtt, b.weights.queue) == (1.0, 1.0)
+            assert dict(b.weights) == W(1.0, 1.0)
             # Router b goes away: a keeps getting updates, b is retried with backoff.
             port_b = int(b.url.rsplit(":", 1)[1])
             await b.stop()
@@ -213,7 +224,7 @@ def test_publisher_reports_auth_failures_without_acking(tmp_path: Path) -> None:
         await a.start()
         try:
             async with Publisher([RouterTarget(a.url, "wrong")]) as pub:
-                prop = Proposal(Weights(2.0, 2.0, 5), {}, "incumbent")
+                prop = Proposal(Weights(W(2.0, 2.0), 5), {}, "incumbent")
                 assert await pub.sync(prop) is None
                 assert await pub.fetch(RouterTarget(a.url, "wrong")) is None
                 st = pub.status()[0]
@@ -250,10 +261,14 @@ def test_unreadable_state_file_is_not_overwritten(tmp_path: Path) -> None:
     ({"listen": "nowhere"}, "listen"),
     ({"bogus": 1}, "bogus"),
     ({"optimizer": {"fpr": 2}}, "fpr"),
-    ({"optimizer": {"bounds": [0.01, 20]}}, "bounds"),
+    ({"optimizer": {"bounds": [0.01, 20]}}, r"optimizer\.bounds\.rtt"),
+    ({"optimizer": {"bounds": {"queue": [0.05, 25]}}}, r"optimizer\.bounds\.queue"),
+    ({"optimizer": {"bounds": {"warp": [1, 2]}}}, r"optimizer\.bounds\.warp"),
     ({"calibration": {"window": "big"}}, "calibration.window"),
     ({"tls_cert_file": "cert.pem"}, "tls"),
     ({"initial_weights": {"rtt": 1}}, "initial_weights"),
+    ({"initial_weights": {"rtt": 1, "queue": 1, "warp": 1}}, "initial_weights"),
+    ({"initial_weights": {"rtt": 1, "queue": -1}}, "queue"),
     ({"tick_s": 0}, "tick_s"),
 ])
 def test_config_errors_name_the_field(tmp_path: Path, extra: dict, match: str) -> None:
@@ -305,3 +320,15 @@ def test_counts_what_every_router_routed_under_the_scored_versions(tmp_path: Pat
             assert svc.tuner.window_for(v).routed == 9
 
     run(body)
+
+
+def test_initial_weights_and_bounds_are_keyed_by_weight(tmp_path: Path) -> None:
+    class Fake:
+        url = "http://127.0.0.1:9"
+
+    path = write_config(tmp_path, [Fake()],  # type: ignore[list-item]
+                        initial_weights={"rtt": 2, "queue": 0.5},
+                        optimizer={"bounds": {"queue": [0.1, 10]}})
+    cfg = load_config(path)
+    assert cfg.initial_weights == W(2.0, 0.5)
+    assert cfg.optimizer.bounds == {"rtt": (0.05, 20.0), "queue": (0.1, 10.0)}

@@ -1,47 +1,61 @@
-"""The queue weight under which the cost predicts the TTFT delivered."""
+"""The weights under which the cost predicts the TTFT delivered: fitted over the registry."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
+from gorgo.core.terms import ANCHOR, EXCLUDED, FIXED, FREE, CostTerm
 from tuner.samples import Sample
-from tuner.weight_fit import QueueWeightFit
+from tuner.weight_fit import WeightFit
 
 
 def sample(rng: np.random.Generator, b: float, *, q_max: float = 3000.0,
-           status: int = 200) -> Sample:
+           status: int = 200, penalty: float = 0.0) -> Sample:
     q = float(rng.uniform(0.0, q_max))
     ttft = 80.0 + 400.0 + 30.0 + b * q + float(rng.normal(0.0, 50.0))
-    return Sample(ttft, ttft + 900.0, status, "r0", "near", "gorgo", 1, 0.0, 80.0, q, 400.0, 0,
-                  100)
+    return Sample(ttft, ttft + 900.0, status, "r0", "near", "gorgo", 1, 0.0,
+                  {"rtt": 80.0, "queue": q, "prefill": 400.0, "penalty": penalty}, 0, 100)
 
 
 @pytest.mark.parametrize("b", [0.3, 1.0, 4.0])
 def test_recovers_how_far_the_queue_estimate_is_off(b: float) -> None:
-    fit = QueueWeightFit(min_samples=40)
+    fit = WeightFit(min_samples=40)
     rng = np.random.default_rng(1)
     for _ in range(200):
         fit.observe(sample(rng, b))
     assert fit.ready()
-    assert fit.queue_weight() == pytest.approx(b, rel=0.05)
+    w = fit.weights()
+    assert w is not None and list(w) == ["rtt", "queue"]
+    assert w["rtt"] == 1.0  # anchored: a request pays its round trip once
+    assert w["queue"] == pytest.approx(b, rel=0.05)
+
+
+def test_the_penalty_is_not_a_latency_and_stays_out() -> None:
+    rng, rng2, noise = (np.random.default_rng(s) for s in (5, 5, 6))
+    plain, penalised = WeightFit(min_samples=40), WeightFit(min_samples=40)
+    for _ in range(200):
+        plain.observe(sample(rng, 2.0))
+        penalised.observe(sample(rng2, 2.0, penalty=float(noise.uniform(0, 1e4))))
+    # the same requests, with penalties all over the place: the very same fit
+    assert penalised.weights() == plain.weights()
 
 
 def test_no_answer_without_enough_requests_or_without_queueing() -> None:
     rng = np.random.default_rng(2)
-    fit = QueueWeightFit(min_samples=40)
+    fit = WeightFit(min_samples=40)
     for _ in range(39):
         fit.observe(sample(rng, 1.0))
-    assert not fit.ready() and fit.queue_weight() is None
-    idle = QueueWeightFit(min_samples=10)
+    assert not fit.ready() and fit.weights() is None
+    idle = WeightFit(min_samples=10)
     for _ in range(100):
         idle.observe(sample(rng, 1.0, q_max=1.0))  # nobody queued: nothing to say about it
-    assert idle.ready() and idle.queue_weight() is None
+    assert idle.ready() and idle.weights() is None
 
 
 def test_failed_requests_are_not_fitted_and_the_window_forgets() -> None:
     rng = np.random.default_rng(3)
-    fit = QueueWeightFit(window=100, min_samples=40)
+    fit = WeightFit(window=100, min_samples=40)
     for _ in range(100):
         fit.observe(sample(rng, 1.0, status=503))
     assert not fit.ready()
@@ -49,14 +63,40 @@ def test_failed_requests_are_not_fitted_and_the_window_forgets() -> None:
         fit.observe(sample(rng, 3.0))
     for _ in range(100):
         fit.observe(sample(rng, 0.5))
-    assert fit.queue_weight() == pytest.approx(0.5, rel=0.05)
+    assert fit.weights()["queue"] == pytest.approx(0.5, rel=0.05)
 
 
 def test_a_nonsense_fit_gives_no_answer() -> None:
     rng = np.random.default_rng(4)
-    fit = QueueWeightFit(min_samples=20)
+    fit = WeightFit(min_samples=20)
     for _ in range(100):
         fit.observe(sample(rng, -1.0))  # more queue, faster: no weight explains that
-    assert fit.queue_weight() is None
+    assert fit.weights() is None
     with pytest.raises(ValueError):
-        QueueWeightFit(window=10, min_samples=20)
+        WeightFit(window=10, min_samples=20)
+
+
+def _term(name: str, fit: str, weight: str | None = None) -> CostTerm:
+    return CostTerm(name=name, doc=name, compute=lambda f, s: np.zeros(0), weight=weight,
+                    fit=fit)
+
+
+def test_every_free_term_of_a_registry_is_fitted() -> None:
+    """A registry with two free terms: TTFT - anchor - fixed = c + b1 * a + b2 * d."""
+    terms = [_term("rtt", ANCHOR, "rtt"), _term("a", FREE, "wa"), _term("d", FREE, "wd"),
+             _term("prefill", FIXED), _term("penalty", EXCLUDED)]
+    fit = WeightFit(min_samples=40, terms=terms)
+    rng = np.random.default_rng(6)
+    for _ in range(300):
+        t = {"rtt": float(rng.uniform(10, 200)), "a": float(rng.uniform(0, 2000)),
+             "d": float(rng.uniform(0, 1000)), "prefill": float(rng.uniform(50, 500)),
+             "penalty": float(rng.uniform(0, 1e4))}
+        ttft = 25.0 + t["rtt"] + t["prefill"] + 0.5 * t["a"] + 3.0 * t["d"] + rng.normal(0, 20)
+        fit.observe(Sample(float(ttft), float(ttft) + 100, 200, "r0", "near", "gorgo", 1, 0.0,
+                           t, 0, 100))
+    w = fit.weights()
+    assert w is not None and set(w) == {"rtt", "wa", "wd"}
+    assert w["rtt"] == 1.0
+    assert w["wa"] == pytest.approx(0.5, rel=0.03) and w["wd"] == pytest.approx(3.0, rel=0.03)
+    with pytest.raises(ValueError, match="no weight"):
+        WeightFit(terms=[_term("x", FREE)])
