@@ -98,6 +98,8 @@ class ExtProcServer:
 
 
 async def serve(args: argparse.Namespace, spec: FleetSpec, token: str | None) -> int:
+    stop = asyncio.Event()
+    shutdown.on_stop(stop.set)  # first: a signal during the start still stops in order
     router = Router(spec, id_prefix=os.urandom(3).hex())
     server = ExtProcServer(router, admin_token=token)
     try:
@@ -112,8 +114,6 @@ async def serve(args: argparse.Namespace, spec: FleetSpec, token: str | None) ->
         log.warning("admin API reachable on %s: keep its token secret and the port firewalled",
                     args.metrics_host)
     print(f"READY grpc={server.grpc_port} metrics={server.metrics_port}", flush=True)
-    stop = asyncio.Event()
-    shutdown.on_stop(stop.set)
     await stop.wait()
     await server.stop()
     return 0

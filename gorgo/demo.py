@@ -29,10 +29,13 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
 
+from gorgo import shutdown
 from gorgo.core.features import extract_features
 from gorgo.core.fleet import parse_fleet
 from gorgo.core.tokens import Tokenization
+from gorgo.errors import UserError
 from gorgo.harness.stack import LiveStack, StackOptions, with_free_ports
+from gorgo.progress import StatusLine
 from gorgo.sim.presets import fleet_document
 from gorgo.sim.replay import RequestRecord, replay, select_window
 from gorgo.sim.stats import summarize
@@ -80,6 +83,7 @@ class Live:
         self.run, self.stack, self.total = run, stack, total
         self.stop = threading.Event()
         self.version = 0
+        self.status = StatusLine(sys.stderr)
 
     def loop(self) -> None:
         t0 = time.monotonic()
@@ -93,15 +97,14 @@ class Live:
                 pass
             self.print(time.monotonic() - t0)
 
-    def print(self, elapsed: float) -> None:
+    def print(self, elapsed: float, final: bool = False) -> None:
         recs = list(self.run.records)
         ttft = summarize([r.ttft_ms for r in recs if r.ttft_ms is not None])
         errors = sum(r.outcome != "ok" for r in recs)
         p = (f"{ttft.p50 / 1000:.2f}/{ttft.p95 / 1000:.2f} s" if ttft.count else "-")
-        sys.stderr.write(
-            f"\r  [{self.run.policy:>13}] {elapsed:5.0f}s  done {len(recs):4d}/{self.total}  "
-            f"errors {errors}  TTFT p50/p95 {p}  weights v{self.version}   ")
-        sys.stderr.flush()
+        line = (f"  [{self.run.policy:>13}] {elapsed:5.0f}s  done {len(recs):4d}/{self.total}  "
+                f"errors {errors}  TTFT p50/p95 {p}  weights v{self.version}")
+        (self.status.done if final else self.status.update)(line)
 
 
 def _slice(args: argparse.Namespace):
@@ -129,8 +132,7 @@ def run_live(args: argparse.Namespace, doc: dict[str, Any], policy: str, out: Pa
         finally:
             live.stop.set()
             ticker.join(2)
-            live.print(time.monotonic() - t0)
-            sys.stderr.write("\n")
+            live.print(time.monotonic() - t0, final=True)
         run.wall_s = time.monotonic() - t0
     return run
 
@@ -278,22 +280,27 @@ def _s(ms: float | None) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
+    requests = _slice(args)  # a bad --trace is a TraceError (UserError) before anything starts
+    if not requests:
+        raise UserError("the slice is empty; move --offset into the trace or raise --duration")
     out = Path(args.out or f"results/demo-{datetime.now():%Y%m%d-%H%M%S}")
     out.mkdir(parents=True, exist_ok=True)
     doc = fleet_document({r: 2 for r in REGIONS}, profile=args.profile, name="demo")
-    requests = _slice(args)
-    if not requests:
-        print("gorgo demo: the slice is empty", file=sys.stderr)
-        return 2
     stop_flag = threading.Event()
-    previous = signal.getsignal(signal.SIGINT)
+    previous = {sig: signal.getsignal(sig) for sig in shutdown.STOP_SIGNALS}
 
-    def interrupt(signum, frame) -> None:
-        print("\nstopping: Ctrl-C again to abort at once", file=sys.stderr)
+    def interrupt(signum: int, _frame: object) -> None:
+        """The first stop signal ends the demo after the current run, with a report; the next
+        one (the previous handlers: gorgo.shutdown's) aborts at once."""
+        shutdown.note(signum)
+        print("\nstopping: ending this run, then the report (Ctrl-C again to abort at once)",
+              file=sys.stderr)
         stop_flag.set()
-        signal.signal(signal.SIGINT, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
 
-    signal.signal(signal.SIGINT, interrupt)
+    for sig in shutdown.STOP_SIGNALS:
+        signal.signal(sig, interrupt)
     baselines = [p for p in args.baselines.split(",") if p]
     print(f"gorgo demo: {len(requests)} requests of {args.trace} per run, "
           f"{args.duration:g} s each; live policies: gorgo, {', '.join(baselines) or '-'}",

@@ -34,6 +34,7 @@ from gorgo.core.contract import (
     TTFT_ATTR,
 )
 from gorgo.core.fleet import FleetSpec, load_fleet
+from gorgo.errors import UserError
 
 _T = "type.googleapis.com/"
 EXTPROC_CLUSTER = "gorgo_extproc"
@@ -330,12 +331,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    text = render_yaml(load_fleet(args.fleet), listen=args.listen, extproc=args.extproc,
-                       otlp=args.otlp, admin=args.admin, picker=args.picker,
-                       body_mode=args.body_mode)
+    spec = load_fleet(args.fleet)
+    try:
+        text = render_yaml(spec, listen=args.listen, extproc=args.extproc, otlp=args.otlp,
+                           admin=args.admin, picker=args.picker, body_mode=args.body_mode)
+    except ValueError as exc:  # int() of a port: the only user input left unchecked here
+        raise UserError(f"{exc}; --listen, --extproc, --otlp and --admin take HOST:PORT") from None
     if args.output == "-":
         sys.stdout.write(text)
-    else:
+        return 0
+    try:
         with open(args.output, "w") as fh:
             fh.write(text)
+    except OSError as exc:
+        raise UserError(f"cannot write {args.output}: {exc.strerror}") from None
     return 0

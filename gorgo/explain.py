@@ -11,13 +11,17 @@ import argparse
 import json
 import os
 import sys
+import urllib.error
 import urllib.request
 from pathlib import Path
 
 from gorgo.core.explain import Explanation, explain
 from gorgo.core.features import RequestError, extract_features
-from gorgo.core.fleet import load_fleet
+from gorgo.core.fleet import FleetSpec, load_fleet
 from gorgo.core.router import Router
+from gorgo.errors import UserError
+
+TOKEN_ENV = "GORGO_ADMIN_TOKEN"  # as extproc.admin reads it (not imported: it pulls in aiohttp)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -38,8 +42,9 @@ def _headers(pairs: list[str]) -> dict[str, str]:
     return out
 
 
-def offline(fleet: str, path: str, headers: dict[str, str], body: bytes) -> Explanation:
-    spec = load_fleet(fleet)
+def offline(fleet: str | FleetSpec, path: str, headers: dict[str, str],
+            body: bytes) -> Explanation:
+    spec = load_fleet(fleet) if isinstance(fleet, str) else fleet
     router = Router(spec)
     rtt = {r.name: r.rtt_ms for r in spec.regions}
     for i, replica in enumerate(spec.replicas):
@@ -48,29 +53,65 @@ def offline(fleet: str, path: str, headers: dict[str, str], body: bytes) -> Expl
 
 
 def live(url: str, token: str, path: str, headers: dict[str, str], body: bytes) -> dict:
+    """The router's explanation; UserError if it cannot be reached or refuses the call."""
     payload = json.dumps({"path": path, "headers": headers, "body": body.decode()}).encode()
     req = urllib.request.Request(
         url.rstrip("/") + "/admin/explain", data=payload, method="POST",
         headers={"authorization": f"Bearer {token}", "content-type": "application/json"})
-    with urllib.request.urlopen(req, timeout=10) as r:
-        return json.loads(r.read())
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        raise UserError(f"{url} answered {exc.code}: {_error_message(exc)}") from None
+    except (urllib.error.URLError, OSError) as exc:
+        reason = getattr(exc, "reason", exc)
+        reason = getattr(reason, "strerror", None) or reason
+        raise UserError(f"cannot reach the router at {url}: {reason}; is `gorgo extproc` "
+                        "running there (its --metrics-port)?") from None
+
+
+def _error_message(exc: urllib.error.HTTPError) -> str:
+    try:
+        return str(json.loads(exc.read())["error"]["message"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return exc.reason or "error"
+
+
+def _token(token_file: str | None) -> str:
+    if token_file:
+        try:
+            token = Path(token_file).read_text().strip()
+        except OSError as exc:
+            raise UserError(f"{token_file}: cannot read the admin token: {exc.strerror}") from None
+    else:
+        token = os.environ.get(TOKEN_ENV, "").strip()
+    if not token:
+        raise UserError(f"--router needs the router's admin token: give --token-file FILE or set "
+                        f"{TOKEN_ENV}")
+    return token
+
+
+def _body(name: str) -> bytes:
+    if name == "-":
+        return sys.stdin.buffer.read()
+    try:
+        return Path(name).read_bytes()
+    except OSError as exc:
+        raise UserError(f"--body {name}: {exc.strerror}") from None
 
 
 def main(args: argparse.Namespace) -> int:
-    body = sys.stdin.buffer.read() if args.body == "-" else Path(args.body).read_bytes()
+    if not args.router and not args.fleet:
+        raise UserError("give --fleet FILE (what-if) or --router URL (a running router)")
     headers = _headers(args.header)
     try:
         if args.router:
-            token = os.environ.get("GORGO_ADMIN_TOKEN", "")
-            if args.token_file:
-                token = Path(args.token_file).read_text().strip()
-            result = live(args.router, token, args.path, headers, body)
+            token = _token(args.token_file)
+            result = live(args.router, token, args.path, headers, _body(args.body))
             print(json.dumps(result, indent=2))
             return 0
-        if not args.fleet:
-            print("gorgo explain: give --fleet or --router", file=sys.stderr)
-            return 2
-        exp = offline(args.fleet, args.path, headers, body)
+        spec = load_fleet(args.fleet)  # before reading stdin: a bad file fails at once
+        exp = offline(spec, args.path, headers, _body(args.body))
     except RequestError as err:
         print(json.dumps(err.to_body()), file=sys.stderr)
         return 1

@@ -41,7 +41,14 @@ from gorgo.sim.offline import SimResult
 from gorgo.sim.presets import PRESETS, resolve_fleet
 from gorgo.sim.profiles import get_profile
 from gorgo.sim.stats import jsonable, percentile
-from gorgo.sim.workload import ORACLE, Workload, build_workload, simulate, tokenization
+from gorgo.sim.traces import load_trace
+from gorgo.sim.workload import (
+    ORACLE,
+    Workload,
+    simulate,
+    tokenization,
+    workload_from_requests,
+)
 
 DEFAULT_LOADS = (0.5, 0.8, 0.95)
 GOAL_LOAD = 0.8
@@ -449,9 +456,10 @@ def load_workload(cmd: str, trace: str, spec: FleetSpec, requests: int | None,
                   log: Callable[[str], None]) -> Workload:
     """The trace's request features for ``spec``; UserError ``cannot load ...`` if the trace
     cannot be used (a bench exits 2 on it rather than with a traceback)."""
-    log(f"{cmd}: building request features for {trace} ({requests or 'all'} requests) ...")
     try:
-        workload = build_workload(trace, tokenization(spec), requests)
+        reqs = load_trace(trace)[:requests]  # first: a bad trace fails before any progress line
+        log(f"{cmd}: building request features for {trace} ({len(reqs)} requests) ...")
+        workload = workload_from_requests(trace, reqs, tokenization(spec))
         _ = workload.mean_rate_rps
     except (ValueError, OSError) as exc:
         raise UserError(f"cannot load {trace!r}: {exc}") from None

@@ -15,12 +15,11 @@ import bisect
 import contextlib
 import itertools
 import json
-import signal
 import socket
 import struct
 import time
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 from aiohttp import web
@@ -29,6 +28,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
 
+from gorgo import shutdown
 from gorgo.core.features import (
     RequestError,
     endpoint_for_path,
@@ -37,6 +37,7 @@ from gorgo.core.features import (
     prompt_text,
 )
 from gorgo.core.tokens import DEFAULT_BLOCK_TOKENS, DEFAULT_CHARS_PER_TOKEN, Tokenization
+from gorgo.errors import UserError, bind_error
 from gorgo.sim.engine import Engine, EngineRejected, EngineRequest, StepResult
 from gorgo.sim.profiles import PROFILES, get_profile
 
@@ -565,12 +566,15 @@ def build_server(args: argparse.Namespace) -> EngineServer:
     )
 
 
-async def _serve(server: EngineServer, host: str, port: int, stop_signals: Iterable[int]) -> None:
-    loop = asyncio.get_running_loop()
+async def _serve(server: EngineServer, host: str, port: int) -> None:
     done = asyncio.Event()
-    for sig in stop_signals:
-        loop.add_signal_handler(sig, done.set)
-    bound = await server.start(host, port)
+    shutdown.on_stop(done.set)
+    try:
+        bound = await server.start(host, port)
+    except OSError as exc:
+        await server.stop()
+        raise bind_error(exc, f"the engine on {host}:{port}",
+                         "free it or pick another --port (0 = any free port)") from None
     print(f"engine {server.name} ({server.flavor}, {server.engine.profile.name}) listening on "
           f"http://{host}:{bound}", flush=True)
     try:
@@ -580,7 +584,10 @@ async def _serve(server: EngineServer, host: str, port: int, stop_signals: Itera
 
 
 def main(args: argparse.Namespace) -> int:
-    """Run one engine server until SIGINT/SIGTERM."""
-    server = build_server(args)
-    asyncio.run(_serve(server, args.host, args.port, (signal.SIGINT, signal.SIGTERM)))
+    """Run one engine server until SIGINT/SIGTERM (0); a bad profile or port is a UserError."""
+    try:
+        server = build_server(args)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    asyncio.run(_serve(server, args.host, args.port))
     return 0

@@ -16,15 +16,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import signal
-import sys
 from collections.abc import Collection
 from typing import Any
 
 from aiohttp import web
 
+from gorgo import shutdown
 from gorgo.core.fleet import FleetSpec, ReplicaSpec, load_fleet
 from gorgo.core.tokens import Tokenization
+from gorgo.errors import UserError, bind_error, check_port
 from gorgo.sim.engine import Engine
 from gorgo.sim.engine_server import EngineServer
 from gorgo.sim.link import Link
@@ -160,32 +160,42 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="WARNING")
 
 
-async def _serve(args: argparse.Namespace) -> int:
-    spec = load_fleet(args.fleet)
-    try:
-        fleet = SimFleet(spec, speed=args.speed, stream_interval=args.stream_interval,
-                         seed=args.seed, model=args.model, regions=args.region, bind=args.bind)
-    except ValueError as exc:
-        print(f"gorgo sim fleet: {exc}", file=sys.stderr)
-        return 2
-    await fleet.start()
+async def _serve(args: argparse.Namespace, fleet: SimFleet) -> int:
+    stop = asyncio.Event()
+    shutdown.on_stop(stop.set)  # first: a signal during the start still stops in order
     runner = None
     control = -1
-    if args.control_port >= 0:
-        runner = web.AppRunner(fleet.control_app(), access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", args.control_port)
-        await site.start()
-        control = runner.addresses[-1][1]
+    hint = f"free it or change the replica's address (or sim.port) in {args.fleet}"
+    for r in fleet.replicas:  # name the replica; the bind error itself would not
+        host = args.bind or r.host
+        check_port(host, r.port, f"replica {r.name} on {host}:{r.port}", hint)
+    try:
+        try:
+            await fleet.start()
+        except OSError as exc:
+            raise bind_error(exc, "a replica", hint) from None
+        except ValueError as exc:  # e.g. an unknown sim.profile
+            raise UserError(f"{args.fleet}: {exc}") from None
+        if args.control_port >= 0:
+            runner = web.AppRunner(fleet.control_app(), access_log=None)
+            await runner.setup()
+            site = web.TCPSite(runner, "127.0.0.1", args.control_port)
+            try:
+                await site.start()
+            except OSError as exc:
+                raise bind_error(exc, f"the control API on 127.0.0.1:{args.control_port}",
+                                 "free it or pick another --control-port (0 = any)") from None
+            control = runner.addresses[-1][1]
+    except BaseException:
+        if runner is not None:
+            await runner.cleanup()
+        await fleet.stop()
+        raise
     print(f"READY replicas={len(fleet.servers)} control={control}", flush=True)
     for name, link in fleet.links.items():
         server = fleet.servers[name]
         print(f"  {name}: {link.front_host}:{link.port} -> engine :{server.port} "
               f"(rtt {link.rtt_ms:.0f} ms, {server.engine.profile.name})", flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     if runner is not None:
         await runner.cleanup()
@@ -194,5 +204,12 @@ async def _serve(args: argparse.Namespace) -> int:
 
 
 def main(args: argparse.Namespace) -> int:
+    """Serve until SIGTERM/SIGINT (0); a bad fleet file, region or port is a UserError."""
     logging.basicConfig(level=args.log_level)
-    return asyncio.run(_serve(args))
+    spec = load_fleet(args.fleet)
+    try:
+        fleet = SimFleet(spec, speed=args.speed, stream_interval=args.stream_interval,
+                         seed=args.seed, model=args.model, regions=args.region, bind=args.bind)
+    except ValueError as exc:
+        raise UserError(f"{exc}; give --region one of those") from None
+    return asyncio.run(_serve(args, fleet))

@@ -16,7 +16,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import signal
 import sys
 import time
 from collections import Counter
@@ -29,7 +28,10 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
+from gorgo import shutdown
 from gorgo.core.tokens import Tokenization
+from gorgo.errors import UserError
+from gorgo.progress import StatusLine
 from gorgo.sim.stats import percentile, rate_per_s, summarize
 from gorgo.sim.traces import DESCRIPTION, TraceRequest, load_trace, parse_spec
 
@@ -173,19 +175,13 @@ class _Progress:
         )
 
     async def run(self) -> None:
-        tty = getattr(self.stream, "isatty", lambda: False)()
-        start = "\r\x1b[2K" if tty else "\r"
-        width = 0
+        status = StatusLine(self.stream)
         try:
             while True:
-                text = self.line()
-                self.stream.write(start + text.ljust(width))
-                self.stream.flush()
-                width = len(text)
+                status.update(self.line())
                 await asyncio.sleep(PROGRESS_PERIOD_S)
         finally:
-            self.stream.write(start + self.line().ljust(width) + "\n")
-            self.stream.flush()
+            status.done(self.line())
 
 
 async def replay(
@@ -501,7 +497,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--traces-dir", default=None,
-        help="folder holding the trace files (default: $GORGO_TRACES or ../shared/traces)",
+        help="folder holding the trace files (default: $GORGO_TRACES, else the repo's data/traces)",
     )
     parser.add_argument(
         "--chars-per-token", type=float, default=Tokenization().chars_per_token,
@@ -524,16 +520,16 @@ def parse_headers(items: Sequence[str]) -> dict[str, str]:
 
 
 def main(args: argparse.Namespace) -> int:
-    """Run ``gorgo replay``; 0 when the replay finished, 130 when interrupted, 2 on bad input."""
+    """Run ``gorgo replay``; 0 when the replay finished, 130 when interrupted; bad input raises
+    UserError (a bad trace: its TraceError)."""
     try:
         headers = parse_headers(args.header)
-        source, _ = parse_spec(args.trace)
-        requests = load_trace(args.trace, root=args.traces_dir)
         tok = Tokenization(chars_per_token=args.chars_per_token)
         target = endpoint_url(args.url, args.endpoint)
-    except (ValueError, KeyError, OSError) as exc:
-        print(f"replay: cannot load {args.trace!r}: {exc}", file=sys.stderr)
-        return 2
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    source, _ = parse_spec(args.trace)
+    requests = load_trace(args.trace, root=args.traces_dir)
     selected = select_window(
         requests, args.offset, args.duration, args.max_requests, args.time_scale
     )
@@ -553,12 +549,7 @@ def main(args: argparse.Namespace) -> int:
 
     async def run() -> ReplayResult:
         stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        installed = []
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            with contextlib.suppress(NotImplementedError, RuntimeError):
-                loop.add_signal_handler(sig, stop.set)
-                installed.append(sig)
+        undo = shutdown.on_stop(stop.set)
         try:
             return await replay(
                 selected, args.url, args.time_scale, tok=tok, model=args.model,
@@ -567,8 +558,7 @@ def main(args: argparse.Namespace) -> int:
                 progress=sys.stderr if show_progress else None, stop=stop,
             )
         finally:
-            for sig in installed:
-                loop.remove_signal_handler(sig)
+            undo()
 
     t_start = time.monotonic()
     with contextlib.ExitStack() as files:
@@ -607,5 +597,3 @@ def _print_summary(summary: dict[str, Any]) -> None:
                 f"{name[:-3]:>5}  p50 {s['p50']:.1f}  p90 {s['p90']:.1f}  p95 {s['p95']:.1f}  "
                 f"p99 {s['p99']:.1f} ms  (n={s['count']})"
             )
-    if summary["interrupted"]:
-        print("interrupted: in-flight requests were cancelled", file=sys.stderr)

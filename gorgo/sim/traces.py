@@ -20,7 +20,8 @@ Sources (``load_trace`` spec strings):
 
 Options after ``:`` are ``key=value`` pairs separated by commas; a bare value is a path. Every
 source accepts ``limit=N`` (first N requests); file sources accept ``path=``. Trace files are found
-under ``traces_dir()``: ``$GORGO_TRACES`` if set, else ``../shared/traces`` beside the repository.
+under ``traces_dir()``: ``$GORGO_TRACES`` if set, else the repository's own ``data/traces`` (see
+``data/README.md`` for sources, licenses and checksums). A missing file raises ``TraceNotFound``.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from typing import Any
 import numpy as np
 
 from gorgo.core.tokens import Tokenization
+from gorgo.errors import UserError
 
 TRACES_ENV = "GORGO_TRACES"
 MOONCAKE_FILE = "mooncake/conversation_trace.jsonl"
@@ -203,26 +205,41 @@ def build_text(
 # ---------------------------------------------------------------------------------- sources
 
 
+# The repository's data/traces: gorgo/sim/traces.py -> parents[2] is the source tree's root.
+DEFAULT_TRACES_DIR = Path(__file__).resolve().parents[2] / "data" / "traces"
+
+
+class TraceError(UserError, ValueError):
+    """A trace spec or trace file that cannot be used; `gorgo` reports it in one line."""
+
+
+class TraceNotFound(TraceError):
+    """A trace file that is not there (a ValueError, as any other bad trace spec)."""
+
+
 def traces_dir(override: str | os.PathLike[str] | None = None) -> Path:
-    """Where the shared trace files live: ``override``, ``$GORGO_TRACES``, else ../shared/traces."""
+    """Where the trace files live: ``override``, ``$GORGO_TRACES``, else the repo's data/traces."""
     if override:
         return Path(override)
     env = os.environ.get(TRACES_ENV)
     if env:
         return Path(env)
-    beside_repo = Path(__file__).resolve().parents[1].parent / "shared" / "traces"
-    beside_cwd = Path.cwd().parent / "shared" / "traces"
-    if not beside_repo.is_dir() and beside_cwd.is_dir():
-        return beside_cwd
-    return beside_repo
+    return DEFAULT_TRACES_DIR
 
 
 def _resolve(path: str | os.PathLike[str] | None, default: str, root: Path | None) -> Path:
     base = root if root is not None else traces_dir()
     if path is None:
-        return base / default
-    p = Path(path)
-    return p / Path(default).name if p.is_dir() else p
+        file = base / default
+    else:
+        p = Path(path)
+        file = p / Path(default).name if p.is_dir() else p
+    if not file.is_file():
+        raise TraceNotFound(
+            f"trace file not found: {file} (the repository ships it under data/traces; "
+            f"${TRACES_ENV} or a path in the spec points elsewhere)"
+        )
+    return file
 
 
 def mooncake_trace(
@@ -428,36 +445,44 @@ def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
     name, _, rest = spec.strip().partition(":")
     name = name.strip().lower()
     if name not in SOURCES:
-        raise ValueError(f"unknown trace source {name!r}; expected one of {SOURCES}")
+        raise TraceError(f"unknown trace source {name!r}; expected one of {SOURCES}")
     allowed = {"limit": int, **(_CHAT_OPTIONS if name == "chat" else _FILE_OPTIONS[name])}
     opts: dict[str, Any] = {}
     if not rest:
         return name, opts
     if "=" not in rest:
         if name == "chat":
-            raise ValueError("chat options are key=value pairs, e.g. chat:seed=1,users=50")
+            raise TraceError("chat options are key=value pairs, e.g. chat:seed=1,users=50")
         return name, {"path": rest}
     for item in rest.split(","):
         key, eq, value = item.partition("=")
         key = key.strip()
         if not eq or key not in allowed:
-            raise ValueError(f"bad option {item!r} for {name}; known: {sorted(allowed)}")
+            raise TraceError(f"bad option {item!r} for {name}; known: {sorted(allowed)}")
         try:
             opts[key] = allowed[key](value.strip())
         except ValueError:
-            raise ValueError(f"bad value for {key}: {value!r}") from None
+            raise TraceError(f"bad value for {key}: {value!r}") from None
     return name, opts
 
 
 def load_trace(spec: str, root: str | os.PathLike[str] | None = None) -> list[TraceRequest]:
-    """Load a trace from a CLI spec (see the module docstring); ``root`` overrides traces_dir()."""
+    """Load a trace from a CLI spec (see the module docstring); ``root`` overrides traces_dir().
+    Any problem with the spec or its file is a TraceError."""
     name, opts = parse_spec(spec)
     base = traces_dir(root) if root is not None else None
-    if name == "mooncake":
-        return mooncake_trace(root=base, **opts)
-    if name == "azure":
-        return azure_trace(root=base, **opts)
-    return chat_trace(**opts)
+    try:
+        if name == "mooncake":
+            return mooncake_trace(root=base, **opts)
+        if name == "azure":
+            return azure_trace(root=base, **opts)
+        return chat_trace(**opts)
+    except TraceError:
+        raise
+    except KeyError as exc:
+        raise TraceError(f"{spec}: a record lacks the field {exc}") from None
+    except (ValueError, OSError) as exc:
+        raise TraceError(f"{spec}: {exc}") from None
 
 
 # ----------------------------------------------------------------------------- statistics

@@ -34,6 +34,7 @@ def stack(tmp_path_factory) -> Iterator[Stack]:
     stop_stack(st)
 
 
+@pytest.mark.slow
 def test_request_lands_on_the_replica_the_policy_chose(stack: Stack) -> None:
     for k in range(6):
         status, headers, _, _ = stack.post(chat(f"question {k} " * 50),
@@ -133,6 +134,7 @@ def test_no_healthy_replica_is_503_with_retry_after(tmp_path: Path) -> None:
         stop_stack(st)
 
 
+@pytest.mark.slow
 def test_killing_extproc_fails_open_to_default_cluster(tmp_path: Path) -> None:
     st = start_stack(tmp_path, n=3)
     try:

@@ -152,6 +152,7 @@ def test_request_trailers_are_answered_after_the_body(st: Stack, tmp_path: Path)
     assert headers["x-body-sha256"] == _sha(body)
 
 
+@pytest.mark.slow
 def test_fails_open_to_the_default_cluster_once_the_router_is_down(tmp_path: Path) -> None:
     """Envoy ignores failure_mode_allow once it has streamed body to the router, so the rendered
     health check must take the dead router out before requests fail open."""

@@ -17,6 +17,7 @@ from tests.support.e2e import chat, start_stack, stop_stack
 pytestmark = pytest.mark.envoy
 
 
+@pytest.mark.slow
 def test_picker_routes_to_the_picked_endpoint_and_fails_open(tmp_path: Path) -> None:
     st = start_stack(tmp_path, n=3, endpoint_picker=True)
     try:

@@ -8,7 +8,7 @@ import pytest
 
 from gorgo.cli import main
 
-pytestmark = pytest.mark.envoy
+pytestmark = [pytest.mark.envoy, pytest.mark.slow]  # real Envoy; about 40 s
 
 
 def test_short_demo_writes_report_and_plots(tmp_path: Path,

@@ -36,6 +36,8 @@ def _validate(tmp_path: Path, text: str) -> None:
     assert "deprecated" not in (out.stdout + out.stderr).lower()
 
 
+# Runs `envoy --mode validate`.
+@pytest.mark.envoy
 @pytest.mark.parametrize("kwargs", [
     {},
     {"otlp": "127.0.0.1:4317"},

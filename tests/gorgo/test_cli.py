@@ -1,0 +1,295 @@
+"""The `gorgo` command line fails one way and stops one way (see gorgo/cli.py's docstring).
+
+A user error is one stderr line ``gorgo <command>: ...`` and exit 2; SIGTERM or Ctrl-C is one
+``stopped (SIG...)`` line and exit 0 for a server, 130 for a batch command; never a traceback.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import io
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+
+import gorgo
+from gorgo.cli import main
+from gorgo.errors import UserError
+from gorgo.progress import StatusLine
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLE = REPO / "envoy" / "fleet.example.yaml"
+
+
+def _one_line(capsys: pytest.CaptureFixture[str], command: str) -> str:
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    lines = err.splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith(f"gorgo {command}: "), err
+    return lines[0]
+
+
+@pytest.fixture
+def body(tmp_path: Path) -> Path:
+    path = tmp_path / "body.json"
+    path.write_text('{"model": "m", "messages": [{"role": "user", "content": "hi"}]}')
+    return path
+
+
+@pytest.fixture
+def busy_port() -> Iterator[int]:
+    """A loopback port held by a listening socket for the whole test."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield s.getsockname()[1]
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# --- user errors, in process ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("argv", "command", "says"), [
+    (["envoy-config", "/nonexistent.yaml"], "envoy-config", "cannot read fleet file"),
+    (["extproc", "--fleet", "/nonexistent.yaml"], "extproc", "cannot read fleet file"),
+    (["demo", "--trace", "nonexist"], "demo", "unknown trace source 'nonexist'"),
+])
+def test_acceptance_commands_fail_in_one_line(
+    argv: list[str], command: str, says: str, capsys: pytest.CaptureFixture[str],
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.chdir(tmp_path)  # the demo must not create its results folder first
+    assert main(argv) == 2
+    assert says in _one_line(capsys, command)
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("broken", ["missing", "invalid"])
+@pytest.mark.parametrize(("argv", "command"), [
+    (["envoy-config", "{fleet}"], "envoy-config"),
+    (["extproc", "--fleet", "{fleet}", "--port", "0", "--metrics-port", "-1"], "extproc"),
+    (["sim", "fleet", "{fleet}"], "sim fleet"),
+    (["explain", "--fleet", "{fleet}", "--body", "{body}"], "explain"),
+])
+def test_a_bad_fleet_file_is_one_line(
+    argv: list[str], command: str, broken: str, tmp_path: Path, body: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    fleet = tmp_path / "fleet.yaml"
+    if broken == "invalid":
+        fleet.write_text("replicas: 3\n")
+    args = [a.format(fleet=fleet, body=body) for a in argv]
+    assert main(args) == 2
+    assert "fleet.yaml" in _one_line(capsys, command)
+
+
+def test_explain_router_without_a_token(body: Path, capsys: pytest.CaptureFixture[str],
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("GORGO_ADMIN_TOKEN", raising=False)
+    assert main(["explain", "--router", "http://127.0.0.1:1", "--body", str(body)]) == 2
+    line = _one_line(capsys, "explain")
+    assert "--token-file" in line and "GORGO_ADMIN_TOKEN" in line
+
+
+def test_explain_router_that_is_down(body: Path, capsys: pytest.CaptureFixture[str],
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GORGO_ADMIN_TOKEN", "secret")
+    url = f"http://127.0.0.1:{_closed_port()}"
+    assert main(["explain", "--router", url, "--body", str(body)]) == 2
+    line = _one_line(capsys, "explain")
+    assert f"cannot reach the router at {url}" in line and "refused" in line
+
+
+@pytest.mark.parametrize(("argv", "command", "says"), [
+    (["extproc"], "extproc", "--fleet"),  # argparse: a required option
+    (["sim", "engine", "--port", "x"], "sim engine", "invalid int value"),
+    (["explain"], "explain", "--fleet"),
+    (["replay", "--trace", "nonexist", "--url", "http://127.0.0.1:1"], "replay", "nonexist"),
+    (["bench", "sim", "--trace", "nonexist", "--capacity", "1", "--out", "{tmp}"], "bench sim",
+     "cannot load 'nonexist'"),
+    (["tuner", "--config", "/nonexistent.yaml"], "tuner", "cannot read config"),
+])
+def test_other_user_errors_are_one_line(argv: list[str], command: str, says: str,
+                                        tmp_path: Path,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([a.format(tmp=tmp_path) for a in argv]) == 2
+    assert says in _one_line(capsys, command)
+
+
+def test_existing_error_types_are_user_errors() -> None:
+    from extproc.admin import AdminTokenError
+    from gorgo.core.fleet import FleetError
+    from gorgo.sim.traces import TraceError, TraceNotFound
+    from tuner.main import ConfigError
+    from tuner.state_store import StateError
+
+    for cls in (AdminTokenError, FleetError, TraceError, TraceNotFound, ConfigError, StateError):
+        assert issubclass(cls, UserError) and issubclass(cls, ValueError), cls
+
+
+def test_a_bug_keeps_its_traceback(monkeypatch: pytest.MonkeyPatch) -> None:
+    import gorgo.envoy_config
+
+    def broken(_args: object) -> int:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(gorgo.envoy_config, "main", broken)
+    with pytest.raises(RuntimeError, match="a bug"):
+        main(["envoy-config", str(EXAMPLE)])
+
+
+# --- version, help, unknown commands ----------------------------------------------------------
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    try:
+        expected = importlib.metadata.version("gorgo-router")
+    except importlib.metadata.PackageNotFoundError:
+        expected = gorgo.__version__
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out == f"gorgo {expected}\n"
+
+
+@pytest.mark.parametrize("argv", [["sim"], ["sim", "--help"], ["bench", "--help"], ["bench"]])
+def test_a_group_lists_its_subcommands(argv: list[str],
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    group = argv[0]
+    subcommands = {"sim": ("sim engine", "sim fleet"), "bench": ("bench sim", "bench tune")}
+    assert all(s in out for s in subcommands[group])
+    assert "replay" not in out
+
+
+def test_unknown_command(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["frobnicate"]) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines()[0] == "gorgo: unknown command 'frobnicate'"
+    assert "usage: gorgo <command>" in err and "envoy-config" in err
+
+
+# --- progress lines -----------------------------------------------------------------------------
+
+
+class _Tty(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_redraws_only_on_a_terminal() -> None:
+    log = io.StringIO()
+    status = StatusLine(log, every_s=0.0)
+    for i in range(3):
+        status.update(f"step {i}")
+    status.done("finished")
+    assert "\r" not in log.getvalue()
+    assert log.getvalue().splitlines() == ["step 0", "step 1", "step 2", "finished"]
+
+    quiet = io.StringIO()
+    status = StatusLine(quiet)  # every 10 s: a short run writes the final state only
+    for i in range(100):
+        status.update(f"step {i}")
+    status.done("finished")
+    assert quiet.getvalue() == "finished\n"
+
+    tty = _Tty()
+    status = StatusLine(tty)
+    status.update("step 0")
+    status.done("finished")
+    assert tty.getvalue().count("\r") == 2 and tty.getvalue().endswith("finished\n")
+
+
+# --- ports and signals, as subprocesses ----------------------------------------------------------
+
+
+def _gorgo(tmp_path: Path, *args: str) -> tuple[subprocess.Popen[bytes], Path, Path]:
+    out, err = tmp_path / "stdout", tmp_path / "stderr"
+    with open(out, "wb") as o, open(err, "wb") as e:
+        proc = subprocess.Popen([sys.executable, "-m", "gorgo.cli", *args], cwd=REPO,
+                                stdout=o, stderr=e)
+    return proc, out, err
+
+
+def _run(tmp_path: Path, *args: str) -> tuple[int, str]:
+    proc, _, err = _gorgo(tmp_path, *args)
+    try:
+        return proc.wait(60), err.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _fleet_on(tmp_path: Path, port: int) -> Path:
+    doc = yaml.safe_load(EXAMPLE.read_text())
+    doc["replicas"][0]["address"] = f"127.0.0.1:{port}"
+    path = tmp_path / "fleet.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+@pytest.mark.parametrize(("argv", "command", "says"), [
+    (["extproc", "--fleet", str(EXAMPLE), "--port", "0", "--metrics-port", "{port}"],
+     "extproc", "--metrics-port"),
+    (["extproc", "--fleet", str(EXAMPLE), "--port", "{port}", "--metrics-port", "0"],
+     "extproc", "--port"),
+    (["sim", "fleet", "{fleet}"], "sim fleet", "replica use-0"),
+    (["sim", "engine", "--profile", "tiny-test", "--port", "{port}"], "sim engine", "--port"),
+])
+def test_a_port_in_use_is_one_line(argv: list[str], command: str, says: str, busy_port: int,
+                                   tmp_path: Path) -> None:
+    fleet = _fleet_on(tmp_path, busy_port)
+    rc, err = _run(tmp_path, *(a.format(port=busy_port, fleet=fleet) for a in argv))
+    assert rc == 2, err
+    lines = err.splitlines()  # also no C-level line of gRPC's own
+    assert len(lines) == 1 and lines[0].startswith(f"gorgo {command}: "), err
+    assert "in use" in lines[0] and str(busy_port) in lines[0] and says in lines[0]
+
+
+def _wait_for(path: Path, text: str, proc: subprocess.Popen[bytes], timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while text not in path.read_text():
+        assert proc.poll() is None, path.read_text()
+        assert time.monotonic() < deadline, f"no {text!r} in time"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize(("argv", "ready", "sig", "rc"), [
+    (["extproc", "--fleet", str(EXAMPLE), "--port", "0", "--metrics-port", "0"], "READY",
+     signal.SIGTERM, 0),
+    (["extproc", "--fleet", str(EXAMPLE), "--port", "0", "--metrics-port", "0"], "READY",
+     signal.SIGINT, 0),
+    (["sim", "engine", "--profile", "tiny-test"], "listening", signal.SIGTERM, 0),
+    (["replay", "--trace", "chat:limit=500", "--url", "http://127.0.0.1:{port}"], "replay:",
+     signal.SIGTERM, 130),
+])
+def test_a_signal_stops_with_one_line(argv: list[str], ready: str, sig: signal.Signals,
+                                      rc: int, tmp_path: Path) -> None:
+    args = [a.format(port=_closed_port()) for a in argv]
+    proc, out, err = _gorgo(tmp_path, *args)
+    try:
+        _wait_for(err if argv[0] == "replay" else out, ready, proc)
+        proc.send_signal(sig)
+        assert proc.wait(30) == rc, err.read_text()
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+    text = err.read_text()
+    assert not any(s in text for s in ("Traceback", "CancelledError", "KeyboardInterrupt")), text
+    command = " ".join(argv[:2] if argv[0] == "sim" else argv[:1])
+    assert text.splitlines()[-1] == f"gorgo {command}: stopped ({sig.name})", text
