@@ -154,6 +154,11 @@ def _metric_lines(text: str, name: str) -> dict[str, float]:
     return out
 
 
+def _rtt_ms(text: str) -> dict[str, float]:
+    """The router's RTT per replica, in ms as the records keep it (the metric is in seconds)."""
+    return {k: v * 1000.0 for k, v in _metric_lines(text, "gorgo_rtt_seconds").items()}
+
+
 def _metric_value(text: str, name: str) -> float:
     """An unlabelled sample's value (NaN when absent)."""
     for line in text.splitlines():
@@ -236,7 +241,7 @@ def run_live(path: Path, policy: str, requests: Sequence[TraceRequest], time_sca
         envoy.start()
 
         def rtt_known() -> bool:
-            vals = _metric_lines(_get(metrics_url), "gorgo_rtt_ms")
+            vals = _rtt_ms(_get(metrics_url))
             return len(vals) == len(spec.replicas) and all(v == v for v in vals.values())
 
         t_ready = time.perf_counter()
@@ -244,7 +249,7 @@ def run_live(path: Path, policy: str, requests: Sequence[TraceRequest], time_sca
             raise RuntimeError(f"the router has no RTT for every replica after {RTT_WAIT_S} s")
         log(f"[crosscheck] live {policy}: stack up, RTT known after "
             f"{time.perf_counter() - t_ready:.1f} s; replaying {len(requests)} requests")
-        rtt_start = _metric_lines(_get(metrics_url), "gorgo_rtt_ms")
+        rtt_start = _rtt_ms(_get(metrics_url))
         samples: list[dict[str, float]] = []
 
         async def go() -> list[RequestRecord]:
@@ -255,7 +260,7 @@ def run_live(path: Path, policy: str, requests: Sequence[TraceRequest], time_sca
                 while not stop.is_set():
                     with contextlib.suppress(Exception):
                         text = await loop.run_in_executor(None, _get, metrics_url)
-                        samples.append(_metric_lines(text, "gorgo_rtt_ms"))
+                        samples.append(_rtt_ms(text))
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(stop.wait(), SAMPLE_PERIOD_S)
 

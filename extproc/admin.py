@@ -11,7 +11,6 @@ router back. The router never calls out to the tuner: if the tuner dies, the las
 from __future__ import annotations
 
 import hmac
-import json
 import logging
 import math
 import os
@@ -23,9 +22,10 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter
 
+from extproc.telemetry import log_event
 from gorgo.core.contract import PREFILL_RATE_BOUNDS, VERSION_MAX, WEIGHT_BOUNDS
 from gorgo.core.explain import explain
-from gorgo.core.features import RequestError, extract_features
+from gorgo.core.features import RequestError, extract_features, parse_json_body
 from gorgo.core.router import Router
 from gorgo.core.weights import Weights
 from gorgo.errors import UserError
@@ -34,6 +34,8 @@ log = logging.getLogger("gorgo.admin")
 
 TOKEN_ENV = "GORGO_ADMIN_TOKEN"
 DISABLED = "admin API disabled"
+WEIGHTS_MAX_BYTES = 1 << 20  # a weights update, prefill rates of thousands of replicas included
+MAX_DEPTH = 8  # nesting of an admin body (a weights update needs 2 levels)
 _FIELDS = (*WEIGHT_BOUNDS, "version", "prefill_rate")
 
 
@@ -43,16 +45,22 @@ class AdminTokenError(UserError, ValueError):
 
 def load_admin_token(path: str | None, env: Mapping[str, str] = os.environ) -> str | None:
     """The token from ``path`` if given, else from $GORGO_ADMIN_TOKEN; None disables the API."""
+    where = path or f"${TOKEN_ENV}"
     if path:
         try:
-            token = Path(path).read_text().strip()
+            token = Path(path).read_bytes().decode("ascii", "replace").strip()
         except OSError as exc:
             raise AdminTokenError(f"{path}: cannot read admin token: {exc.strerror}") from None
         if not token:
             raise AdminTokenError(f"{path}: admin token file is empty")
-        return token
-    token = env.get(TOKEN_ENV, "").strip()
-    return token or None
+    else:
+        token = env.get(TOKEN_ENV, "").strip()
+        if not token:
+            return None
+    # It travels in an HTTP header, where only printable ASCII survives every client.
+    if not (token.isascii() and token.isprintable()):
+        raise AdminTokenError(f"{where}: admin token must be printable ASCII")
+    return token
 
 
 class _Invalid(Exception):
@@ -71,6 +79,22 @@ def _error(status: int, message: str, field: str | None = None, **extra: Any) ->
     body = {"error": {"message": message, "field": field, **extra}}
     headers = {"www-authenticate": "Bearer"} if status == 401 else None
     return web.json_response(body, status=status, headers=headers)
+
+
+async def _read_json(request: web.Request, limit: int) -> dict[str, Any]:
+    """The body as a JSON object, refused (413, 400) before it can cost more than ``limit``
+    bytes or ``MAX_DEPTH`` levels of nesting."""
+    if (request.content_length or 0) > limit:
+        raise _Invalid(413, f"body is over {limit} bytes", None)
+    raw = bytearray()
+    async for chunk in request.content.iter_chunked(65536):
+        raw += chunk
+        if len(raw) > limit:
+            raise _Invalid(413, f"body is over {limit} bytes", None)
+    try:
+        return parse_json_body(bytes(raw), MAX_DEPTH)
+    except RequestError as err:
+        raise _Invalid(400, err.message, None) from None
 
 
 def _number(value: Any, field: str, lo: float, hi: float) -> float:
@@ -95,8 +119,10 @@ class AdminApi:
         if self._token is None:
             return _error(403, DISABLED)
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        ok = scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(),
-                                                                 self._token)
+        given = given.strip()
+        # A token is ASCII (load_admin_token): anything else is wrong, not a decoding error.
+        ok = (scheme.lower() == "bearer" and given.isascii()
+              and hmac.compare_digest(given.encode(), self._token))
         return None if ok else _error(401, "missing or wrong bearer token")
 
     def current(self) -> dict[str, Any]:
@@ -119,31 +145,29 @@ class AdminApi:
             self.updates.labels("denied").inc()
             return denied
         try:
-            weights, rates = self._validate(await request.read())
+            weights, rates = self._validate(await _read_json(request, WEIGHTS_MAX_BYTES))
         except _Invalid as exc:
             self.updates.labels(str(exc.status)).inc()
             return exc.response()
         self.router.state.set_weights(weights, rates)
         self.updates.labels("applied").inc()
-        log.info("weights v%d applied: %s%s", weights.version,
-                 " ".join(f"{k}={v:g}" for k, v in weights.items()),
-                 f" prefill_rate={rates}" if rates else "")
+        log_event(log, "weights_applied", version=weights.version, **weights,
+                  **({"prefill_rate": ",".join(f"{k}:{v}" for k, v in rates.items())}
+                     if rates else {}))
         return web.json_response(self.current())
 
-    def _validate(self, raw: bytes) -> tuple[Weights, dict[str, float | None]]:
-        try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise _Invalid(400, "body is not valid JSON", None) from None
-        if not isinstance(body, dict):
-            raise _Invalid(400, "body must be a JSON object", None)
+    def _validate(self, body: dict[str, Any]) -> tuple[Weights, dict[str, float | None]]:
         for key in body:
             if key not in _FIELDS:
                 raise _Invalid(400, f"unknown field {key!r} (allowed: {', '.join(_FIELDS)})", key)
-        for key in (*WEIGHT_BOUNDS, "version"):
-            if key not in body:
-                raise _Invalid(400, f"{key} is required", key)
-        values = {k: _number(body[k], k, lo, hi) for k, (lo, hi) in WEIGHT_BOUNDS.items()}
+        if "version" not in body:
+            raise _Invalid(400, "version is required", "version")
+        if not set(WEIGHT_BOUNDS) & set(body):
+            raise _Invalid(400, f"at least one weight is required ({', '.join(WEIGHT_BOUNDS)})",
+                           None)
+        # A weight left out keeps its active value (a publisher that tunes only some of them).
+        values = {k: _number(body[k], k, lo, hi) for k, (lo, hi) in WEIGHT_BOUNDS.items()
+                  if k in body}
         version = body["version"]
         if (isinstance(version, bool) or not isinstance(version, int)
                 or not 0 <= version <= VERSION_MAX):
@@ -166,7 +190,7 @@ class AdminApi:
         if version <= active:
             raise _Invalid(409, f"version {version} is not above the active version {active}",
                            "version", active_version=active)
-        return Weights(values, version), rates
+        return self.router.state.weights.replace(values, version), rates
 
 
     async def explain(self, request: web.Request) -> web.Response:
@@ -175,9 +199,11 @@ class AdminApi:
         if denied is not None:
             return denied
         try:
-            spec = json.loads(await request.read())
-            if not isinstance(spec, dict):
-                raise ValueError("body must be a JSON object")
+            # The request's own body rides as a JSON string: room for it escaped.
+            spec = await _read_json(request, 2 * self.router.spec.limits.max_body_bytes + 65536)
+        except _Invalid as exc:
+            return exc.response()
+        try:
             path = str(spec.get("path", "/v1/chat/completions"))
             headers = {str(k).lower(): str(v) for k, v in (spec.get("headers") or {}).items()}
             body = str(spec.get("body", "")).encode()
@@ -185,7 +211,8 @@ class AdminApi:
             return _error(400, f"expected {{path, headers, body}}: {exc}")
         depth = self.router.spec.limits.max_json_depth
         try:
-            f = extract_features(path, headers, body, self.router.state.tok, depth)
+            f = extract_features(path, headers, body, self.router.state.tok, depth,
+                                 self.router.policies)
         except RequestError as err:
             return web.json_response(err.to_body(), status=err.status)
         return web.json_response(explain(self.router, f, time.monotonic()).to_dict())

@@ -1,4 +1,5 @@
-"""`gorgo extproc`: the ext_proc gRPC server, its signal tasks and its metrics endpoint."""
+"""`gorgo extproc`: the ext_proc gRPC server (with the standard gRPC health service), its signal
+tasks, its metrics endpoint and, with --otlp, its decision spans."""
 
 from __future__ import annotations
 
@@ -9,13 +10,15 @@ import os
 
 import grpc
 from aiohttp import web
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from extproc.admin import load_admin_token
-from extproc.http_api import make_app
+from extproc.http_api import make_app, readiness
 from extproc.service import ExtProcService
 from extproc.signals import Signals
-from extproc.telemetry import RouterMetrics
+from extproc.telemetry import RouterMetrics, log_event
 from gorgo import shutdown
+from gorgo._xds.envoy.service.ext_proc.v3 import external_processor_pb2
 from gorgo._xds.envoy.service.ext_proc.v3.external_processor_pb2_grpc import (
     add_ExternalProcessorServicer_to_server,
 )
@@ -26,6 +29,12 @@ from gorgo.errors import UserError, bind_error, check_port
 log = logging.getLogger("gorgo.extproc")
 GRPC_HINT = "free it or pick another --port (0 = any free port)"
 METRICS_HINT = "free it or pick another --metrics-port (0 = any free port, -1 = off)"
+# Next to the gRPC port, and outside Prometheus' exporter range (9100-9999: 9100 is node_exporter).
+METRICS_PORT = 50052
+# The gRPC health service answers for the server ("") and for the ext_proc service by name, as the
+# endpoint-picker protocol's gateways check it; its status follows /readyz, rechecked this often.
+EXTPROC_SERVICE = external_processor_pb2.DESCRIPTOR.services_by_name["ExternalProcessor"].full_name
+HEALTH_INTERVAL_S = 1.0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -33,23 +42,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="gRPC bind address (default loopback)")
     p.add_argument("--port", type=int, default=50051, help="gRPC port for Envoy (0 = any)")
     p.add_argument("--metrics-host", default="127.0.0.1", help="HTTP bind address")
-    p.add_argument("--metrics-port", type=int, default=9100,
+    p.add_argument("--metrics-port", type=int, default=METRICS_PORT,
                    help="HTTP port for /metrics and /admin (0 = any, -1 = off)")
     p.add_argument("--admin-token-file", default=None,
                    help="file holding the bearer token of /admin/weights (else $GORGO_ADMIN_TOKEN;"
                         " neither: the admin API answers 403)")
+    p.add_argument("--otlp", default=None,
+                   help="OTLP/gRPC collector HOST:PORT for the router's decision spans "
+                        "(default: none exported)")
     p.add_argument("--log-level", default="INFO")
 
 
 class ExtProcServer:
     """Everything one router process runs; usable in-process by tests and the demo."""
 
-    def __init__(self, router: Router, admin_token: str | None = None) -> None:
+    def __init__(
+        self, router: Router, admin_token: str | None = None, otlp: str | None = None
+    ) -> None:
         self.router = router
         self.admin_token = admin_token
-        self.metrics = RouterMetrics(router.state, lambda: router.open_requests)
+        self.metrics = RouterMetrics(router.state, lambda: router.open_requests, otlp)
         self.service = ExtProcService(router, self.metrics)
         self.signals = Signals(router, self.metrics)
+        self.health = health.aio.HealthServicer()
+        self._health_task: asyncio.Task | None = None
         self.grpc_port = 0
         self.metrics_port = 0
         self._grpc: grpc.aio.Server | None = None
@@ -70,6 +86,7 @@ class ExtProcServer:
             ("grpc.so_reuseport", 0),  # else a second router would silently share the port
         ])
         add_ExternalProcessorServicer_to_server(self.service, self._grpc)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
         try:
             self.grpc_port = self._grpc.add_insecure_port(f"{host}:{port}")
         except RuntimeError:  # "Failed to bind": the port was taken since check_port
@@ -78,8 +95,8 @@ class ExtProcServer:
             raise UserError(f"cannot listen for {grpc_what}; {GRPC_HINT}")
         await self._grpc.start()
         if metrics_port >= 0:
-            self._http = web.AppRunner(make_app(self.metrics, self.router, self.admin_token),
-                                        access_log=None)
+            self._http = web.AppRunner(make_app(self.metrics, self.router, self.admin_token,
+                                                 self.ready), access_log=None)
             await self._http.setup()
             site = web.TCPSite(self._http, metrics_host, metrics_port)
             try:
@@ -88,9 +105,28 @@ class ExtProcServer:
                 raise bind_error(exc, metrics_what, METRICS_HINT) from None
             self.metrics_port = self._http.addresses[-1][1]
         await self.signals.start()
+        await self.metrics.spans.start()
+        self._health_task = asyncio.create_task(self._serve_health())
+
+    def ready(self) -> dict[str, bool]:
+        return readiness(self.router, self.signals)
+
+    async def _serve_health(self) -> None:
+        serving = health_pb2.HealthCheckResponse.SERVING
+        not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
+        while True:
+            status = serving if all(self.ready().values()) else not_serving
+            for service in ("", EXTPROC_SERVICE):
+                await self.health.set(service, status)
+            await asyncio.sleep(HEALTH_INTERVAL_S)
 
     async def stop(self, grace: float = 1.0) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+            await asyncio.gather(self._health_task, return_exceptions=True)
+            await self.health.enter_graceful_shutdown()
         await self.signals.stop()
+        await self.metrics.spans.stop()
         if self._http is not None:
             await self._http.cleanup()
         if self._grpc is not None:
@@ -101,15 +137,16 @@ async def serve(args: argparse.Namespace, spec: FleetSpec, token: str | None) ->
     stop = asyncio.Event()
     shutdown.on_stop(stop.set)  # first: a signal during the start still stops in order
     router = Router(spec, id_prefix=os.urandom(3).hex())
-    server = ExtProcServer(router, admin_token=token)
+    server = ExtProcServer(router, admin_token=token, otlp=args.otlp)
     try:
         await server.start(args.host, args.port, args.metrics_host, args.metrics_port)
     except BaseException:
         await server.stop(0)
         raise
-    log.info("gorgo extproc: gRPC on %s:%d, metrics on %s:%d, %d replicas, policy %s, "
-             "admin API %s", args.host, server.grpc_port, args.metrics_host, server.metrics_port,
-             len(spec.replicas), spec.policy, "enabled" if token else "disabled")
+    log_event(log, "router_started", fleet=spec.name, replicas=len(spec.replicas),
+              policy=spec.policy, grpc=f"{args.host}:{server.grpc_port}",
+              metrics=f"{args.metrics_host}:{server.metrics_port}",
+              admin_api="enabled" if token else "disabled", spans=args.otlp or "off")
     if token and args.metrics_host not in ("127.0.0.1", "::1", "localhost"):
         log.warning("admin API reachable on %s: keep its token secret and the port firewalled",
                     args.metrics_host)

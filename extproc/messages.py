@@ -24,9 +24,6 @@ from gorgo.core.contract import (
     REPLICA_HEADER,
 )
 
-# Set by Envoy on the response (include_attempt_count_in_response): 2 means the retry served it.
-ATTEMPT_COUNT_HEADER = "x-envoy-attempt-count"
-
 CONTINUE_REQUEST_HEADERS = pb.ProcessingResponse(request_headers=pb.HeadersResponse())
 CONTINUE_RESPONSE_HEADERS = pb.ProcessingResponse(response_headers=pb.HeadersResponse())
 CONTINUE_REQUEST_BODY = pb.ProcessingResponse(request_body=pb.BodyResponse())

@@ -21,12 +21,19 @@ from typing import Any
 import numpy as np
 
 from extproc import messages
-from extproc.telemetry import RouterMetrics
+from extproc.telemetry import RouterMetrics, parse_traceparent
 from gorgo._xds.envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from gorgo._xds.envoy.service.ext_proc.v3.external_processor_pb2_grpc import (
     ExternalProcessorServicer,
 )
-from gorgo.core.contract import decision_fields
+from gorgo.core.contract import (
+    ATTEMPT_COUNT_HEADER,
+    OUTCOME_ATTR,
+    ROUTER_STATUS_ATTR,
+    SPAN_PREFIX,
+    decision_fields,
+    request_fields,
+)
 from gorgo.core.decision import SHED, Decision, Rejection
 from gorgo.core.features import RequestError, extract_features
 from gorgo.core.router import Router
@@ -39,13 +46,18 @@ _DUPLEX_KINDS = frozenset({"request_headers", "request_body", "request_trailers"
 class _Stream:
     """Per-request state carried between the messages of one ext_proc stream."""
 
-    __slots__ = ("answered", "chunks", "decision", "duplex", "fallback", "headers", "path", "size")
+    __slots__ = ("answered", "chunks", "decided_at", "decision", "duplex", "fallback", "headers",
+                 "path", "served", "size", "trace")
 
     def __init__(self) -> None:
         self.headers: dict[str, str] = {}
         self.path = "/"
         self.decision: Decision | None = None
+        self.decided_at = 0.0  # perf_counter() when decided
+        self.served = 0  # the replica that answered: the decision's, or the retry's
         self.fallback: int | None = None  # the replica Envoy retries on, if any
+        # (trace id, span id) of Envoy's ext_proc span, when decision spans are exported
+        self.trace: tuple[bytes, bytes] | None = None
         # FULL_DUPLEX_STREAMED only: the body so far, and whether the request is answered.
         self.duplex = False
         self.chunks: list[bytes] = []
@@ -70,7 +82,7 @@ class ExtProcService(ExternalProcessorServicer):
         self.clock = clock
         spec = router.spec
         self.max_body = spec.limits.max_body_bytes
-        self.max_depth = spec.limits.max_json_depth
+        self.limits = spec.limits
         self.picker = spec.endpoint_picker
         self.retries = spec.retries.enabled
 
@@ -78,6 +90,10 @@ class ExtProcService(ExternalProcessorServicer):
         self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: Any
     ) -> AsyncIterator[pb.ProcessingResponse]:
         st = _Stream()
+        if self.metrics.spans.enabled and context is not None:
+            st.trace = parse_traceparent(next(
+                (m.value for m in context.invocation_metadata() or () if m.key == "traceparent"),
+                None))
         try:
             async for req in request_iterator:
                 kind = req.WhichOneof("request")
@@ -101,6 +117,8 @@ class ExtProcService(ExternalProcessorServicer):
         finally:
             if st.decision is not None:
                 self.router.complete(st.decision.id)
+                self.metrics.request_seconds.labels(*self.metrics.replica(st.served)).observe(
+                    time.perf_counter() - st.decided_at)
 
     # --- message handlers ---------------------------------------------------------------------
 
@@ -163,15 +181,16 @@ class ExtProcService(ExternalProcessorServicer):
         headers = messages.header_dict(msg)
         status = headers.get(":status", "")
         served = d.replica
-        attempts = headers.get(messages.ATTEMPT_COUNT_HEADER, "1")
+        attempts = headers.get(ATTEMPT_COUNT_HEADER, "1")
         if st.fallback is not None and attempts.isdigit() and int(attempts) > 1:
             # Envoy retried on the next-best replica: the chosen one failed before answering.
             self.router.state.record_failed_response(d.replica, self.clock())
             served = st.fallback
             self.router.reassign(d.id, served)
-            self.metrics.retried.labels(self.router.state.names[d.replica]).inc()
+            self.metrics.retried.labels(*self.metrics.replica(d.replica)).inc()
+        st.served = served
         replica = self.router.state.names[served]
-        self.metrics.upstream_status.labels(replica, f"{status[:1]}xx").inc()
+        self.metrics.upstream_status.labels(*self.metrics.replica(served), f"{status[:1]}xx").inc()
         if status in ("500", "502", "503", "504"):
             self.router.state.record_failed_response(served, self.clock())
         elif status[:1] in ("2", "4"):
@@ -182,22 +201,30 @@ class ExtProcService(ExternalProcessorServicer):
 
     def _decide(self, st: _Stream, body: bytes, *, on_headers: bool) -> pb.ProcessingResponse:
         t0 = time.perf_counter()
+        wall0 = time.time_ns() if st.trace is not None else 0
         try:
-            f = extract_features(st.path, st.headers, body, self.router.state.tok, self.max_depth)
+            f = extract_features(st.path, st.headers, body, self.router.state.tok,
+                                 policies=self.router.policies, limits=self.limits)
             d = self.router.route(f, self.clock())
         except RequestError as err:
+            self._span(st, t0, wall0,
+                       {OUTCOME_ATTR: "invalid_request", ROUTER_STATUS_ATTR: err.status})
             return self._reject(err)
         except Exception:
             log.exception("routing failed; failing open to the default route")
             self.metrics.fail_open.inc()
+            self._span(st, t0, wall0, {OUTCOME_ATTR: "fail_open"}, error=True)
             return (messages.CONTINUE_REQUEST_HEADERS if on_headers
                     else messages.CONTINUE_REQUEST_BODY)
         if isinstance(d, Rejection):
+            self._span(st, t0, wall0, {OUTCOME_ATTR: d.reason, ROUTER_STATUS_ATTR: d.status})
             return self._refuse(d)
         st.decision = d
+        st.served = d.replica
         s = self.router.state
-        replica = s.names[d.replica]
-        fields = decision_fields(d, replica, s.regions[s.region_idx[d.replica]])
+        replica, region = self.metrics.replica(d.replica)
+        fields = {**decision_fields(d, replica, region),
+                  **request_fields(f, s.spec.replicas[d.replica].engine)}
         endpoint = s.spec.replicas[d.replica].address if self.picker else None
         st.fallback = next_best(d) if self.retries else None
         # Only with a routable next-best replica: a one-address list would leave the retry to
@@ -206,20 +233,34 @@ class ExtProcService(ExternalProcessorServicer):
             s.spec.replicas[d.replica].address, s.spec.replicas[st.fallback].address]
         answer = (messages.route_on_headers if on_headers else messages.route_on_body)(
             s.clusters[d.replica], fields, endpoint, endpoints)
-        self.metrics.decisions.labels(d.policy, replica).inc()
-        self.metrics.decision_seconds.observe(time.perf_counter() - t0)
+        self.metrics.decisions.labels(d.policy, replica, region, self.metrics.model(f.model)).inc()
+        st.decided_at = time.perf_counter()
+        self.metrics.decision_seconds.labels(d.policy).observe(st.decided_at - t0)
+        # The decision id stays on Envoy's span of the same trace: the tuner reads a span with
+        # one as a request.
+        self._span(st, t0, wall0, {OUTCOME_ATTR: "routed", **{
+            SPAN_PREFIX + k: v for k, v in fields.items() if k != "decision_id"}})
         return answer
 
+    def _span(self, st: _Stream, t0: float, wall0: int, attrs: dict[str, Any],
+              error: bool = False) -> None:
+        """The router's span of this decision (DecisionSpans), if Envoy traced the stream."""
+        if st.trace is not None:
+            elapsed_ns = int((time.perf_counter() - t0) * 1e9)
+            self.metrics.spans.record(st.trace, wall0, wall0 + elapsed_ns, attrs, error)
+
     def _refuse(self, r: Rejection) -> pb.ProcessingResponse:
-        """The router's rejection as Envoy's immediate response, with Retry-After."""
+        """The router's rejection as Envoy's immediate response, with Retry-After unless retrying
+        cannot help (a 400)."""
         if r.reason == SHED:
             self.metrics.shed.labels(str(r.priority if r.priority is not None else "default")).inc()
             err = RequestError(429, r.message, type="overloaded_error", code="overloaded")
         else:
             self.metrics.rejected.labels(str(r.status)).inc()
-            err = RequestError(r.status, r.message, type="server_error", code=r.reason)
-        return messages.immediate(r.status, err.to_body(), f"gorgo_{r.reason}",
-                                  {"retry-after": f"{r.retry_after_s:.0f}"})
+            kind = "server_error" if r.status >= 500 else "invalid_request_error"
+            err = RequestError(r.status, r.message, type=kind, code=r.reason)
+        retry = {} if r.status == 400 else {"retry-after": f"{r.retry_after_s:.0f}"}
+        return messages.immediate(r.status, err.to_body(), f"gorgo_{r.reason}", retry)
 
     def _too_large(self) -> pb.ProcessingResponse:
         return self._reject(RequestError(

@@ -1,20 +1,67 @@
-"""The router's own Prometheus metrics, on a private registry (several routers can share a process).
+"""The router's own telemetry: Prometheus metrics on a private registry (several routers can
+share a process), structured log lines, and one span per decision exported over OTLP.
 
-Per-replica gauges are read from the fleet state arrays at scrape time, so the hot path only
-increments counters and observes one histogram.
+Metric names follow Prometheus' conventions (docs/observability.md): base units (``_seconds``,
+``_ratio``), ``_total`` on counters, no ``_created`` series, and every per-replica series labelled
+``replica`` and ``region``. Per-replica gauges are read from the fleet state arrays at scrape
+time, so the hot path only increments counters and observes histograms; a span is queued on the
+hot path as a tuple and built and exported in batches by a background task.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import os
+from collections import deque
 from collections.abc import Iterator
+from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+import grpc
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2_grpc import TraceServiceStub
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue, InstrumentationScope, KeyValue
+from opentelemetry.proto.resource.v1.resource_pb2 import Resource
+from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Span, Status
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from gorgo.core.contract import ROUTER_SERVICE, ROUTER_SPAN
 from gorgo.core.state import FleetState
 
+# No _created series: one more per labelled counter and histogram child, which no dashboard uses.
+# Process-wide, read at every scrape.
+disable_created_metrics()
+
 DECISION_BUCKETS = (5e-5, 1e-4, 2e-4, 3e-4, 5e-4, 7.5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 5e-2)
+# A whole request as the router sees it: from its decision to the end of Envoy's ext_proc stream.
+REQUEST_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+# How late an event loop ran a timer (extproc/signals.py LoopLag).
+LAG_BUCKETS = (1e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5)
+REPLICA_LABELS = ("replica", "region")
+# The model label takes the first MAX_MODEL_LABELS model names clients sent, then "other": a
+# client-chosen string must not grow the series without bound.
+MAX_MODEL_LABELS = 16
+MODEL_LABEL_CHARS = 64
+# Decision spans: queued at most this many between exports, exported this often, at most
+# MAX_BATCH per export.
+MAX_QUEUED_SPANS = 8192
+EXPORT_INTERVAL_S = 1.0
+EXPORT_TIMEOUT_S = 2.0
+MAX_BATCH = 2048
+
+log = logging.getLogger("gorgo.telemetry")
+
+
+def log_event(logger: logging.Logger, event: str, level: int = logging.INFO, **fields: Any) -> None:
+    """One structured (logfmt) line: ``event=NAME key=value ...``, values with spaces quoted, so
+    a log pipeline can parse ejections, re-admissions and weight changes without a regex per
+    message."""
+    def text(v: Any) -> str:
+        v = f"{v:g}" if isinstance(v, float) else str(v)
+        return f'"{v}"' if not v or any(c in v for c in ' ="') else v
+    logger.log(level, " ".join(f"{k}={text(v)}" for k, v in {"event": event, **fields}.items()))
 
 
 class _StateCollector(Collector):
@@ -27,16 +74,18 @@ class _StateCollector(Collector):
         gauges = {
             "gorgo_inflight_requests": ("Requests in flight sent by this router", s.inflight_reqs),
             "gorgo_inflight_prompt_tokens": ("Prompt tokens in flight", s.inflight_prompt_tokens),
-            "gorgo_rtt_ms": ("RTT EWMA from health probes (ms)", s.rtt_ms),
+            "gorgo_rtt_seconds": ("RTT EWMA from health probes", s.rtt_ms / 1000.0),
             "gorgo_engine_queue_requests": ("Scraped engine queue length", s.eng_queue_reqs),
             "gorgo_engine_running_requests": ("Scraped engine running", s.eng_running_reqs),
-            "gorgo_engine_kv_usage": ("Scraped engine KV cache usage (0-1)", s.eng_kv_usage),
+            "gorgo_engine_kv_usage_ratio": ("Scraped engine KV cache usage (0-1)", s.eng_kv_usage),
             "gorgo_replica_healthy": ("1 if the replica is routable", s.healthy.astype(float)),
-            "gorgo_prefill_rate_tokens_per_s": ("Prefill rate used by the cost", s.prefill_rate),
-            "gorgo_penalty_ms": ("Anomaly penalty in the cost (ms, decayed)", s.penalty()),
+            "gorgo_prefill_rate_tokens_per_second": ("Prefill rate used by the cost",
+                                                     s.prefill_rate),
+            "gorgo_penalty_seconds": ("Anomaly penalty in the cost (decayed)",
+                                      s.penalty() / 1000.0),
         }
         for name, (doc, values) in gauges.items():
-            g = GaugeMetricFamily(name, doc, labels=["replica", "region"])
+            g = GaugeMetricFamily(name, doc, labels=list(REPLICA_LABELS))
             for i, replica in enumerate(s.names):
                 g.add_metric([replica, s.regions[s.region_idx[i]]], float(values[i]))
             yield g
@@ -53,15 +102,25 @@ class _StateCollector(Collector):
 
 
 class RouterMetrics:
-    def __init__(self, state: FleetState, open_requests) -> None:
+    """Every series the router exports; ``otlp`` (HOST:PORT) also exports decision spans."""
+
+    def __init__(self, state: FleetState, open_requests, otlp: str | None = None) -> None:
+        self.state = state
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
+        self._models: set[str] = set()
         self.decisions = Counter(
-            "gorgo_decisions", "Routing decisions", ["policy", "replica"], registry=r
+            "gorgo_decisions", "Routing decisions", ["policy", *REPLICA_LABELS, "model"],
+            registry=r,
         )
         self.decision_seconds = Histogram(
-            "gorgo_decision_seconds", "Body received to answer sent", buckets=DECISION_BUCKETS,
-            registry=r,
+            "gorgo_decision_seconds", "Body received to answer sent", ["policy"],
+            buckets=DECISION_BUCKETS, registry=r,
+        )
+        self.request_seconds = Histogram(
+            "gorgo_request_duration_seconds", "Decision to the end of the request (Envoy closes "
+            "the ext_proc stream then), by the replica that served it", list(REPLICA_LABELS),
+            buckets=REQUEST_BUCKETS, registry=r,
         )
         self.rejected = Counter(
             "gorgo_rejected_requests", "Requests answered by the router itself", ["status"],
@@ -73,20 +132,149 @@ class RouterMetrics:
         )
         self.retried = Counter(
             "gorgo_retried_requests", "Requests Envoy retried on the next-best replica, by the "
-            "replica that failed first", ["replica"], registry=r,
+            "replica that failed first", list(REPLICA_LABELS), registry=r,
         )
         self.fail_open = Counter(
             "gorgo_fail_open", "Requests passed to the default route after a router error",
             registry=r,
         )
         self.probe_errors = Counter(
-            "gorgo_probe_errors", "Failed health/RTT probes", ["replica"], registry=r
+            "gorgo_probe_errors", "Failed health/RTT probes", list(REPLICA_LABELS), registry=r
+        )
+        self.probe_inconclusive = Counter(
+            "gorgo_probe_inconclusive", "Probe timeouts not counted against the replica: the "
+            "signal loop itself was late", list(REPLICA_LABELS), registry=r,
+        )
+        self.loop_lag = Histogram(
+            "gorgo_loop_lag_seconds", "How late an event loop ran a timer: router (decisions) or "
+            "signals (probes, scrapes)", ["loop"], buckets=LAG_BUCKETS, registry=r,
         )
         self.scrape_errors = Counter(
-            "gorgo_scrape_errors", "Failed engine metric scrapes", ["replica"], registry=r
+            "gorgo_scrape_errors", "Failed engine metric scrapes", list(REPLICA_LABELS),
+            registry=r,
         )
         self.upstream_status = Counter(
             "gorgo_upstream_responses", "Response status classes per replica",
-            ["replica", "status_class"], registry=r,
+            [*REPLICA_LABELS, "status_class"], registry=r,
         )
+        self.spans = DecisionSpans(otlp, Counter(
+            "gorgo_trace_spans", "Decision spans by outcome (exported, dropped: queue full, "
+            "failed: the export failed)", ["result"], registry=r,
+        ))
         r.register(_StateCollector(state, open_requests))
+
+    def replica(self, i: int) -> tuple[str, str]:
+        """The replica and region labels of replica index ``i``."""
+        s = self.state
+        return s.names[i], s.regions[s.region_idx[i]]
+
+    def model(self, name: str | None) -> str:
+        """The model label of a request's model name: bounded (see MAX_MODEL_LABELS)."""
+        if not name:
+            return "none"
+        name = name[:MODEL_LABEL_CHARS]
+        if name not in self._models:
+            if len(self._models) >= MAX_MODEL_LABELS:
+                return "other"
+            self._models.add(name)
+        return name
+
+
+def parse_traceparent(value: str | None) -> tuple[bytes, bytes] | None:
+    """(trace id, parent span id) of a sampled W3C traceparent, else None."""
+    parts = (value or "").split("-")
+    if len(parts) < 4 or parts[0] == "ff" or len(parts[1]) != 32 or len(parts[2]) != 16:
+        return None
+    try:
+        trace_id, span_id, flags = bytes.fromhex(parts[1]), bytes.fromhex(parts[2]), int(
+            parts[3][:2], 16)
+    except ValueError:
+        return None
+    if not flags & 1 or not any(trace_id) or not any(span_id):
+        return None
+    return trace_id, span_id
+
+
+_UNSET = Status()  # a routed or refused request: not an error of the router
+_ERROR = Status(code=Status.STATUS_CODE_ERROR, message="routing failed; failed open")
+
+
+def _any(v: Any) -> AnyValue:
+    if isinstance(v, bool):
+        return AnyValue(bool_value=v)
+    if isinstance(v, int):
+        return AnyValue(int_value=v)
+    if isinstance(v, float):
+        return AnyValue(double_value=v)
+    return AnyValue(string_value=str(v))
+
+
+class DecisionSpans:
+    """The router's span per decision: a child of Envoy's span of the ext_proc stream (whose
+    context Envoy sends as the stream's ``traceparent`` metadata), lasting the decision alone and
+    carrying its outcome and the winning replica's terms, typed. Exported over OTLP/gRPC in
+    batches off the request path; a full queue or a failed export drops spans, counted, and
+    nothing retries: a trace is not worth a slower router."""
+
+    def __init__(self, target: str | None, counter: Counter,
+                 interval_s: float = EXPORT_INTERVAL_S) -> None:
+        self.target = target
+        self.enabled = target is not None
+        self.counter = counter
+        self.interval_s = interval_s
+        self._queue: deque[tuple[tuple[bytes, bytes], int, int, dict[str, Any], bool]] = deque()
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: TraceServiceStub | None = None
+        self._task: asyncio.Task | None = None
+        self._resource = Resource(attributes=[KeyValue(key="service.name",
+                                                       value=_any(ROUTER_SERVICE))])
+
+    def record(self, parent: tuple[bytes, bytes], start_ns: int, end_ns: int,
+               attrs: dict[str, Any], error: bool = False) -> None:
+        if len(self._queue) >= MAX_QUEUED_SPANS:
+            self.counter.labels("dropped").inc()
+            return
+        self._queue.append((parent, start_ns, end_ns, attrs, error))
+
+    async def start(self) -> None:
+        if self.enabled:
+            self._channel = grpc.aio.insecure_channel(self.target)
+            self._stub = TraceServiceStub(self._channel)
+            self._task = asyncio.create_task(self._loop())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+        if self._channel is not None:
+            await self.flush()
+            await self._channel.close()
+            self._channel = None
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            await self.flush()
+
+    async def flush(self) -> None:
+        while self._queue and self._stub is not None:
+            batch = [self._queue.popleft() for _ in range(min(len(self._queue), MAX_BATCH))]
+            spans = [Span(
+                trace_id=trace_id, span_id=os.urandom(8), parent_span_id=parent_id,
+                name=ROUTER_SPAN, kind=Span.SPAN_KIND_INTERNAL, start_time_unix_nano=start,
+                end_time_unix_nano=end,
+                attributes=[KeyValue(key=k, value=_any(v)) for k, v in attrs.items()],
+                status=_ERROR if error else _UNSET,
+            ) for (trace_id, parent_id), start, end, attrs, error in batch]
+            request = ExportTraceServiceRequest(resource_spans=[ResourceSpans(
+                resource=self._resource,
+                scope_spans=[ScopeSpans(scope=InstrumentationScope(name="gorgo.extproc"),
+                                        spans=spans)])])
+            try:
+                await self._stub.Export(request, timeout=EXPORT_TIMEOUT_S)
+            except grpc.aio.AioRpcError as exc:
+                self.counter.labels("failed").inc(len(spans))
+                log.debug("span export to %s failed: %s", self.target, exc.code())
+                return
+            self.counter.labels("exported").inc(len(spans))

@@ -9,27 +9,36 @@ the ext_proc server is down or slow, the filter fails open and the fallback rout
 to the default cluster. With retries on, ext_proc also names the chosen and the next-best replica
 in x-gorgo-endpoints; that route goes to one cluster of every replica whose override-host policy
 sends the first attempt to the first address and the one retry to the second (see
-docs/reliability.md). Span path: Envoy's OpenTelemetry tracer puts TTFT and every gorgo.* field on
-the request's span. With ``--body-mode full-duplex`` the body streams to the router; Envoy then
-applies no per-message timeout, and fails open only once a health check has marked the router
-down (see EXTPROC_HEALTH_INTERVAL).
+docs/reliability.md). Span path: Envoy's OpenTelemetry tracer puts the first byte's time and every
+gorgo.* decision and request field on the request's span (docs/observability.md); the fleet's
+observability.access_log adds one JSON access-log line per request. With ``--body-mode
+full-duplex`` the body streams to the router; Envoy then applies no per-message timeout, and fails
+open only once a health check has marked the router down (see EXTPROC_HEALTH_INTERVAL).
 """
 
 from __future__ import annotations
 
 import argparse
 import ipaddress
+import os
+import re
 import sys
+from pathlib import Path
 from typing import Any
 
 import yaml
 
 from gorgo.core.contract import (
+    API_PATHS,
     CLUSTER_HEADER,
+    CONTROL_HEADERS,
     DECISION_FIELDS,
     ENDPOINTS_HEADER,
+    HEALTH_PATH,
     METADATA_NAMESPACE,
     PICKER_HEADER,
+    REQUEST_FIELDS,
+    ROUTER_READS,
     SPAN_PREFIX,
     TTFT_ATTR,
 )
@@ -45,9 +54,37 @@ FLEET_CLUSTER = "gorgo_fleet"
 RETRY_ON = "connect-failure,reset,refused-stream,retriable-status-codes"
 RETRY_STATUS_CODES = (503,)
 TTFT_FORMAT = "%COMMON_DURATION(DS_RX_BEG:US_RX_BODY_BEG:us)%"
+# The access log's line (fleet observability.access_log): where the request went and how it went,
+# keyed by the decision id the client got in x-gorgo-decision-id; never the prompt or the query.
+ACCESS_LOG_FORMAT = {
+    "start_time": "%START_TIME%",
+    **{k: f"%DYNAMIC_METADATA({METADATA_NAMESPACE}:{k})%"
+       for k in ("decision_id", "replica", "region", "policy", "model", "stream")},
+    "method": "%REQ(:METHOD)%",
+    "path": "%REQ_WITHOUT_QUERY(:PATH)%",
+    "status": "%RESPONSE_CODE%",
+    "response_flags": "%RESPONSE_FLAGS%",
+    "first_byte_us": TTFT_FORMAT,
+    "duration_ms": "%DURATION%",
+    "attempts": "%UPSTREAM_REQUEST_ATTEMPT_COUNT%",
+    "upstream_host": "%UPSTREAM_HOST%",
+    "trace_id": "%TRACE_ID%",
+    "request_id": "%REQ(X-REQUEST-ID)%",
+}
 TOO_LARGE_BODY = (
     '{"error":{"message":"Request body too large.","type":"invalid_request_error",'
     '"param":null,"code":"request_too_large"}}'
+)
+TOO_MANY_HEADERS_BODY = (
+    '{"error":{"message":"Too many request headers.","type":"invalid_request_error",'
+    '"param":null,"code":"request_header_fields_too_large"}}'
+)
+# Envoy's response code details when a header mutation (the router's routing headers) would take
+# the request past max_headers_count.
+HEADERS_FULL_DETAILS = "header_mutation_result_exceeds_limit"
+NOT_FOUND_BODY = (
+    '{"error":{"message":"Unknown path; this gateway serves the OpenAI-style inference API.",'
+    '"type":"invalid_request_error","param":null,"code":"not_found"}}'
 )
 UPSTREAM_FAILED_BODY = (
     '{"error":{"message":"The replica failed before answering; retry later.",'
@@ -102,6 +139,11 @@ def _cluster(name: str, host: str, port: int, connect_ms: int, http2: bool = Fal
     return c
 
 
+def _cidr(cidr: str) -> dict:
+    net = ipaddress.ip_network(cidr)
+    return {"address_prefix": str(net.network_address), "prefix_len": net.prefixlen}
+
+
 def _lb_policy(name: str, typed: str, **config: Any) -> dict:
     return {"policies": [{"typed_extension_config": {
         "name": f"envoy.load_balancing_policies.{name}",
@@ -138,52 +180,91 @@ def _fleet_cluster(spec: FleetSpec) -> dict:
     }
 
 
+def forwarded_paths(spec: FleetSpec) -> tuple[str, ...]:
+    """The exact paths Envoy forwards to a replica: the API, the health path, the fleet's extras."""
+    return (*API_PATHS, HEALTH_PATH, *spec.routes.extra_paths)
+
+
 def _routes(spec: FleetSpec, picker: bool) -> list[dict]:
     t = spec.timeouts
     limits = {"timeout": f"{t.request_s:g}s", "idle_timeout": f"{t.idle_s:g}s"}
+    # RE2 full match on the path without its query: /v1/models/../../metrics or /metrics%2f do
+    # not match, and fleet paths are plain unreserved characters (checked by the fleet schema).
+    paths = {"safe_regex": {"regex": "|".join(re.escape(p) for p in forwarded_paths(spec))}}
+
+    def on(header: str | None) -> dict:
+        present = [{"name": header, "present_match": True}] if header else []
+        return {**paths, **({"headers": present} if present else {})}
+
     routes = []
     if picker:
-        routes.append({
-            "match": {"prefix": "/", "headers": [{"name": PICKER_HEADER, "present_match": True}]},
-            "route": {"cluster": PICKER_CLUSTER, **limits},
-        })
+        routes.append({"match": on(PICKER_HEADER),
+                       "route": {"cluster": PICKER_CLUSTER, **limits}})
     if spec.retries.enabled:
         # No per-try timeout: an attempt is a whole streamed answer, and a timeout must not cut
         # a stream (Envoy never retries after response bytes went downstream anyway).
         routes.append({
-            "match": {"prefix": "/",
-                      "headers": [{"name": ENDPOINTS_HEADER, "present_match": True}]},
+            "match": on(ENDPOINTS_HEADER),
             "route": {"cluster": FLEET_CLUSTER, **limits, "retry_policy": {
                 "retry_on": RETRY_ON, "num_retries": 1,
                 "retriable_status_codes": list(RETRY_STATUS_CODES),
             }},
         })
+    routes.append({"match": on(CLUSTER_HEADER),
+                   "route": {"cluster_header": CLUSTER_HEADER, **limits}})
+    routes.append({"match": on(None), "route": {"cluster": spec.default_cluster, **limits}})
+    # Everything else is Envoy's own 404, decided before the router is asked (ext_proc off).
     routes.append({
-        "match": {"prefix": "/", "headers": [{"name": CLUSTER_HEADER, "present_match": True}]},
-        "route": {"cluster_header": CLUSTER_HEADER, **limits},
+        "match": {"prefix": "/"},
+        "direct_response": {"status": 404, "body": {"inline_string": NOT_FOUND_BODY}},
+        "response_headers_to_add": [{
+            "header": {"key": "content-type", "value": "application/json"},
+            "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}],
+        "typed_per_filter_config": {"envoy.filters.http.ext_proc": {
+            "@type": _T + "envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute",
+            "disabled": True}},
     })
-    routes.append({"match": {"prefix": "/"},
-                   "route": {"cluster": spec.default_cluster, **limits}})
     return routes
 
 
-def _tracing(otlp: str | None, service_name: str) -> dict | None:
+def _tracing(otlp: str | None, service_name: str, token: str | None) -> dict | None:
+    """``token``: the tuner's OTLP bearer token, sent as gRPC initial metadata with every export
+    (the tuner counts no span without it)."""
     if otlp is None:
         return None
     tags = [{"tag": TTFT_ATTR, "value": TTFT_FORMAT}]
     tags += [{"tag": f"{SPAN_PREFIX}{k}", "value": f"%DYNAMIC_METADATA({METADATA_NAMESPACE}:{k})%"}
-             for k in DECISION_FIELDS]
+             for k in (*DECISION_FIELDS, *REQUEST_FIELDS)]
     return {
         "random_sampling": {"value": 100},
         "provider": {
             "name": "envoy.tracers.opentelemetry",
             "typed_config": {
                 "@type": _T + "envoy.config.trace.v3.OpenTelemetryConfig",
-                "grpc_service": {"envoy_grpc": {"cluster_name": OTLP_CLUSTER}, "timeout": "1s"},
+                "grpc_service": {
+                    "envoy_grpc": {"cluster_name": OTLP_CLUSTER}, "timeout": "1s",
+                    **({"initial_metadata": [{"key": "authorization", "value": f"Bearer {token}"}]}
+                       if token else {}),
+                },
                 "service_name": service_name,
             },
         },
         "custom_tags": tags,
+    }
+
+
+def _access_log(path: str) -> dict:
+    return {
+        "name": "envoy.access_loggers.file",
+        "typed_config": {
+            "@type": _T + "envoy.extensions.access_loggers.file.v3.FileAccessLog",
+            "path": path,
+            "log_format": {"json_format": ACCESS_LOG_FORMAT, "formatters": [{
+                "name": "envoy.formatter.req_without_query",
+                "typed_config": {"@type": _T + "envoy.extensions.formatter.req_without_query.v3."
+                                 "ReqWithoutQuery"},
+            }]},
+        },
     }
 
 
@@ -193,6 +274,7 @@ def render_bootstrap(
     listen: str = "0.0.0.0:10000",
     extproc: str = "127.0.0.1:50051",
     otlp: str | None = None,
+    otlp_token: str | None = None,
     admin: str = "127.0.0.1:9901",
     picker: bool = False,
     service_name: str = "gorgo-envoy",
@@ -218,6 +300,9 @@ def render_bootstrap(
             "message_timeout": f"{t.message_ms / 1000:g}s",
             "failure_mode_allow": True,
             "metadata_options": {"receiving_namespaces": {"untyped": [METADATA_NAMESPACE]}},
+            # Only what the router reads: never a client's authorization or cookies.
+            "forward_rules": {"allowed_headers": {"patterns": [
+                {"exact": h} for h in ROUTER_READS]}},
             "processing_mode": {
                 "request_header_mode": "SEND", "request_body_mode": BODY_MODES[body_mode],
                 "response_header_mode": "SEND", "response_body_mode": "NONE",
@@ -235,11 +320,27 @@ def render_bootstrap(
         "stream_idle_timeout": f"{t.idle_s:g}s",
         "request_timeout": "0s",
         # Routing headers are set by the router only: a client's copy is dropped before any
-        # filter or route sees it (with use_remote_address, every client is external).
+        # filter or route sees it.
+        "early_header_mutation_extensions": [{
+            "name": "envoy.http.early_header_mutation.header_mutation",
+            "typed_config": {
+                "@type": _T + "envoy.extensions.http.early_header_mutation.header_mutation.v3."
+                "HeaderMutation",
+                "mutations": [{"remove": h}
+                              for h in (CLUSTER_HEADER, PICKER_HEADER, ENDPOINTS_HEADER)],
+            },
+        }],
+        # Control headers (priority, policy) come only from the fleet's trusted peers: with
+        # use_remote_address, every other client is external and loses them before any filter.
+        # (Without internal_address_config no peer is internal; with an empty one, loopback and
+        # RFC 1918 peers would be.)
         "use_remote_address": True,
+        **({"internal_address_config": {"cidr_ranges": [
+            _cidr(c) for c in spec.control_headers.trusted_peers]}}
+           if spec.control_headers.trusted_peers else {}),
         "route_config": {
             "name": "gorgo_routes",
-            "internal_only_headers": [CLUSTER_HEADER, PICKER_HEADER, ENDPOINTS_HEADER],
+            "internal_only_headers": list(CONTROL_HEADERS),
             # x-envoy-attempt-count on the response tells ext_proc that the retry served it.
             "virtual_hosts": [{"name": "llm", "domains": ["*"], "routes": _routes(spec, picker),
                                "include_attempt_count_in_response": True}],
@@ -260,11 +361,30 @@ def render_bootstrap(
             "body_format_override": {
                 "text_format_source": {"inline_string": UPSTREAM_FAILED_BODY},
                 "content_type": "application/json"},
+        }, {
+            # Envoy's own 431 (over max_headers_count), and the request that fits only until the
+            # router's routing headers are added (a bare 500 otherwise): one clean 431.
+            "filter": {"or_filter": {"filters": [
+                {"status_code_filter": {"comparison": {
+                    "op": "EQ", "value": {"default_value": 431, "runtime_key": "gorgo.431"}}}},
+                {"extension_filter": {
+                    "name": "envoy.access_loggers.extension_filters.cel",
+                    "typed_config": {
+                        "@type": _T + "envoy.extensions.access_loggers.filters.cel.v3."
+                        "ExpressionFilter",
+                        "expression": f"response.code_details == '{HEADERS_FULL_DETAILS}'"}}},
+            ]}},
+            "status_code": 431,
+            "body_format_override": {
+                "text_format_source": {"inline_string": TOO_MANY_HEADERS_BODY},
+                "content_type": "application/json"},
         }]},
     }
-    tracing = _tracing(otlp, service_name)
+    tracing = _tracing(otlp, service_name, otlp_token)
     if tracing is not None:
         hcm["tracing"] = tracing
+    if spec.observability.access_log:
+        hcm["access_log"] = [_access_log(spec.observability.access_log_path)]
     clusters = [
         _cluster(r.cluster, r.host, r.port, t.connect_ms) for r in spec.replicas
     ]
@@ -321,6 +441,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--listen", default="0.0.0.0:10000", help="Envoy listener HOST:PORT")
     p.add_argument("--extproc", default="127.0.0.1:50051", help="gorgo extproc HOST:PORT")
     p.add_argument("--otlp", default=None, help="OTLP/gRPC collector HOST:PORT (enables tracing)")
+    p.add_argument("--otlp-token-file", default=None,
+                   help="the tuner's OTLP bearer token, sent with every export (the rendered "
+                        "file then holds it and is written owner-only)")
     p.add_argument("--admin", default="127.0.0.1:9901", help="Envoy admin HOST:PORT")
     p.add_argument("--picker", action="store_true",
                    help="also accept the endpoint-picker header (ORIGINAL_DST cluster)")
@@ -330,18 +453,39 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-o", "--output", default="-", help="output file (default stdout)")
 
 
+def _otlp_token(path: str | None, otlp: str | None) -> str | None:
+    if path is None:
+        return None
+    if otlp is None:
+        raise UserError("--otlp-token-file needs --otlp (the token goes with the exported spans)")
+    try:
+        token = Path(path).read_text().strip()
+    except OSError as exc:
+        raise UserError(f"{path}: cannot read the OTLP token: {exc.strerror}") from None
+    if not token or not (token.isascii() and token.isprintable()):
+        raise UserError(f"{path}: the OTLP token must be one line of printable ASCII")
+    return token
+
+
 def main(args: argparse.Namespace) -> int:
     spec = load_fleet(args.fleet)
+    token = _otlp_token(args.otlp_token_file, args.otlp)
     try:
         text = render_yaml(spec, listen=args.listen, extproc=args.extproc, otlp=args.otlp,
-                           admin=args.admin, picker=args.picker, body_mode=args.body_mode)
+                           otlp_token=token, admin=args.admin, picker=args.picker,
+                           body_mode=args.body_mode)
     except ValueError as exc:  # int() of a port: the only user input left unchecked here
         raise UserError(f"{exc}; --listen, --extproc, --otlp and --admin take HOST:PORT") from None
     if args.output == "-":
         sys.stdout.write(text)
         return 0
     try:
-        with open(args.output, "w") as fh:
+        # A rendered token is a secret: the file is then the owner's only.
+        fd = os.open(args.output, os.O_WRONLY | os.O_CREAT | os.O_TRUNC,
+                     0o600 if token else 0o666)
+        if token:
+            os.fchmod(fd, 0o600)
+        with os.fdopen(fd, "w") as fh:
             fh.write(text)
     except OSError as exc:
         raise UserError(f"cannot write {args.output}: {exc.strerror}") from None

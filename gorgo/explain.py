@@ -26,7 +26,7 @@ TOKEN_ENV = "GORGO_ADMIN_TOKEN"  # as extproc.admin reads it (not imported: it p
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fleet", help="fleet YAML (offline what-if)")
-    p.add_argument("--router", help="URL of a running router's HTTP port, e.g. http://127.0.0.1:9100")
+    p.add_argument("--router", help="URL of a running router's HTTP port, e.g. http://127.0.0.1:50052")
     p.add_argument("--token-file", help="admin token file for --router (or env GORGO_ADMIN_TOKEN)")
     p.add_argument("--body", default="-", help="request JSON body file (default stdin)")
     p.add_argument("--path", default="/v1/chat/completions", help="request path")

@@ -20,7 +20,11 @@ trusted. Two kinds of waiting corrupt the slope, and each is kept out its own wa
   ``quantile`` of TTFT - RTT, the service time of the requests that did not wait.
 
 A fit is also rejected unless the older and newer halves of its rows agree on the slope, and a
-rate is never outside ``[min_rate, max_rate]``. Everything is recomputed from the current window:
+rate is never outside ``[min_rate, max_rate]`` nor more than ``max_hint_factor`` away from the
+fleet file's hint. Spans are evidence only as far as their sender is trusted, so no one export
+(``Sample.source``) may hold more than ``max_source_share`` of a replica's window, and a fit counts
+only if it also holds without the export that supplied the most rows: one burst of outliers
+cannot set a rate. Everything is recomputed from the current window:
 a replica whose window cannot confirm a rate is absent from `rates` (the optimizer keeps what it
 published until a new fit replaces it: with only trustworthy fits published, "unconfirmed" is not
 "wrong", and withdrawing a rate that prices a slow engine out would send traffic back to it).
@@ -28,7 +32,8 @@ published until a new fit replaces it: with only trustworthy fits published, "un
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -42,6 +47,7 @@ RTT, QUEUE, PREFILL = rtt.TERM.name, queue.TERM.name, prefill.TERM.name
 _TOKENS_PER_UNIT = 1000.0  # the slope is fitted per 1k tokens, for a well-conditioned system
 _IRLS_ITERATIONS = 100
 _IRLS_FLOOR_MS = 1e-3  # residuals below this count as exact fits in the reweighting
+_Row = tuple[float, float, bool, float, int | None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +61,8 @@ class CalibrationConfig:
     quantile: float = 0.1  # conditional quantile of TTFT - RTT fitted
     max_slope_disagreement: float = 0.25  # |slope(older half) - slope(newer half)| / slope
     slower_by: float = 0.3  # a queue-dominated replica's fit counts only if this much slower
+    max_hint_factor: float = 10.0  # a rate stays within [hint / this, hint * this]
+    max_source_share: float = 0.25  # of a replica's window that one export may fill
 
     def validate(self) -> None:
         if self.window < 3 or self.min_samples < 3 or self.min_samples > self.window:
@@ -71,6 +79,10 @@ class CalibrationConfig:
             raise ValueError("calibration: max_slope_disagreement must be > 0")
         if not 0 < self.slower_by < 1:
             raise ValueError("calibration: need 0 < slower_by < 1")
+        if not self.max_hint_factor > 1:
+            raise ValueError("calibration: max_hint_factor must be > 1")
+        if not 0 < self.max_source_share <= 1:
+            raise ValueError("calibration: need 0 < max_source_share <= 1")
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,23 +122,45 @@ class PrefillCalibrator:
         self.config = config or CalibrationConfig()
         self.config.validate()
         self.hints = dict(hints or {})  # the fleet file's rates, what the router falls back to
-        # (uncached tokens, TTFT - RTT, clean, tokens ahead incl. its own) per successful
-        # request, newest last.
-        self._rows: dict[str, deque[tuple[float, float, bool, float]]] = {}
+        # (uncached tokens, TTFT - RTT, clean, tokens ahead incl. its own, source) per
+        # successful request, newest last.
+        self._rows: dict[str, deque[_Row]] = {}
+        self._sources: dict[str, Counter[int]] = {}  # rows in each window by export
         self._rate_used: dict[str, float] = {}  # the rate the router priced each replica at
+
+    def follow(self, replicas: Collection[str], hints: Mapping[str, float]) -> None:
+        """The replicas the routers know and their fleet-file rates: the rows of any other name
+        (one a span made up, or a replica removed from the fleet) are forgotten."""
+        self.hints = dict(hints)
+        for name in set(self._rows) - set(replicas):
+            del self._rows[name]
+            self._sources.pop(name, None)
+            self._rate_used.pop(name, None)
 
     def observe(self, s: Sample) -> None:
         if not s.ok:
             return
+        cfg = self.config
+        rows = self._rows.setdefault(s.replica, deque())
+        sources = self._sources.setdefault(s.replica, Counter())
+        if s.source is not None:
+            if sources[s.source] >= max(1, int(cfg.max_source_share * cfg.window)):
+                return
+            sources[s.source] += 1
+        if len(rows) >= cfg.window:
+            gone = rows.popleft()[4]
+            if gone is not None:
+                sources[gone] -= 1
+                if not sources[gone]:
+                    del sources[gone]
         rtt_ms, queue_ms, prefill_ms = (s.terms[name] for name in (RTT, QUEUE, PREFILL))
         if s.uncached_tokens > 0 and prefill_ms > 0:
             self._rate_used[s.replica] = s.uncached_tokens * 1000.0 / prefill_ms
         rate_used = self._rate_used.get(s.replica)
         work = float("nan") if rate_used is None else (
             (queue_ms + prefill_ms) * rate_used / 1000.0)
-        clean = queue_ms <= self.config.max_queue_share * prefill_ms
-        rows = self._rows.setdefault(s.replica, deque(maxlen=self.config.window))
-        rows.append((float(s.uncached_tokens), s.ttft_ms - rtt_ms, clean, work))
+        clean = queue_ms <= cfg.max_queue_share * prefill_ms
+        rows.append((float(s.uncached_tokens), s.ttft_ms - rtt_ms, clean, work, s.source))
 
     def _slope(self, u: np.ndarray, y: np.ndarray) -> tuple[float, float] | None:
         if u.std() < self.config.min_spread_tokens:
@@ -141,14 +175,41 @@ class PrefillCalibrator:
         rows = self._rows.get(replica)
         if rows is None:
             return None
-        clean = [(u, y) for u, y, ok, _ in rows if ok]
+        clean = [(u, y, src) for u, y, ok, _, src in rows if ok]
         if len(clean) >= cfg.min_samples:
-            data = np.asarray(clean)
-            return self._fit(data[:, 0], data[:, 1], len(rows))
+            return self._robust_fit(replica, clean, len(rows))
         return self._slower(replica, rows)
 
-    def _fit(self, x: np.ndarray, y: np.ndarray, window_rows: int) -> RateEstimate | None:
+    def _robust_fit(self, replica: str, data: list[tuple[float, float, int | None]],
+                    window_rows: int) -> RateEstimate | None:
+        """The fit of ``data`` (x, y, source), trusted only if the rows of the export that
+        supplied the most of them do not carry it: without them the slope must agree as closely
+        as the two halves of a window must."""
         cfg = self.config
+        est = self._fit(replica, data, window_rows)
+        counts = Counter(src for _, _, src in data if src is not None)
+        if est is None or not counts:
+            return est
+        top = counts.most_common(1)[0][0]
+        rest = [row for row in data if row[2] != top]
+        other = self._fit(replica, rest, window_rows) if len(rest) >= cfg.min_samples else None
+        if other is None or abs(est.rate / other.rate - 1.0) > cfg.max_slope_disagreement:
+            return None
+        return est
+
+    def _rate_bounds(self, replica: str) -> tuple[float, float]:
+        cfg = self.config
+        hint = self.hints.get(replica)
+        if hint is None:
+            return cfg.min_rate, cfg.max_rate
+        return (max(cfg.min_rate, hint / cfg.max_hint_factor),
+                min(cfg.max_rate, hint * cfg.max_hint_factor))
+
+    def _fit(self, replica: str, data: list[tuple[float, float, int | None]],
+             window_rows: int) -> RateEstimate | None:
+        cfg = self.config
+        arr = np.asarray([(u, y) for u, y, _ in data], dtype=float)
+        x, y = arr[:, 0], arr[:, 1]
         fit = self._slope(x, y)
         if fit is None:
             return None
@@ -160,13 +221,13 @@ class PrefillCalibrator:
         if abs(older[1] - newer[1]) > cfg.max_slope_disagreement * slope:
             return None
         rate = 1000.0 / slope
-        if not cfg.min_rate <= rate <= cfg.max_rate:
+        lo, hi = self._rate_bounds(replica)
+        if not lo <= rate <= hi:
             return None
         return RateEstimate(rate=rate, intercept_ms=intercept, samples=len(x),
                             window_rows=window_rows)
 
-    def _slower(self, replica: str, rows: deque[tuple[float, float, bool, float]]
-                ) -> RateEstimate | None:
+    def _slower(self, replica: str, rows: deque[_Row]) -> RateEstimate | None:
         """A replica that always has a queue never yields clean rows, and the commonest reason is
         the one calibration exists for: an engine slower than its hint, which the router keeps
         feeding because it looks fast. Then the time to first token is the work ahead of the
@@ -179,10 +240,10 @@ class PrefillCalibrator:
         hint, the rate the router priced the replica at stands in."""
         cfg = self.config
         hint = self.hints.get(replica, self._rate_used.get(replica))
-        data = np.asarray([(w, y) for _, y, _, w in rows if np.isfinite(w)])
+        data = [(w, y, src) for _, y, _, w, src in rows if np.isfinite(w)]
         if hint is None or len(data) < cfg.min_samples:
             return None
-        est = self._fit(data[:, 0], data[:, 1], len(rows))
+        est = self._robust_fit(replica, data, len(rows))
         if est is None or est.rate > (1.0 - cfg.slower_by) * hint:
             return None
         return est

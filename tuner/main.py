@@ -9,13 +9,16 @@ process: if it dies, the routers keep the last weights they accepted.
 Config (YAML; relative paths are relative to the config file)::
 
     listen: 127.0.0.1:4317            # OTLP/gRPC TraceService
-    token_file: otlp-token            # optional: require `authorization: Bearer ...`
+    token_file: otlp-token            # required: spans count only with `authorization: Bearer ...`
+    request_timeout_s: 600            # the fleet's timeouts.request_s: no longer TTFT/E2E is real
+    max_export_spans: 5000            # spans parsed per export; the rest are rejected
+    max_spans_per_s: 2000             # spans parsed per second, over all exports
     tls_cert_file: cert.pem           # optional, with tls_key_file
     tls_key_file: key.pem
     status_listen: 127.0.0.1:9102     # optional: GET /status (JSON) and /metrics
     state_file: tuner-state.json
     routers:
-      - {url: "http://127.0.0.1:9100", token_file: admin-token}
+      - {url: "http://127.0.0.1:50052", token_file: admin-token}
     initial_weights: {rtt: 1.0, queue: 1.0}   # optional, every weight key; default: the
                                               # first router's live weights
     seed: 0
@@ -45,17 +48,18 @@ from prometheus_client.registry import Collector
 
 from gorgo import shutdown
 from gorgo.core.contract import WEIGHT_BOUNDS
-from gorgo.core.terms import WEIGHTED
+from gorgo.core.fleet import Timeouts
 from gorgo.errors import UserError, check_port
 from tuner.calibration import CalibrationConfig
-from tuner.optimizer import OptimizerConfig, Tuner, config_from_mapping
+from tuner.optimizer import KEYS, OptimizerConfig, Tuner, config_from_mapping
 from tuner.publisher import Publisher, RouterTarget
-from tuner.receiver import TraceReceiver
-from tuner.samples import DROP_REASONS
+from tuner.receiver import REJECTED, ExportLimits, TraceReceiver
+from tuner.samples import DROP_REASONS, Sample
 from tuner.state_store import StateError, load_state, save_state
 
 log = logging.getLogger("gorgo.tuner")
 MAX_RENUMBERS_PER_TICK = 3
+UNKNOWN_REPLICA = "unknown_replica"  # samples naming a replica no router reported
 
 
 class ConfigError(UserError, ValueError):
@@ -66,8 +70,9 @@ class ConfigError(UserError, ValueError):
 class TunerConfig:
     routers: tuple[RouterTarget, ...]
     state_file: Path
+    otlp_token: str  # what every export must carry: spans are evidence only from Envoy
+    limits: ExportLimits
     listen: str = "127.0.0.1:4317"
-    otlp_token: str | None = None
     tls: tuple[bytes, bytes] | None = None  # (certificate chain, private key) PEM
     status_listen: str | None = None
     initial_weights: dict[str, float] | None = None  # weight key -> factor, every key
@@ -114,7 +119,8 @@ def parse_config(raw: Any, base: Path) -> TunerConfig:
         raise ConfigError("config: expected a mapping")
     allowed = {"listen", "token_file", "tls_cert_file", "tls_key_file", "status_listen",
                "state_file", "routers", "initial_weights", "seed", "tick_s", "log_every_s",
-               "publish_timeout_s", "optimizer", "calibration"}
+               "publish_timeout_s", "optimizer", "calibration", "request_timeout_s",
+               "max_export_spans", "max_spans_per_s"}
     for key in raw:
         if key not in allowed:
             raise ConfigError(f"{key}: unknown field (allowed: {', '.join(sorted(allowed))})")
@@ -136,8 +142,18 @@ def parse_config(raw: Any, base: Path) -> TunerConfig:
     status_listen = raw.get("status_listen")
     if status_listen is not None:
         _hostport(status_listen, "status_listen")
-    token = raw.get("token_file")
-    otlp_token = None if token is None else _read_secret(base, token, "token_file")
+    if raw.get("token_file") is None:
+        raise ConfigError("token_file: required: the bearer token Envoy (or the collector) sends "
+                          "with its spans; without it anyone who can reach the port steers the "
+                          "weights")
+    otlp_token = _read_secret(base, raw["token_file"], "token_file")
+    max_spans = raw.get("max_export_spans", 5000)
+    if isinstance(max_spans, bool) or not isinstance(max_spans, int) or max_spans < 1:
+        raise ConfigError(f"max_export_spans: expected a positive integer, got {max_spans!r}")
+    limits = ExportLimits(max_ms=1000.0 * _positive(raw, "request_timeout_s",
+                                                    Timeouts().request_s),
+                          max_spans=max_spans,
+                          spans_per_s=_positive(raw, "max_spans_per_s", 2000.0))
     cert, key = raw.get("tls_cert_file"), raw.get("tls_key_file")
     tls = None
     if (cert is None) != (key is None):
@@ -152,10 +168,10 @@ def parse_config(raw: Any, base: Path) -> TunerConfig:
         raise ConfigError("state_file: expected a file path")
     initial = raw.get("initial_weights")
     if initial is not None:
-        if not isinstance(initial, Mapping) or set(initial) != set(WEIGHTED):
-            raise ConfigError(f"initial_weights: expected {{{', '.join(WEIGHTED)}}}")
+        if not isinstance(initial, Mapping) or set(initial) != set(KEYS):
+            raise ConfigError(f"initial_weights: expected {{{', '.join(KEYS)}}}")
         # clipped to the optimiser's bounds, as any start is
-        initial = {k: _positive(initial, k, 1.0) for k in WEIGHTED}
+        initial = {k: _positive(initial, k, 1.0) for k in KEYS}
     seed = raw.get("seed", 0)
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ConfigError(f"seed: expected an integer, got {seed!r}")
@@ -171,7 +187,8 @@ def parse_config(raw: Any, base: Path) -> TunerConfig:
     calibration = _calibration(raw.get("calibration") or {})
     return TunerConfig(
         routers=tuple(routers), state_file=base / state_file, listen=listen,
-        otlp_token=otlp_token, tls=tls, status_listen=status_listen, initial_weights=initial,
+        otlp_token=otlp_token, limits=limits, tls=tls, status_listen=status_listen,
+        initial_weights=initial,
         seed=seed, tick_s=_positive(raw, "tick_s", 0.5),
         log_every_s=_positive(raw, "log_every_s", 30.0),
         publish_timeout_s=_positive(raw, "publish_timeout_s", 2.0),
@@ -220,7 +237,7 @@ class _StatusCollector(Collector):
         counts = self.service.receiver.counts
         spans = CounterMetricFamily("gorgo_tuner_spans", "OTLP spans by outcome",
                                     labels=["result"])
-        for result in ("samples", *DROP_REASONS):
+        for result in ("samples", *DROP_REASONS, REJECTED, UNKNOWN_REPLICA):
             spans.add_metric([result], counts.get(result, 0))
         yield spans
         unauth = CounterMetricFamily("gorgo_tuner_unauthenticated_exports",
@@ -257,7 +274,7 @@ def _live_weights(doc: Mapping[str, Any]) -> dict[str, float]:
     """A router's weights from its GET /admin/weights; a key it lacks (a router older than the
     term) is left to the term's default."""
     out = {}
-    for k in WEIGHTED:
+    for k in KEYS:
         v = doc.get(k)
         if isinstance(v, int | float) and not isinstance(v, bool) and v > 0:
             out[k] = float(v)
@@ -284,27 +301,36 @@ class TunerService:
         self.cfg = cfg
         self.publisher = Publisher(list(cfg.routers), cfg.publish_timeout_s)
         self.tuner: Tuner = Tuner(cfg.optimizer, calibration=cfg.calibration, seed=cfg.seed)
-        self.receiver = TraceReceiver(self._on_samples, cfg.otlp_token)
+        self.receiver = TraceReceiver(self._on_samples, cfg.otlp_token, cfg.limits)
         self.otlp_port = 0
         self.status_port = 0
         self.max_version_seen = -1
         self._routed: dict[str, dict[int, int]] = {t.url: {} for t in cfg.routers}
+        self._docs: dict[str, dict[str, Any]] = {}  # each router's last GET /admin/weights
+        self.ticks = 0
         self._saved = -1
         self._loaded = False  # never overwrite a state file this process could not read
         self._http: web.AppRunner | None = None
 
-    def _on_samples(self, samples: list) -> None:
+    def _on_samples(self, samples: list[Sample]) -> None:
+        """Samples of the replicas the routers reported (none until one has): a name a span
+        makes up gets no buffer and no rate."""
+        known = self.publisher.replicas()
         for s in samples:
+            if known is None or s.replica not in known:
+                self.receiver.counts[UNKNOWN_REPLICA] += 1
+                continue
             self.tuner.observe(s)
             self.max_version_seen = max(self.max_version_seen, s.weights_version)
 
     async def _initial_tuner(self) -> Tuner:
         cfg = self.cfg
         current = await asyncio.gather(*(self.publisher.fetch(t) for t in cfg.routers))
+        self._heard(current)
         versions = [c["version"] for c in current
                     if isinstance(c, dict) and isinstance(c.get("version"), int)]
         hints = _hints(current)
-        state = load_state(cfg.state_file)
+        state = load_state(cfg.state_file, cfg.limits.max_ms)
         if state is not None:
             try:
                 tuner = Tuner.restore(cfg.optimizer, state, calibration=cfg.calibration,
@@ -333,6 +359,7 @@ class TunerService:
     async def start(self) -> None:
         await self.publisher.__aenter__()
         self.tuner = await self._initial_tuner()
+        self._follow()  # a replica removed from the fleet file since the state was saved
         self._loaded = True
         self.save()
         host, port = _hostport(self.cfg.listen, "listen")
@@ -368,23 +395,26 @@ class TunerService:
         return app
 
     def status(self) -> dict[str, Any]:
-        return {"tuner": self.tuner.status(),
+        return {"tuner": self.tuner.status(), "ticks": self.ticks,
                 "receiver": {**self.receiver.counts, "max_version_seen": self.max_version_seen},
                 "routers": self.publisher.status()}
 
-    async def count_routed(self) -> None:
-        """Tell the optimiser how many requests each router made under the versions it scores:
-        a window is complete once all of them reported back. A router that does not answer
-        keeps its last count."""
-        versions = self.tuner.counting()
-        if not versions:
-            return
+    async def follow_routers(self) -> None:
+        """Every router's GET /admin/weights, every tick: the routers, not the spans, say which
+        replicas exist (`_on_samples`, `Tuner.follow`) and which version is live (a restarted
+        router is republished to, `Publisher.observe`), and count the decisions made under the
+        versions the optimiser scores (a window is complete once all of them reported back). A
+        router that does not answer keeps what it said last."""
         targets = self.cfg.routers
-        docs = await asyncio.gather(*(self.publisher.fetch(t, quiet=True) for t in targets))
+        self._heard(await asyncio.gather(*(self.publisher.fetch(t, quiet=True)
+                                           for t in targets)))
+        self._follow()
+        versions = self.tuner.counting()
         policy = self.cfg.optimizer.policy
         wanted = set(versions)
-        for t, doc in zip(targets, docs, strict=True):
+        for t in targets:
             counts = self._routed[t.url]
+            doc = self._docs.get(t.url)
             routed = doc.get("routed") if isinstance(doc, dict) else None
             if isinstance(routed, dict):
                 for key, by_policy in routed.items():
@@ -396,8 +426,26 @@ class TunerService:
         for v in versions:
             self.tuner.routed(v, sum(c.get(v, 0) for c in self._routed.values()))
 
+    def _heard(self, docs: list[dict[str, Any] | None]) -> None:
+        """Each router's GET /admin/weights (None: it did not answer), in config order."""
+        for t, doc in zip(self.cfg.routers, docs, strict=True):
+            if isinstance(doc, dict):
+                self.publisher.observe(t, doc)
+                self._docs[t.url] = doc
+
+    def _follow(self) -> None:
+        known = self.publisher.replicas()
+        if known is None:
+            return
+        gone = sorted(set(self.tuner.rates) - known)
+        if gone:
+            log.warning("forgetting the calibrated rates of %s: no router knows them",
+                        ", ".join(gone))
+        self.tuner.follow(known, _hints(list(self._docs.values())))
+
     async def tick(self, now: float) -> None:
-        await self.count_routed()
+        self.ticks += 1
+        await self.follow_routers()
         proposal = self.tuner.next_weights(now)
         if proposal is not None:
             w = proposal.weights

@@ -38,14 +38,15 @@ How one evaluation runs, and why (docs/tuner.md has the full story):
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections import Counter
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 import numpy as np
 
 from gorgo.core.contract import WEIGHT_BOUNDS
-from gorgo.core.terms import WEIGHTED
+from gorgo.core.terms import TTFT, WEIGHTED, weight_keys
 from gorgo.core.weights import Weights
 from tuner.calibration import CalibrationConfig, PrefillCalibrator
 from tuner.samples import Sample
@@ -57,7 +58,9 @@ UNFINISHED_MS = 1e12  # stands in for a request that has not reported back, in t
 EVALUATING, CONVERGED = "evaluating", "converged"
 STATE_FORMAT = 2  # 2: weights are {key: factor}; 1 (still read): [rtt, queue] lists
 LEGACY_KEYS = ("rtt", "queue")  # what a format-1 list holds, in order
-KEYS: tuple[str, ...] = tuple(WEIGHTED)  # the search space's dimensions, in registry order
+# The search space's dimensions, in registry order: the weights that matter for TTFT, the
+# objective the tuner scores (a weight only the e2e objective counts would be searched blindly).
+KEYS: tuple[str, ...] = weight_keys(TTFT)
 
 Point = dict[str, float]  # weight key -> factor, one entry per KEYS
 Bounds = dict[str, tuple[float, float]]
@@ -121,6 +124,7 @@ class OptimizerConfig:
     rate_change: float = 0.05  # publish a calibrated prefill rate only if it moved this much
     history: int = 500  # evaluation records kept in the state file
     policy: str = "gorgo"  # only requests this policy routed depend on the weights
+    max_source_share: float = 0.5  # of a window's samples that one export may supply
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "bounds", normalize_bounds(self.bounds))
@@ -170,6 +174,7 @@ class OptimizerConfig:
             (self.rate_change >= 0, "rate_change must be >= 0"),
             (self.history >= 0, "history must be >= 0"),
             (bool(self.policy), "policy must be a policy name"),
+            (0 < self.max_source_share <= 1, "max_source_share must be in (0, 1]"),
         ]
         for ok, message in checks:
             if not ok:
@@ -184,9 +189,15 @@ class Proposal:
     prefill_rate: dict[str, float]
     arm: str
 
+    @property
+    def point(self) -> Point:
+        """The searched weights (KEYS) of the proposal; the others stay at their defaults."""
+        return {k: self.weights[k] for k in KEYS}
+
     def body(self) -> dict[str, Any]:
-        """The JSON body of the router's PUT /admin/weights."""
-        out: dict[str, Any] = {**self.weights, "version": self.weights.version}
+        """The JSON body of the router's PUT /admin/weights: only the searched weights, so a
+        weight the tuner does not tune keeps whatever the router has."""
+        out: dict[str, Any] = {**self.point, "version": self.weights.version}
         if self.prefill_rate:
             out["prefill_rate"] = dict(self.prefill_rate)
         return out
@@ -209,8 +220,11 @@ class Window:
     errors: int = 0
     routed_by: dict[int, int] = field(default_factory=dict)  # version -> decisions routers report
     closed_at: float | None = None  # when it stopped routing
+    sources: Counter[int] = field(default_factory=Counter)  # samples received per export
 
     def add(self, s: Sample) -> None:
+        if s.source is not None:
+            self.sources[s.source] += 1
         if s.ok:
             self.ttft.append(s.ttft_ms)
             self.e2e.append(s.e2e_ms)
@@ -231,6 +245,11 @@ class Window:
     def routed(self) -> int:
         """Decisions made under this window; without a report from the routers, what arrived."""
         return max(sum(self.routed_by.values()), self.received)
+
+    def dominated(self, share: float) -> bool:
+        """One export supplied more than ``share`` of what this window received: its score would
+        be that one sender's word."""
+        return bool(self.sources) and max(self.sources.values()) > share * self.received
 
     @property
     def missing(self) -> int:
@@ -474,6 +493,16 @@ class Tuner:
             return
         w.add(s)
 
+    def follow(self, replicas: Collection[str], hints: Mapping[str, float]) -> None:
+        """The replicas the routers know and their fleet-file rates: a calibrated rate, and the
+        calibration rows, of a replica no router knows any more are forgotten."""
+        if self.calibrator is not None:
+            self.calibrator.follow(replicas, hints)
+        kept = {k: v for k, v in self.rates.items() if k in replicas}
+        if kept != self.rates:
+            self.rates = kept
+            self.revision += 1
+
     def counting(self) -> list[int]:
         """Versions whose decision counts (`routed`) the caller should report."""
         return [v for v, w in self._windows.items() if w.arm != MONITOR]
@@ -639,6 +668,15 @@ class Tuner:
             if seen == ev.looked_at:
                 return None  # nothing new since the last look: same verdict (none)
             ev.looked_at = seen
+            if any(w.dominated(self.cfg.max_source_share) for w in ev.windows):
+                if not final:
+                    return None  # other exports may still even it out
+                self._pending.pop(0)  # one export would decide it: dropped unscored
+                for version in self._versions_of(ev):
+                    del self._windows[version]
+                self._record({"event": "discarded", "reason": "one_export",
+                              "versions": [w.version for w in ev.windows]}, now)
+                continue
             verdict = decide(ev, self._test_config(ev), self.rng, final)
             if verdict is None:
                 return None
@@ -761,7 +799,8 @@ class Tuner:
         w = self._open
         if w is None:
             return self._start_monitor(now)
-        if w.n < self.cfg.monitor_samples or now - w.opened_at < self.cfg.min_window_s:
+        if (w.n < self.cfg.monitor_samples or now - w.opened_at < self.cfg.min_window_s
+                or w.dominated(self.cfg.max_source_share)):
             return None
         return self._end_monitor_window(now)
 
@@ -887,29 +926,24 @@ class Tuner:
         calibration: CalibrationConfig | None = None,
         hints: dict[str, float] | None = None,
     ) -> Tuner:
-        """A tuner resumed from `snapshot`; raises ValueError on a state it cannot trust."""
+        """A tuner resumed from a `snapshot` that `tuner.state_store.check_state` accepted (the
+        live tuner's `load_state` checks every field); ValueError if it is incomplete."""
         try:
-            fmt = state.get("format")
-            if fmt not in (1, STATE_FORMAT):
-                raise ValueError(f"unknown state format {fmt!r}")
-            t = cls(config, _point(state["incumbent"], fmt), calibration=calibration,
+            fmt = state["format"]
+            t = cls(config, point_from_state(state["incumbent"], fmt), calibration=calibration,
                     hints=hints, next_version=int(state["next_version"]))
             t.incumbent_p95 = _opt_float(state.get("incumbent_p95"))
             last_good = state.get("last_good")
-            t.last_good = None if last_good is None else _point(last_good, fmt)
+            t.last_good = None if last_good is None else point_from_state(last_good, fmt)
             t.last_good_p95 = _opt_float(state.get("last_good_p95"))
-            t.sigma = min(max(float(state["sigma"]), 0.0), config.max_sigma)
-            if not t.sigma > 0:
-                raise ValueError("sigma must be > 0")
+            t.sigma = min(float(state["sigma"]), config.max_sigma)
             t.failures = int(state["failures"])
             t.evaluations = int(state["evaluations"])
             t.accepted = int(state["accepted"])
             t.phase = str(state["phase"])
-            if t.phase not in (EVALUATING, CONVERGED):
-                raise ValueError(f"unknown phase {t.phase!r}")
             t.baseline_p95 = _opt_float(state.get("baseline_p95"))
             tried = state.get("model_tried")
-            t.model_tried = None if tried is None else _point(tried, fmt)
+            t.model_tried = None if tried is None else point_from_state(tried, fmt)
             t.rates = {str(k): float(v) for k, v in dict(state.get("prefill_rate") or {}).items()}
             t.history = list(state.get("history") or [])[-config.history:] if config.history else []
             if state.get("rng") is not None:
@@ -919,7 +953,7 @@ class Tuner:
         return t
 
 
-def _point(v: Any, fmt: int) -> Point:
+def point_from_state(v: Any, fmt: int) -> Point:
     """Weights from a state file: ``{key: factor}`` (format 1: an ``[rtt, queue]`` list). A
     weight the registry gained since the file was written takes its term's default."""
     if fmt == 1 and isinstance(v, list | tuple):

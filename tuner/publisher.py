@@ -8,6 +8,12 @@ tracked and a router that missed an update (down, slow, restarted) gets it on a 
 backoff. A 409 means the router already holds a version at or above ours (a previous tuner run
 whose state was lost, an operator's manual update, or an ack that got lost): `sync` reports that
 version so the caller can renumber the proposal above it.
+
+The routers are the truth about themselves: every tick the caller hands over each router's
+``GET /admin/weights`` (`observe`). A router whose active version is not the one it acknowledged
+(restarted on its fleet file's weights, or updated by someone else) is due again; and a router is
+only ever sent rates for the replicas it reported, so a name it does not know (one a span made up,
+or a replica removed from its fleet file) can never get the update refused.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ RETRY_MAX_S = 30.0
 
 @dataclass(frozen=True, slots=True)
 class RouterTarget:
-    url: str  # base URL of the router's metrics/admin port, e.g. http://127.0.0.1:9100
+    url: str  # base URL of the router's metrics/admin port, e.g. http://127.0.0.1:50052
     token: str
 
     @property
@@ -57,6 +63,7 @@ class _Track:
     error: str = ""
     published: int = 0
     failed: int = 0
+    replicas: frozenset[str] | None = None  # what the router last reported; None: not yet
 
 
 class Publisher:
@@ -95,10 +102,39 @@ class Publisher:
                 log.warning("GET %s: %s", t.endpoint, exc or type(exc).__name__)
             return None
 
+    def observe(self, t: RouterTarget, doc: dict[str, Any]) -> None:
+        """A router's GET /admin/weights: its replica set, and whether it still holds what it
+        acknowledged (if not, it is due at once)."""
+        tr = self._track[t.url]
+        names = doc.get("prefill_rate")
+        if isinstance(names, dict):
+            tr.replicas = frozenset(str(k) for k in names)
+        version = doc.get("version")
+        if isinstance(version, int) and tr.acked >= 0 and version != tr.acked:
+            log.warning("%s holds v%d, not the v%d it acknowledged (restarted?): republishing",
+                        t.url, version, tr.acked)
+            tr.acked, tr.retry_at, tr.backoff = -1, 0.0, RETRY_MIN_S
+
+    def replicas(self) -> set[str] | None:
+        """Every replica some router reported; None until one has."""
+        known = [tr.replicas for tr in self._track.values() if tr.replicas is not None]
+        return set().union(*known) if known else None
+
+    def _body(self, t: RouterTarget, proposal: Proposal) -> dict[str, Any]:
+        body = proposal.body()
+        known = self._track[t.url].replicas
+        if "prefill_rate" in body and known is not None:
+            rates = {k: v for k, v in body["prefill_rate"].items() if k in known}
+            if rates:
+                body["prefill_rate"] = rates
+            else:
+                del body["prefill_rate"]
+        return body
+
     async def put(self, t: RouterTarget, proposal: Proposal) -> PublishResult:
         assert self._session is not None, "use `async with Publisher(...)`"
         try:
-            async with self._session.put(t.endpoint, json=proposal.body(),
+            async with self._session.put(t.endpoint, json=self._body(t, proposal),
                                          headers=self._headers(t)) as r:
                 try:
                     body = await r.json(content_type=None)

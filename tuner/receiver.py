@@ -4,30 +4,58 @@ Envoy (directly, or an OpenTelemetry Collector in between) exports request spans
 is parsed into samples (tuner/samples.py) and handed to a callback on the event loop. Spans that are
 not gorgo decisions, or do not parse, are counted per reason and dropped: the receiver answers
 every well-formed export with success, because a Collector retries failed exports and a foreign
-span would then be retried forever. Optional bearer-token check on the ``authorization`` metadata
-(constant-time) and optional TLS; the default bind address is loopback.
+span would then be retried forever. Bearer-token check on the ``authorization`` metadata
+(constant-time; the tuner's config requires a token) and optional TLS; the default bind address is
+loopback.
+
+What one sender can cost is bounded: an export is parsed on the tuner's only event loop, so at most
+``max_spans`` of its spans are parsed and at most ``spans_per_s`` per second over all exports (a
+token bucket holding one export's worth); the spans beyond are rejected with OTLP's partial success,
+which senders do not retry. Each export gets a number that its samples carry (``Sample.source``), so
+that no single export can fill a window or a calibration fit on its own.
 """
 
 from __future__ import annotations
 
 import hmac
 import logging
+import time
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
-from tuner.samples import Sample, parse_export
+from tuner.samples import Sample, count_spans, parse_export
 
 log = logging.getLogger("gorgo.tuner.receiver")
-MAX_MESSAGE_BYTES = 32 * 1024 * 1024
+MAX_MESSAGE_BYTES = 8 * 1024 * 1024  # an Envoy span is ~1 KB: room for max_spans and more
+REJECTED = "rejected"  # spans over the per-export or per-second limit, never parsed
+
+
+@dataclass(frozen=True, slots=True)
+class ExportLimits:
+    max_ms: float  # the fleet's request timeout: no TTFT or E2E beyond it is a sample
+    max_spans: int = 5000  # spans parsed per export (~0.1 s of the event loop)
+    spans_per_s: float = 2000.0  # spans parsed per second, over all exports
+
+    def validate(self) -> None:
+        if not (self.max_ms > 0 and self.max_spans >= 1 and self.spans_per_s > 0):
+            raise ValueError("export limits: need max_ms > 0, max_spans >= 1, spans_per_s > 0")
 
 
 class TraceReceiver(trace_service_pb2_grpc.TraceServiceServicer):
-    def __init__(self, on_samples: Callable[[list[Sample]], None], token: str | None = None):
+    def __init__(self, on_samples: Callable[[list[Sample]], None], token: str | None,
+                 limits: ExportLimits, clock: Callable[[], float] = time.monotonic) -> None:
+        limits.validate()
         self.on_samples = on_samples
         self._token = token.encode() if token else None
+        self.limits = limits
+        self._clock = clock
+        self._allowance = float(limits.max_spans)  # the token bucket, in spans
+        self._refilled_at = clock()
+        self._exports = 0  # numbers the exports: Sample.source
         self.counts: Counter[str] = Counter()
         self.port = 0
         self._server: grpc.aio.Server | None = None
@@ -51,9 +79,13 @@ class TraceReceiver(trace_service_pb2_grpc.TraceServiceServicer):
         if not self._authorized(context):
             self.counts["unauthenticated"] += 1
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
-        samples, dropped = parse_export(request)
+        total = count_spans(request)
+        take = self._take(total)
+        self._exports += 1
+        samples, dropped = parse_export(request, self.limits.max_ms, self._exports, take)
         self.counts["exports"] += 1
         self.counts["spans"] += len(samples) + sum(dropped.values())
+        self.counts[REJECTED] += total - take
         self.counts["samples"] += len(samples)
         self.counts.update(dropped)
         if samples:
@@ -62,7 +94,24 @@ class TraceReceiver(trace_service_pb2_grpc.TraceServiceServicer):
             except Exception:  # a tuner bug must not turn into export retries
                 self.counts["callback_errors"] += 1
                 log.exception("sample callback failed")
+        if total > take:
+            return trace_service_pb2.ExportTraceServiceResponse(
+                partial_success=trace_service_pb2.ExportTracePartialSuccess(
+                    rejected_spans=total - take,
+                    error_message=f"over the limit of {self.limits.max_spans} spans per export "
+                                  f"and {self.limits.spans_per_s:g} per second"))
         return trace_service_pb2.ExportTraceServiceResponse()
+
+    def _take(self, spans: int) -> int:
+        """How many of an export's ``spans`` to parse now (token bucket)."""
+        now = self._clock()
+        lim = self.limits
+        self._allowance = min(float(lim.max_spans),
+                              self._allowance + (now - self._refilled_at) * lim.spans_per_s)
+        self._refilled_at = now
+        take = min(spans, int(self._allowance))
+        self._allowance -= take
+        return take
 
     async def start(
         self, host: str = "127.0.0.1", port: int = 4317,

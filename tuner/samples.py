@@ -3,15 +3,17 @@
 Envoy writes every ``gorgo.*`` decision field and the TTFT as string attributes (custom tags), and
 ``-`` where the value was missing (a request the router never decided on, or one that got no first
 byte). Spans are parsed strictly: a span that does not carry a decision is *foreign* (another
-service's span fanned out by the same collector), one with a decision but no TTFT is *no_ttft*, and
-one whose values do not parse is *malformed*. All three are dropped and counted, never raised past
-the receiver. Every attribute name is the contract's (`gorgo.core.contract`): the TTFT in
-microseconds, the HTTP status, and each decision field under ``gorgo.``, one per cost term of the
-registry included.
+service's span fanned out by the same collector), one with a decision but no TTFT is *no_ttft*,
+one whose values do not parse is *malformed*, and one whose TTFT or E2E exceeds the fleet's request
+timeout (Envoy ends every request by then, so such a value is forged or broken) is *out_of_range*.
+All are dropped and counted, never raised past the receiver. Every attribute name is the
+contract's (`gorgo.core.contract`): the TTFT in microseconds, the HTTP status, and each decision
+field under ``gorgo.``, one per cost term of the registry included.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import Counter
 from collections.abc import Iterable
@@ -21,16 +23,22 @@ from typing import Any
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
-from gorgo.core.contract import SPAN_PREFIX, STATUS_ATTR, TERM_FIELDS, TTFT_ATTR
-from gorgo.core.terms import TERMS
+from gorgo.core.contract import SPAN_PREFIX, STATUS_ATTR, TERM_FIELDS, TTFT_ATTR, VERSION_MAX
+from gorgo.core.terms import TERMS, TTFT
 
 # (term name, span tag) for every term of the registry: each decision carries each of them.
-_TERM_TAGS = tuple((t.name, SPAN_PREFIX + f)
+# (term, span tag, required): a TTFT term is on every span; a term only another objective counts
+# (decode) is read where the router tags it, so spans of a router older than the term still parse.
+_TERM_TAGS = tuple((t.name, SPAN_PREFIX + f, TTFT in t.objectives)
                    for t, f in zip(TERMS, TERM_FIELDS, strict=True))
 FOREIGN = "foreign"
 NO_TTFT = "no_ttft"
 MALFORMED = "malformed"
-DROP_REASONS = (FOREIGN, NO_TTFT, MALFORMED)
+OUT_OF_RANGE = "out_of_range"
+DROP_REASONS = (FOREIGN, NO_TTFT, MALFORMED, OUT_OF_RANGE)
+# A cost term may exceed the request timeout (a long predicted queue is what shedding acts on),
+# but not by more than this factor: beyond it the decision is no basis for a fit.
+TERM_SLACK = 10.0
 _MISSING = ("", "-")
 
 
@@ -47,8 +55,9 @@ class SpanDropped(ValueError):
 class Sample:
     """Measured latency of one request plus the decision that routed it (times in ms).
 
-    ``terms`` holds every term of the registry, read from its ``gorgo.<name>_ms`` tag: the
-    tuner's weight fit and calibration iterate over it rather than naming fields.
+    ``terms`` holds the registry's terms, read from their ``gorgo.<name>_ms`` tags (every TTFT
+    term; the others where the span has them): the tuner's weight fit and calibration iterate
+    over it rather than naming fields.
     """
 
     ttft_ms: float
@@ -64,6 +73,7 @@ class Sample:
     prompt_tokens: int
     decision_id: str = ""
     end_unix_s: float = 0.0
+    source: int | None = None  # the export it came in (the receiver numbers them); None: offline
 
     @property
     def ok(self) -> bool:
@@ -112,8 +122,9 @@ def _text(attrs: dict[str, Any], key: str) -> str:
     return attrs[key]
 
 
-def parse_span(span: Span) -> Sample:
-    """The span as a Sample, or SpanDropped saying why it is not one."""
+def parse_span(span: Span, max_ms: float, source: int | None = None) -> Sample:
+    """The span as a Sample, or SpanDropped saying why it is not one; ``max_ms`` is the fleet's
+    request timeout, the longest TTFT or E2E a real request can have."""
     attrs = span_attributes(span)
     if not _present(attrs, SPAN_PREFIX + "decision_id"):
         raise SpanDropped(FOREIGN, "no gorgo.decision_id")
@@ -125,7 +136,7 @@ def parse_span(span: Span) -> Sample:
     status = _integer(attrs, STATUS_ATTR)
     if not 100 <= status <= 599:
         raise SpanDropped(MALFORMED, f"{STATUS_ATTR}={status}")
-    return Sample(
+    s = Sample(
         ttft_ms=_number(attrs, TTFT_ATTR) / 1000.0,
         e2e_ms=(end - start) / 1e6,
         status=status,
@@ -134,12 +145,21 @@ def parse_span(span: Span) -> Sample:
         policy=_text(attrs, SPAN_PREFIX + "policy"),
         weights_version=_integer(attrs, SPAN_PREFIX + "weights_version"),
         predicted_ttft_ms=_number(attrs, SPAN_PREFIX + "predicted_ttft_ms"),
-        terms={name: _number(attrs, tag) for name, tag in _TERM_TAGS},
+        terms={name: _number(attrs, tag) for name, tag, required in _TERM_TAGS
+               if required or _present(attrs, tag)},
         uncached_tokens=_integer(attrs, SPAN_PREFIX + "uncached_tokens"),
         prompt_tokens=_integer(attrs, SPAN_PREFIX + "prompt_tokens"),
         decision_id=str(attrs[SPAN_PREFIX + "decision_id"]),
         end_unix_s=end / 1e9,
+        source=source,
     )
+    if max(s.ttft_ms, s.e2e_ms) > max_ms:
+        raise SpanDropped(OUT_OF_RANGE, f"TTFT {s.ttft_ms:g} ms, E2E {s.e2e_ms:g} ms > {max_ms:g}")
+    if max(s.predicted_ttft_ms, *s.terms.values()) > TERM_SLACK * max_ms:
+        raise SpanDropped(OUT_OF_RANGE, f"a cost term above {TERM_SLACK * max_ms:g} ms")
+    if s.uncached_tokens > s.prompt_tokens or s.weights_version > VERSION_MAX:
+        raise SpanDropped(MALFORMED, "uncached tokens above the prompt's, or version above int64")
+    return s
 
 
 def iter_spans(request: ExportTraceServiceRequest) -> Iterable[Span]:
@@ -148,13 +168,19 @@ def iter_spans(request: ExportTraceServiceRequest) -> Iterable[Span]:
             yield from ss.spans
 
 
-def parse_export(request: ExportTraceServiceRequest) -> tuple[list[Sample], Counter[str]]:
-    """Every usable sample in one OTLP export, and how many spans were dropped for each reason."""
+def count_spans(request: ExportTraceServiceRequest) -> int:
+    return sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
+
+
+def parse_export(request: ExportTraceServiceRequest, max_ms: float, source: int | None = None,
+                 limit: int | None = None) -> tuple[list[Sample], Counter[str]]:
+    """The usable samples among the first ``limit`` spans of one OTLP export (None: all), and how
+    many spans were dropped for each reason."""
     samples: list[Sample] = []
     dropped: Counter[str] = Counter()
-    for span in iter_spans(request):
+    for span in itertools.islice(iter_spans(request), limit):
         try:
-            samples.append(parse_span(span))
+            samples.append(parse_span(span, max_ms, source))
         except SpanDropped as exc:
             dropped[exc.reason] += 1
         except (ValueError, TypeError, OverflowError):  # whatever else a hostile span holds

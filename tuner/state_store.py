@@ -3,18 +3,31 @@
 A half-written file would lose the version counter, and a restarted tuner would then reissue
 versions the routers already hold (they refuse those with 409). So the JSON goes to a temporary
 file in the same directory, is fsynced, and replaces the old file with one rename.
+
+A state file is trusted no more than a span: every field the tuner resumes from is checked when it
+is loaded (`check_state`): weights within the contract's bounds, rates within its rate bounds, a
+version within int64, counts non-negative integers, p95s finite and within the request timeout,
+the RNG state one the generator takes. A file that fails is refused with one line naming the field;
+the tuner stops rather than publish from it. A replica the routers no longer know is not an error
+(it was removed from the fleet file): the tuner forgets its rate once the routers have answered.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from gorgo.core.contract import PREFILL_RATE_BOUNDS, VERSION_MAX, WEIGHT_BOUNDS
 from gorgo.errors import UserError
+from tuner.optimizer import CONVERGED, EVALUATING, STATE_FORMAT, point_from_state
 
 
 class StateError(UserError, ValueError):
@@ -44,8 +57,9 @@ def save_state(path: str | Path, state: dict[str, Any]) -> None:
             os.close(dir_fd)
 
 
-def load_state(path: str | Path) -> dict[str, Any] | None:
-    """The saved state, or None if there is none yet."""
+def load_state(path: str | Path, max_ms: float) -> dict[str, Any] | None:
+    """The saved state, or None if there is none yet; ``max_ms`` is the fleet's request timeout
+    (no p95 can be longer)."""
     path = Path(path)
     try:
         text = path.read_text()
@@ -59,4 +73,78 @@ def load_state(path: str | Path) -> dict[str, Any] | None:
         raise StateError(f"{path}: not valid JSON ({exc}); move it away to start afresh") from None
     if not isinstance(state, dict):
         raise StateError(f"{path}: expected a JSON object")
+    try:
+        check_state(state, max_ms)
+    except ValueError as exc:
+        raise StateError(f"{path}: {exc}; fix or move it away to start afresh") from None
     return state
+
+
+def _integer(state: Mapping[str, Any], key: str, lo: int, hi: int = VERSION_MAX) -> int:
+    v = state.get(key)
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        raise ValueError(f"{key}: expected an integer in [{lo}, {hi}], got {_short(v)}")
+    return v
+
+
+def _number(v: Any, key: str, lo: float, hi: float, low_open: bool = False) -> float:
+    ok = (not isinstance(v, bool) and isinstance(v, int | float) and math.isfinite(v)
+          and (lo < v if low_open else lo <= v) and v <= hi)
+    if not ok:
+        bound = f"{'(' if low_open else '['}{lo:g}, {hi:g}]"
+        raise ValueError(f"{key}: expected a number in {bound}, got {_short(v)}")
+    return float(v)
+
+
+def _short(v: Any) -> str:
+    text = repr(v)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _weights(state: Mapping[str, Any], key: str, fmt: int, required: bool) -> None:
+    v = state.get(key)
+    if v is None and not required:
+        return
+    try:
+        point = point_from_state(v, fmt)
+    except ValueError as exc:
+        raise ValueError(f"{key}: {str(exc)[:120]}") from None
+    for k, x in point.items():
+        _number(x, f"{key}.{k}", *WEIGHT_BOUNDS[k])
+
+
+def check_state(state: Mapping[str, Any], max_ms: float) -> None:
+    """Every field `Tuner.restore` reads, or ValueError naming the first it cannot trust."""
+    fmt = state.get("format")
+    if fmt not in (1, STATE_FORMAT) or isinstance(fmt, bool):
+        raise ValueError(f"format: expected 1 or {STATE_FORMAT}, got {_short(fmt)}")
+    _weights(state, "incumbent", fmt, required=True)
+    for key in ("last_good", "model_tried"):
+        _weights(state, key, fmt, required=False)
+    _integer(state, "next_version", 1)
+    evaluations = _integer(state, "evaluations", 0)
+    _integer(state, "accepted", 0, evaluations)
+    _integer(state, "failures", 0)
+    _number(state.get("sigma"), "sigma", 0.0, 1e3, low_open=True)
+    if state.get("phase") not in (EVALUATING, CONVERGED):
+        raise ValueError(f"phase: expected {EVALUATING} or {CONVERGED}, got "
+                         f"{_short(state.get('phase'))}")
+    for key in ("incumbent_p95", "last_good_p95", "baseline_p95"):
+        if state.get(key) is not None:
+            _number(state[key], key, 0.0, max_ms)
+    rates = state.get("prefill_rate") or {}
+    if not isinstance(rates, dict):
+        raise ValueError("prefill_rate: expected {replica: tokens/s}")
+    for name, rate in rates.items():
+        if not name or len(name) > 256:
+            raise ValueError(f"prefill_rate: {_short(name)} is not a replica name")
+        _number(rate, f"prefill_rate.{name}", *PREFILL_RATE_BOUNDS)
+    history = state.get("history") or []
+    if not isinstance(history, list) or not all(isinstance(h, dict) for h in history):
+        raise ValueError("history: expected a list of objects")
+    rng = state.get("rng")
+    if rng is not None:
+        try:
+            np.random.default_rng().bit_generator.state = rng
+        except (ValueError, TypeError, KeyError, OverflowError):
+            raise ValueError("rng: not a state of the tuner's generator (PCG64)") from None

@@ -298,7 +298,7 @@ def start_stack(stack: contextlib.ExitStack, tmp: Path) -> Stack:
         fronts[path].start()
 
     def rtt_known() -> bool:
-        vals = metric_values(metrics_port, "gorgo_rtt_ms")
+        vals = metric_values(metrics_port, "gorgo_rtt_seconds")
         return len(vals) == N_REPLICAS and all(v == v for v in vals)
 
     if not wait_for(rtt_known, 15):

@@ -14,9 +14,26 @@ from gorgo.core.terms import TERMS, WEIGHTED
 
 METADATA_NAMESPACE = "gorgo"
 SPAN_PREFIX = "gorgo."
-# Envoy's %COMMON_DURATION(DS_RX_BEG:US_RX_BODY_BEG:us)%: first upstream body byte, microseconds.
-TTFT_ATTR = "gen_ai.response.time_to_first_chunk"
+# Envoy's %COMMON_DURATION(DS_RX_BEG:US_RX_BODY_BEG:us)%: request start to the first upstream
+# body byte, in microseconds, as a string (custom tags are strings). It is the first token only
+# for a streamed answer, so it keeps a gorgo.* name; the GenAI attributes below are derived from it
+# and the request fields (gorgo.core.otel). The tuner reads it as the request's TTFT.
+TTFT_ATTR = "gorgo.first_byte_us"
 STATUS_ATTR = "http.status_code"
+# OpenTelemetry GenAI semantic-convention attributes, typed: made by the Collector's transform
+# processor (deploy/otel-collector.yaml) or gorgo.core.otel from the string tags.
+GENAI_OPERATION_ATTR = "gen_ai.operation.name"
+GENAI_PROVIDER_ATTR = "gen_ai.provider.name"
+GENAI_MODEL_ATTR = "gen_ai.request.model"
+GENAI_STREAM_ATTR = "gen_ai.request.stream"
+GENAI_TTFC_ATTR = "gen_ai.response.time_to_first_chunk"  # double, seconds, streamed answers only
+# The router's own span per decision (extproc/telemetry.py), a child of Envoy's span of the
+# ext_proc stream, which lasts the whole request and which Envoy always closes as "canceled".
+ROUTER_SERVICE = "gorgo-router"
+ROUTER_SPAN = "gorgo.route"
+OUTCOME_ATTR = "gorgo.outcome"  # routed, invalid_request, shed, no_healthy_replica, fail_open
+ROUTER_STATUS_ATTR = "http.response.status_code"  # of an answer the router gave itself
+EXTPROC_SPAN = "async envoy.service.ext_proc.v3.ExternalProcessor.Process egress"
 
 # Router -> Envoy: the chosen replica's cluster, and the ordered IP:port list Envoy's override-host
 # policy retries on (attempt k goes to the k-th address).
@@ -28,16 +45,35 @@ PICKER_NAMESPACE = "envoy.lb"
 # Router -> client, on the response: where the request went.
 REPLICA_HEADER = "x-gorgo-replica"
 DECISION_HEADER = "x-gorgo-decision-id"
-# Client -> router request headers the router reads.
+# Client -> router request headers the router reads. The control headers change how a request is
+# treated (its shedding limit, its policy), so Envoy strips them from every client the fleet's
+# control_headers.trusted_peers do not name.
 SESSION_HEADER = "x-session-id"
 POLICY_HEADER = "x-gorgo-policy"
 PRIORITY_HEADER = "x-gorgo-priority"
+CONTROL_HEADERS = (POLICY_HEADER, PRIORITY_HEADER)
+PRIORITY_BOUNDS = (0, 100)
+# Envoy -> router, on the response (include_attempt_count_in_response): 2 means the retry served it.
+ATTEMPT_COUNT_HEADER = "x-envoy-attempt-count"
+# Every header the router reads, request and response: the only ones Envoy forwards to it.
+ROUTER_READS = (":path", "content-length", SESSION_HEADER, *CONTROL_HEADERS, ":status",
+                ATTEMPT_COUNT_HEADER)
+# What Envoy forwards: the OpenAI-style inference API and the engines' health path (exact paths,
+# plus the fleet's routes.extra_paths); any other path is a 404 from Envoy itself.
+API_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models")
+HEALTH_PATH = "/health"
 
 # Decision fields, in the order they are tagged: identity, the prediction, each term, tokens.
 TEXT_FIELDS = ("decision_id", "replica", "region", "policy")
 TERM_FIELDS = tuple(t.field for t in TERMS)
 DECISION_FIELDS = (*TEXT_FIELDS, "weights_version", "predicted_ttft_ms", *TERM_FIELDS,
                    "uncached_tokens", "prompt_tokens")
+# Request fields tagged beside them, for the GenAI attributes: the request's model and streaming
+# flag, the GenAI operation of its endpoint and the chosen replica's engine (the provider).
+REQUEST_FIELDS = ("model", "stream", "operation", "provider")
+# gorgo.core.features.ENDPOINTS' kinds -> gen_ai.operation.name.
+GENAI_OPERATIONS = {"chat": "chat", "completions": "text_completion", "responses": "chat"}
+MODEL_MAX_CHARS = 256  # a client's model name, cut to this length in metadata and spans
 
 WEIGHT_BOUNDS: dict[str, tuple[float, float]] = {k: t.bounds for k, t in WEIGHTED.items()}
 PREFILL_RATE_BOUNDS = (1.0, 1e9)  # tokens/s
@@ -60,4 +96,17 @@ def decision_fields(
         out[t.field] = round(decision.terms[t.name], 3)
     out["uncached_tokens"] = decision.uncached_tokens
     out["prompt_tokens"] = decision.prompt_tokens
+    return out
+
+
+def request_fields(features: Any, engine: str) -> dict[str, str]:
+    """The request fields of an inference request (none of a GET /v1/models), as strings: Envoy's
+    metadata holds strings and numbers only."""
+    operation = GENAI_OPERATIONS.get(features.endpoint or "")
+    if operation is None:
+        return {}
+    out = {"stream": "true" if features.stream else "false", "operation": operation,
+           "provider": engine}
+    if features.model:
+        out["model"] = features.model[:MODEL_MAX_CHARS]
     return out

@@ -14,7 +14,7 @@ import numpy as np
 
 from gorgo.core.features import RequestFeatures
 from gorgo.core.state import FleetState
-from gorgo.core.terms import TERMS
+from gorgo.core.terms import EXCLUDED, TERMS, TTFT
 from gorgo.core.weights import Weights
 
 
@@ -28,11 +28,17 @@ class CostTerms:
     def __getitem__(self, name: str) -> np.ndarray:
         return self.values[name]
 
-    def total(self, w: Weights) -> np.ndarray:
-        """The weighted sum per replica: the one place the terms are added up."""
+    def total(
+        self, w: Weights, objective: str = TTFT, *, latency_only: bool = False
+    ) -> np.ndarray:
+        """The weighted sum per replica of the terms ``objective`` counts: the one place the terms
+        are added up. The TTFT total is the predicted time to first token. ``latency_only`` leaves
+        out the terms that are no latency prediction (fit EXCLUDED, such as the failure penalty):
+        what admission control compares with the SLO."""
         out = np.zeros(len(self.uncached_tokens))
         for t in TERMS:
-            out += w.factor(t) * self.values[t.name]
+            if objective in t.objectives and not (latency_only and t.fit == EXCLUDED):
+                out += w.factor(t) * self.values[t.name]
         return out
 
     def at(self, i: int) -> dict[str, float]:

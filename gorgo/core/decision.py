@@ -9,6 +9,7 @@ import numpy as np
 
 NO_REPLICA = "no_healthy_replica"
 SHED = "shed"
+TOO_LARGE = "context_length_exceeded"  # OpenAI's code: the request fits no replica
 
 
 class NoReplicaAvailable(Exception):
@@ -35,14 +36,15 @@ class Decision:
 
 @dataclass(frozen=True, slots=True)
 class Rejection:
-    """The router refused the request: 503 (no routable replica) or 429 (shed), with Retry-After.
+    """The router refused the request: 503 (no routable replica) or 429 (shed), with Retry-After,
+    or 400 (it fits no replica: retrying cannot help).
 
     Both drivers turn it into the same outcome: the live server answers ``status`` with an
     OpenAI-style error, the simulator records a failed request.
     """
 
     status: int
-    reason: str  # NO_REPLICA or SHED
+    reason: str  # NO_REPLICA, SHED or TOO_LARGE
     retry_after_s: float
     message: str
     priority: int | None = None

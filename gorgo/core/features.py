@@ -11,13 +11,19 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from gorgo.core.contract import POLICY_HEADER, PRIORITY_HEADER, SESSION_HEADER
+from gorgo.core.contract import (
+    POLICY_HEADER,
+    PRIORITY_BOUNDS,
+    PRIORITY_HEADER,
+    SESSION_HEADER,
+)
+from gorgo.core.fleet import Limits
 from gorgo.core.tokens import Tokenization
 
 ENDPOINTS = {
@@ -25,7 +31,8 @@ ENDPOINTS = {
     "/v1/completions": "completions",
     "/v1/responses": "responses",
 }
-DEFAULT_MAX_DEPTH = 64
+DEFAULT_LIMITS = Limits()
+DEFAULT_MAX_DEPTH = DEFAULT_LIMITS.max_json_depth
 AFFINITY_HEAD_TOKENS = 256
 
 
@@ -91,39 +98,58 @@ def endpoint_for_path(path: str) -> str | None:
     return ENDPOINTS.get(path.split("?", 1)[0].rstrip("/") or "/")
 
 
-def parse_json_body(raw: bytes, max_depth: int = DEFAULT_MAX_DEPTH) -> dict[str, Any]:
-    """Decode a JSON object body, refusing bad encodings and nesting deeper than ``max_depth``."""
+def parse_json_body(
+    raw: bytes, max_depth: int = DEFAULT_MAX_DEPTH,
+    max_containers: int = DEFAULT_LIMITS.max_json_containers,
+) -> dict[str, Any]:
+    """Decode a JSON object body, refusing bad encodings, nesting deeper than ``max_depth`` and
+    more than ``max_containers`` objects and arrays (what every later per-element step costs)."""
     if not raw:
         raise RequestError(400, "Request body is empty; expected a JSON object.")
     try:
         body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except ValueError as exc:  # bad JSON or UTF-8, or an integer past Python's 4300 digits
         raise RequestError(400, f"Request body is not valid JSON: {exc}") from None
     except RecursionError:
         raise RequestError(400, f"JSON nesting deeper than {max_depth} levels.") from None
     if not isinstance(body, dict):
         raise RequestError(400, "Request body must be a JSON object.")
-    # Cheap bound first: depth cannot exceed the number of opening brackets.
-    if raw.count(b"{") + raw.count(b"[") > max_depth and _depth(body) > max_depth:
-        raise RequestError(400, f"JSON nesting deeper than {max_depth} levels.")
+    # Cheap bound first: neither depth nor containers can exceed the number of opening brackets.
+    if raw.count(b"{") + raw.count(b"[") > min(max_depth, max_containers):
+        _check_shape(body, max_depth, max_containers)
     return body
 
 
-def _depth(obj: Any) -> int:
-    deepest = 0
+def _check_shape(obj: Any, max_depth: int, max_containers: int) -> None:
+    """Walk the containers, stopping at the first one past either bound: the walk itself costs at
+    most ``max_containers`` steps, however many elements the body holds."""
+    seen = 1
     stack: list[tuple[Any, int]] = [(obj, 1)]
     while stack:
         node, d = stack.pop()
-        if d > deepest:
-            deepest = d
-        if isinstance(node, dict):
-            stack.extend((v, d + 1) for v in node.values() if isinstance(v, dict | list))
-        elif isinstance(node, list):
-            stack.extend((v, d + 1) for v in node if isinstance(v, dict | list))
-    return deepest
+        if d > max_depth:
+            raise RequestError(400, f"JSON nesting deeper than {max_depth} levels.")
+        for v in node.values() if isinstance(node, dict) else node:
+            if isinstance(v, dict | list):
+                seen += 1
+                if seen > max_containers:
+                    raise RequestError(
+                        413, f"Request body has more than {max_containers} JSON objects and "
+                             "arrays.", code="request_too_large")
+                stack.append((v, d + 1))
 
 
-def _content_text(content: Any, param: str) -> str:
+def _bounded(items: list[Any], limit: int, param: str) -> list[Any]:
+    """``items`` when at most ``limit`` long, else the OpenAI-style array-length error."""
+    if len(items) > limit:
+        raise RequestError(
+            400, f"Invalid '{param}': array too long. Expected an array with maximum length "
+                 f"{limit}, but got an array with length {len(items)} instead.",
+            param=param, code="array_above_max_length")
+    return items
+
+
+def _content_text(content: Any, param: str, max_parts: int) -> str:
     """Text of a message's content: a string, or the text parts of a multi-part list."""
     if content is None:
         return ""
@@ -131,7 +157,7 @@ def _content_text(content: Any, param: str) -> str:
         return content
     if isinstance(content, list):
         parts = []
-        for i, part in enumerate(content):
+        for i, part in enumerate(_bounded(content, max_parts, param)):
             if isinstance(part, str):
                 parts.append(part)
             elif isinstance(part, dict):
@@ -144,42 +170,45 @@ def _content_text(content: Any, param: str) -> str:
     raise RequestError(400, f"'{param}' must be a string or a list of parts.", param=param)
 
 
-def _messages_text(messages: Any, param: str) -> tuple[list[str], list[str]]:
+def _messages_text(messages: Any, param: str, limits: Limits) -> tuple[list[str], list[str]]:
     """(system texts, conversation texts) of a message list."""
     if not isinstance(messages, list):
         raise RequestError(400, f"'{param}' must be a list of messages.", param=param)
     system: list[str] = []
     rest: list[str] = []
-    for i, msg in enumerate(messages):
+    parts = limits.max_content_parts
+    for i, msg in enumerate(_bounded(messages, limits.max_messages, param)):
         if not isinstance(msg, dict):
             raise RequestError(400, f"'{param}[{i}]' must be an object.", param=f"{param}[{i}]")
-        text = _content_text(msg.get("content"), f"{param}[{i}].content")
+        text = _content_text(msg.get("content"), f"{param}[{i}].content", parts)
         calls = msg.get("tool_calls") or []
         if not isinstance(calls, list):
             raise RequestError(400, f"'{param}[{i}].tool_calls' must be a list.",
                                param=f"{param}[{i}].tool_calls")
-        for call in calls:
+        for call in _bounded(calls, parts, f"{param}[{i}].tool_calls"):
             if isinstance(call, dict):
                 text += json.dumps(call.get("function", call), sort_keys=True)
         (system if msg.get("role") in ("system", "developer") else rest).append(text)
     return system, rest
 
 
-def _tools_text(tools: Any) -> list[str]:
+def _tools_text(tools: Any, max_tools: int) -> list[str]:
     if tools is None:
         return []
     if not isinstance(tools, list):
         raise RequestError(400, "'tools' must be a list.", param="tools")
-    return [json.dumps(t, sort_keys=True, separators=(",", ":")) for t in tools]
+    return [json.dumps(t, sort_keys=True, separators=(",", ":"))
+            for t in _bounded(tools, max_tools, "tools")]
 
 
-def prompt_text(endpoint: str, body: Mapping[str, Any]) -> str:
-    """The prompt as the engine's template sees it (see module docstring for the order)."""
+def prompt_text(endpoint: str, body: Mapping[str, Any], limits: Limits = DEFAULT_LIMITS) -> str:
+    """The prompt as the engine's template sees it (see module docstring for the order), at most
+    ``limits.max_prompt_chars`` long; every list is bounded before its elements are read."""
     if endpoint == "chat":
         if "messages" not in body:
             raise RequestError(400, "Missing required parameter: 'messages'.", param="messages")
-        system, convo = _messages_text(body["messages"], "messages")
-        pieces = system + _tools_text(body.get("tools")) + convo
+        system, convo = _messages_text(body["messages"], "messages", limits)
+        pieces = system + _tools_text(body.get("tools"), limits.max_tools) + convo
     elif endpoint == "completions":
         if "prompt" not in body:
             raise RequestError(400, "Missing required parameter: 'prompt'.", param="prompt")
@@ -187,7 +216,7 @@ def prompt_text(endpoint: str, body: Mapping[str, Any]) -> str:
         if isinstance(prompt, str):
             pieces = [prompt]
         elif isinstance(prompt, list) and all(isinstance(p, str) for p in prompt):
-            pieces = prompt
+            pieces = _bounded(prompt, limits.max_messages, "prompt")
         elif isinstance(prompt, list) and all(isinstance(p, int) for p in prompt):
             # Token ids: keep them hashable and countable as text of the same length class.
             pieces = [" ".join(map(str, prompt))]
@@ -200,35 +229,58 @@ def prompt_text(endpoint: str, body: Mapping[str, Any]) -> str:
         if instructions is not None and not isinstance(instructions, str):
             raise RequestError(400, "'instructions' must be a string.", param="instructions")
         inp = body["input"]
-        system, convo = ([], [inp]) if isinstance(inp, str) else _messages_text(inp, "input")
+        system, convo = (([], [inp]) if isinstance(inp, str)
+                         else _messages_text(inp, "input", limits))
         if instructions:
             system.insert(0, instructions)
-        pieces = system + _tools_text(body.get("tools")) + convo
+        pieces = system + _tools_text(body.get("tools"), limits.max_tools) + convo
     else:
         raise ValueError(f"unknown endpoint {endpoint!r}")
-    return "\n".join(pieces)
+    text = "\n".join(pieces)
+    if len(text) > limits.max_prompt_chars:
+        raise RequestError(
+            413, f"The prompt has {len(text)} characters; the limit is {limits.max_prompt_chars}.",
+            code="request_too_large")
+    return text
 
 
-def positive_int(body: Mapping[str, Any], *names: str) -> int | None:
-    """The first of ``names`` present in ``body``, which must be a positive integer."""
+def positive_int(body: Mapping[str, Any], *names: str, maximum: int | None = None) -> int | None:
+    """The first of ``names`` present in ``body``, which must be a positive integer (at most
+    ``maximum``, when given)."""
     for name in names:
         value = body.get(name)
         if value is None:
             continue
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise RequestError(400, f"'{name}' must be a positive integer.", param=name)
+        if maximum is not None and value > maximum:
+            raise RequestError(400, f"'{name}' must be at most {maximum}.", param=name,
+                               code="integer_above_max_value")
         return value
     return None
 
 
 def _priority(headers: Mapping[str, str]) -> int | None:
+    """The priority header as a bounded integer: plain ASCII digits, nothing the shedding limit's
+    float arithmetic could overflow on."""
     raw = headers.get(PRIORITY_HEADER)
     if raw is None:
         return None
-    try:
+    lo, hi = PRIORITY_BOUNDS
+    if raw.isascii() and raw.isdigit() and len(raw) <= len(str(hi)) and lo <= int(raw) <= hi:
         return int(raw)
-    except ValueError:
-        raise RequestError(400, f"Header '{PRIORITY_HEADER}' must be an integer.") from None
+    raise RequestError(400, f"Header '{PRIORITY_HEADER}' must be an integer in [{lo}, {hi}].",
+                       param=PRIORITY_HEADER, code="invalid_priority")
+
+
+def _policy(headers: Mapping[str, str], known: Collection[str] | None) -> str | None:
+    """The policy header; with ``known``, a name outside it is a client error, not ignored."""
+    policy = headers.get(POLICY_HEADER) or None
+    if policy is not None and known is not None and policy not in known:
+        raise RequestError(400, f"Header '{POLICY_HEADER}' names unknown policy {policy[:64]!r} "
+                                f"(known: {', '.join(known)}).",
+                           param=POLICY_HEADER, code="unknown_policy")
+    return policy
 
 
 def extract_features(
@@ -236,17 +288,23 @@ def extract_features(
     headers: Mapping[str, str],
     raw_body: bytes,
     tok: Tokenization,
-    max_depth: int = DEFAULT_MAX_DEPTH,
+    max_depth: int | None = None,
+    policies: Collection[str] | None = None,
+    *,
+    limits: Limits = DEFAULT_LIMITS,
 ) -> RequestFeatures:
-    """Features of one request; ``headers`` must have lower-case names. Raises RequestError."""
-    policy = headers.get(POLICY_HEADER) or None
+    """Features of one request; ``headers`` must have lower-case names. Raises RequestError,
+    also for a policy header outside ``policies`` (when given: the router's policy names) and for
+    a body past ``limits`` (``max_depth``, when given, overrides its depth)."""
+    policy = _policy(headers, policies)
     priority = _priority(headers)
     endpoint = endpoint_for_path(path)
     if endpoint is None:
         return RequestFeatures(None, None, False, None, headers.get(SESSION_HEADER) or None,
                                0, 0, EMPTY_HASHES, policy, priority)
-    body = parse_json_body(raw_body, max_depth)
-    text = prompt_text(endpoint, body)
+    depth = limits.max_json_depth if max_depth is None else max_depth
+    body = parse_json_body(raw_body, depth, limits.max_json_containers)
+    text = prompt_text(endpoint, body, limits)
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise RequestError(400, "'model' must be a string.", param="model")
@@ -254,7 +312,8 @@ def extract_features(
     stream = False if stream is None else stream
     if not isinstance(stream, bool):
         raise RequestError(400, "'stream' must be a boolean.", param="stream")
-    max_tokens = positive_int(body, "max_tokens", "max_completion_tokens", "max_output_tokens")
+    max_tokens = positive_int(body, "max_tokens", "max_completion_tokens", "max_output_tokens",
+                              maximum=limits.max_output_tokens)
     session = headers.get(SESSION_HEADER) or None
     for key in ("prompt_cache_key", "user"):
         if session is None and isinstance(body.get(key), str) and body[key]:

@@ -9,6 +9,7 @@ router config shows up much later as bad routing.
 from __future__ import annotations
 
 import ipaddress
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,7 +17,8 @@ from typing import Any
 
 import yaml
 
-from gorgo.core.contract import WEIGHT_BOUNDS
+from gorgo.core.contract import API_PATHS, HEALTH_PATH, WEIGHT_BOUNDS
+from gorgo.core.terms import OBJECTIVES, TTFT
 from gorgo.core.weights import Weights
 from gorgo.errors import UserError
 
@@ -95,8 +97,17 @@ class Signals:
 
 @dataclass(frozen=True, slots=True)
 class Limits:
+    """What one request may cost the router: each bound is checked while the body is parsed,
+    before the per-element work it bounds, so a cheap body cannot buy seconds of the event loop."""
+
     max_body_bytes: int = 8 * 1024 * 1024
     max_json_depth: int = 64
+    max_json_containers: int = 50_000  # objects and arrays in the whole body
+    max_messages: int = 4096  # also a completions prompt's list of strings
+    max_content_parts: int = 1024  # per message: content parts, and tool calls
+    max_tools: int = 512
+    max_prompt_chars: int = 8 * 1024 * 1024  # the prompt as hashed (tool definitions included)
+    max_output_tokens: int = 1024 * 1024  # max_tokens and its aliases
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,11 +141,38 @@ class Retries:
 
 
 @dataclass(frozen=True, slots=True)
+class Observability:
+    """What Envoy records besides spans: with ``access_log``, one JSON line per request (decision
+    id, replica, first byte, status; never the prompt) to ``access_log_path``."""
+
+    access_log: bool = False
+    access_log_path: str = "/dev/stdout"
+
+
+@dataclass(frozen=True, slots=True)
+class Routes:
+    """Exact paths Envoy forwards besides the inference API and the health path
+    (contract.API_PATHS, HEALTH_PATH): anything else is Envoy's 404, so an engine's own
+    endpoints (/metrics, /flush_cache, /update_weights_from_disk) stay out of clients' reach."""
+
+    extra_paths: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class ControlHeaders:
+    """Peers (CIDR ranges, e.g. an operator's gateway in front of Envoy) whose control headers
+    (contract.CONTROL_HEADERS) Envoy keeps; from every other client it strips them."""
+
+    trusted_peers: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class FleetSpec:
     replicas: tuple[ReplicaSpec, ...]
     regions: tuple[RegionSpec, ...]
     proxy_region: str
     policy: str = "gorgo"
+    objective: str = TTFT  # what the gorgo policy minimises (gorgo.core.terms.OBJECTIVES)
     allow_policy_override: bool = False
     weights: Weights = field(default_factory=Weights)
     block_tokens: int = 64
@@ -146,6 +184,9 @@ class FleetSpec:
     shedding: Shedding = field(default_factory=Shedding)
     penalties: Penalties = field(default_factory=Penalties)
     retries: Retries = field(default_factory=Retries)
+    observability: Observability = field(default_factory=Observability)
+    routes: Routes = field(default_factory=Routes)
+    control_headers: ControlHeaders = field(default_factory=ControlHeaders)
     name: str = "fleet"
     # Also answer with the Gateway API Inference Extension's endpoint-picker header/metadata.
     endpoint_picker: bool = False
@@ -302,6 +343,23 @@ def _section(raw: Mapping[str, Any], key: str, cls: type, path: str) -> Any:
     return cls(**values)
 
 
+# Python's JSON decoder recurses per level and stops at the interpreter's recursion limit (1000
+# frames, less the caller's); a depth limit well inside it is the one a client ever meets.
+MAX_JSON_DEPTH = 256
+
+
+def _limits(raw: Mapping[str, Any], path: str) -> Limits:
+    """Every limit is at least 1 (0 would refuse every request)."""
+    limits = _section(raw, "limits", Limits, path)
+    for name in Limits.__dataclass_fields__:
+        if getattr(limits, name) < 1:
+            raise FleetError(f"{path}.limits.{name}: must be >= 1, got {getattr(limits, name)!r}")
+    if limits.max_json_depth > MAX_JSON_DEPTH:
+        raise FleetError(f"{path}.limits.max_json_depth: must be <= {MAX_JSON_DEPTH}, "
+                         f"got {limits.max_json_depth!r}")
+    return limits
+
+
 def ip_literal(host: str) -> bool:
     """True for an IPv4 or (bracketed) IPv6 address, False for a DNS name."""
     try:
@@ -333,6 +391,54 @@ def _retries(raw: Mapping[str, Any], replicas: tuple[ReplicaSpec, ...], path: st
     )
 
 
+# An exact URL path of unreserved characters: no query, no percent-encoding, no dot segments, so
+# the path Envoy matches is the path the engine serves.
+_PATH = re.compile(r"(/[A-Za-z0-9._~-]+)+")
+
+
+def _list(raw: Mapping[str, Any], key: str, path: str) -> list[Any]:
+    value = raw.get(key) or []
+    if not isinstance(value, list):
+        raise FleetError(f"{path}.{key}: expected a list, got {value!r}")
+    return value
+
+
+def _routes(raw: Mapping[str, Any], path: str) -> Routes:
+    rraw = _mapping(raw.get("routes") or {}, path)
+    _check_keys(rraw, set(Routes.__dataclass_fields__), path)
+    seen = {*API_PATHS, HEALTH_PATH}
+    paths = []
+    for i, p in enumerate(_list(rraw, "extra_paths", path)):
+        where = f"{path}.extra_paths[{i}]"
+        if not isinstance(p, str) or not _PATH.fullmatch(p) or {".", ".."} & set(p.split("/")):
+            raise FleetError(f"{where}: expected an exact path like /v1/embeddings, got {p!r}")
+        if p in seen:
+            raise FleetError(f"{where}: {p!r} is already forwarded")
+        seen.add(p)
+        paths.append(p)
+    return Routes(extra_paths=tuple(paths))
+
+
+def _control_headers(raw: Mapping[str, Any], path: str) -> ControlHeaders:
+    craw = _mapping(raw.get("control_headers") or {}, path)
+    _check_keys(craw, set(ControlHeaders.__dataclass_fields__), path)
+    peers = []
+    for i, cidr in enumerate(_list(craw, "trusted_peers", path)):
+        try:
+            peers.append(str(ipaddress.ip_network(cidr if isinstance(cidr, str) else "")))
+        except ValueError:
+            raise FleetError(f"{path}.trusted_peers[{i}]: expected a CIDR range like "
+                             f"10.0.0.0/8 (host bits zero), got {cidr!r}") from None
+    return ControlHeaders(trusted_peers=tuple(peers))
+
+
+def _observability(raw: Mapping[str, Any], path: str) -> Observability:
+    oraw = _mapping(raw.get("observability") or {}, path)
+    _check_keys(oraw, set(Observability.__dataclass_fields__), path)
+    return Observability(access_log=_bool(oraw, "access_log", path),
+                         access_log_path=_str(oraw, "access_log_path", path, "/dev/stdout"))
+
+
 def _policy(raw: Mapping[str, Any], source: str) -> str:
     # Imported here: the policies import this module for FleetSpec.
     from gorgo.core.policies import REGISTRY
@@ -362,9 +468,11 @@ def parse_fleet(raw: Any, source: str = "fleet") -> FleetSpec:
     raw = _mapping(raw, source)
     _check_keys(
         raw,
-        {"name", "proxy_region", "regions", "replicas", "policy", "allow_policy_override",
+        {"name", "proxy_region", "regions", "replicas", "policy", "objective",
+         "allow_policy_override",
          "weights", "block_tokens", "chars_per_token", "default_cluster", "timeouts", "signals",
-         "limits", "endpoint_picker", "shedding", "penalties", "retries"},
+         "limits", "endpoint_picker", "shedding", "penalties", "retries", "routes",
+         "control_headers", "observability"},
         source,
     )
     regions_raw = _mapping(raw.get("regions"), f"{source}.regions")
@@ -389,6 +497,10 @@ def parse_fleet(raw: Any, source: str = "fleet") -> FleetSpec:
     if proxy_region not in region_names:
         raise FleetError(f"{source}.proxy_region: unknown region {proxy_region!r}")
     policy = _policy(raw, source)
+    objective = _str(raw, "objective", source, TTFT)
+    if objective not in OBJECTIVES:
+        raise FleetError(f"{source}.objective: must be one of {', '.join(OBJECTIVES)}, "
+                         f"got {objective!r}")
     weights = _weights(raw, f"{source}.weights")
     allow = _bool(raw, "allow_policy_override", source)
     picker = _bool(raw, "endpoint_picker", source)
@@ -402,6 +514,7 @@ def parse_fleet(raw: Any, source: str = "fleet") -> FleetSpec:
         regions=regions,
         proxy_region=proxy_region,
         policy=policy,
+        objective=objective,
         allow_policy_override=allow,
         endpoint_picker=picker,
         weights=weights,
@@ -410,10 +523,13 @@ def parse_fleet(raw: Any, source: str = "fleet") -> FleetSpec:
         default_cluster=default_cluster,
         timeouts=_section(raw, "timeouts", Timeouts, source),
         signals=_section(raw, "signals", Signals, source),
-        limits=_section(raw, "limits", Limits, source),
+        limits=_limits(raw, source),
         shedding=_section(raw, "shedding", Shedding, source),
         penalties=_section(raw, "penalties", Penalties, source),
         retries=_retries(raw, replicas, f"{source}.retries"),
+        observability=_observability(raw, f"{source}.observability"),
+        routes=_routes(raw, f"{source}.routes"),
+        control_headers=_control_headers(raw, f"{source}.control_headers"),
     )
 
 

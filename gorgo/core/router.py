@@ -16,7 +16,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from gorgo.core.cost import cost_terms
-from gorgo.core.decision import NO_REPLICA, SHED, Decision, NoReplicaAvailable, Rejection
+from gorgo.core.decision import (
+    NO_REPLICA,
+    SHED,
+    TOO_LARGE,
+    Decision,
+    NoReplicaAvailable,
+    Rejection,
+)
 from gorgo.core.features import RequestFeatures
 from gorgo.core.fleet import FleetError, FleetSpec
 from gorgo.core.policies import REGISTRY, make_policy
@@ -31,6 +38,7 @@ TICK_INTERVAL_S = 0.25  # how often the drivers call Router.tick
 class _Open:
     replica: int
     prompt_tokens: int
+    uncached: int  # booked for prefill on the replica until the stream ends
     block_hashes: np.ndarray
 
 
@@ -61,6 +69,8 @@ class Router:
         self._ids = itertools.count(1)
         self._id_prefix = id_prefix
         self._open: dict[str, _Open] = {}
+        # The most tokens (prompt plus output) any replica can hold: a longer request fits nowhere.
+        self.max_request_tokens = max(r.kv_capacity_tokens for r in spec.replicas)
         self.shed_count = 0
         self._refresh_due: dict[str, float] = {}
         # weights version -> policy -> decisions: the tuner scores a version on every request it
@@ -93,9 +103,16 @@ class Router:
         """Choose a replica and count the request in flight, or say why not."""
         s = self.state
         s.now = now
+        wanted = f.prompt_tokens + (f.max_tokens or 0)
+        if wanted > self.max_request_tokens:
+            return Rejection(
+                400, TOO_LARGE, 0.0,
+                f"This request needs {wanted} tokens ({f.prompt_tokens} in the prompt, "
+                f"{f.max_tokens or 0} for the completion); the largest replica holds "
+                f"{self.max_request_tokens}.")
         terms = cost_terms(f, s)
-        total = terms.total(s.weights)
-        shed = self._admit(f, total)
+        total = terms.total(s.weights)  # predicted TTFT: what the span reports
+        shed = self._admit(f, terms.total(s.weights, latency_only=True))
         if shed is not None:
             return shed
         try:
@@ -111,7 +128,7 @@ class Router:
         d.id = f"{self._id_prefix}-{next(self._ids)}"
         self._count(d.weights_version, d.policy)
         s.record_sent(i, f, d.uncached_tokens)
-        self._open[d.id] = _Open(i, f.prompt_tokens, f.block_hashes)
+        self._open[d.id] = _Open(i, f.prompt_tokens, d.uncached_tokens, f.block_hashes)
         return d
 
     def _count(self, version: int, policy: str) -> None:
@@ -122,16 +139,18 @@ class Router:
                 del self.routed[min(self.routed)]
         by_policy[policy] = by_policy.get(policy, 0) + 1
 
-    def _admit(self, f: RequestFeatures, total: np.ndarray) -> Rejection | None:
+    def _admit(self, f: RequestFeatures, latency: np.ndarray) -> Rejection | None:
         """Shed when even the best routable replica is predicted past this request's limit.
 
         The limit is the SLO stretched by priority, so higher priorities are shed later and no
-        request whose best replica meets the SLO is ever shed.
+        request whose best replica meets the SLO is ever shed. ``latency`` leaves out penalties:
+        they rank a replica that failed below the others, but they are no wait, so a fleet back
+        from an outage is not shed for the failures it had.
         """
         shed = self.spec.shedding
         if shed.slo_ms <= 0:
             return None
-        best = float(np.where(self.state.routable(), total, np.inf).min())
+        best = float(np.where(self.state.routable(), latency, np.inf).min())
         if not np.isfinite(best):
             return None  # nothing routable: the policy says so
         priority = shed.default_priority if f.priority is None else max(f.priority, 0)
@@ -151,7 +170,7 @@ class Router:
         entry = self._open.pop(decision_id, None)
         if entry is None:
             return False
-        self.state.release_inflight(entry.replica, entry.prompt_tokens)
+        self.state.release_inflight(entry.replica, entry.prompt_tokens, entry.uncached)
         return True
 
     def reassign(self, decision_id: str, replica: int) -> bool:
@@ -160,10 +179,11 @@ class Router:
         if entry is None or entry.replica == replica:
             return False
         s = self.state
-        s.release_inflight(entry.replica, entry.prompt_tokens)
-        uncached = int(s.prefix.match(entry.block_hashes)[replica]) * self.spec.block_tokens
+        s.release_inflight(entry.replica, entry.prompt_tokens, entry.uncached)
+        cached = int(s.prefix.match(entry.block_hashes)[replica]) * self.spec.block_tokens
         s.prefix.insert(replica, entry.block_hashes)
-        s.add_inflight(replica, entry.prompt_tokens, max(entry.prompt_tokens - uncached, 0))
+        entry.uncached = max(entry.prompt_tokens - cached, 0)
+        s.add_inflight(replica, entry.prompt_tokens, entry.uncached)
         entry.replica = replica
         return True
 

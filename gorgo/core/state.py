@@ -15,6 +15,7 @@ import numpy as np
 from gorgo.core.features import RequestFeatures
 from gorgo.core.fleet import FleetSpec
 from gorgo.core.prefix_index import PrefixIndex
+from gorgo.core.terms import TERMS
 from gorgo.core.tokens import Tokenization
 from gorgo.core.weights import Weights
 
@@ -42,9 +43,14 @@ class FleetState:
         self.rtt_samples = np.zeros(n, dtype=np.int64)
         # Capacity model: prefill tokens/s per replica (fleet hint, refined by the tuner).
         self.prefill_rate = np.array([r.prefill_rate for r in spec.replicas], dtype=float)
+        # Each term's per-replica constants (CostTerm.params), at their defaults until calibrated.
+        self.params: dict[str, dict[str, np.ndarray]] = {
+            t.name: {k: np.full(n, float(v)) for k, v in t.params.items()} for t in TERMS}
         # This router's own accounting of what it has sent.
         self.inflight_reqs = np.zeros(n, dtype=np.int64)
         self.inflight_prompt_tokens = np.zeros(n, dtype=np.int64)
+        # Uncached tokens of the requests still open: no more than these can wait for prefill.
+        self.inflight_uncached = np.zeros(n, dtype=np.int64)
         self.backlog_tokens = np.zeros(n)  # uncached prompt tokens waiting for prefill ...
         self.backlog_at = np.zeros(n)  # ... as of this time; it drains at prefill_rate
         self.sent_since_scrape = np.zeros(n)  # uncached tokens routed since the last scrape
@@ -99,15 +105,21 @@ class FleetState:
     def waiting_tokens(self) -> np.ndarray:
         """Prompt tokens waiting for prefill per replica, at ``self.now``.
 
-        Our own backlog drains at the replica's prefill rate. A fresh scrape of the engine queue
-        also counts requests other routers sent, so where it is fresh it is used if larger, plus
-        what we sent after it was read.
+        Our own backlog (`own_backlog`). A fresh scrape of the engine queue also counts requests
+        other routers sent, so where it is fresh it is used if larger, plus what we sent after it
+        was read.
         """
-        drained = self.backlog_tokens - self.prefill_rate * (self.now - self.backlog_at)
-        local = np.maximum(drained, 0.0)
+        local = self.own_backlog()
         fresh = (self.now - self.eng_scraped_at) <= self.spec.signals.metrics_stale_s
         scraped = np.nan_to_num(self.eng_queue_reqs) * self.mean_uncached + self.sent_since_scrape
         return np.where(fresh, np.maximum(local, scraped), local)
+
+    def own_backlog(self, i: int | slice = slice(None)) -> np.ndarray:
+        """Uncached tokens this router sent that still wait for prefill, at ``self.now``: booked
+        work drains at the prefill rate, and `release_inflight` keeps it within the requests
+        still open."""
+        drained = self.backlog_tokens[i] - self.prefill_rate[i] * (self.now - self.backlog_at[i])
+        return np.maximum(drained, 0.0)
 
     def penalty(self) -> np.ndarray:
         """Each replica's anomaly penalty in ms at ``self.now``, decayed."""
@@ -141,13 +153,13 @@ class FleetState:
 
     def add_inflight(self, i: int, prompt_tokens: int, uncached: int) -> None:
         self.version += 1
-        drained = self.backlog_tokens[i] - self.prefill_rate[i] * (self.now - self.backlog_at[i])
-        self.backlog_tokens[i] = max(drained, 0.0) + uncached
+        self.backlog_tokens[i] = self.own_backlog(i) + uncached
         self.backlog_at[i] = self.now
         self.sent_since_scrape[i] += uncached
         self.mean_uncached[i] += 0.1 * (uncached - self.mean_uncached[i])
         self.inflight_reqs[i] += 1
         self.inflight_prompt_tokens[i] += prompt_tokens
+        self.inflight_uncached[i] += uncached
         self._note_arrival(prompt_tokens)
 
     def _note_arrival(self, prompt_tokens: int) -> None:
@@ -158,10 +170,19 @@ class FleetState:
         self._arrival_tokens = self._arrival_tokens * decay + prompt_tokens
         self._arrivals_at = max(self.now, self._arrivals_at)
 
-    def release_inflight(self, i: int, prompt_tokens: int) -> None:
+    def release_inflight(self, i: int, prompt_tokens: int, uncached: int = 0) -> None:
+        """A request's stream ended: it is no longer in flight, and no more than the ``uncached``
+        tokens of the requests still open can wait for prefill. A request that ended (refused by
+        the engine, cut, or served) waits for nothing, whatever the drain model says, and what is
+        left drains on from here."""
         self.version += 1
         self.inflight_reqs[i] -= 1
         self.inflight_prompt_tokens[i] -= prompt_tokens
+        self.inflight_uncached[i] -= uncached
+        open_tokens = self.inflight_uncached[i]
+        self.backlog_tokens[i] = min(self.own_backlog(i), open_tokens)
+        self.backlog_at[i] = self.now
+        self.sent_since_scrape[i] = min(self.sent_since_scrape[i], open_tokens)
 
     def observe_rtt(self, i: int, rtt_ms: float) -> None:
         self.version += 1
@@ -173,7 +194,12 @@ class FleetState:
     def observe_engine(
         self, i: int, now: float, queue_reqs: float, running_reqs: float, kv_usage: float
     ) -> None:
+        """A scrape of replica i's engine, read at ``now``. An idle engine (nothing waiting or
+        running) owes no prefill but for what was sent after it was read: our backlog is cut to
+        that (tokens sent since the previous scrape, a bound that errs on the high side)."""
         self.version += 1
+        if queue_reqs == 0 and running_reqs == 0:
+            self.backlog_tokens[i] = min(self.backlog_tokens[i], self.sent_since_scrape[i])
         self.eng_queue_reqs[i] = queue_reqs
         self.eng_running_reqs[i] = running_reqs
         self.eng_kv_usage[i] = kv_usage
@@ -233,5 +259,10 @@ class FleetState:
             self.retry_at[i] = now + min(BACKOFF_MAX_S, BACKOFF_BASE_S * 2.0 ** excess)
 
     def probe_due(self, now: float) -> np.ndarray:
-        """Replicas to probe now: healthy ones always, ejected ones once their backoff passed."""
+        """Replicas to probe now: healthy ones always, ejected ones once their backoff passed, and
+        every one while none is routable: backoff spares the healthy ones a flapping replica's
+        traffic, and with none healthy there is no traffic to spare, so the first replica back
+        is re-admitted within one probe interval."""
+        if not self.healthy.any():
+            return np.ones(self.n, dtype=bool)
         return self.healthy | (now >= self.retry_at)

@@ -60,6 +60,11 @@ class LiveStack:
         self.token_path = self.workdir / "admin-token"
         self.token_path.write_text(self.token)
         os.chmod(self.token_path, 0o600)
+        # What Envoy sends with its spans: the tuner counts no span without it.
+        self.otlp_token = secrets.token_hex(16)
+        self.otlp_token_path = self.workdir / "otlp-token"
+        self.otlp_token_path.write_text(self.otlp_token)
+        os.chmod(self.otlp_token_path, 0o600)
         self.procs: dict[str, GorgoProcess] = {}
         self.envoy: EnvoyProcess | None = None
         self.url = ""
@@ -94,6 +99,8 @@ class LiveStack:
         if o.tuner:
             cfg = {
                 "listen": f"127.0.0.1:{otlp_port}",
+                "token_file": str(self.otlp_token_path),
+                "request_timeout_s": self.spec.timeouts.request_s,
                 "status_listen": f"127.0.0.1:{status_port}",
                 "state_file": str(self.workdir / "tuner-state.json"),
                 "routers": [{"url": self.metrics_url, "token_file": str(self.token_path)}],
@@ -110,7 +117,7 @@ class LiveStack:
             otlp = f"127.0.0.1:{otlp_port}"
         boot = render_bootstrap(self.spec, listen=f"127.0.0.1:{listen}",
                                 extproc=f"127.0.0.1:{grpc_port}", otlp=otlp,
-                                admin=f"127.0.0.1:{admin}")
+                                otlp_token=self.otlp_token, admin=f"127.0.0.1:{admin}")
         self.envoy = EnvoyProcess(boot, concurrency=o.envoy_concurrency).start()
         self.url = f"http://127.0.0.1:{listen}"
         if not wait_for(self.rtt_known, ready_timeout, 0.2):
@@ -155,7 +162,7 @@ class LiveStack:
 
     def rtt_known(self) -> bool:
         try:
-            values = self.metric_values("gorgo_rtt_ms")
+            values = self.metric_values("gorgo_rtt_seconds")
         except (OSError, urllib.error.URLError):
             return False
         return bool(values) and all(v == v for v in values.values())

@@ -5,6 +5,13 @@ sleeps until the step's end (absolute deadlines, so time does not drift) and han
 tokens to the waiting handlers. Prompts are parsed and tokenised with the router's own functions
 (gorgo.core.features, gorgo.core.tokens), so the router's token and prefix estimates are exact on
 this engine. Everything lives on the instance: many servers can run in one process.
+
+Besides generation (chat, completions, the Responses API) it answers what routers call on the
+engine it imitates, so a real peer router runs against it as it would in production: SGLang's
+``/get_load``, ``/server_info`` and ``/model_info`` (sglang-router's power_of_two polls the first
+and reads ``num_tokens``; worker registration reads the others), and vLLM's render endpoints
+(vllm-router's cache_aware posts every request to ``/v1/chat/completions/render`` on every worker
+and keys its prefix tree on the returned ``token_ids``).
 """
 
 from __future__ import annotations
@@ -19,9 +26,10 @@ import socket
 import struct
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
+import numpy as np
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -45,6 +53,8 @@ FLAVORS = ("sglang", "vllm")
 FAIL_MODES = (None, "503", "reset")
 SERVED_BY_HEADER = "x-gorgo-served-by"
 DEFAULT_MAX_TOKENS = 128
+PSEUDO_VOCAB_BITS = 17  # pseudo token ids are in [0, 2**17), about a real vocabulary's size
+_ID_MIX = (0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F)  # odd 64-bit multipliers
 MAX_LAG_S = 1.0  # behind schedule by more than this (a stalled loop): restart the clock
 SHUTDOWN_GRACE_S = 1.0
 TTFT_BUCKETS = (
@@ -69,6 +79,24 @@ def pseudo_text(tok: Tokenization, start: int, end: int) -> str:
     text = _FILLER * reps
     off = a % n
     return text[off : off + (b - a)]
+
+
+def pseudo_token_ids(tok: Tokenization, text: str) -> list[int]:
+    """Deterministic ids of the tokens the engine counts in ``text``: token k hashes the
+    characters [round(k * chars_per_token), round((k + 1) * chars_per_token)), so two prompts
+    with a common prefix share their leading ids, as a real tokenizer's output would."""
+    codes = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
+    if codes.size == 0:
+        return [0]
+    n = max(1, tok.count_tokens(codes.size))
+    starts = np.minimum(np.round(np.arange(n) * tok.chars_per_token).astype(np.int64),
+                        codes.size - 1)
+    pos = np.arange(codes.size)
+    offset = (pos - starts[np.searchsorted(starts, pos, side="right") - 1]).astype(np.uint64)
+    with np.errstate(over="ignore"):  # 64-bit hashing wraps by design
+        mixed = codes.astype(np.uint64) * (offset * np.uint64(_ID_MIX[0]) + np.uint64(1))
+        ids = np.add.reduceat(mixed, starts) * np.uint64(_ID_MIX[1])
+    return (ids >> np.uint64(64 - PSEUDO_VOCAB_BITS)).astype(np.int64).tolist()
 
 
 class _Pending:
@@ -232,6 +260,16 @@ class EngineServer:
         app = web.Application(client_max_size=64 * 1024 * 1024)
         app.router.add_post("/v1/chat/completions", self._handle_generate)
         app.router.add_post("/v1/completions", self._handle_generate)
+        app.router.add_post("/v1/responses", self._handle_generate)
+        if self.flavor == "sglang":  # each under its current and its deprecated /get_ name
+            app.router.add_get("/get_load", self._handle_get_load)
+            for name in ("server_info", "model_info"):
+                handler = getattr(self, f"_handle_{name}")
+                app.router.add_get(f"/{name}", handler)
+                app.router.add_get(f"/get_{name}", handler)
+        else:
+            app.router.add_post("/v1/chat/completions/render", self._handle_render)
+            app.router.add_post("/v1/completions/render", self._handle_render)
         app.router.add_get("/v1/models", self._handle_models)
         app.router.add_get("/health", self._handle_health)
         app.router.add_get("/metrics", self._handle_metrics)
@@ -364,11 +402,78 @@ class EngineServer:
             body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
         )
 
+    async def _handle_get_load(self, request: web.Request) -> web.Response:
+        """SGLang's scheduler load, one entry per data-parallel rank: requests running and
+        waiting, and ``num_tokens`` = KV tokens held by requests + prompt tokens still waiting."""
+        m = self.engine.metrics()
+        held = round(m.kv_usage * self.engine.cache.capacity_tokens)
+        return web.json_response([{
+            "dp_rank": 0,
+            "num_reqs": m.num_running + m.num_waiting,
+            "num_waiting_reqs": m.num_waiting,
+            "num_tokens": held + m.waiting_prompt_tokens,
+        }])
+
+    async def _handle_server_info(self, request: web.Request) -> web.Response:
+        """The server arguments and scheduler limits SGLang reports (the subset that applies)."""
+        prof = self.engine.profile
+        return web.json_response({
+            "model_path": self.model_name,
+            "tokenizer_path": self.model_name,
+            "served_model_name": self.model_name,
+            "tp_size": 1,
+            "dp_size": 1,
+            "page_size": self.tok.block_tokens,
+            "chunked_prefill_size": prof.prefill_chunk_tokens,
+            "max_running_requests": prof.max_running,
+            "max_total_num_tokens": self.engine.cache.capacity_tokens,
+            "disaggregation_mode": "null",
+            "load_balance_method": "round_robin",
+        })
+
+    async def _handle_model_info(self, request: web.Request) -> web.Response:
+        return web.json_response({
+            "model_path": self.model_name,
+            "tokenizer_path": self.model_name,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": "default",
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+            "model_type": None,
+            "architectures": None,
+        })
+
+    async def _handle_render(self, request: web.Request) -> web.Response:
+        """vLLM's render: the request as the engine would run it (prompt token ids, sampling
+        parameters), without running it; completions render a list of such requests."""
+        endpoint = "chat" if request.path.startswith("/v1/chat/") else "completions"
+        try:
+            body = parse_json_body(await request.read())
+            text = prompt_text(endpoint, body)
+            stream = body.get("stream", False)
+            max_tokens = positive_int(body, "max_completion_tokens", "max_tokens")
+        except RequestError as exc:
+            return web.json_response(exc.to_body(), status=exc.status)
+        rendered = {
+            "request_id": ("chatcmpl-" if endpoint == "chat" else "cmpl-") + uuid.uuid4().hex,
+            "token_ids": pseudo_token_ids(self.tok, text),
+            "features": None,
+            "sampling_params": {"max_tokens": max_tokens or self.default_max_tokens},
+            "model": self.model_name,
+            "stream": stream is True,
+            "cache_salt": None,
+            "priority": 0,
+            "kv_transfer_params": None,
+        }
+        return web.json_response(rendered if endpoint == "chat" else [rendered])
+
     async def _handle_generate(self, request: web.Request) -> web.StreamResponse:
         if self._closing:
             return _error(503, "Server is shutting down.", "server_error")
         endpoint = endpoint_for_path(request.path)
-        assert endpoint in ("chat", "completions")
+        assert endpoint in ("chat", "completions", "responses")
+        responses = endpoint == "responses"
         raw = await request.read()
         try:
             body = parse_json_body(raw)
@@ -376,14 +481,20 @@ class EngineServer:
             stream = body.get("stream", False)
             if not isinstance(stream, bool):
                 raise RequestError(400, "'stream' must be a boolean.", param="stream")
-            max_tokens = positive_int(body, "max_completion_tokens", "max_tokens")
+            limits = ("max_output_tokens",) if responses else ("max_completion_tokens",
+                                                                 "max_tokens")
+            max_tokens = positive_int(body, *limits)
             max_tokens = self.default_max_tokens if max_tokens is None else max_tokens
-            include_usage = _include_usage(body)
+            include_usage = not responses and _include_usage(body)
+            if responses and body.get("previous_response_id") is not None:
+                raise RequestError(400, "'previous_response_id' is not supported: this engine "
+                                   "stores no responses; send the whole conversation as "
+                                   "'input'.", param="previous_response_id")
         except RequestError as exc:
             return web.json_response(exc.to_body(), status=exc.status)
 
         prompt_tokens = max(1, self.tok.count_tokens(len(text)))
-        prefix = "chatcmpl-" if endpoint == "chat" else "cmpl-"
+        prefix = {"chat": "chatcmpl-", "completions": "cmpl-", "responses": "resp_"}[endpoint]
         rid = prefix + uuid.uuid4().hex
         loop = asyncio.get_running_loop()
         now = loop.time()
@@ -397,6 +508,8 @@ class EngineServer:
         self._pending[rid] = pending
         self._wake.set()
         try:
+            if stream and responses:
+                return await self._stream_responses(request, rid, pending, max_tokens)
             if stream:
                 return await self._stream(request, endpoint, rid, pending, include_usage)
             while not pending.finished:
@@ -404,6 +517,9 @@ class EngineServer:
                 pending.event.clear()
                 if pending.aborted:
                     return _error(503, "Server is shutting down.", "server_error")
+            if responses:
+                return web.json_response(self._response_object(
+                    rid, "msg_" + uuid.uuid4().hex, pending, int(time.time()), max_tokens))
             return web.json_response(self._full_body(endpoint, rid, pending))
         finally:
             self._pending.pop(rid, None)
@@ -440,13 +556,34 @@ class EngineServer:
             "usage": self._usage(p),
         }
 
-    async def _stream(
-        self, request: web.Request, endpoint: str, rid: str, p: _Pending, include_usage: bool
-    ) -> web.StreamResponse:
+    async def _pieces(self, p: _Pending) -> AsyncIterator[tuple[str, bool]]:
+        """(new completion text, finished) each time the engine delivers; ends after the last
+        piece, or without a finished one when the server stops."""
+        while True:
+            await p.event.wait()
+            p.event.clear()
+            if p.aborted:
+                return
+            n, done = p.tokens, p.finished
+            text = pseudo_text(self.tok, p.sent, n) if n > p.sent else ""
+            p.sent = n
+            if text or done:
+                yield text, done
+            if done:
+                return
+
+    @staticmethod
+    async def _event_stream(request: web.Request) -> web.StreamResponse:
         resp = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
         await resp.prepare(request)
+        return resp
+
+    async def _stream(
+        self, request: web.Request, endpoint: str, rid: str, p: _Pending, include_usage: bool
+    ) -> web.StreamResponse:
+        resp = await self._event_stream(request)
         chat = endpoint == "chat"
         obj = "chat.completion.chunk" if chat else "text_completion"
         created = int(time.time())
@@ -469,36 +606,96 @@ class EngineServer:
             return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
 
         role_sent = not chat
-        while True:
-            await p.event.wait()
-            p.event.clear()
-            if p.aborted:
-                break
-            n, done = p.tokens, p.finished
+        async for text, done in self._pieces(p):
             out: list[str] = []
-            if not role_sent and (n or done):
+            if not role_sent:
                 role = {"role": "assistant", "content": ""}
                 out.append(chunk({"index": 0, "delta": role, "logprobs": None,
                                   "finish_reason": None}))
                 role_sent = True
             finish_sent = False
-            if n > p.sent:
+            if text:
                 finish_sent = done and vllm  # vLLM puts finish_reason on the last content chunk
-                text = pseudo_text(self.tok, p.sent, n)
                 out.append(chunk(piece(text, "length" if finish_sent else None)))
-                p.sent = n
             if done:
                 if not finish_sent:
                     out.append(chunk(piece(None, "length")))
                 if include_usage:
                     out.append(chunk(None, self._usage(p)))
                 out.append("data: [DONE]\n\n")
-            if out:
-                await resp.write("".join(out).encode())
-            if done:
-                break
+            await resp.write("".join(out).encode())
         await resp.write_eof()
         return resp
+
+    def _response_object(self, rid: str, msg_id: str, p: _Pending, created: int,
+                         max_tokens: int, done: bool = True) -> dict[str, Any]:
+        """A Responses API response; generation always stops at the token limit, which the API
+        reports as status "incomplete" with reason "max_output_tokens"."""
+        out: dict[str, Any] = {
+            "id": rid, "object": "response", "created_at": created, "model": self.model_name,
+            "status": "in_progress", "incomplete_details": None, "error": None,
+            "max_output_tokens": max_tokens, "output": [], "usage": None,
+        }
+        if done:
+            text = pseudo_text(self.tok, 0, p.tokens)
+            out.update(status="incomplete", incomplete_details={"reason": "max_output_tokens"},
+                       output=[_message_item(msg_id, "incomplete", text)], usage={
+                           "input_tokens": p.prompt_tokens,
+                           "input_tokens_details": {"cached_tokens": p.cached},
+                           "output_tokens": p.tokens,
+                           "output_tokens_details": {"reasoning_tokens": 0},
+                           "total_tokens": p.prompt_tokens + p.tokens,
+                       })
+        return out
+
+    async def _stream_responses(
+        self, request: web.Request, rid: str, p: _Pending, max_tokens: int
+    ) -> web.StreamResponse:
+        """The Responses API's typed event stream (``event:`` + ``data:``, no [DONE])."""
+        resp = await self._event_stream(request)
+        msg_id = "msg_" + uuid.uuid4().hex
+        created = int(time.time())
+        seq = itertools.count()
+        where = {"item_id": msg_id, "output_index": 0, "content_index": 0}
+
+        def event(kind: str, **data: Any) -> str:
+            payload = {"type": kind, "sequence_number": next(seq), **data}
+            return f"event: {kind}\ndata: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+        start = self._response_object(rid, msg_id, p, created, max_tokens, done=False)
+        await resp.write((event("response.created", response=start)
+                          + event("response.in_progress", response=start)).encode())
+        opened = False
+        async for text, done in self._pieces(p):
+            out: list[str] = []
+            if not opened:
+                out += [event("response.output_item.added", output_index=0,
+                              item=_message_item(msg_id, "in_progress", None)),
+                        event("response.content_part.added", **where, part=_output_text(""))]
+                opened = True
+            if text:
+                out.append(event("response.output_text.delta", **where, delta=text))
+            if done:
+                final = self._response_object(rid, msg_id, p, created, max_tokens)
+                full = pseudo_text(self.tok, 0, p.tokens)
+                out += [event("response.output_text.done", **where, text=full),
+                        event("response.content_part.done", **where, part=_output_text(full)),
+                        event("response.output_item.done", output_index=0,
+                              item=final["output"][0]),
+                        event("response.incomplete", response=final)]
+            await resp.write("".join(out).encode())
+        await resp.write_eof()
+        return resp
+
+
+def _message_item(msg_id: str, status: str, text: str | None) -> dict[str, Any]:
+    """An assistant message output item; ``text`` None: no content part yet."""
+    return {"type": "message", "id": msg_id, "status": status, "role": "assistant",
+            "content": [] if text is None else [_output_text(text)]}
+
+
+def _output_text(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": []}
 
 
 def _error(status: int, message: str, kind: str) -> web.Response:

@@ -14,12 +14,10 @@ token it asked for: a replica that dies mid-answer may close the stream cleanly.
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
-import urllib.error
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from functools import cache
 from pathlib import Path
@@ -37,6 +35,7 @@ from gorgo.sim.presets import fleet_document
 from gorgo.sim.profiles import get_profile
 from gorgo.sim.replay import RequestRecord, replay
 from gorgo.sim.traces import TraceRequest, azure_trace
+from tests.support.load import Sampler, per_replica
 
 pytestmark = [pytest.mark.envoy, pytest.mark.slow]
 
@@ -176,44 +175,6 @@ def drive(
     return asyncio.run(go())
 
 
-class Sampler:
-    """Reads ``fn()`` every ``period_s`` in a thread: a timeline of (monotonic time, value)."""
-
-    def __init__(self, fn: Callable[[], Any], period_s: float = 0.1) -> None:
-        self.fn = fn
-        self.period_s = period_s
-        self.samples: list[tuple[float, Any]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            with suppress(OSError, urllib.error.URLError):  # a restarting router
-                self.samples.append((time.monotonic(), self.fn()))
-            self._stop.wait(self.period_s)
-
-    def __enter__(self) -> Sampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(5)
-
-    def first(self, pred: Callable[[Any], bool], after: float) -> float | None:
-        """The first sample time at or after ``after`` whose value satisfies ``pred``."""
-        return next((t for t, v in self.samples if t >= after and pred(v)), None)
-
-
-def per_replica(stack: LiveStack, name: str) -> dict[str, float]:
-    """A router gauge by replica name."""
-    out = {}
-    for labels, value in stack.metric_values(name).items():
-        replica = labels.split('replica="', 1)[1].split('"', 1)[0]
-        out[replica] = value
-    return out
-
-
 @contextmanager
 def live_stack(tmp: Path, doc: dict[str, Any], **opts: Any) -> Iterator[LiveStack]:
     stack = LiveStack(with_free_ports(doc), tmp, StackOptions(stream_interval=16, **opts))
@@ -266,7 +227,7 @@ def test_killed_engine_fails_only_its_started_streams_and_is_ejected_then_readmi
         revived = run.marks["revive"][0]
         ejected = health.first(lambda v: v[name] == 0.0, killed)
         readmitted = health.first(lambda v: v[name] == 1.0, revived)
-        penalty = per_replica(stack, "gorgo_penalty_ms")[name]
+        penalty = per_replica(stack, "gorgo_penalty_seconds")[name] * 1000.0
 
     failed = run.failed()
     # Only streams the victim had already started (headers sent, then cut) may fail ...
@@ -470,11 +431,11 @@ def test_five_times_slower_engine_loses_its_share_and_p95_ttft_holds(tmp_path: P
         stack.control(victim, "slowdown", factor=factor)
 
         def calibrated() -> bool:
-            return per_replica(stack, "gorgo_prefill_rate_tokens_per_s")[victim] <= hint / 2
+            return per_replica(stack, "gorgo_prefill_rate_tokens_per_second")[victim] <= hint / 2
 
         warmup = drive(stack, warm, warm_scale, until=calibrated)
         assert calibrated(), "the tuner did not calibrate the slow replica's prefill rate"
-        rate_seen = per_replica(stack, "gorgo_prefill_rate_tokens_per_s")[victim]
+        rate_seen = per_replica(stack, "gorgo_prefill_rate_tokens_per_second")[victim]
         assert warmup.stopped is not None
         detect_s = warmup.stopped - warmup.start
         assert stack.wait_idle(30)

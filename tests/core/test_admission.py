@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from gorgo.core.decision import SHED, Decision, Rejection
@@ -106,3 +107,32 @@ def test_three_failed_responses_eject() -> None:
     assert not r.state.healthy[0]
     d = r.route(_features(r, 10, text="e"), 0.1)
     assert d.replica == 1
+
+
+def test_a_fleet_back_from_an_outage_is_not_shed_for_its_failures() -> None:
+    """Issue 12, finding 9: every replica failed its probes for 4 s, then came back idle. Their
+    penalties (seconds of them, decaying over tens of seconds) rank them, but they are no wait:
+    admission prices only the latency terms, so nothing is shed once one probe succeeds."""
+    r = _router(shedding={"slo_ms": 500}, penalties={"error_ms": 1000, "half_life_s": 10})
+    s = r.state
+    for t in (0.0, 0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 3.5):  # both down, probed every 0.5 s
+        for i in range(s.n):
+            if s.probe_due(t)[i]:
+                s.record_failed_probe(i, t)
+    assert not s.healthy.any()
+    s.now = 4.0
+    assert s.penalty().min() > 3000  # far past the 500 ms SLO
+    assert s.retry_at.min() > 30  # the backoff grew with every failure ...
+    np.testing.assert_array_equal(s.probe_due(4.0), [True, True])  # ... none up: probe all
+    s.record_success(0)  # the first probe after the outage answers
+    d = r.route(_features(r, 10, text="back"), 4.0)
+    assert isinstance(d, Decision) and d.replica == 0, d
+    assert d.terms["penalty"] > 3000 and d.predicted_ms > 3000  # still reported, not shed
+    assert r.shed_count == 0
+
+
+def test_the_penalty_still_ranks_replicas() -> None:
+    r = _router(shedding={"slo_ms": 500})
+    r.state.record_failed_response(0, now=0.0)
+    d = r.route(_features(r, 10, text="rank"), 0.0)
+    assert isinstance(d, Decision) and d.replica == 1  # a0 is nearer, but penalised

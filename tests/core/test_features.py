@@ -11,6 +11,7 @@ import pytest
 from gorgo.core.features import (
     DEFAULT_MAX_DEPTH,
     POLICY_HEADER,
+    PRIORITY_BOUNDS,
     PRIORITY_HEADER,
     SESSION_HEADER,
     RequestError,
@@ -286,13 +287,39 @@ def test_session_key_skips_empty_and_non_string_values() -> None:
 
 def test_policy_and_priority_headers() -> None:
     body = {"prompt": "x"}
-    f = feats(COMPLETIONS, body, {POLICY_HEADER: "least-request", PRIORITY_HEADER: "-2"})
+    f = feats(COMPLETIONS, body, {POLICY_HEADER: "least-request", PRIORITY_HEADER: "2"})
     assert f.policy == "least-request"
-    assert f.priority == -2
+    assert f.priority == 2
     assert feats(COMPLETIONS, body, {POLICY_HEADER: ""}).policy is None
     err = error(COMPLETIONS, body, {PRIORITY_HEADER: "high"})
     assert err.status == 400
     assert PRIORITY_HEADER in err.message
+
+
+@pytest.mark.parametrize("raw", ["-2", "101", "1" + "0" * 400, "9" * 5000, "", " 3", "3.0",
+                                 "1_0", "\u0663", "0x10"])
+def test_priority_outside_its_bounds_is_a_400(raw: str) -> None:
+    """A priority of 10**400 overflowed the shedding limit's float arithmetic (issue 12, finding
+    4): only plain digits inside PRIORITY_BOUNDS are a priority."""
+    err = error(COMPLETIONS, {"prompt": "x"}, {PRIORITY_HEADER: raw})
+    assert (err.status, err.param, err.code) == (400, PRIORITY_HEADER, "invalid_priority")
+    assert f"[{PRIORITY_BOUNDS[0]}, {PRIORITY_BOUNDS[1]}]" in err.message
+    for value in PRIORITY_BOUNDS:
+        assert feats(COMPLETIONS, {"prompt": "x"}, {PRIORITY_HEADER: str(value)}).priority == value
+
+
+def test_an_unknown_policy_is_a_400_where_the_names_are_known() -> None:
+    known = ("gorgo", "round-robin")
+    raw = b'{"prompt": "x"}'
+    f = extract_features(COMPLETIONS, {POLICY_HEADER: "round-robin"}, raw, TOK, policies=known)
+    assert f.policy == "round-robin"
+    with pytest.raises(RequestError) as info:
+        extract_features(COMPLETIONS, {POLICY_HEADER: "x" * 5000}, raw, TOK, policies=known)
+    err = info.value
+    assert (err.status, err.param, err.code) == (400, POLICY_HEADER, "unknown_policy")
+    assert "round-robin" in err.message and len(err.message) < 300  # the name is cut short
+    # Without the router's names (the offline driver), the header is taken as it is.
+    assert feats(COMPLETIONS, {"prompt": "x"}, {POLICY_HEADER: "nope"}).policy == "nope"
 
 
 # --- typed fields ---------------------------------------------------------------------------

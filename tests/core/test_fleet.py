@@ -94,6 +94,19 @@ def test_region_link_presets_and_overrides() -> None:
     assert (regions["lab"].rtt_ms, regions["lab"].jitter_ms) == LINK_PRESETS["local"]
 
 
+def test_routes_and_control_headers() -> None:
+    """Envoy forwards the API and the health path, plus exact extra paths; no client is trusted
+    with control headers unless the fleet names its network."""
+    spec = parse_fleet(doc())
+    assert spec.routes.extra_paths == () and spec.control_headers.trusted_peers == ()
+    raw = doc()
+    raw["routes"] = {"extra_paths": ["/v1/embeddings", "/v1/rerank"]}
+    raw["control_headers"] = {"trusted_peers": ["10.20.0.0/24", "fd00::/8", "192.0.2.7"]}
+    spec = parse_fleet(raw)
+    assert spec.routes.extra_paths == ("/v1/embeddings", "/v1/rerank")
+    assert spec.control_headers.trusted_peers == ("10.20.0.0/24", "fd00::/8", "192.0.2.7/32")
+
+
 def test_explicit_values_are_kept() -> None:
     raw = doc()
     raw.update({
@@ -232,6 +245,27 @@ def _del(path: list) -> Any:
         (_set(["allow_policy_override"], "yes"), "fleet.allow_policy_override: expected true"),
         (_set(["default_cluster"], "zzz"), "fleet.default_cluster: 'zzz' is not a replica"),
         (_set(["weights"], [1]), "fleet.weights: expected a mapping"),
+        # what Envoy forwards, and whom it trusts with control headers
+        (_set(["routes"], {"extra_paths": "/v1/x"}), "fleet.routes.extra_paths: expected a list"),
+        (_set(["routes"], {"extra_paths": ["/v1/../metrics"]}),
+         "fleet.routes.extra_paths[0]: expected an exact path"),
+        (_set(["routes"], {"extra_paths": ["/v1/x?y=1"]}),
+         "fleet.routes.extra_paths[0]: expected an exact path"),
+        (_set(["routes"], {"extra_paths": ["v1/x"]}),
+         "fleet.routes.extra_paths[0]: expected an exact path"),
+        (_set(["routes"], {"extra_paths": ["/v1/%6d"]}),
+         "fleet.routes.extra_paths[0]: expected an exact path"),
+        (_set(["routes"], {"extra_paths": ["/v1/models"]}),
+         "fleet.routes.extra_paths[0]: '/v1/models' is already forwarded"),
+        (_set(["routes"], {"extra_paths": ["/v1/x", "/v1/x"]}),
+         "fleet.routes.extra_paths[1]: '/v1/x' is already forwarded"),
+        (_set(["routes"], {"paths": []}), "fleet.routes.paths: unknown field"),
+        (_set(["control_headers"], {"trusted_peers": ["10.0.0.1/8"]}),
+         "fleet.control_headers.trusted_peers[0]: expected a CIDR range"),
+        (_set(["control_headers"], {"trusted_peers": ["gateway.internal"]}),
+         "fleet.control_headers.trusted_peers[0]: expected a CIDR range"),
+        (_set(["control_headers"], {"trusted_peers": "10.0.0.0/8"}),
+         "fleet.control_headers.trusted_peers: expected a list"),
     ],
 )
 def test_errors_name_the_field(mutate: Any, prefix: str) -> None:
@@ -241,7 +275,7 @@ def test_errors_name_the_field(mutate: Any, prefix: str) -> None:
 
 def test_unknown_field_lists_allowed_fields() -> None:
     message = bad(_set(["weights"], {"rtt": 1, "prefil": 1}))
-    assert re.search(r"allowed: queue, rtt\)$", message)
+    assert re.search(r"allowed: decode, interference, queue, rtt\)$", message)
 
 
 def test_source_prefixes_paths() -> None:

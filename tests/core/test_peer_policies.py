@@ -21,6 +21,7 @@ from gorgo.core.fleet import FleetSpec, parse_fleet
 from gorgo.core.policies import REGISTRY, make_policy
 from gorgo.core.policies.base import PolicyBase
 from gorgo.core.policies.cache_aware import CacheAware
+from gorgo.core.policies.cache_aware_tree import CacheAwareTree
 from gorgo.core.policies.gorgo_paper import GorgoPaper
 from gorgo.core.policies.irb import Irb, Plan, solve_weights
 from gorgo.core.policies.kv_cost import KvCost
@@ -31,8 +32,8 @@ from gorgo.core.policies.session_affinity import SessionAffinity
 from gorgo.core.router import Router
 from gorgo.core.state import FAILURES_TO_EJECT, FleetState
 
-PEERS = {"random", "least-load", "session-affinity", "prefix-cache", "cache-aware", "kv-cost",
-         "gorgo-paper", "irb"}
+PEERS = {"random", "least-load", "session-affinity", "prefix-cache", "cache-aware",
+         "cache-aware-tree", "kv-cost", "gorgo-paper", "irb"}
 
 
 def spec(n: int = 3, rates: list[float] | None = None, **extra: Any) -> FleetSpec:
@@ -309,19 +310,42 @@ def test_cache_aware_imbalance_counts_unhealthy_workers() -> None:
     assert CacheAware(s.spec).choose(req(body, s), s).replica == 1
 
 
-def test_cache_aware_match_threshold_and_smallest_tree() -> None:
+def miss_state() -> tuple[FleetState, str]:
+    """A prompt whose best match (replica 1, 3 of 10 blocks) is a miss: rate 0.3, not above.
+    Replica 2 holds the smallest tree but the most requests in flight."""
     body = text(40, 10)  # 40 tokens
     s = FleetState(spec(3))
     cache(s, 0, text(24, 11))  # 6 unrelated blocks
-    cache(s, 1, body[:12])  # 3 blocks of this prompt: rate 0.3, not above
+    cache(s, 1, body[:12])
     cache(s, 2, text(8, 12))  # 2 unrelated blocks
+    s.inflight_reqs[:] = [1, 3, 5]
+    return s, body
+
+
+def test_cache_aware_miss_goes_to_the_least_loaded_worker() -> None:
+    s, body = miss_state()
     d = CacheAware(s.spec).choose(req(body, s), s)
-    assert d.replica == 2  # smallest tree
-    np.testing.assert_array_equal(d.scores, [6, 3, 2])
-    cache(s, 1, body[:16])  # 4 blocks: rate 0.4
+    assert d.replica == 0  # fewest in flight, although its tree is the largest
+    np.testing.assert_array_equal(d.scores, [1, 3, 5])
+    s.inflight_reqs[:] = [2, 2, 5]
+    policy = CacheAware(s.spec)
+    assert {policy.choose(req(body, s), s).replica for _ in range(2)} == {0, 1}  # ties rotate
+    cache(s, 1, body[:16])  # 4 blocks: rate 0.4, a hit
     d = CacheAware(s.spec).choose(req(body, s), s)
     assert d.replica == 1
     np.testing.assert_allclose(d.scores, [1.0, 0.6, 1.0])
+
+
+def test_cache_aware_tree_variant_miss_goes_to_the_smallest_tree() -> None:
+    s, body = miss_state()
+    d = CacheAwareTree(s.spec).choose(req(body, s), s)
+    assert d.policy == "cache-aware-tree"
+    assert d.replica == 2  # smallest tree, although it has the most in flight
+    np.testing.assert_array_equal(d.scores, [6, 3, 2])
+    cache(s, 1, body[:16])  # the hit and the imbalance paths are cache-aware's
+    assert CacheAwareTree(s.spec).choose(req(body, s), s).replica == 1
+    s.inflight_reqs[:] = [70, 5, 0]
+    assert CacheAwareTree(s.spec).choose(req(body, s), s).replica == 2
 
 
 def test_cache_aware_skips_an_unhealthy_best_match() -> None:
@@ -399,19 +423,20 @@ def test_gorgo_paper_exact_score() -> None:
 
 
 def test_gorgo_paper_router_keeps_an_unbounded_index() -> None:
-    paper = Router(spec(2, kv=8, policy="gorgo-paper"))  # KV holds 2 blocks
+    paper = Router(spec(1, kv=16, policy="gorgo-paper"))  # KV holds 4 blocks
     assert paper.state.prefix.capacity is None
-    bounded = Router(spec(2, kv=8, policy="gorgo", allow_policy_override=True))
-    assert bounded.state.prefix.capacity == [2, 2]
-    body = text(40, 20)
+    bounded = Router(spec(1, kv=16, policy="gorgo", allow_policy_override=True))
+    assert bounded.state.prefix.capacity == [4]
+    body = text(16, 20)
     for r in (paper, bounded):
-        d = r.route(req(body, r.state), now=0.0)
-        r.complete(d.id)
+        for sent in (body, text(16, 21)):  # the second evicts the first from a bounded index
+            d = r.route(req(sent, r.state), now=0.0)
+            r.complete(d.id)
     assert paper.route(req(body, paper.state), now=100.0).uncached_tokens == 0
     f = extract_features("/v1/completions", {POLICY_HEADER: "gorgo-paper"},
                          json.dumps({"prompt": body}).encode(), bounded.state.tok)
     d = bounded.route(f, now=100.0)
-    assert d.policy == "gorgo-paper" and d.uncached_tokens == 32  # override: bounded index
+    assert d.policy == "gorgo-paper" and d.uncached_tokens == 16  # override: bounded index
 
 
 # --- irb ------------------------------------------------------------------------------------

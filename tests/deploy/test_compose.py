@@ -25,15 +25,9 @@ import yaml
 
 from gorgo.cli import COMMANDS
 from gorgo.cli import main as gorgo_main
+from gorgo.core.contract import CLUSTER_HEADER, CONTROL_HEADERS
 from gorgo.core.fleet import load_fleet
-from gorgo.envoy_config import (
-    CLUSTER_HEADER,
-    EXTPROC_CLUSTER,
-    OTLP_CLUSTER,
-    PICKER_CLUSTER,
-    PICKER_HEADER,
-    render_bootstrap,
-)
+from gorgo.envoy_config import EXTPROC_CLUSTER, OTLP_CLUSTER, PICKER_CLUSTER, render_bootstrap
 from gorgo.harness.envoy_proc import envoy_binary
 from tuner.main import parse_config
 
@@ -54,8 +48,9 @@ RENDERS: dict[str, list[str]] = {
                 "--admin", "0.0.0.0:9901"],
 }
 SIM_SERVICES = ("sim-us-east", "sim-eu-frankfurt", "sim-ap-seoul")
-CORE_SERVICES = {"envoy", "extproc", "tuner", "otel-collector", "jaeger", "loadgen",
-                 "admin-token", *SIM_SERVICES}
+OTLP_TOKEN_FILE = "/run/gorgo/otlp-token"
+CORE_SERVICES = {"envoy", "extproc", "tuner", "otel-collector", "jaeger", "prometheus", "grafana",
+                 "loadgen", "admin-token", *SIM_SERVICES}
 GPU_SERVICES = {"sglang", "vllm", "extproc-gpu", "tuner-gpu", "envoy-gpu", "loadgen-gpu"}
 _VAR = re.compile(r"\$\{(\w+)(?::?-([^}]*))?\}")
 
@@ -187,7 +182,8 @@ def test_compose_has_every_service_and_the_gpu_profile(services: dict[str, Any])
 def test_every_gorgo_command_parses_with_the_cli(services: dict[str, Any]) -> None:
     ran = {name for name, svc in services.items() if _is_project(svc) and "entrypoint" not in svc}
     assert ran == (CORE_SERVICES | GPU_SERVICES) - {
-        "envoy", "envoy-gpu", "otel-collector", "jaeger", "sglang", "vllm", "admin-token"}
+        "envoy", "envoy-gpu", "otel-collector", "jaeger", "prometheus", "grafana", "sglang",
+        "vllm", "admin-token"}
     for name in sorted(ran):
         svc = services[name]
         assert svc["build"] == {"context": ".", "target": "router"}, name  # no matplotlib
@@ -225,14 +221,19 @@ def test_admin_token_is_generated_once_into_a_volume(services: dict[str, Any],
     script = svc["command"][0]
     token_path = "/run/gorgo/admin-token"
     assert _mounts(svc)["/run/gorgo"] == "gorgo-secrets"
-    target = tmp_path / "admin-token"
-    code = script.replace(token_path, str(target))
+    code = script.replace("/run/gorgo/", f"{tmp_path}/")
     exec(compile(code, "admin-token", "exec"), {})
-    token = target.read_text()
+    target, otlp = tmp_path / "admin-token", tmp_path / "otlp-token"
+    token, otlp_token = target.read_text(), otlp.read_text()
     assert re.fullmatch(r"[0-9a-f]{64}", token)
-    assert stat.S_IMODE(target.stat().st_mode) == 0o600
+    # The collector reads it through ${file:}, as YAML: the prefix keeps it a string.
+    assert re.fullmatch(r"gorgo-otlp-[0-9a-f]{64}", otlp_token)
+    assert isinstance(yaml.safe_load(otlp_token), str)
+    for path in (target, otlp):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
     exec(compile(code, "admin-token", "exec"), {})
-    assert target.read_text() == token  # a restart keeps the token the router already loaded
+    # A restart keeps the tokens the router, the tuner and the collector already loaded.
+    assert (target.read_text(), otlp.read_text()) == (token, otlp_token)
     for name, args in _gorgo_services(services, "extproc").items():
         assert args.admin_token_file == token_path
         assert _mounts(services[name])["/run/gorgo"] == "gorgo-secrets"
@@ -252,7 +253,7 @@ def test_published_host_ports_do_not_clash(services: dict[str, Any]) -> None:
     # Admin and metrics endpoints stay on the host's loopback.
     for name, svc in services.items():
         for ip, _, container_port in _published(svc):
-            if container_port in (9100, 9102, 9901):
+            if container_port in (50052, 9102, 9901):
                 assert ip == "127.0.0.1", f"{name} publishes {container_port} beyond loopback"
 
 
@@ -405,14 +406,32 @@ def test_tuner_configs_parse_and_reach_their_router(services: dict[str, Any],
         assert router["token_file"] == target.admin_token_file
         assert Path(raw["state_file"]).parent.as_posix() in _mounts(svc)
         assert services[name]["depends_on"][url.hostname] == {"condition": "service_healthy"}
+        # Spans count only with the token the collector sends (see the test below).
+        assert raw["token_file"] == OTLP_TOKEN_FILE
+        assert _mounts(svc)[str(Path(OTLP_TOKEN_FILE).parent)] == "gorgo-secrets"
         token = tmp_path / f"{name}-token"
         token.write_text("t" * 32)
         local = {**raw, "routers": [{**router, "token_file": str(token)}],
-                 "state_file": str(tmp_path / f"{name}-state.json")}
+                 "token_file": str(token), "state_file": str(tmp_path / f"{name}-state.json")}
         cfg = parse_config(local, tmp_path)
         assert _hostport(cfg.listen) == ("0.0.0.0", 4317)
         assert cfg.status_listen is not None and _hostport(cfg.status_listen)[1] in {
             c for _, _, c in _published(svc)}
+
+
+def test_collector_sends_the_tuners_token(services: dict[str, Any]) -> None:
+    """Every exporter to a tuner carries the tuner's bearer token, read from the secrets volume
+    the admin-token service fills before the collector starts."""
+    svc = services["otel-collector"]
+    assert _mounts(svc)[str(Path(OTLP_TOKEN_FILE).parent)] == "gorgo-secrets"
+    assert svc["depends_on"]["admin-token"] == {"condition": "service_completed_successfully"}
+    cfg = _collector()
+    tuners = set(_gorgo_services(services, "tuner"))
+    to_tuner = {n: e for n, e in cfg["exporters"].items()
+                if urlsplit("//" + e["endpoint"]).hostname in tuners}
+    assert {urlsplit("//" + e["endpoint"]).hostname for e in to_tuner.values()} == tuners
+    for name, exporter in to_tuner.items():
+        assert exporter["headers"] == {"authorization": f"Bearer ${{file:{OTLP_TOKEN_FILE}}}"}, name
 
 
 def test_load_generators_target_their_envoy(services: dict[str, Any]) -> None:
@@ -525,19 +544,24 @@ def test_dropin_envoy_validates_and_agrees_with_the_renderer() -> None:
     ext, ref_ext = hcm["http_filters"][0], ref_hcm["http_filters"][0]
     assert [f["name"] for f in hcm["http_filters"]] == [
         "envoy.filters.http.ext_proc", "envoy.filters.http.router"]
-    for key in ("processing_mode", "failure_mode_allow", "metadata_options", "message_timeout"):
+    for key in ("processing_mode", "failure_mode_allow", "metadata_options", "message_timeout",
+                "forward_rules"):
         assert ext["typed_config"][key] == ref_ext["typed_config"][key], key
-    assert hcm["use_remote_address"] is True
-    for key in ("request_timeout", "stream_idle_timeout"):
+    assert hcm["use_remote_address"] is True and "internal_address_config" not in hcm
+    for key in ("request_timeout", "stream_idle_timeout", "early_header_mutation_extensions"):
         assert hcm[key] == ref_hcm[key], key
-    assert {CLUSTER_HEADER, PICKER_HEADER} <= set(hcm["route_config"]["internal_only_headers"])
-    routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
+    assert hcm["route_config"]["internal_only_headers"] == list(CONTROL_HEADERS)
+    assert hcm["local_reply_config"]["mappers"] == ref_hcm["local_reply_config"]["mappers"][-1:]
+    *routes, not_found = hcm["route_config"]["virtual_hosts"][0]["routes"]
     assert [r["route"].get("cluster", r["route"].get("cluster_header")) for r in routes] == [
         PICKER_CLUSTER, CLUSTER_HEADER, "llm-a"]
-    ref_route = ref_hcm["route_config"]["virtual_hosts"][0]["routes"][-1]["route"]
-    for r in routes:  # the request and idle bounds of every route are the renderer's
+    *ref_routes, ref_not_found = ref_hcm["route_config"]["virtual_hosts"][0]["routes"]
+    assert not_found == ref_not_found  # every other path: Envoy's 404, the router not asked
+    ref_route = ref_routes[-1]
+    for r in routes:  # the paths and the request and idle bounds of every route: the renderer's
+        assert r["match"]["safe_regex"] == ref_route["match"]["safe_regex"]
         assert {k: r["route"][k] for k in ("timeout", "idle_timeout")} == {
-            k: ref_route[k] for k in ("timeout", "idle_timeout")}
+            k: ref_route["route"][k] for k in ("timeout", "idle_timeout")}
     clusters, ref_clusters = _clusters(boot), _clusters(ref)
     for key in ("type", "lb_policy", "original_dst_lb_config"):
         assert clusters[PICKER_CLUSTER][key] == ref_clusters[PICKER_CLUSTER][key], key

@@ -109,13 +109,13 @@ def test_get_and_put_apply_weights_and_rates_to_routing() -> None:
     async def body(call: Call) -> None:
         status, doc = await call("GET", headers=AUTH)
         assert status == 200
-        assert doc == {"rtt": 1.0, "queue": 1.0, "version": 0,
+        assert doc == {"rtt": 1.0, "queue": 1.0, "decode": 1.0, "interference": 0.25, "version": 0,
                        "prefill_rate": {"a": 1000.0, "b": 2000.0},
                        "prefill_rate_hint": {"a": 1000.0, "b": 2000.0}, "routed": {}}
         status, doc = await call("PUT", headers=AUTH, data={
             "rtt": 2.5, "queue": 0.25, "version": 7, "prefill_rate": {"b": 4000}})
         assert status == 200
-        assert doc == {"rtt": 2.5, "queue": 0.25, "version": 7,
+        assert doc == {"rtt": 2.5, "queue": 0.25, "decode": 1.0, "interference": 0.25, "version": 7,
                        "prefill_rate": {"a": 1000.0, "b": 4000.0},
                        "prefill_rate_hint": {"a": 1000.0, "b": 2000.0}, "routed": {}}
         status, doc = await call("GET", headers={"authorization": f"bearer {TOKEN}"})
@@ -149,7 +149,7 @@ def test_get_and_put_apply_weights_and_rates_to_routing() -> None:
     ({"rtt": -1, "queue": 1, "version": 1}, "rtt"),
     ({"rtt": "1", "queue": 1, "version": 1}, "rtt"),
     ({"rtt": True, "queue": 1, "version": 1}, "rtt"),
-    ({"queue": 1, "version": 1}, "rtt"),
+    ({"version": 1}, None),  # no weight at all
     ({"rtt": 1, "queue": 1}, "version"),
     ({"rtt": 1, "queue": 1, "version": 1.5}, "version"),
     ({"rtt": 1, "queue": 1, "version": -3}, "version"),
@@ -246,3 +246,17 @@ def test_explain_shows_terms_without_routing() -> None:
 
     with_admin(router, TOKEN, body)
     assert router.open_requests == 0 and router.state.inflight_reqs.sum() == 0
+
+
+def test_a_weight_left_out_keeps_its_active_value() -> None:
+    """A publisher that tunes only some weights (the tuner leaves decode alone) changes those."""
+    router = make_router()
+
+    async def body(call: Call) -> None:
+        status, _ = await call("PUT", headers=AUTH, data={"decode": 2.5, "version": 1})
+        assert status == 200
+        status, doc = await call("PUT", headers=AUTH, data={"rtt": 3, "queue": 0.5, "version": 2})
+        assert status == 200
+        assert (doc["rtt"], doc["queue"], doc["decode"], doc["version"]) == (3.0, 0.5, 2.5, 2)
+
+    with_admin(router, TOKEN, body)

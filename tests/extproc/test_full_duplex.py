@@ -96,8 +96,9 @@ def _set(common: pb.CommonResponse) -> dict[str, str]:
 
 
 def _sample(service: ExtProcService, name: str, **labels: str) -> float:
-    value = service.metrics.registry.get_sample_value(name, labels)
-    return 0.0 if value is None else value
+    """The sum of ``name``'s samples whose labels include ``labels``."""
+    return sum(s.value for m in service.metrics.registry.collect() for s in m.samples
+               if s.name == name and labels.items() <= s.labels.items())
 
 
 def _streamed(answers: list[pb.ProcessingResponse]) -> list[pb.StreamedBodyResponse]:

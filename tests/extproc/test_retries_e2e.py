@@ -145,6 +145,8 @@ def start_retry_stack(tmp: Path, n: int = 3, **retries) -> RetryStack:
                       "metrics_url": f"http://127.0.0.1:{u.side_port}/metrics",
                       "engine": "sglang"} for u in ups],
         "allow_policy_override": True,
+        # The tests pick a policy per request (x-gorgo-policy): trust the loopback client.
+        "control_headers": {"trusted_peers": ["127.0.0.0/8"]},
         "signals": {"probe_interval_s": 0.2, "scrape_interval_s": 0.2},
         "limits": {"max_body_bytes": 65536},
         "retries": {"enabled": True, **retries},

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import re
 import subprocess
 from dataclasses import replace
 from pathlib import Path
@@ -9,13 +11,23 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gorgo.core.contract import CLUSTER_HEADER, DECISION_FIELDS, ENDPOINTS_HEADER
+from gorgo.core.contract import (
+    API_PATHS,
+    CLUSTER_HEADER,
+    CONTROL_HEADERS,
+    DECISION_FIELDS,
+    ENDPOINTS_HEADER,
+    HEALTH_PATH,
+    PICKER_HEADER,
+    ROUTER_READS,
+)
 from gorgo.core.contract import TTFT_ATTR as TTFT_TAG
-from gorgo.core.fleet import load_fleet
+from gorgo.core.fleet import load_fleet, parse_fleet
 from gorgo.envoy_config import (
     FLEET_CLUSTER,
     PICKER_CLUSTER,
     TTFT_FORMAT,
+    forwarded_paths,
     render_bootstrap,
     render_yaml,
 )
@@ -63,12 +75,17 @@ def test_bootstrap_shape() -> None:
         "typed_config"]
     names = [f["name"] for f in hcm["http_filters"]]
     assert names == ["envoy.filters.http.ext_proc", "envoy.filters.http.router"]
-    for header in (CLUSTER_HEADER, ENDPOINTS_HEADER):
-        assert header in hcm["route_config"]["internal_only_headers"]
+    # Routing headers are never a client's; control headers only a trusted peer's (none here).
+    removed = hcm["early_header_mutation_extensions"][0]["typed_config"]["mutations"]
+    assert [m["remove"] for m in removed] == [CLUSTER_HEADER, PICKER_HEADER, ENDPOINTS_HEADER]
+    assert hcm["route_config"]["internal_only_headers"] == list(CONTROL_HEADERS)
+    assert "internal_address_config" not in hcm  # none: loopback and RFC 1918 would be internal
     ext = hcm["http_filters"][0]["typed_config"]
     assert ext["failure_mode_allow"] is True
     assert ext["processing_mode"]["request_body_mode"] == "BUFFERED"
-    routes = [r["route"] for r in hcm["route_config"]["virtual_hosts"][0]["routes"]]
+    assert [p["exact"] for p in ext["forward_rules"]["allowed_headers"]["patterns"]] == list(
+        ROUTER_READS)
+    routes = [r["route"] for r in _routes(hcm)[:-1]]
     # picker (ORIGINAL_DST) -> endpoint list with one retry -> single cluster -> default.
     assert [r.get("cluster", r.get("cluster_header")) for r in routes] == [
         PICKER_CLUSTER, FLEET_CLUSTER, CLUSTER_HEADER, spec.default_cluster]
@@ -94,9 +111,58 @@ def test_retries_off_keeps_single_cluster_routing() -> None:
     assert FLEET_CLUSTER not in names
     hcm = boot["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0][
         "typed_config"]
-    routes = [r["route"] for r in hcm["route_config"]["virtual_hosts"][0]["routes"]]
+    routes = [r["route"] for r in _routes(hcm)[:-1]]
     assert [r.get("cluster", r.get("cluster_header")) for r in routes] == [
         CLUSTER_HEADER, spec.default_cluster]
+
+
+def _routes(hcm: dict) -> list[dict]:
+    return hcm["route_config"]["virtual_hosts"][0]["routes"]
+
+
+def _hcm(boot: dict) -> dict:
+    return boot["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0][
+        "typed_config"]
+
+
+def test_only_the_api_and_the_health_path_are_forwarded() -> None:
+    """Every forwarding route matches the same exact paths; the last one answers the rest with
+    Envoy's 404, without asking the router (issue 12, finding 1)."""
+    spec = load_fleet(EXAMPLE)
+    spec = replace(spec, routes=replace(spec.routes, extra_paths=("/v1/embeddings",)))
+    assert forwarded_paths(spec) == (*API_PATHS, HEALTH_PATH, "/v1/embeddings")
+    *forwarding, last = _routes(_hcm(render_bootstrap(spec, picker=True)))
+    for r in forwarding:
+        regex = re.compile(r["match"]["safe_regex"]["regex"])
+        assert [p for p in (*forwarded_paths(spec), "/metrics", "/flush_cache", "/v1/models/x",
+                            "/v1/chat/completions/", "/v1/chat/completions/../../metrics",
+                            "/v1/modelsX", "/health_generate")
+                if regex.fullmatch(p)] == list(forwarded_paths(spec))
+    assert last["match"] == {"prefix": "/"} and last["direct_response"]["status"] == 404
+    body = json.loads(last["direct_response"]["body"]["inline_string"])
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    assert last["typed_per_filter_config"]["envoy.filters.http.ext_proc"]["disabled"] is True
+
+
+def test_trusted_peers_keep_control_headers_and_never_routing_headers() -> None:
+    spec = load_fleet(EXAMPLE)
+    spec = replace(spec, control_headers=replace(
+        spec.control_headers, trusted_peers=("10.1.0.0/16", "fd00::/8")))
+    hcm = _hcm(render_bootstrap(spec))
+    assert hcm["internal_address_config"] == {"cidr_ranges": [
+        {"address_prefix": "10.1.0.0", "prefix_len": 16},
+        {"address_prefix": "fd00::", "prefix_len": 8}]}
+    assert hcm["route_config"]["internal_only_headers"] == list(CONTROL_HEADERS)
+    assert len(hcm["early_header_mutation_extensions"][0]["typed_config"]["mutations"]) == 3
+
+
+# Runs `envoy --mode validate`.
+@pytest.mark.envoy
+def test_routes_and_trusted_peers_pass_envoy_validate(tmp_path: Path) -> None:
+    doc = yaml.safe_load(EXAMPLE.read_text())
+    doc["routes"] = {"extra_paths": ["/v1/embeddings", "/v1/rerank"]}
+    doc["control_headers"] = {"trusted_peers": ["10.1.0.0/16", "::1/128"]}
+    _validate(tmp_path, render_yaml(parse_fleet(doc), picker=True))
 
 
 def test_cli_writes_yaml(tmp_path: Path) -> None:
@@ -107,3 +173,32 @@ def test_cli_writes_yaml(tmp_path: Path) -> None:
     doc = yaml.safe_load(out.read_text())
     assert doc["static_resources"]["listeners"][0]["address"]["socket_address"][
         "port_value"] == 1
+
+
+@pytest.mark.envoy
+def test_the_otlp_token_rides_as_grpc_initial_metadata(tmp_path: Path) -> None:
+    """The tuner counts no span without its token (issue 12, finding 5): Envoy sends it with every
+    export, and the rendered file that holds it is written owner-only."""
+    from gorgo.cli import main
+
+    (tmp_path / "otlp-token").write_text("s3cret-token\n")
+    out = tmp_path / "envoy.yaml"
+    assert main(["envoy-config", str(EXAMPLE), "--otlp", "127.0.0.1:4317", "--otlp-token-file",
+                 str(tmp_path / "otlp-token"), "-o", str(out)]) == 0
+    assert out.stat().st_mode & 0o777 == 0o600
+    doc = yaml.safe_load(out.read_text())
+    hcm = doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+    grpc = hcm["typed_config"]["tracing"]["provider"]["typed_config"]["grpc_service"]
+    assert grpc["initial_metadata"] == [{"key": "authorization", "value": "Bearer s3cret-token"}]
+    _validate(tmp_path, out.read_text())
+    assert "initial_metadata" not in render_yaml(load_fleet(EXAMPLE), otlp="127.0.0.1:4317")
+
+
+def test_otlp_token_file_errors_are_one_line(tmp_path: Path, capsys) -> None:
+    from gorgo.cli import main
+
+    assert main(["envoy-config", str(EXAMPLE), "--otlp-token-file", str(tmp_path / "t")]) == 2
+    assert "needs --otlp" in capsys.readouterr().err
+    assert main(["envoy-config", str(EXAMPLE), "--otlp", "127.0.0.1:4317",
+                 "--otlp-token-file", str(tmp_path / "missing")]) == 2
+    assert "cannot read the OTLP token" in capsys.readouterr().err

@@ -422,3 +422,135 @@ def test_stop_ends_requests_in_flight_promptly():
             streamed.close()
 
     asyncio.run(main())
+
+
+# -- what peer routers call ------------------------------------------------------------------
+
+
+def test_sglang_load_server_info_and_model_info():
+    """sglang-router's power_of_two polls /get_load (a list per DP rank; it sums num_tokens) and
+    its worker registration reads /server_info and /model_info (falling back to /get_*)."""
+    body = chat_body("a prompt to keep the engine busy " * 30, stream=True, max_tokens=5000)
+
+    async def fn(srv, session):
+        async with session.get(srv.url + "/get_load") as resp:
+            assert resp.status == 200 and resp.headers[SERVED_BY_HEADER] == srv.name
+            idle = await resp.json()
+        assert idle == [{"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}]
+        async with session.post(srv.url + "/v1/chat/completions", json=body) as gen:
+            await gen.content.readline()  # first event: the request is running
+            async with session.get(srv.url + "/get_load") as resp:
+                (busy,) = await resp.json()
+        prompt_tokens = TOK.count_tokens(len(prompt_text("chat", body)))
+        assert busy["num_reqs"] == 1 and busy["num_waiting_reqs"] == 0
+        assert busy["num_tokens"] >= prompt_tokens  # its KV, prompt and generated tokens
+        for name in ("server_info", "model_info"):
+            async with session.get(f"{srv.url}/{name}") as resp:
+                info = await resp.json()
+            async with session.get(f"{srv.url}/get_{name}") as resp:
+                assert await resp.json() == info
+            assert info["model_path"] == MODEL
+        async with session.get(srv.url + "/server_info") as resp:
+            info = await resp.json()
+        assert info["dp_size"] == 1 and info["served_model_name"] == MODEL
+        assert info["max_total_num_tokens"] == srv.engine.cache.capacity_tokens
+        assert info["page_size"] == TOK.block_tokens
+        async with session.post(srv.url + "/v1/chat/completions/render", json=body) as resp:
+            assert resp.status == 404  # vLLM's endpoint, not SGLang's
+
+    serve(fn, flavor="sglang")
+
+
+def test_vllm_render_gives_prefix_stable_token_ids_and_runs_nothing():
+    """vllm-router's cache_aware posts each request to /v1/chat/completions/render on every
+    worker and keys its prefix tree on ``token_ids``: shared prefixes must share leading ids."""
+    shared = "The same long system prompt for everyone. " * 20
+
+    async def fn(srv, session):
+        async def render(path, body):
+            async with session.post(srv.url + path, json=body) as resp:
+                return resp.status, await resp.json()
+
+        status, a = await render("/v1/chat/completions/render",
+                                 chat_body(shared + "first question", max_tokens=9))
+        _, b = await render("/v1/chat/completions/render", chat_body(shared + "other one"))
+        assert status == 200
+        assert a["sampling_params"]["max_tokens"] == 9 and a["model"] == MODEL
+        n_a = TOK.count_tokens(len(shared + "first question"))
+        assert len(a["token_ids"]) == n_a
+        assert all(isinstance(t, int) and 0 <= t < 2**17 for t in a["token_ids"])
+        common = int(len(shared) // TOK.chars_per_token)
+        assert a["token_ids"][:common] == b["token_ids"][:common]
+        assert a["token_ids"][common:] != b["token_ids"][common:]
+        _, again = await render("/v1/chat/completions/render", chat_body(shared + "first question"))
+        assert again["token_ids"] == a["token_ids"]
+        status, listed = await render("/v1/completions/render",
+                                      {"model": MODEL, "prompt": shared + "first question"})
+        assert status == 200 and listed[0]["token_ids"] == a["token_ids"]
+        status, err = await render("/v1/chat/completions/render", {"model": MODEL})
+        assert status == 400 and error_of(err)["param"] == "messages"
+        assert srv.engine.metrics().requests_finished == 0 and not srv.engine.has_work()
+        async with session.get(srv.url + "/get_load") as resp:
+            assert resp.status == 404  # SGLang's endpoint, not vLLM's
+
+    serve(fn, flavor="vllm")
+
+
+def parse_typed_sse(text: str) -> list[dict]:
+    """Responses API events: each block is an ``event:`` line naming the ``data:`` JSON's type."""
+    events = []
+    for block in text.strip("\n").split("\n\n"):
+        kind, data = block.split("\n")
+        assert kind.startswith("event: ") and data.startswith("data: "), block
+        event = json.loads(data[len("data: "):])
+        assert event["type"] == kind[len("event: "):]
+        events.append(event)
+    return events
+
+
+@pytest.mark.parametrize("flavor", ["sglang", "vllm"])
+def test_responses_api_streamed_and_whole(flavor):
+    body = {"model": MODEL, "instructions": "Be brief.", "max_output_tokens": 6,
+            "input": [{"role": "user", "content": "Tell me about prefix caches. " * 20}]}
+    prompt_tokens = TOK.count_tokens(len(prompt_text("responses", body)))
+
+    async def fn(srv, session):
+        async with session.post(srv.url + "/v1/responses", json=body) as resp:
+            assert resp.status == 200 and resp.headers[SERVED_BY_HEADER] == srv.name
+            whole = await resp.json()
+        assert whole["object"] == "response" and whole["id"].startswith("resp_")
+        assert whole["status"] == "incomplete"
+        assert whole["incomplete_details"] == {"reason": "max_output_tokens"}
+        (item,) = whole["output"]
+        assert item["type"] == "message" and item["role"] == "assistant"
+        text = item["content"][0]["text"]
+        assert item["content"][0]["type"] == "output_text"
+        assert len(text) == 6 * TOK.chars_per_token
+        usage = whole["usage"]
+        assert (usage["input_tokens"], usage["output_tokens"]) == (prompt_tokens, 6)
+        assert usage["total_tokens"] == prompt_tokens + 6
+        assert usage["input_tokens_details"]["cached_tokens"] == 0
+
+        async with session.post(srv.url + "/v1/responses", json={**body, "stream": True}) as resp:
+            assert resp.headers["Content-Type"].startswith("text/event-stream")
+            events = parse_typed_sse(await resp.text())
+        kinds = [e["type"] for e in events]
+        assert kinds[:4] == ["response.created", "response.in_progress",
+                             "response.output_item.added", "response.content_part.added"]
+        assert kinds[-4:] == ["response.output_text.done", "response.content_part.done",
+                              "response.output_item.done", "response.incomplete"]
+        assert set(kinds[4:-4]) == {"response.output_text.delta"}
+        assert [e["sequence_number"] for e in events] == list(range(len(events)))
+        assert events[0]["response"]["status"] == "in_progress"
+        deltas = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+        assert deltas == events[-4]["text"] == text
+        final = events[-1]["response"]
+        assert final["output"][0]["id"] == events[2]["item"]["id"] == events[4]["item_id"]
+        assert final["usage"]["input_tokens_details"]["cached_tokens"] > 0  # same prefix again
+
+        for bad, param in (({"max_output_tokens": 0}, "max_output_tokens"),
+                           ({"previous_response_id": "resp_1"}, "previous_response_id")):
+            async with session.post(srv.url + "/v1/responses", json={**body, **bad}) as resp:
+                assert resp.status == 400 and error_of(await resp.json())["param"] == param
+
+    serve(fn, flavor=flavor)

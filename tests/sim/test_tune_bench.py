@@ -12,6 +12,7 @@ import pytest
 
 from gorgo.cli import main as cli_main
 from gorgo.core.fleet import FleetSpec, parse_fleet
+from gorgo.core.weights import Weights
 from gorgo.sim.offline import Simulation
 from gorgo.sim.presets import fleet_document
 from gorgo.sim.traces import chat_trace
@@ -211,7 +212,7 @@ def test_a_trace_that_cannot_be_loaded_exits_2(bench: str, tmp_path: Path,
 def test_with_weights_replaces_only_what_it_is_given(fleet: FleetSpec) -> None:
     name = fleet.replicas[0].name
     f = with_weights(fleet, W(2.0, 0.5), {name: 123.0})
-    assert dict(f.weights) == W(2.0, 0.5)
+    assert f.weights == Weights(W(2.0, 0.5))
     assert f.replicas[0].prefill_rate == 123.0
     assert [r.prefill_rate for r in f.replicas[1:]] == [r.prefill_rate for r in fleet.replicas[1:]]
     assert replace(f, weights=fleet.weights, replicas=fleet.replicas) == fleet

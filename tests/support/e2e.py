@@ -17,6 +17,7 @@ import grpc
 import yaml
 from aiohttp import web
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
 from gorgo.core.fleet import load_fleet
 from gorgo.envoy_config import render_bootstrap
@@ -86,16 +87,21 @@ class Upstream:
 
 
 class SpanSink(trace_service_pb2_grpc.TraceServiceServicer):
-    """A minimal OTLP/gRPC trace receiver keeping every span's attributes."""
+    """A minimal OTLP/gRPC trace receiver keeping every span's attributes (as strings, in
+    ``spans``) and every span as sent, with its resource's service.name (in ``raw``)."""
 
     def __init__(self) -> None:
         self.spans: list[dict[str, str]] = []
+        self.raw: list[tuple[str, Span]] = []
         self.server: grpc.aio.Server | None = None
         self.port = 0
 
     async def Export(self, request, context):
         for rs in request.resource_spans:
+            service = next((a.value.string_value for a in rs.resource.attributes
+                            if a.key == "service.name"), "")
             for ss in rs.scope_spans:
+                self.raw += [(service, span) for span in ss.spans]
                 for span in ss.spans:
                     attrs = {a.key: a.value.string_value for a in span.attributes}
                     attrs["_duration_ns"] = str(span.end_time_unix_nano - span.start_time_unix_nano)
@@ -148,6 +154,8 @@ def write_fleet(tmp: Path, ports: list[int], **extra) -> Path:
                      for i, p in enumerate(ports)],
         "policy": "gorgo",
         "allow_policy_override": True,
+        # The tests pick a policy per request (x-gorgo-policy): trust the loopback client.
+        "control_headers": {"trusted_peers": ["127.0.0.0/8"]},
         "signals": {"probe_interval_s": 0.2, "scrape_interval_s": 0.2},
         "limits": {"max_body_bytes": 65536},
         **extra,
@@ -157,7 +165,9 @@ def write_fleet(tmp: Path, ports: list[int], **extra) -> Path:
     return path
 
 
-def start_stack(tmp: Path, n: int = 3, body_mode: str = "buffered", **extra) -> Stack:
+def start_stack(tmp: Path, n: int = 3, body_mode: str = "buffered", router_spans: bool = False,
+                **extra) -> Stack:
+    """``router_spans``: the router exports its decision spans to the same sink as Envoy."""
     lt = LoopThread()
     ups = [Upstream(f"r{i}") for i in range(n)]
     for u in ups:
@@ -167,7 +177,8 @@ def start_stack(tmp: Path, n: int = 3, body_mode: str = "buffered", **extra) -> 
     fleet_path = write_fleet(tmp, [u.port for u in ups], **extra)
     grpc_port = free_port()
     ext = GorgoProcess(["extproc", "--fleet", str(fleet_path), "--port", str(grpc_port),
-                        "--metrics-port", "0"])
+                        "--metrics-port", "0",
+                        *(["--otlp", f"127.0.0.1:{sink.port}"] if router_spans else [])])
     listen = free_port()
     boot = render_bootstrap(load_fleet(fleet_path), listen=f"127.0.0.1:{listen}",
                             extproc=f"127.0.0.1:{grpc_port}", otlp=f"127.0.0.1:{sink.port}",
@@ -204,7 +215,7 @@ class GorgoMetrics:
         return out
 
     def rtt_known(self) -> list[bool]:
-        vals = self.values("gorgo_rtt_ms")
+        vals = self.values("gorgo_rtt_seconds")
         return [v == v for v in vals.values()] if vals else [False]
 
 

@@ -22,7 +22,7 @@ import yaml
 
 from gorgo.core.fleet import load_fleet
 from gorgo.core.tokens import Tokenization
-from gorgo.envoy_config import OTLP_CLUSTER, render_bootstrap
+from gorgo.envoy_config import render_bootstrap
 from gorgo.harness.envoy_proc import EnvoyProcess
 from gorgo.harness.procs import GorgoProcess, LoopThread, free_port, wait_for
 from gorgo.sim.engine import Engine
@@ -147,15 +147,10 @@ def _tuner_config(tmp: Path, metrics_port: str) -> Path:
 
 
 def _bootstrap(fleet: Path, listen: int, grpc_port: int, otlp_port: str) -> dict:
+    # Envoy authenticates to the tuner's OTLP receiver and flushes spans promptly.
     boot = render_bootstrap(load_fleet(fleet), listen=f"127.0.0.1:{listen}",
                             extproc=f"127.0.0.1:{grpc_port}", otlp=f"127.0.0.1:{otlp_port}",
-                            admin=f"127.0.0.1:{free_port()}")
-    # Envoy authenticates to the tuner's OTLP receiver and flushes spans promptly.
-    hcm = boot["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
-    provider = hcm["typed_config"]["tracing"]["provider"]["typed_config"]
-    assert provider["grpc_service"]["envoy_grpc"]["cluster_name"] == OTLP_CLUSTER
-    provider["grpc_service"]["initial_metadata"] = [
-        {"key": "authorization", "value": f"Bearer {OTLP_TOKEN}"}]
+                            otlp_token=OTLP_TOKEN, admin=f"127.0.0.1:{free_port()}")
     boot["layered_runtime"] = {"layers": [{"name": "static", "static_layer": {
         "tracing.opentelemetry.min_flush_spans": 1,
         "tracing.opentelemetry.flush_interval_ms": 200}}]}

@@ -1,4 +1,5 @@
-"""The OTLP/gRPC receiver: samples out, foreign/malformed spans counted, token and TLS enforced."""
+"""The OTLP/gRPC receiver: samples out, foreign/malformed spans counted, token and TLS enforced,
+what one export may cost bounded."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ import grpc
 import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
 
-from tuner.receiver import TraceReceiver
+from tuner.receiver import REJECTED, ExportLimits, TraceReceiver
 from tuner.samples import Sample
+
+LIMITS = ExportLimits(max_ms=600_000.0)
 
 
 def export_through(receiver: TraceReceiver, request, *, metadata=None, creds=None,
@@ -40,7 +43,7 @@ def export_through(receiver: TraceReceiver, request, *, metadata=None, creds=Non
 def test_samples_reach_the_callback_and_drops_are_counted(span_builders) -> None:
     attrs, span, export = span_builders
     got: list[Sample] = []
-    rx = TraceReceiver(got.extend)
+    rx = TraceReceiver(got.extend, None, LIMITS)
     spans = [span(attrs(gorgo__decision_id=f"d{k}")) for k in range(4)]
     spans += [span({"component": "jaeger-query"}), span(attrs(gorgo__rtt_ms="?"))]
     assert export_through(rx, export(spans)) == grpc.StatusCode.OK
@@ -55,7 +58,7 @@ def test_a_failing_callback_does_not_fail_the_export(span_builders) -> None:
     def boom(_: list[Sample]) -> None:
         raise RuntimeError("tuner bug")
 
-    rx = TraceReceiver(boom)
+    rx = TraceReceiver(boom, None, LIMITS)
     assert export_through(rx, export([span(attrs())])) == grpc.StatusCode.OK
     assert rx.counts["callback_errors"] == 1
 
@@ -70,7 +73,7 @@ def test_a_failing_callback_does_not_fail_the_export(span_builders) -> None:
 def test_token_is_required_when_configured(span_builders, metadata, code) -> None:
     attrs, span, export = span_builders
     got: list[Sample] = []
-    rx = TraceReceiver(got.extend, token="tok-123")
+    rx = TraceReceiver(got.extend, "tok-123", LIMITS)
     assert export_through(rx, export([span(attrs())]), metadata=metadata) == code
     assert len(got) == (1 if code == grpc.StatusCode.OK else 0)
     assert rx.counts["unauthenticated"] == (0 if code == grpc.StatusCode.OK else 1)
@@ -88,10 +91,53 @@ def test_tls(tmp_path: Path, span_builders) -> None:
     got: list[Sample] = []
     tls = (cert.read_bytes(), key.read_bytes())
     creds = grpc.ssl_channel_credentials(root_certificates=cert.read_bytes())
-    assert export_through(TraceReceiver(got.extend), export([span(attrs())]), creds=creds,
-                          tls=tls) == grpc.StatusCode.OK
+    assert export_through(TraceReceiver(got.extend, None, LIMITS), export([span(attrs())]),
+                          creds=creds, tls=tls) == grpc.StatusCode.OK
     assert len(got) == 1
     # A plaintext client cannot talk to the TLS port.
-    assert export_through(TraceReceiver(got.extend), export([span(attrs())]),
+    assert export_through(TraceReceiver(got.extend, None, LIMITS), export([span(attrs())]),
                           tls=tls) == grpc.StatusCode.UNAVAILABLE
     assert len(got) == 1
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_spans_beyond_the_export_and_rate_limits_are_rejected_not_parsed(span_builders) -> None:
+    """One huge export once blocked the tuner for 9.4 s (issue 12, finding 10): now at most
+    max_spans of an export are parsed, and at most spans_per_s over time; the rest get OTLP's
+    partial success, which a sender does not retry."""
+    attrs, span, export = span_builders
+    got: list[Sample] = []
+    clock = Clock()
+    rx = TraceReceiver(got.extend, None, ExportLimits(600_000.0, max_spans=10, spans_per_s=5.0),
+                       clock)
+
+    def send(n: int):
+        req = export([span(attrs(gorgo__decision_id=f"d{k}")) for k in range(n)])
+        return asyncio.run(rx.Export(req, None))
+
+    r = send(25)
+    assert len(got) == 10 and r.partial_success.rejected_spans == 15
+    assert "10 spans per export" in r.partial_success.error_message
+    assert send(3).partial_success.rejected_spans == 3  # the bucket is empty
+    clock.now = 1.0  # 5 spans' worth refilled
+    r = send(8)
+    assert len(got) == 15 and r.partial_success.rejected_spans == 3
+    clock.now = 100.0  # refilled to one export's worth, no more
+    assert not send(10).HasField("partial_success") and len(got) == 25
+    assert rx.counts[REJECTED] == 21 and rx.counts["samples"] == 25
+
+
+def test_every_export_is_a_source_of_its_own(span_builders) -> None:
+    attrs, span, export = span_builders
+    got: list[Sample] = []
+    rx = TraceReceiver(got.extend, None, LIMITS)
+    for _ in range(3):
+        asyncio.run(rx.Export(export([span(attrs()), span(attrs())]), None))
+    assert [s.source for s in got] == [1, 1, 2, 2, 3, 3]

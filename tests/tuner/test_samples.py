@@ -4,14 +4,28 @@ from __future__ import annotations
 
 import pytest
 
-from gorgo.core.contract import SPAN_PREFIX, TERM_FIELDS
-from gorgo.core.terms import TERMS
-from tuner.samples import FOREIGN, MALFORMED, NO_TTFT, SpanDropped, parse_export, parse_span
+from gorgo.core.contract import SPAN_PREFIX, TERM_FIELDS, TTFT_ATTR
+from gorgo.core.terms import TERMS, TTFT
+from tuner.samples import (
+    FOREIGN,
+    MALFORMED,
+    NO_TTFT,
+    OUT_OF_RANGE,
+    SpanDropped,
+    parse_export,
+    parse_span,
+)
+
+MAX_MS = 600_000.0  # the fleet's default request timeout
+
+
+def parse(span):
+    return parse_span(span, MAX_MS)
 
 
 def test_envoy_span_becomes_a_sample(span_builders) -> None:
     attrs, span, _ = span_builders
-    s = parse_span(span(attrs(), duration_ms=812.5))
+    s = parse(span(attrs(), duration_ms=812.5))
     assert s.ttft_ms == pytest.approx(123.456)
     assert s.e2e_ms == pytest.approx(812.5)
     assert s.status == 200 and s.ok
@@ -25,7 +39,7 @@ def test_envoy_span_becomes_a_sample(span_builders) -> None:
 
 def test_typed_attribute_values_are_accepted(span_builders) -> None:
     attrs, span, _ = span_builders
-    s = parse_span(span(attrs(gorgo__weights_version=4, http__status_code=503,
+    s = parse(span(attrs(gorgo__weights_version=4, http__status_code=503,
                               gorgo__rtt_ms=2.5, gorgo__uncached_tokens="64.0")))
     assert (s.weights_version, s.status, s.terms["rtt"], s.uncached_tokens) == (4, 503, 2.5, 64)
     assert not s.ok
@@ -35,23 +49,26 @@ def test_every_term_of_the_registry_is_read_from_its_contract_tag(span_builders)
     """The terms come from the registry, not from a list of fields of the tuner's own."""
     attrs, span, _ = span_builders
     tags = {SPAN_PREFIX + f: str(7.5 + k) for k, f in enumerate(TERM_FIELDS)}
-    s = parse_span(span({**attrs(), **tags}))
+    s = parse(span({**attrs(), **tags}))
     assert s.terms == {t.name: 7.5 + k for k, t in enumerate(TERMS)}
-    for field in TERM_FIELDS:  # each one is required, strictly
-        with pytest.raises(SpanDropped, match=MALFORMED):
-            parse_span(span(attrs(**{SPAN_PREFIX + field: None})))
+    for t, field in zip(TERMS, TERM_FIELDS, strict=True):
+        if TTFT in t.objectives:  # a TTFT term is required, strictly
+            with pytest.raises(SpanDropped, match=MALFORMED):
+                parse(span(attrs(**{SPAN_PREFIX + field: None})))
+        else:  # a term only e2e counts may be absent (a router older than the term)
+            assert t.name not in parse(span(attrs(**{SPAN_PREFIX + field: None}))).terms
 
 
 @pytest.mark.parametrize(("over", "reason"), [
     ({"gorgo__decision_id": None}, FOREIGN),
     ({"gorgo__decision_id": "-"}, FOREIGN),  # Envoy's rendering of absent metadata
     ({"gorgo__decision_id": ""}, FOREIGN),
-    ({"gen_ai.response.time_to_first_chunk": None}, NO_TTFT),
-    ({"gen_ai.response.time_to_first_chunk": "-"}, NO_TTFT),
-    ({"gen_ai.response.time_to_first_chunk": "soon"}, MALFORMED),
-    ({"gen_ai.response.time_to_first_chunk": "-5"}, MALFORMED),
-    ({"gen_ai.response.time_to_first_chunk": "nan"}, MALFORMED),
-    ({"gen_ai.response.time_to_first_chunk": "inf"}, MALFORMED),
+    ({TTFT_ATTR: None}, NO_TTFT),
+    ({TTFT_ATTR: "-"}, NO_TTFT),
+    ({TTFT_ATTR: "soon"}, MALFORMED),
+    ({TTFT_ATTR: "-5"}, MALFORMED),
+    ({TTFT_ATTR: "nan"}, MALFORMED),
+    ({TTFT_ATTR: "inf"}, MALFORMED),
     ({"http__status_code": None}, MALFORMED),
     ({"http__status_code": "99"}, MALFORMED),
     ({"http__status_code": "2xx"}, MALFORMED),
@@ -69,16 +86,16 @@ def test_every_term_of_the_registry_is_read_from_its_contract_tag(span_builders)
 def test_unusable_spans_are_dropped_with_a_reason(span_builders, over, reason) -> None:
     attrs, span, _ = span_builders
     with pytest.raises(SpanDropped) as exc:
-        parse_span(span(attrs(**over)))
+        parse(span(attrs(**over)))
     assert exc.value.reason == reason
 
 
 def test_bad_span_times_are_malformed(span_builders) -> None:
     attrs, span, _ = span_builders
     with pytest.raises(SpanDropped, match=MALFORMED):
-        parse_span(span(attrs(), duration_ms=-1))
+        parse(span(attrs(), duration_ms=-1))
     with pytest.raises(SpanDropped, match=MALFORMED):
-        parse_span(span(attrs(), start_ns=0))
+        parse(span(attrs(), start_ns=0))
 
 
 def test_export_counts_every_drop_and_keeps_the_rest(span_builders) -> None:
@@ -86,8 +103,37 @@ def test_export_counts_every_drop_and_keeps_the_rest(span_builders) -> None:
     spans = [span(attrs(gorgo__decision_id=f"id-{k}")) for k in range(3)]
     spans += [span({"http.status_code": "200", "component": "other-service"})] * 2
     spans += [span(attrs(gorgo__weights_version="x"))]
-    spans += [span(attrs(**{"gen_ai.response.time_to_first_chunk": "-"}))]
-    samples, dropped = parse_export(export(spans))
+    spans += [span(attrs(**{TTFT_ATTR: "-"}))]
+    samples, dropped = parse_export(export(spans), MAX_MS)
     assert [s.decision_id for s in samples] == ["id-0", "id-1", "id-2"]
     assert dropped == {FOREIGN: 2, MALFORMED: 1, NO_TTFT: 1}
-    assert parse_export(export([])) == ([], {})
+    assert parse_export(export([]), MAX_MS) == ([], {})
+
+
+@pytest.mark.parametrize(("over", "duration_ms", "reason"), [
+    # A TTFT of 1.7e308 us once set a stored p95 of 1.7e305 ms (issue 12, finding 5).
+    ({TTFT_ATTR: "1.7e308"}, 800.0, OUT_OF_RANGE),
+    ({TTFT_ATTR: str(int(MAX_MS * 1000) + 1)}, 800.0,
+     OUT_OF_RANGE),
+    ({}, MAX_MS + 1, OUT_OF_RANGE),  # an E2E beyond the request timeout
+    ({"gorgo__queue_ms": "1e300"}, 800.0, OUT_OF_RANGE),
+    ({"gorgo__predicted_ttft_ms": str(11 * MAX_MS)}, 800.0, OUT_OF_RANGE),
+    ({"gorgo__uncached_tokens": "2048"}, 800.0, MALFORMED),  # above the prompt's 1024
+    ({"gorgo__weights_version": str(2**63)}, 800.0, MALFORMED),
+])
+def test_values_no_real_request_can_have_are_dropped(span_builders, over, duration_ms,
+                                                     reason) -> None:
+    attrs, span, _ = span_builders
+    with pytest.raises(SpanDropped) as exc:
+        parse(span(attrs(**over), duration_ms=duration_ms))
+    assert exc.value.reason == reason
+    # A long predicted queue is not one of them: shedding exists for it.
+    assert parse(span(attrs(gorgo__queue_ms=str(5 * MAX_MS)))).terms["queue"] == 5 * MAX_MS
+
+
+def test_an_export_is_parsed_up_to_its_limit_and_tagged_with_its_source(span_builders) -> None:
+    attrs, span, export = span_builders
+    spans = [span(attrs(gorgo__decision_id=f"id-{k}")) for k in range(5)]
+    samples, dropped = parse_export(export(spans), MAX_MS, source=7, limit=3)
+    assert [s.decision_id for s in samples] == ["id-0", "id-1", "id-2"] and not dropped
+    assert {s.source for s in samples} == {7}

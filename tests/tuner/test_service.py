@@ -23,11 +23,14 @@ from gorgo.core.fleet import parse_fleet
 from gorgo.core.router import Router
 from gorgo.core.weights import Weights
 from tuner.main import ConfigError, TunerService, load_config
-from tuner.optimizer import OptimizerConfig, Proposal
+from tuner.optimizer import KEYS, OptimizerConfig, Proposal
 from tuner.publisher import Publisher, RouterTarget
+from tuner.receiver import ExportLimits
 from tuner.state_store import StateError
 
 TOKEN = "admin-tok"
+OTLP_TOKEN = "otlp-tok"
+AUTH = (("authorization", f"Bearer {OTLP_TOKEN}"),)
 
 
 class RouterApp:
@@ -56,6 +59,11 @@ class RouterApp:
             await self.runner.cleanup()
 
     @property
+    def point(self) -> dict[str, float]:
+        """The weights the tuner tunes (tuner.optimizer.KEYS), as the router holds them."""
+        return {k: self.weights[k] for k in KEYS}
+
+    @property
     def weights(self) -> Weights:
         return self.router.state.weights
 
@@ -66,8 +74,10 @@ def W(rtt: float, queue: float) -> dict[str, float]:
 
 def write_config(tmp: Path, apps: list[RouterApp], **extra: Any) -> Path:
     (tmp / "admin-token").write_text(TOKEN + "\n")
+    (tmp / "otlp-token").write_text(OTLP_TOKEN)
     doc = {
         "listen": "127.0.0.1:0",
+        "token_file": "otlp-token",
         "status_listen": "127.0.0.1:0",
         "state_file": "state/tuner.json",
         "routers": [{"url": r.url, "token_file": "admin-token"} for r in apps],
@@ -104,10 +114,12 @@ async def two_routers(tmp_path: Path) -> AsyncIterator[tuple[TunerService, Route
 async def export_samples(port: int, version: int, n: int, ttft_us: int, span_builders) -> None:
     attrs, span, export = span_builders
     spans = [span(attrs(gorgo__weights_version=str(version), gorgo__decision_id=f"x{k}",
-                        **{"gen_ai.response.time_to_first_chunk": str(ttft_us)}))
+                        **{"gorgo.first_byte_us": str(ttft_us)}))
              for k in range(n)]
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
-        await trace_service_pb2_grpc.TraceServiceStub(ch).Export(export(spans), timeout=5)
+        stub = trace_service_pb2_grpc.TraceServiceStub(ch)
+        for one in spans:  # an export each: no one export may fill a window on its own
+            await stub.Export(export([one]), metadata=AUTH, timeout=5)
 
 
 async def get_json(url: str) -> Any:
@@ -131,13 +143,13 @@ def test_publishes_to_every_router_and_resumes_after_restart(tmp_path: Path,
             assert svc.tuner.incumbent == W(1.5, 0.5)
             await svc.tick(0.0)
             assert a.weights == b.weights
-            assert a.weights.version == 11 and dict(a.weights) == W(1.5, 0.5)
+            assert a.weights.version == 11 and a.point == W(1.5, 0.5)
             # Samples of the live version arrive over OTLP; the window closes; a candidate goes out.
             await export_samples(svc.otlp_port, 11, 5, 100_000, span_builders)
             await svc.tick(1.0)
             assert a.weights.version == b.weights.version == 12
             assert svc.tuner.active.arm == "candidate"
-            assert dict(a.weights) != W(1.5, 0.5)
+            assert a.point != W(1.5, 0.5)
             # Samples of other versions are ignored, and a foreign span is counted and dropped.
             await export_samples(svc.otlp_port, 3, 5, 100_000, span_builders)
             status, doc = await get_json(f"http://127.0.0.1:{svc.status_port}/status")
@@ -159,7 +171,7 @@ def test_publishes_to_every_router_and_resumes_after_restart(tmp_path: Path,
             await svc.tick(2.0)
             assert svc.tuner.accepted == 1
             winner = svc.tuner.incumbent
-            assert a.weights.version == 13 and dict(a.weights) == winner
+            assert a.weights.version == 13 and a.point == winner
         finally:
             await svc.stop()
         # Killed tuner: the routers keep the last weights they accepted.
@@ -173,7 +185,7 @@ def test_publishes_to_every_router_and_resumes_after_restart(tmp_path: Path,
             assert svc2.tuner.incumbent == winner and svc2.tuner.accepted == 1
             await svc2.tick(0.0)
             assert a.weights.version == b.weights.version == 14
-            assert dict(a.weights) == winner
+            assert a.point == winner
         finally:
             await svc2.stop()
             await a.stop()
@@ -195,7 +207,7 @@ def test_conflicting_version_is_renumbered_and_an_outage_does_not_block_others(
             await svc.tick(0.1)
             assert a.weights.version == b.weights.version == 51
             assert svc.tuner.active.weights.version == 51
-            assert dict(b.weights) == W(1.0, 1.0)
+            assert b.point == W(1.0, 1.0)
             # Router b goes away: a keeps getting updates, b is retried with backoff.
             port_b = int(b.url.rsplit(":", 1)[1])
             await b.stop()
@@ -270,6 +282,11 @@ def test_unreadable_state_file_is_not_overwritten(tmp_path: Path) -> None:
     ({"initial_weights": {"rtt": 1, "queue": 1, "warp": 1}}, "initial_weights"),
     ({"initial_weights": {"rtt": 1, "queue": -1}}, "queue"),
     ({"tick_s": 0}, "tick_s"),
+    ({"token_file": None}, "token_file: required"),
+    ({"token_file": "missing"}, "token_file"),
+    ({"request_timeout_s": 0}, "request_timeout_s"),
+    ({"max_export_spans": 0}, "max_export_spans"),
+    ({"max_spans_per_s": "lots"}, "max_spans_per_s"),
 ])
 def test_config_errors_name_the_field(tmp_path: Path, extra: dict, match: str) -> None:
     class Fake:
@@ -285,11 +302,13 @@ def test_config_defaults(tmp_path: Path) -> None:
         url = "http://127.0.0.1:9/"
 
     (tmp_path / "admin-token").write_text(TOKEN)
+    (tmp_path / "otlp-token").write_text(OTLP_TOKEN + "\n")
     path = tmp_path / "t.yaml"
-    path.write_text(yaml.safe_dump({"routers": [{"url": Fake.url,
-                                                 "token_file": "admin-token"}]}))
+    path.write_text(yaml.safe_dump({"token_file": "otlp-token",
+                                    "routers": [{"url": Fake.url, "token_file": "admin-token"}]}))
     cfg = load_config(path)
-    assert cfg.listen == "127.0.0.1:4317" and cfg.otlp_token is None and cfg.tls is None
+    assert cfg.listen == "127.0.0.1:4317" and cfg.otlp_token == OTLP_TOKEN and cfg.tls is None
+    assert cfg.limits == ExportLimits(max_ms=600_000.0, max_spans=5000, spans_per_s=2000.0)
     assert cfg.routers[0] == RouterTarget("http://127.0.0.1:9", TOKEN)
     assert cfg.state_file == tmp_path / "gorgo-tuner-state.json"
     assert cfg.optimizer == OptimizerConfig()
@@ -312,11 +331,11 @@ def test_counts_what_every_router_routed_under_the_scored_versions(tmp_path: Pat
             v = svc.tuner.active.weights.version
             route(a, 3)
             route(b, 4)
-            await svc.count_routed()
+            await svc.follow_routers()
             assert svc.tuner.window_for(v).routed == 7
             await b.stop()  # b's 4 stay counted
             route(a, 2)
-            await svc.count_routed()
+            await svc.follow_routers()
             assert svc.tuner.window_for(v).routed == 9
 
     run(body)

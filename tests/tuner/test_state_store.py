@@ -2,28 +2,46 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from tuner.state_store import StateError, load_state, save_state
+from tuner.optimizer import OptimizerConfig, Tuner
+from tuner.state_store import StateError, check_state, load_state, save_state
+
+MAX_MS = 600_000.0
+
+
+def state(**over: Any) -> dict[str, Any]:
+    """A tuner's real snapshot, through JSON, with ``over`` applied (None deletes a key)."""
+    t = Tuner(OptimizerConfig(), {"rtt": 1.0, "queue": 0.5}, seed=1, next_version=7)
+    t.rates = {"r0": 20000.0}
+    snap = json.loads(json.dumps(t.snapshot()))
+    for k, v in over.items():
+        if v is None:
+            snap.pop(k, None)
+        else:
+            snap[k] = v
+    return snap
 
 
 def test_round_trip_and_no_temporary_files_left(tmp_path: Path) -> None:
     path = tmp_path / "sub" / "state.json"
-    assert load_state(path) is None
-    save_state(path, {"next_version": 5, "history": [{"a": 1.5}]})
-    save_state(path, {"next_version": 6, "history": []})
-    assert load_state(path) == {"next_version": 6, "history": []}
+    assert load_state(path, MAX_MS) is None
+    save_state(path, state(next_version=5))
+    save_state(path, state(next_version=6))
+    assert load_state(path, MAX_MS) == state(next_version=6)
     assert [p.name for p in path.parent.iterdir()] == ["state.json"]
 
 
 def test_failed_write_keeps_the_old_state(tmp_path: Path) -> None:
     path = tmp_path / "state.json"
-    save_state(path, {"next_version": 5})
+    save_state(path, state(next_version=5))
     with pytest.raises(ValueError):
         save_state(path, {"bad": float("nan")})  # not valid JSON: refused before writing
-    assert load_state(path) == {"next_version": 5}
+    assert load_state(path, MAX_MS)["next_version"] == 5
     assert [p.name for p in tmp_path.iterdir()] == ["state.json"]
 
 
@@ -32,4 +50,61 @@ def test_unusable_state_file_is_an_error(tmp_path: Path, text: str, match: str) 
     path = tmp_path / "state.json"
     path.write_text(text)
     with pytest.raises(StateError, match=match):
-        load_state(path)
+        load_state(path, MAX_MS)
+
+
+def test_a_snapshot_and_a_format_1_file_are_accepted() -> None:
+    check_state(state(), MAX_MS)
+    check_state(state(format=1, incumbent=[0.7, 3.0], last_good=[1, 1], model_tried=None),
+                MAX_MS)
+    # A replica since removed from the fleet file is no reason to refuse: the tuner forgets it
+    # once the routers have said which replicas they know (TunerService._follow).
+    check_state(state(prefill_rate={"gone": 1000.0}), MAX_MS)
+
+
+BIG = int("1" + "0" * 400)  # parses as JSON; once accepted as a version (issue 12, finding 8)
+
+
+@pytest.mark.parametrize(("over", "field"), [
+    ({"format": None}, "format"),
+    ({"format": 99}, "format"),
+    ({"format": True}, "format"),
+    ({"incumbent": None}, "incumbent"),
+    ({"incumbent": {"rtt": 1, "warp": 2}}, "incumbent"),
+    ({"incumbent": {"rtt": 1, "queue": -1}}, "incumbent"),
+    ({"incumbent": {"rtt": 1, "queue": 1e-300}}, "incumbent.queue"),  # near zero
+    ({"incumbent": {"rtt": 1, "queue": 1e300}}, "incumbent.queue"),
+    ({"format": 1, "incumbent": [1, 1, 1]}, "incumbent"),
+    ({"format": 2, "incumbent": [1, 1]}, "incumbent"),
+    ({"last_good": {"rtt": "fast", "queue": 1}}, "last_good"),
+    ({"next_version": BIG}, "next_version"),
+    ({"next_version": 2**63}, "next_version"),
+    ({"next_version": 0}, "next_version"),
+    ({"next_version": 3.5}, "next_version"),
+    ({"evaluations": -1}, "evaluations"),
+    ({"evaluations": 2, "accepted": 3}, "accepted"),
+    ({"failures": True}, "failures"),
+    ({"sigma": 0}, "sigma"),
+    ({"sigma": -0.5}, "sigma"),
+    ({"sigma": 1e308}, "sigma"),
+    ({"phase": "dancing"}, "phase"),
+    ({"incumbent_p95": 1.7e305}, "incumbent_p95"),  # switched regression detection off
+    ({"baseline_p95": -1}, "baseline_p95"),
+    ({"prefill_rate": {"r0": -20000}}, "prefill_rate.r0"),
+    ({"prefill_rate": {"r0": 1e-300}}, "prefill_rate.r0"),
+    ({"prefill_rate": {"r0": 1e308}}, "prefill_rate.r0"),
+    ({"prefill_rate": {"r0": "fast"}}, "prefill_rate.r0"),
+    ({"prefill_rate": {"": 1000}}, "prefill_rate"),
+    ({"prefill_rate": [1000]}, "prefill_rate"),
+    ({"history": {"event": "x"}}, "history"),
+    ({"rng": {"bit_generator": "MT19937"}}, "rng"),
+])
+def test_an_untrustworthy_state_is_refused_naming_its_field(tmp_path: Path, over: dict,
+                                                           field: str) -> None:
+    path = tmp_path / "state.json"
+    path.write_text(json.dumps(state(**over)))
+    with pytest.raises(StateError) as exc:
+        load_state(path, MAX_MS)
+    message = str(exc.value)
+    assert message.startswith(f"{path}: {field}") and "move it away" in message
+    assert "\n" not in message and len(message) < 300 + len(str(path))

@@ -5,6 +5,7 @@ from __future__ import annotations
 from gorgo.core.fleet import FleetSpec
 from gorgo.core.policies.base import Policy
 from gorgo.core.policies.cache_aware import CacheAware
+from gorgo.core.policies.cache_aware_tree import CacheAwareTree
 from gorgo.core.policies.gorgo import Gorgo
 from gorgo.core.policies.gorgo_paper import GorgoPaper
 from gorgo.core.policies.irb import Irb
@@ -27,6 +28,7 @@ REGISTRY: dict[str, type] = {
         SessionAffinity,
         PrefixCache,
         CacheAware,
+        CacheAwareTree,
         KvCost,
         GorgoPaper,
         Irb,

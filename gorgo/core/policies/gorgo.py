@@ -1,8 +1,9 @@
-"""gorgo: lowest predicted TTFT = w_rtt*RTT + w_queue*queue wait + uncached prefill, all in ms.
+"""gorgo: the lowest cost under the fleet's objective, every registered term in milliseconds.
 
-Every term is in milliseconds so the weights stay near 1 and mean something: queue wait is the
-prompt tokens waiting for prefill on the replica divided by its prefill rate, and the prefill term
-is the uncached part of this prompt divided by the same rate.
+With `objective: ttft` (the GORGO paper's) that is the predicted TTFT = w_rtt*RTT + w_queue*queue
+wait + uncached prefill (+ the failure penalty); with `objective: e2e` the decode term is added:
+the request's own decode time on the replica and the delay it adds to the requests already
+decoding there. Every term is in milliseconds so the weights stay near 1 and mean something.
 """
 
 from __future__ import annotations
@@ -18,4 +19,4 @@ class Gorgo(PolicyBase):
     name = "gorgo"
 
     def choose(self, f: RequestFeatures, s: FleetState) -> Decision:
-        return self.pick_lowest(cost_terms(f, s).total(s.weights), s)
+        return self.pick_lowest(cost_terms(f, s).total(s.weights, s.spec.objective), s)

@@ -7,12 +7,28 @@ explain, the tuner's samples, search space and fit) iterates over this tuple.
 
 from __future__ import annotations
 
-from gorgo.core.terms import penalty, prefill, queue, rtt
-from gorgo.core.terms.base import ANCHOR, EXCLUDED, FIXED, FREE, CostTerm
+from gorgo.core.terms import decode, interference, penalty, prefill, queue, rtt
+from gorgo.core.terms.base import (
+    ANCHOR,
+    E2E,
+    EXCLUDED,
+    FIXED,
+    FREE,
+    OBJECTIVES,
+    TTFT,
+    CostTerm,
+)
 
-TERMS: tuple[CostTerm, ...] = (rtt.TERM, queue.TERM, prefill.TERM, penalty.TERM)
+TERMS: tuple[CostTerm, ...] = (
+    rtt.TERM, queue.TERM, prefill.TERM, penalty.TERM, decode.TERM, interference.TERM)
 BY_NAME: dict[str, CostTerm] = {t.name: t for t in TERMS}
-# Terms that carry a weight, keyed by weight name (what Weights holds and the tuner searches).
+# Terms that carry a weight, keyed by weight name (what Weights holds).
 WEIGHTED: dict[str, CostTerm] = {t.weight: t for t in TERMS if t.weight is not None}
 
-__all__ = ["ANCHOR", "BY_NAME", "EXCLUDED", "FIXED", "FREE", "TERMS", "WEIGHTED", "CostTerm"]
+
+def weight_keys(objective: str) -> tuple[str, ...]:
+    """The weights that matter under ``objective`` (what a tuner for it searches)."""
+    return tuple(k for k, t in WEIGHTED.items() if objective in t.objectives)
+
+__all__ = ["ANCHOR", "BY_NAME", "E2E", "EXCLUDED", "FIXED", "FREE", "OBJECTIVES", "TERMS", "TTFT",
+           "WEIGHTED", "CostTerm", "weight_keys"]

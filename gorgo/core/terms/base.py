@@ -7,8 +7,8 @@ registry (`gorgo.core.terms.TERMS`), so adding a term touches its own module and
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -23,13 +23,23 @@ FREE = "free"  # fitted: the router's estimate may be off by a factor
 FIXED = "fixed"  # not weighted (always 1), still part of the predicted latency
 EXCLUDED = "excluded"  # not a latency prediction (a penalty): left out of the fit
 
+# What a fleet may minimise (`objective:` in the fleet file): the predicted time to first token
+# (the GORGO paper's cost), or the whole request (first token plus decoding, with what this request
+# costs the others already decoding there).
+TTFT = "ttft"
+E2E = "e2e"
+OBJECTIVES = (TTFT, E2E)
+
 
 @dataclass(frozen=True, slots=True)
 class CostTerm:
     """One term of the cost; ``compute`` returns its unweighted value per replica in ``unit``.
 
     ``weight`` is the key of its weight in `Weights` (None: always weighted 1), with its default
-    and the bounds every process enforces (fleet file, admin API, tuner).
+    and the bounds every process enforces (fleet file, admin API, tuner). ``objectives`` are the
+    objectives whose total includes the term (a TTFT term counts for every objective). ``params``
+    are per-replica constants the term reads from ``FleetState.params[name]``, with defaults
+    (calibration refines them), so a term needs no field of its own in the fleet state.
     """
 
     name: str
@@ -40,6 +50,8 @@ class CostTerm:
     default: float = 1.0
     bounds: tuple[float, float] = (1.0, 1.0)
     fit: str = FIXED
+    objectives: frozenset[str] = frozenset(OBJECTIVES)
+    params: Mapping[str, float] = field(default_factory=dict)
 
     @property
     def field(self) -> str:

@@ -10,16 +10,17 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from gorgo.core.terms import WEIGHTED
+from gorgo.core.terms import TTFT, weight_keys
 from gorgo.core.weights import Weights
 
-KEYS: tuple[str, ...] = tuple(WEIGHTED)
+KEYS: tuple[str, ...] = weight_keys(TTFT)  # the tuner's search space (tuner.optimizer.KEYS)
 Point = dict[str, float]
 
 
 def default_point() -> Point:
-    """The registry's default weights (what a fleet file without ``weights`` routes with)."""
-    return dict(Weights())
+    """The searched weights' defaults (what a fleet file without ``weights`` routes with)."""
+    defaults = Weights()
+    return {k: defaults[k] for k in KEYS}
 
 
 def values(p: Mapping[str, float], keys: Sequence[str] = KEYS) -> tuple[float, ...]:

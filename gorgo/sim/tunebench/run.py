@@ -166,8 +166,7 @@ def tuned_run(
         if p.weights.version <= state.weights.version:
             return  # the admin API answers 409 to a version it has passed
         state.set_weights(p.weights, p.prefill_rate)
-        w = p.weights
-        trace.published.append((trace.samples, sim.now, w.version, dict(w), p.arm))
+        trace.published.append((trace.samples, sim.now, p.weights.version, p.point, p.arm))
 
     def tick() -> None:
         ask()

@@ -1,0 +1,191 @@
+"""The offline acceptance matrix: every project trace x fleet preset x load, gorgo vs the peers.
+
+Traces: Mooncake (conversation), the Azure 2023 conversation trace with its synthetic shared
+system prompt and without it (``system_tokens=0``: every prompt unique), and the ``chat``
+generator (its windows are generator seeds 0, 1, 2, ...). Fleets: every preset. Loads: 0.5, 0.8
+and 0.95 of each window's capacity. Policies: gorgo under each objective (``gorgo@ttft``,
+``gorgo@e2e``) and every peer (the registry but gorgo). One ``gorgo bench sim`` per
+(trace, fleet) runs all loads, so each window's capacity is searched once (cached in
+``<out>/capacity.json``); its full tables stay in ``<out>/<trace>-<fleet>/results.md``. The summary,
+one row per (trace, fleet, load) and none dropped (a run that fails is a row saying so), goes to
+``<out>/summary.md`` and, with ``--write-docs``, between this script's markers in that file.
+
+    .venv/bin/python bench/matrix.py [--requests 1500] [--windows 3] [--seeds 2] [--jobs N]
+        [--write-docs docs/results.md] [--report-only]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from gorgo.core.policies import REGISTRY
+from gorgo.core.terms import OBJECTIVES
+from gorgo.errors import UserError
+from gorgo.harness.docblock import public_args, stop_on_signals, write_block
+from gorgo.sim import bench
+from gorgo.sim.presets import PRESETS
+
+TRACES: dict[str, str] = {
+    "mooncake": "mooncake",
+    "azure": "azure",
+    "azure-unique": "azure:system_tokens=0",
+    "chat": "chat",
+}
+LOADS = (0.5, 0.8, 0.95)
+VARIANTS = tuple(f"{bench.GORGO}{bench.VARIANT}{o}" for o in OBJECTIVES)
+METRICS = tuple(bench.GOALS)
+SECTION = "## Offline matrix: every trace, fleet and load"
+BEGIN, END = "<!-- bench/matrix.py begin -->", "<!-- bench/matrix.py end -->"
+
+
+def policies() -> list[str]:
+    return [*VARIANTS, *(p for p in REGISTRY if p != bench.GORGO)]
+
+
+def run_pair(trace: str, fleet: str, args: argparse.Namespace) -> Path:
+    """One `gorgo bench sim` over every load; returns its results folder."""
+    out = args.out / f"{trace}-{fleet}"
+    if not args.report_only:
+        parser = argparse.ArgumentParser()
+        bench.add_arguments(parser)
+        bench.main(parser.parse_args([
+            "--trace", TRACES[trace], "--fleet", fleet, "--policies", ",".join(policies()),
+            "--windows", str(args.windows), "--seeds", str(args.seeds),
+            "--requests", str(args.requests), "--load", ",".join(map(str, LOADS)),
+            "--capacity-cache", str(args.out / "capacity.json"), "--out", str(out),
+            "--jobs", str(args.jobs)]))
+    return out
+
+
+@dataclass(frozen=True)
+class Row:
+    """One cell of the matrix: its table cells and, per variant, the goal parts it misses."""
+
+    cells: list[str]
+    missed: dict[str, list[str]]  # variant -> headers of the metrics whose goal is not met
+
+    def line(self) -> str:
+        goals = ["met" if not m else f"NOT met ({', '.join(m)})" for m in self.missed.values()]
+        return "| " + " | ".join([*self.cells, *goals]) + " |"
+
+
+def rows(trace: str, fleet: str, out: Path) -> list[Row]:
+    """The summary rows of one (trace, fleet): one per load, also for loads without results."""
+    try:
+        by_load = bench.tables(bench.load_runs(json.loads((out / "results.json").read_text())))
+        error = "not run"
+    except (OSError, ValueError, KeyError) as exc:
+        by_load, error = {}, f"no results ({exc})"
+    width = len(METRICS) * (1 + len(VARIANTS))
+    everything = [bench.TABLE_METRICS[k][0] for k in METRICS]
+    out_rows = []
+    for load in (f"{x:g}" for x in LOADS):
+        head = [trace, fleet, load]
+        t = by_load.get(load)
+        if t is None:
+            out_rows.append(Row([*head, error, *["-"] * (width - 1)],
+                                {v: everything for v in VARIANTS}))
+            continue
+        cells: list[str] = []
+        for k in METRICS:
+            peer = t.best_peer(k)
+            cells.append("none" if peer is None else
+                         f"{peer} {bench.fmt_stat(t.stat(peer, k), bench.TABLE_METRICS[k][1])}")
+            for v in VARIANTS:
+                c = t.compare(v, k)
+                cells.append("n/a" if c is None else bench.fmt_ratio(c.ratio))
+        missed = {v: [bench.TABLE_METRICS[k][0] for k in METRICS
+                      if (c := t.compare(v, k)) is None or not c.met] for v in VARIANTS}
+        out_rows.append(Row([*head, *cells], missed))
+    return out_rows
+
+
+def tally(table: list[Row]) -> list[str]:
+    """How many cells each variant meets, and how often each part of the goal is missed."""
+    out = []
+    for v in VARIANTS:
+        parts = "; ".join(f"{bench.TABLE_METRICS[k][0]} part missed in "
+                          f"{sum(bench.TABLE_METRICS[k][0] in r.missed[v] for r in table)}"
+                          for k in METRICS)
+        out.append(f"- {v}: goal met in {sum(not r.missed[v] for r in table)} of "
+                   f"{len(table)} cells; {parts}")
+    return out
+
+
+def summary(table: list[Row], args: argparse.Namespace, command: str,
+            wall_s: float | None) -> str:
+    ttft, e2e = bench.GOALS["ttft_p95_ms"], bench.GOALS["e2e_p95_ms"]
+    heads = []
+    for k in METRICS:
+        heads.append(f"best peer by {bench.TABLE_METRICS[k][0]} (ms)")
+        heads += [f"{v} / it" for v in VARIANTS]
+    heads += [f"goal {v}" for v in VARIANTS]
+    took = "" if wall_s is None else f" in {wall_s / 60:.1f} min on {os.cpu_count()} CPUs"
+    return "\n".join([
+        "```", command, "```", "",
+        f"{len(table)} cells ({len(TRACES)} traces x {len(PRESETS)} fleets x {len(LOADS)} "
+        f"loads){took}. Each cell: {args.windows} trace windows of {args.requests} requests "
+        f"(`chat`: generator seeds 0-{args.windows - 1}) x {args.seeds} seeds, every policy at "
+        "that load of each window's own capacity. Peers: "
+        f"{', '.join(policies()[len(VARIANTS):])}. Cells are {bench.CI_NOTE}. A ratio is the "
+        "gorgo variant's p95 over the best peer's on that metric (best by mean). Goal: p95 "
+        f"TTFT <= {ttft:g}x and E2E p95 <= {e2e:g}x, each ratio's interval wholly below 1; the "
+        f"goal column names the parts missed. Per-cell tables: "
+        f"`{args.out}/<trace>-<fleet>/results.md`.", "",
+        "| trace | fleet | load | " + " | ".join(heads) + " |",
+        "|---|---|---:|" + "---:|" * len(heads),
+        *(r.line() for r in table), "", *tally(table), ""])
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--requests", type=int, default=1500, help="requests per trace window")
+    p.add_argument("--windows", type=int, default=3, help="trace windows per cell")
+    p.add_argument("--seeds", type=int, default=2, help="link and policy seeds per window")
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--out", type=Path, default=Path("results/matrix"))
+    p.add_argument("--write-docs", type=Path, default=None, metavar="FILE.md")
+    p.add_argument("--report-only", action="store_true",
+                   help="rebuild the summary from the results already in --out")
+    args = p.parse_args(argv)
+    stop_on_signals()
+    t0 = time.monotonic()
+    table: list[Row] = []
+    for trace in TRACES:
+        for fleet in PRESETS:
+            print(f"matrix: {trace} x {fleet} ({time.monotonic() - t0:.0f} s so far)",
+                  file=sys.stderr, flush=True)
+            try:
+                out = run_pair(trace, fleet, args)
+            except (UserError, RuntimeError) as exc:  # the cell is reported, not dropped
+                print(f"matrix: {trace} x {fleet} failed: {exc}", file=sys.stderr)
+                out = args.out / f"{trace}-{fleet}" / "failed"
+            table += rows(trace, fleet, out)
+    args.out.mkdir(parents=True, exist_ok=True)
+    meta = args.out / "matrix.json"  # the full run's command and wall time, for --report-only
+    if args.report_only:
+        run = json.loads(meta.read_text()) if meta.exists() else {}
+    else:
+        run = {"argv": public_args(argv), "wall_s": time.monotonic() - t0}
+        meta.write_text(json.dumps(run) + "\n")
+    command = " ".join(shlex.quote(a) for a in
+                       [".venv/bin/python", "bench/matrix.py", *run.get("argv", argv)])
+    text = summary(table, args, command, run.get("wall_s"))
+    (args.out / "summary.md").write_text(f"{SECTION}\n\n{text}")
+    if args.write_docs is not None:
+        write_block(args.write_docs, SECTION, BEGIN, END, text, "# Results")
+    print(f"matrix: {len(table)} cells in {time.monotonic() - t0:.0f} s; wrote "
+          f"{args.out / 'summary.md'}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

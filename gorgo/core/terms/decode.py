@@ -1,0 +1,69 @@
+"""decode: the time this request will spend decoding on the replica.
+
+A replica runs one batch step per generated token; a step costs about
+
+    itl = base + per_seq * batch + per_kctx * context_tokens / 1000       (ms)
+
+(the step-time shape of docs/simulator.md: a fixed forward pass, a share per decoding sequence,
+attention over the KV cache in use), so the term is ``out * itl_i(batch_i + 1)``, with
+``batch_i`` the requests in flight there (this router's count, or the engine's own running and
+waiting requests when a fresh scrape says more), ``context`` their prompt tokens plus half the
+expected output each, and ``out`` the expected output length: ``max_tokens`` when the request sets
+it, else the ``output_tokens`` parameter. A replica whose prefill rate is below the fleet's fastest
+is assumed to decode as much slower. The constants are per replica
+(``FleetState.params["decode"]``); their defaults are an H100 running an 8B model. What this
+request costs the requests already decoding there is the `interference` term.
+
+Only the `e2e` objective counts this term: TTFT does not include decoding.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from gorgo.core.terms.base import E2E, EXCLUDED, CostTerm
+
+if TYPE_CHECKING:
+    from gorgo.core.features import RequestFeatures
+    from gorgo.core.state import FleetState
+
+PARAMS = {"itl_base_ms": 6.0, "itl_per_seq_ms": 0.03, "itl_per_kctx_ms": 0.04,
+          "output_tokens": 256.0}
+
+
+def expected_output(f: RequestFeatures, s: FleetState) -> np.ndarray:
+    """Output tokens expected per replica: the request's max_tokens, else the parameter."""
+    if f.max_tokens:
+        return np.full(s.n, float(f.max_tokens))
+    return s.params["decode"]["output_tokens"]
+
+
+def batch(s: FleetState) -> np.ndarray:
+    """Requests in flight per replica: ours, or the engine's own count when fresher and larger."""
+    ours = s.inflight_reqs.astype(float)
+    fresh = (s.now - s.eng_scraped_at) <= s.spec.signals.metrics_stale_s
+    engine = np.nan_to_num(s.eng_running_reqs) + np.nan_to_num(s.eng_queue_reqs)
+    return np.where(fresh, np.maximum(ours, engine), ours)
+
+
+def slowdown(s: FleetState) -> np.ndarray:
+    """How much slower than the fleet's fastest replica each one computes (prefill as the proxy)."""
+    return s.prefill_rate.max() / s.prefill_rate
+
+
+def _decode(f: RequestFeatures, s: FleetState) -> np.ndarray:
+    p = s.params["decode"]
+    out = expected_output(f, s)
+    n = batch(s)
+    context = s.inflight_prompt_tokens + n * out / 2 + f.prompt_tokens + out / 2
+    itl = p["itl_base_ms"] + p["itl_per_seq_ms"] * (n + 1) + p["itl_per_kctx_ms"] * context / 1000
+    return out * itl * slowdown(s)
+
+
+TERM = CostTerm(
+    name="decode", doc="this request's own decode time on the replica", compute=_decode,
+    weight="decode", default=1.0, bounds=(0.05, 20.0), fit=EXCLUDED,
+    objectives=frozenset({E2E}), params=PARAMS,
+)

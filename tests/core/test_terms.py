@@ -1,0 +1,118 @@
+"""The cost-term registry and its terms: what each prices, and which objective counts it."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from gorgo.core.contract import DECISION_FIELDS, WEIGHT_BOUNDS
+from gorgo.core.cost import cost_terms
+from gorgo.core.features import extract_features
+from gorgo.core.fleet import FleetError, parse_fleet
+from gorgo.core.router import Router
+from gorgo.core.state import FleetState
+from gorgo.core.terms import BY_NAME, E2E, OBJECTIVES, TERMS, TTFT, WEIGHTED, weight_keys
+
+
+def _spec(**extra):
+    return parse_fleet({
+        "regions": {"near": {}, "far": {}},
+        "chars_per_token": 1.0,
+        "replicas": [
+            {"name": "a", "engine": "sim", "region": "near", "address": "h:1",
+             "prefill_rate": 10000},
+            {"name": "b", "engine": "sim", "region": "far", "address": "h:2",
+             "prefill_rate": 10000},
+        ],
+        **extra,
+    })
+
+
+def _req(s: FleetState, text: str = "x" * 100, max_tokens: int | None = 200):
+    body = {"prompt": text, **({"max_tokens": max_tokens} if max_tokens else {})}
+    return extract_features("/v1/completions", {}, json.dumps(body).encode(), s.tok)
+
+
+def test_registry_is_consistent_with_the_contract() -> None:
+    assert len(BY_NAME) == len(TERMS)
+    assert all(f"{t.name}_ms" in DECISION_FIELDS for t in TERMS)
+    assert set(WEIGHT_BOUNDS) == set(WEIGHTED)
+    for t in TERMS:
+        assert t.unit == "ms" and t.objectives <= set(OBJECTIVES) and t.objectives
+        if t.weight is not None:
+            lo, hi = t.bounds
+            assert 0 < lo <= t.default <= hi
+    # TTFT terms count for every objective; decode only for e2e.
+    assert weight_keys(TTFT) == ("rtt", "queue")
+    assert weight_keys(E2E) == ("rtt", "queue", "decode", "interference")
+
+
+def test_decode_grows_with_the_batch_and_the_output() -> None:
+    s = FleetState(_spec())
+    s.now = 0.0
+    f = _req(s)
+    idle = cost_terms(f, s)["decode"]
+    assert idle[0] == pytest.approx(idle[1]) and idle[0] > 0
+    assert (cost_terms(f, s)["interference"] == 0).all()  # nobody to slow down
+    # 200 tokens at ~6 ms each on an idle H100-like replica
+    assert 1000 < idle[0] < 1500
+    for _ in range(20):
+        s.add_inflight(0, 2000, 0)
+    busy = cost_terms(f, s)["decode"]
+    assert busy[0] > idle[0] * 1.3 and busy[1] == pytest.approx(idle[1])
+    hurt = cost_terms(f, s)["interference"]
+    assert hurt[0] > 0 and hurt[1] == 0
+    longer = cost_terms(_req(s, max_tokens=400), s)["decode"]
+    assert longer[1] == pytest.approx(2 * idle[1], rel=0.05)
+    # without max_tokens the term's output_tokens parameter (256) stands in
+    assert cost_terms(_req(s, max_tokens=None), s)["decode"][1] > idle[1]
+
+
+def test_a_fresh_engine_scrape_counts_other_routers_requests() -> None:
+    s = FleetState(_spec())
+    s.now = 10.0
+    f = _req(s)
+    before = cost_terms(f, s)["decode"]
+    s.observe_engine(1, 10.0, queue_reqs=5, running_reqs=30, kv_usage=0.5)
+    after = cost_terms(f, s)["decode"]
+    assert after[1] > before[1] and after[0] == pytest.approx(before[0])
+
+
+def test_slower_replicas_decode_slower() -> None:
+    s = FleetState(_spec())
+    s.set_weights(s.weights, {"b": 5000.0})  # b prefills at half a's rate
+    d = cost_terms(_req(s), s)["decode"]
+    assert d[1] == pytest.approx(2 * d[0])
+
+
+def test_the_objective_chooses_which_terms_count() -> None:
+    """Under ttft the near, busy replica wins; under e2e its batch slows decoding too much."""
+    for objective, winner in ((TTFT, 0), (E2E, 1)):
+        r = Router(_spec(objective=objective))
+        r.state.observe_rtt(0, 10.0)
+        r.state.observe_rtt(1, 300.0)
+        r.state.now = 0.0
+        for _ in range(120):  # a large batch on a, nothing queued for prefill
+            r.state.add_inflight(0, 3000, 0)
+        d = r.route(_req(r.state, max_tokens=500), now=0.0)
+        assert d.replica == winner, objective
+        # the decision's prediction is TTFT whatever the objective
+        assert d.predicted_ms == pytest.approx(
+            d.terms["rtt"] + d.terms["queue"] + d.terms["prefill"] + d.terms["penalty"])
+
+
+def test_objective_is_validated_and_defaults_to_ttft() -> None:
+    assert _spec().objective == TTFT
+    with pytest.raises(FleetError, match=r"^fleet\.objective: must be one of ttft, e2e"):
+        _spec(objective="fastest")
+
+
+def test_state_holds_each_terms_parameters_per_replica() -> None:
+    s = FleetState(_spec())
+    params = s.params["decode"]
+    assert set(params) == set(BY_NAME["decode"].params)
+    assert all(isinstance(v, np.ndarray) and v.shape == (2,) for v in params.values())
+    assert replace(_spec()).objective == TTFT
