@@ -6,7 +6,9 @@ the GORGO paper's RTTs), `gorgo extproc`, `gorgo tuner` (receiving Envoy's spans
 publishing weights), and real Envoy. A slice of the Mooncake trace is replayed through Envoy,
 first with the `gorgo` policy and the tuner, then with each baseline on a fresh stack (cold
 caches) for a fair comparison. The same slice then runs in the offline simulation for every
-policy. The report (markdown + PNG plots) goes into the results folder named at the end.
+policy, over several seeds. The report (markdown + PNG plots) goes into the results folder named
+at the end: p95 TTFT and E2E p95 side by side, and, computed from those numbers, where gorgo
+loses.
 """
 
 from __future__ import annotations
@@ -30,16 +32,17 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from gorgo import shutdown
-from gorgo.core.features import extract_features
 from gorgo.core.fleet import parse_fleet
 from gorgo.core.tokens import Tokenization
 from gorgo.errors import UserError
 from gorgo.harness.stack import LiveStack, StackOptions, with_free_ports
 from gorgo.progress import StatusLine
+from gorgo.sim import bench
 from gorgo.sim.presets import fleet_document
 from gorgo.sim.replay import RequestRecord, replay, select_window
 from gorgo.sim.stats import summarize
 from gorgo.sim.traces import load_trace
+from gorgo.sim.workload import simulate, tokenization, workload_from_requests
 
 REGIONS = ("us-east", "eu-frankfurt", "ap-seoul")
 DEMO_PROFILE = "h100-llama3-8b"
@@ -56,7 +59,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--baselines", default="round-robin",
                    help="comma-separated policies to replay live after gorgo ('' for none)")
     p.add_argument("--offline-policies", default="all",
-                   help="policies for the offline comparison on the same slice ('' for none)")
+                   help="policies for the offline comparison on the same slice ('' for none; "
+                   "names as for `gorgo bench sim --policies`)")
+    p.add_argument("--offline-seeds", type=int, default=3,
+                   help="link and policy seeds per policy offline (the intervals' runs)")
     p.add_argument("--profile", default=DEMO_PROFILE, help="engine profile of the replicas")
     p.add_argument("--stream-interval", type=int, default=8, help="tokens per streamed chunk")
     p.add_argument("--no-tuner", action="store_true", help="run without the online tuner")
@@ -156,24 +162,47 @@ async def _replay(requests, url: str, time_scale: float, stack: LiveStack, run: 
 
 
 def run_offline(doc: dict[str, Any], requests, time_scale: float, policies: list[str],
-                seed: int) -> dict[str, list[float]]:
-    from gorgo.sim.offline import Simulation
-    from gorgo.sim.oracle import oracle_factory
-
+                seeds: int) -> bench.Table:
+    """Every policy on the live runs' slice in the offline simulation, seeds 1..``seeds`` each
+    (as `gorgo bench sim` runs them, at the live runs' time scale)."""
     spec = parse_fleet(doc)
-    tok = Tokenization(spec.chars_per_token, spec.block_tokens)
-    arrivals = [r.arrival_s * time_scale for r in requests]
-    feats = [extract_features("/v1/chat/completions", {},
-                              json.dumps(r.chat_body(tok, "demo")).encode(), tok)
-             for r in requests]
-    outputs = [r.output_tokens for r in requests]
-    out = {}
-    for p in policies:
-        sim = Simulation(spec, p, seed=seed,
-                         policy_factory=oracle_factory if p == "oracle" else None)
-        res = sim.run(arrivals, feats, outputs)
-        out[p] = [r.ttft * 1000 for r in res.served()]
-    return out
+    workload = workload_from_requests("demo", requests, tokenization(spec))
+    runs = []
+    for name in policies:
+        policy, pspec = bench.policy_setup(name, spec)
+        for seed in range(1, seeds + 1):
+            res = simulate(pspec, policy, workload, time_scale, seed)
+            runs.append({"policy": name, "seed": seed, "load": time_scale,
+                         "metrics": bench.run_metrics(res, pspec)[0]})
+    return next(iter(bench.tables(runs).values()))
+
+
+def live_table(runs: list[LiveRun], region_of: dict[str, str]) -> bench.Table:
+    """The live runs as a bench table (one run per policy): the same metrics, a failed request
+    counting as infinitely slow as offline."""
+    rows = []
+    for run in runs:
+        recs = run.records
+        ok = [r.outcome == "ok" for r in recs]
+        ttft = np.array([r.ttft_ms if good and r.ttft_ms is not None else np.inf
+                         for r, good in zip(recs, ok, strict=True)])
+        e2e = np.array([r.e2e_ms if good and r.e2e_ms is not None else np.inf
+                        for r, good in zip(recs, ok, strict=True)])
+        served = [r for r, good in zip(recs, ok, strict=True) if good]
+        itl = np.array([r.itl_mean_ms for r in served if r.itl_mean_ms is not None])
+        prompt = sum(r.prompt_tokens or 0 for r in served)
+        n = max(1, len(recs))
+        m = {"ttft_p50_ms": bench.pct(ttft, 50), "ttft_p95_ms": bench.pct(ttft, 95),
+             "ttft_p99_ms": bench.pct(ttft, 99), "e2e_p95_ms": bench.pct(e2e, 95),
+             "itl_p50_ms": bench.pct(itl, 50),
+             "cache_hit": 100.0 * sum(r.cached_tokens or 0 for r in served) / prompt
+             if prompt else float("nan"),
+             "failed": 100.0 * (len(recs) - len(served)) / n}
+        for g in REGIONS:
+            m[f"share_{g}"] = 100.0 * sum(region_of.get(r.replica or "") == g
+                                          for r in served) / n
+        rows.append({"policy": run.policy, "seed": 0, "load": 1.0, "metrics": m})
+    return next(iter(bench.tables(rows).values()))
 
 
 def _cdf(ax, values: list[float], label: str) -> None:
@@ -183,7 +212,7 @@ def _cdf(ax, values: list[float], label: str) -> None:
 
 
 def write_report(out: Path, args: argparse.Namespace, runs: list[LiveRun],
-                 offline: dict[str, list[float]], n_requests: int) -> Path:
+                 offline: bench.Table | None, n_requests: int) -> Path:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for run in runs:
         _cdf(ax, [r.ttft_ms for r in run.ok() if r.ttft_ms is not None], f"{run.policy} (live)")
@@ -240,30 +269,41 @@ def write_report(out: Path, args: argparse.Namespace, runs: list[LiveRun],
         "- simulated: GPUs (engine model) and WAN links (userspace emulator); real: Envoy, "
         "gRPC ext_proc, OTLP spans, HTTP/SSE streaming", "",
         "## Live runs (through Envoy)", "",
-        "| policy | served | errors | TTFT p50 (s) | TTFT p95 (s) | E2E p95 (s) | "
-        + " | ".join(f"{g} share" for g in REGIONS) + " |",
-        "|---|---:|---:|---:|---:|---:|" + "---:|" * len(REGIONS),
+        "One run per policy on a fresh stack, so the live cells have no interval: a difference "
+        "of a few percent between two of them may be run-to-run noise. Peers are the "
+        "policies other than gorgo; each ratio is to the best peer on that metric. A failed "
+        "request counts as infinitely slow (∞: the percentile falls among the failures).", "",
     ]
-    for run in runs:
-        ok = run.ok()
-        tt = summarize([r.ttft_ms for r in ok if r.ttft_ms is not None])
-        e2e = summarize([r.e2e_ms for r in ok if r.e2e_ms is not None])
-        shares = [sum(1 for r in ok if region_of.get(r.replica) == g) / max(1, len(ok))
-                  for g in REGIONS]
-        lines.append(
-            f"| {run.policy} | {len(ok)} | {len(run.records) - len(ok)} | "
-            f"{_s(tt.p50)} | {_s(tt.p95)} | {_s(e2e.p95)} | "
-            + " | ".join(f"{x:.0%}" for x in shares) + " |")
+    live = live_table(runs, region_of) if runs else None
+    if live is not None:
+        lines += bench.load_table(live, REGIONS)
     if tuned and tuned.weights:
         last = tuned.weights[-1]
         lines += ["", f"The tuner published {last[1]} weight versions during the gorgo run; "
                   f"last weights w_rtt={last[2]:.3g}, w_queue={last[3]:.3g}."]
-    if offline:
+    if offline is not None:
+        seeds = args.offline_seeds
         lines += ["", "## Offline simulation of the same slice (same router code)", "",
-                  "| policy | TTFT p50 (s) | TTFT p95 (s) | TTFT p99 (s) |", "|---|---:|---:|---:|"]
-        for p, values in sorted(offline.items(), key=lambda kv: summarize(kv[1]).p95 or 0):
-            st = summarize(values)
-            lines.append(f"| {p} | {_s(st.p50)} | {_s(st.p95)} | {_s(st.p99)} |")
+                  f"Every policy on the same requests at the same time scale, {seeds} link and "
+                  f"policy seeds each; cells are mean ± 95 % CI half width (Student t over the "
+                  "seeds; one trace slice, so they measure simulation noise, not the "
+                  "workload's: `gorgo bench sim --windows` varies that). `gorgo@e2e` is gorgo "
+                  "minimising predicted end-to-end time instead of TTFT; oracle sees the "
+                  "engines' true state (a reference, not a peer).", "",
+                  *bench.load_table(offline, REGIONS)]
+    lines += ["", "## Where gorgo loses", "",
+              "Computed from the tables above: every case where a gorgo variant's p95 TTFT or "
+              "E2E p95 is worse than the best peer's.", ""]
+    for label, table in (("Live", live), ("Offline", offline)):
+        if table is None:
+            continue
+        lost = bench.losses(table)
+        if not any(bench.is_peer(p) for p in table.stats):
+            lines.append(f"- {label}: no peer ran, so there is nothing to lose to.")
+        elif not lost:
+            lines.append(f"- {label}: nowhere: no gorgo variant has a worse mean p95 TTFT or "
+                         "E2E p95 than the best peer.")
+        lines += [f"- {label}: {x}." for x in lost]
     lines += ["", "![TTFT CDF](ttft_cdf.png)", "", "![requests per region]"
               "(requests_per_region.png)", "", "![tuner weights](tuner_weights.png)", ""]
     report = out / "report.md"
@@ -275,10 +315,6 @@ def write_report(out: Path, args: argparse.Namespace, runs: list[LiveRun],
     return report
 
 
-def _s(ms: float | None) -> str:
-    return "-" if ms is None else f"{ms / 1000:.2f}"
-
-
 def main(args: argparse.Namespace) -> int:
     requests = _slice(args)  # a bad --trace is a TraceError (UserError) before anything starts
     if not requests:
@@ -286,6 +322,13 @@ def main(args: argparse.Namespace) -> int:
     out = Path(args.out or f"results/demo-{datetime.now():%Y%m%d-%H%M%S}")
     out.mkdir(parents=True, exist_ok=True)
     doc = fleet_document({r: 2 for r in REGIONS}, profile=args.profile, name="demo")
+    try:  # before the live runs: a bad name fails in a second, not after minutes
+        names = (bench.parse_policies(args.offline_policies, parse_fleet(doc).objective)
+                 if args.offline_policies else [])
+        if args.offline_seeds < 1:
+            raise ValueError("--offline-seeds must be >= 1")
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
     stop_flag = threading.Event()
     previous = {sig: signal.getsignal(sig) for sig in shutdown.STOP_SIGNALS}
 
@@ -310,15 +353,11 @@ def main(args: argparse.Namespace) -> int:
         if stop_flag.is_set():
             break
         runs.append(run_live(args, doc, policy, out, requests, stop_flag))
-    offline: dict[str, list[float]] = {}
-    if args.offline_policies and not stop_flag.is_set():
-        from gorgo.core.policies import REGISTRY
-
-        names = ([*REGISTRY, "oracle"] if args.offline_policies == "all"
-                 else args.offline_policies.split(","))
-        print(f"- offline simulation of the same slice: {len(names)} policies ...",
-              file=sys.stderr)
-        offline = run_offline(doc, requests, args.time_scale, names, args.seed)
+    offline = None
+    if names and not stop_flag.is_set():
+        print(f"- offline simulation of the same slice: {len(names)} policies x "
+              f"{args.offline_seeds} seeds ...", file=sys.stderr)
+        offline = run_offline(doc, requests, args.time_scale, names, args.offline_seeds)
     report = write_report(out, args, runs, offline, len(requests))
     print(f"\nreport: {report}")
     return 130 if stop_flag.is_set() else 0

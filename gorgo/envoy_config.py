@@ -2,9 +2,11 @@
 
 The bootstrap is plain data built from the fleet spec (no typed envoy-data-plane classes: they
 would add a heavy dependency to produce a dict that `envoy --mode validate` checks anyway, and the
-tests run that validation on every rendered shape). Request path: listener (client-set routing
-headers are internal-only and dropped, so a client cannot pick a cluster) -> ext_proc (sets
-x-gorgo-cluster, clears the route cache, publishes the decision as dynamic metadata) -> router. If
+tests run that validation on every rendered shape). Request path: listener (a client's routing
+headers are removed, so it cannot pick a cluster, and its control headers too unless the fleet
+trusts its address) -> ext_proc (gets only the headers the router reads; sets x-gorgo-cluster,
+clears the route cache, publishes the decision as dynamic metadata) -> router. Only the inference
+API, the health path and the fleet's extra paths are routed; any other path is Envoy's 404. If
 the ext_proc server is down or slow, the filter fails open and the fallback route sends the request
 to the default cluster. With retries on, ext_proc also names the chosen and the next-best replica
 in x-gorgo-endpoints; that route goes to one cluster of every replica whose override-host policy

@@ -170,6 +170,11 @@ class LiveStack:
     def weights(self) -> dict[str, Any]:
         return self._http("GET", self.metrics_url + "/admin/weights", token=True)
 
+    def explain(self, body: dict[str, Any], path: str = "/v1/chat/completions") -> dict[str, Any]:
+        """Every replica's cost terms for a request on the router's live state, unrouted."""
+        return self._http("POST", self.metrics_url + "/admin/explain",
+                          {"path": path, "body": json.dumps(body)}, token=True)
+
     def control(self, replica: str, action: str, **body: Any) -> dict[str, Any]:
         return self._http("POST", f"{self.control_url}/replicas/{replica}/{action}", body)
 

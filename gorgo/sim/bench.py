@@ -369,7 +369,8 @@ def losses(t: Table) -> list[str]:
                 f"{c.policy} loses on {head} to {c.other}: {fmt_stat(c.mine, unit)} against "
                 f"{fmt_stat(c.theirs, unit)} {unit} ({fmt_ratio(c.ratio)} x; "
                 + ("beyond the noise)" if c.disjoint else
-                   "interval includes 1 or is absent, so the loss may be noise)"))
+                   "one run each, so it may be noise)" if c.ratio.n < 2 else
+                   "its interval includes 1, so it may be noise)"))
     return out
 
 

@@ -113,9 +113,7 @@ def test_cheap_huge_bodies_neither_starve_requests_nor_eject_replicas(tmp_path: 
 
 def explain_queue_ms(stack: LiveStack) -> dict[str, float]:
     """Each replica's queue term for a small request, on the router's live state."""
-    out = stack._http("POST", stack.metrics_url + "/admin/explain",
-                      {"path": "/v1/chat/completions", "body": chat_body("probe").decode()},
-                      token=True)
+    out = stack.explain(json.loads(chat_body("probe")))
     return {row["replica"]: row["queue_ms"] for row in out["replicas"]}
 
 

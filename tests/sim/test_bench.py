@@ -10,7 +10,16 @@ import pytest
 
 from gorgo.cli import main as cli_main
 from gorgo.core.fleet import parse_fleet
-from gorgo.sim.bench import ci95, goal_check, parse_policies
+from gorgo.sim.bench import (
+    ci95,
+    goal_check,
+    losses,
+    nested_ci,
+    parse_policies,
+    policy_setup,
+    tables,
+    trace_windows,
+)
 from gorgo.sim.capacity import analytic_estimate, cached_capacity, find_capacity, is_stable, probe
 from gorgo.sim.presets import PRESETS, fleet_document, preset_fleet, resolve_fleet
 from gorgo.sim.traces import chat_trace
@@ -66,48 +75,105 @@ def test_ci95_and_policy_names() -> None:
     assert s.ci95 == pytest.approx(4.302653 * 1.0 / math.sqrt(3), rel=1e-5)
     assert math.isinf(ci95([1.0, math.inf]).mean)
     assert math.isinf(ci95([5.0]).ci95)
-    assert parse_policies("all")[-1] == "oracle"
-    with pytest.raises(ValueError, match="unknown policy"):
-        parse_policies("gorgo,nope")
+    names = parse_policies("all", "ttft")
+    assert names[-1] == "oracle" and "gorgo" in names and "gorgo@e2e" in names
+    assert "gorgo@ttft" not in names  # plain gorgo already runs the fleet's objective
+    assert parse_policies("gorgo@ttft,round-robin", "ttft") == ["gorgo@ttft", "round-robin"]
+    for bad in ("gorgo,nope", "gorgo@nope", "round-robin@e2e"):
+        with pytest.raises(ValueError, match="unknown policy"):
+            parse_policies(bad, "ttft")
+    spec = preset_fleet("paper")
+    assert policy_setup("gorgo@e2e", spec)[0] == "gorgo"
+    assert policy_setup("gorgo@e2e", spec)[1].objective == "e2e"
+    assert policy_setup("kv-cost", spec) == ("kv-cost", spec)
 
 
-def test_goal_check_needs_disjoint_intervals() -> None:
-    agg = {"0.8": {
-        "gorgo": {"ttft_p95_ms": ci95([70, 72, 74]), "e2e_p95_ms": ci95([100, 100, 100])},
-        "round-robin": {"ttft_p95_ms": ci95([100, 101, 102]), "e2e_p95_ms": ci95([99, 99, 99])},
-        "oracle": {"ttft_p95_ms": ci95([65, 66, 67]), "e2e_p95_ms": ci95([90, 90, 90])},
-    }}
-    g = goal_check(agg, "0.8")
-    assert g["best_ttft_baseline"] == "round-robin"
-    assert g["ttft_p95_cis_disjoint"] and g["ttft_p95_goal_met"]
-    assert g["e2e_p95_goal_met"] and g["oracle_goal_met"]
-    agg["0.8"]["round-robin"]["ttft_p95_ms"] = ci95([60, 100, 140])
-    assert not goal_check(agg, "0.8")["ttft_p95_goal_met"]
+def test_nested_ci_counts_each_window_once() -> None:
+    # Two windows far apart, two seeds each: the interval is over the two window means, not
+    # over four runs as if they were independent.
+    values = {(0, 1): 10.0, (0, 2): 12.0, (1, 1): 20.0, (1, 2): 22.0}
+    s = nested_ci(values)
+    assert s.n == 2 and s.mean == 16.0
+    assert s.ci95 == pytest.approx(12.7062 * ci95([11.0, 21.0]).sd / math.sqrt(2), rel=1e-4)
+    assert nested_ci({(0, 1): 1.0, (0, 2): 3.0}) == ci95([1.0, 3.0])  # one window: over seeds
+
+
+def _runs(per_policy: dict[str, list[tuple[float, float]]]) -> list[dict]:
+    """Runs at load 0.8 of three windows x one seed: (p95 TTFT, E2E p95) per window."""
+    return [{"policy": p, "window": w, "seed": 1, "load": 0.8,
+             "metrics": {"ttft_p95_ms": ttft, "e2e_p95_ms": e2e, "ttft_p50_ms": ttft / 2}}
+            for p, vals in per_policy.items() for w, (ttft, e2e) in enumerate(vals)]
+
+
+def test_goal_check_pairs_runs_and_names_the_losses() -> None:
+    # Windows differ by 2x, which every policy shares: the policies' own intervals overlap, the
+    # paired ratio's does not.
+    runs = _runs({
+        "gorgo": [(70, 100), (140, 200), (105, 150)],
+        "round-robin": [(100, 99), (200, 198), (150, 149)],
+        "kv-cost": [(110, 98), (221, 195), (165, 148)],
+        "oracle": [(65, 90), (130, 180), (98, 135)],
+    })
+    t = tables(runs)["0.8"]
+    assert t.best_peer("ttft_p95_ms") == "round-robin" and t.best_peer("e2e_p95_ms") == "kv-cost"
+    ttft, e2e, o_ttft, o_e2e = goal_check(t)["gorgo"]
+    assert ttft.other == "round-robin" and ttft.ratio.mean == pytest.approx(0.7)
+    assert ttft.met and ttft.disjoint and not ttft.apart
+    assert e2e.other == "kv-cost" and e2e.ratio.mean > 1.0 and e2e.disjoint and not e2e.met
+    assert o_ttft.other == "oracle" and o_ttft.met and o_e2e.met
+    lost = losses(t)
+    assert len(lost) == 1 and lost[0].startswith("gorgo loses on E2E p95 to kv-cost")
+    assert "beyond the noise" in lost[0]
+    # A noisy ratio at the goal's level is not met.
+    runs = _runs({"gorgo": [(50, 90), (190, 180), (95, 140)],
+                  "round-robin": [(100, 99), (200, 198), (150, 149)]})
+    (ttft, e2e) = goal_check(tables(runs)["0.8"])["gorgo"]
+    assert ttft.ratio.mean < 0.85 and not ttft.disjoint and not ttft.met
+
+
+def test_trace_windows_are_disjoint_and_spread() -> None:
+    full = trace_windows("azure", None, 1)[0][1]
+    wins = trace_windows("azure", 1000, 3)
+    assert [len(r) for _, r in wins] == [1000] * 3
+    starts = [r[0].index for _, r in wins]
+    assert starts == [0, round((len(full) - 1000) / 2), len(full) - 1000]
+    assert wins[0][0] == "azure[0:1000]"
+    chat = trace_windows("chat:seed=4,users=20", 50, 2)
+    assert [label for label, _ in chat] == ["chat:seed=4,users=20[0:50]",
+                                             "chat:seed=5,users=20[0:50]"]
+    assert chat[0][1][0].parts != chat[1][1][0].parts
+    with pytest.raises(ValueError, match="disjoint windows"):
+        trace_windows("azure", len(full) // 2 + 1, 2)
 
 
 def test_bench_cli_writes_table_json_and_plots(tmp_path: Path) -> None:
     out = tmp_path / "bench"
-    argv = ["bench", "sim", "--trace", "chat:seed=1", "--requests", "200", "--fleet", "paper",
-            "--policies", "round-robin,gorgo", "--seeds", "2", "--load", "0.8",
-            "--out", str(out), "--jobs", "2"]
+    argv = ["bench", "sim", "--trace", "chat:seed=1", "--requests", "200", "--windows", "2",
+            "--fleet", "paper", "--policies", "round-robin,gorgo,gorgo@e2e", "--seeds", "2",
+            "--load", "0.8", "--out", str(out), "--jobs", "2"]
     assert cli_main(argv) == 0
     doc = json.loads((out / "results.json").read_text())
-    assert doc["requests"] == 200
-    assert doc["capacity"]["rate_rps"] > 0
-    assert len(doc["runs"]) == 2 * 2
+    # Windows of chat are generator seeds, each with its own capacity.
+    assert [w["label"] for w in doc["windows"]] == ["chat:seed=1[0:200]", "chat:seed=2[0:200]"]
+    assert all(w["requests"] == 200 and w["capacity"]["rate_rps"] > 0 for w in doc["windows"])
+    assert len(doc["runs"]) == 3 * 2 * 2
     assert {r["leaked_inflight"] for r in doc["runs"]} == {0}
     agg = doc["aggregate"]["0.8"]
-    assert set(agg) == {"round-robin", "gorgo"}
-    assert agg["gorgo"]["ttft_p95_ms"]["n"] == 2
-    assert doc["goal"]["best_ttft_baseline"] == "round-robin"
+    assert set(agg) == {"round-robin", "gorgo", "gorgo@e2e"}
+    assert agg["gorgo"]["ttft_p95_ms"]["n"] == 2  # two window means
+    goal = doc["goal"]["0.8"]
+    assert set(goal) == {"gorgo", "gorgo@e2e"}
+    assert {c["other"] for c in goal["gorgo"]} == {"round-robin"}
     md = (out / "results.md").read_text()
-    assert "### Load 0.8" in md and "| gorgo |" in md and " ± " in md
+    assert "### Load 0.8" in md and "| gorgo@e2e |" in md and " ± " in md
+    assert "/ best peer (round-robin)" in md and "Goal at load 0.8" in md
     for png in ("ttft_cdf.png", "p95_vs_load.png"):
         data = (out / png).read_bytes()
         assert data.startswith(b"\x89PNG") and len(data) > 5000
     # The capacity is cached next to --out; --report-only rebuilds the same table, and
     # --write-docs puts it between markers (twice: still one block) with the plots beside.
-    assert doc["capacity"]["key"] in json.loads((tmp_path / "capacity.json").read_text())
+    cached = json.loads((tmp_path / "capacity.json").read_text())
+    assert all(w["capacity"]["key"] in cached for w in doc["windows"])
     docs = tmp_path / "docs" / "results.md"
     docs.parent.mkdir()
     docs.write_text("# Results\n\nintro\n\n## Live cross-check\n\nkept\n")
