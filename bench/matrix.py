@@ -70,6 +70,7 @@ class Row:
 
     cells: list[str]
     missed: dict[str, list[str]]  # variant -> headers of the metrics whose goal is not met
+    code: frozenset[str] = frozenset()  # digests of the code that ran (`sim.capacity`)
 
     def line(self) -> str:
         goals = ["met" if not m else f"NOT met ({', '.join(m)})" for m in self.missed.values()]
@@ -79,10 +80,12 @@ class Row:
 def rows(trace: str, fleet: str, out: Path) -> list[Row]:
     """The summary rows of one (trace, fleet): one per load, also for loads without results."""
     try:
-        by_load = bench.tables(bench.load_runs(json.loads((out / "results.json").read_text())))
+        doc = json.loads((out / "results.json").read_text())
+        by_load = bench.tables(bench.load_runs(doc))
+        code = frozenset(w["capacity"]["key"].rpartition("|code:")[2] for w in doc["windows"])
         error = "not run"
     except (OSError, ValueError, KeyError) as exc:
-        by_load, error = {}, f"no results ({exc})"
+        by_load, code, error = {}, frozenset(), f"no results ({exc})"
     width = len(METRICS) * (1 + len(VARIANTS))
     everything = [bench.TABLE_METRICS[k][0] for k in METRICS]
     out_rows = []
@@ -103,7 +106,7 @@ def rows(trace: str, fleet: str, out: Path) -> list[Row]:
                 cells.append("n/a" if c is None else bench.fmt_ratio(c.ratio))
         missed = {v: [bench.TABLE_METRICS[k][0] for k in METRICS
                       if (c := t.compare(v, k)) is None or not c.met] for v in VARIANTS}
-        out_rows.append(Row([*head, *cells], missed))
+        out_rows.append(Row([*head, *cells], missed, code))
     return out_rows
 
 
@@ -125,9 +128,13 @@ def summary(table: list[Row], args: argparse.Namespace, command: str,
     heads = []
     for k in METRICS:
         heads.append(f"best peer by {bench.TABLE_METRICS[k][0]} (ms)")
-        heads += [f"{v} / it" for v in VARIANTS]
+        heads += [f"{v} / best" for v in VARIANTS]
     heads += [f"goal {v}" for v in VARIANTS]
     took = "" if wall_s is None else f" in {wall_s / 60:.1f} min on {os.cpu_count()} CPUs"
+    code = sorted(frozenset().union(*(r.code for r in table)))
+    same = (f"the same router and simulator code in every cell (digest {code[0]})"
+            if len(code) == 1 else
+            f"NOTE: the code changed during the run (digests {', '.join(code) or 'none'})")
     return "\n".join([
         "```", command, "```", "",
         f"{len(table)} cells ({len(TRACES)} traces x {len(PRESETS)} fleets x {len(LOADS)} "
@@ -138,7 +145,7 @@ def summary(table: list[Row], args: argparse.Namespace, command: str,
         "gorgo variant's p95 over the best peer's on that metric (best by mean). Goal: p95 "
         f"TTFT <= {ttft:g}x and E2E p95 <= {e2e:g}x, each ratio's interval wholly below 1; the "
         f"goal column names the parts missed. Per-cell tables: "
-        f"`{args.out}/<trace>-<fleet>/results.md`.", "",
+        f"`{args.out}/<trace>-<fleet>/results.md`; {same}.", "",
         "| trace | fleet | load | " + " | ".join(heads) + " |",
         "|---|---|---:|" + "---:|" * len(heads),
         *(r.line() for r in table), "", *tally(table), ""])

@@ -18,6 +18,12 @@ NAMES = {
 }
 # vLLM before 0.10 called KV usage gpu_cache_usage_perc.
 ALIASES = {"vllm:gpu_cache_usage_perc": "vllm:kv_cache_usage_perc"}
+# Inter-token latency histograms (cumulative sum and count; the router takes their deltas):
+# vLLM's and SGLang's current names first, their older time-per-output-token names after.
+ITL_NAMES = {
+    "sglang": ("sglang:inter_token_latency_seconds", "sglang:time_per_output_token_seconds"),
+    "vllm": ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds"),
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,6 +31,8 @@ class EngineLoad:
     queue_reqs: float
     running_reqs: float
     kv_usage: float
+    itl_sum_s: float = float("nan")  # cumulative, NaN when the engine exports no ITL histogram
+    itl_count: float = float("nan")
 
 
 class MetricsFormatError(ValueError):
@@ -34,6 +42,9 @@ class MetricsFormatError(ValueError):
 def parse_engine_metrics(text: str, flavor: str) -> EngineLoad:
     queue_name, running_name, usage_name = NAMES[flavor]
     sums: dict[str, list[float]] = {queue_name: [], running_name: [], usage_name: []}
+    for base in ITL_NAMES[flavor]:
+        sums[f"{base}_sum"] = []
+        sums[f"{base}_count"] = []
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             name = ALIASES.get(sample.name, sample.name)
@@ -42,8 +53,12 @@ def parse_engine_metrics(text: str, flavor: str) -> EngineLoad:
     if not sums[queue_name] or not sums[running_name]:
         raise MetricsFormatError(f"no {queue_name} / {running_name} in {flavor} metrics")
     usage = sums[usage_name]
+    itl = next(((sum(sums[f"{b}_sum"]), sum(sums[f"{b}_count"])) for b in ITL_NAMES[flavor]
+                if sums[f"{b}_count"]), (float("nan"), float("nan")))
     return EngineLoad(
         queue_reqs=sum(sums[queue_name]),
         running_reqs=sum(sums[running_name]),
         kv_usage=sum(usage) / len(usage) if usage else float("nan"),
+        itl_sum_s=itl[0],
+        itl_count=itl[1],
     )

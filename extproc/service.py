@@ -238,8 +238,12 @@ class ExtProcService(ExternalProcessorServicer):
         self.metrics.decision_seconds.labels(d.policy).observe(st.decided_at - t0)
         # The decision id stays on Envoy's span of the same trace: the tuner reads a span with
         # one as a request.
-        self._span(st, t0, wall0, {OUTCOME_ATTR: "routed", **{
-            SPAN_PREFIX + k: v for k, v in fields.items() if k != "decision_id"}})
+        if st.trace is not None:
+            attrs = {OUTCOME_ATTR: "routed", **{SPAN_PREFIX + k: v for k, v in fields.items()
+                                                if k != "decision_id"}}
+            if "stream" in fields:  # typed on the router's own span: it is no Envoy tag
+                attrs[SPAN_PREFIX + "stream"] = f.stream
+            self._span(st, t0, wall0, attrs)
         return answer
 
     def _span(self, st: _Stream, t0: float, wall0: int, attrs: dict[str, Any],

@@ -243,7 +243,8 @@ class Signals:
 
     def apply_scrape(self, i: int, load: EngineLoad) -> None:
         self.router.state.observe_engine(
-            i, self.clock(), load.queue_reqs, load.running_reqs, load.kv_usage)
+            i, self.clock(), load.queue_reqs, load.running_reqs, load.kv_usage,
+            load.itl_sum_s, load.itl_count)
 
     async def scrape_all(self) -> None:
         """Scrape every replica's engine once (on the signal thread); applied when it returns."""

@@ -15,7 +15,7 @@ import numpy as np
 from gorgo.core.features import RequestFeatures
 from gorgo.core.fleet import FleetSpec
 from gorgo.core.prefix_index import PrefixIndex
-from gorgo.core.terms import TERMS
+from gorgo.core.terms import TERMS, EngineSample
 from gorgo.core.tokens import Tokenization
 from gorgo.core.weights import Weights
 
@@ -60,6 +60,8 @@ class FleetState:
         self.eng_running_reqs = np.full(n, np.nan)
         self.eng_kv_usage = np.full(n, np.nan)
         self.eng_scraped_at = np.full(n, -np.inf)
+        self._itl_sum = np.full(n, np.nan)  # the engine's cumulative ITL histogram, last read
+        self._itl_count = np.full(n, np.nan)
         # Anomaly penalty in ms (failed responses here, slow-vs-predicted from the tuner), as of
         # ``penalty_at``; it halves every ``penalties.half_life_s``.
         self.penalty_ms = np.zeros(n)
@@ -192,12 +194,26 @@ class FleetState:
         self.rtt_samples[i] += 1
 
     def observe_engine(
-        self, i: int, now: float, queue_reqs: float, running_reqs: float, kv_usage: float
+        self, i: int, now: float, queue_reqs: float, running_reqs: float, kv_usage: float,
+        itl_sum_s: float = math.nan, itl_count: float = math.nan,
     ) -> None:
         """A scrape of replica i's engine, read at ``now``. An idle engine (nothing waiting or
         running) owes no prefill but for what was sent after it was read: our backlog is cut to
-        that (tokens sent since the previous scrape, a bound that errs on the high side)."""
+        that (tokens sent since the previous scrape, a bound that errs on the high side).
+
+        ``itl_sum_s`` / ``itl_count`` are the engine's cumulative inter-token latency histogram;
+        their change since the last scrape is the mean gap the terms calibrate from."""
         self.version += 1
+        itl_ms = math.nan
+        d_count = itl_count - self._itl_count[i]
+        if d_count > 0:  # a drop is an engine restart: the next scrape has a fresh baseline
+            itl_ms = 1000.0 * (itl_sum_s - self._itl_sum[i]) / d_count
+        if not math.isnan(itl_count):
+            self._itl_sum[i], self._itl_count[i] = itl_sum_s, itl_count
+        sample = EngineSample(queue_reqs, running_reqs, kv_usage, itl_ms)
+        for t in TERMS:
+            if t.calibrate is not None:
+                t.calibrate(self, i, sample)
         if queue_reqs == 0 and running_reqs == 0:
             self.backlog_tokens[i] = min(self.backlog_tokens[i], self.sent_since_scrape[i])
         self.eng_queue_reqs[i] = queue_reqs

@@ -98,9 +98,9 @@ def record_offline(spec: FleetSpec, policy: str, reqs: Sequence[TraceRequest], s
             events.append(Event(now(), "probe", (i, None)))
         return record_success(i)
 
-    def logged_engine(i, t, queue, running, kv):
-        events.append(Event(t, "scrape", (i, queue, running, kv)))
-        return observe_engine(i, t, queue, running, kv)
+    def logged_engine(i, t, *load):
+        events.append(Event(t, "scrape", (i, *load)))
+        return observe_engine(i, t, *load)
 
     router.route, router.complete, router.tick = logged_route, logged_complete, logged_tick
     state.observe_rtt, state.record_success, state.observe_engine = (
@@ -170,8 +170,8 @@ async def _replay(rec: Recording) -> list[str | None]:
         elif ev.kind == "probe":
             signals.apply_probe(*ev.args)
         elif ev.kind == "scrape":
-            i, queue, running, kv = ev.args
-            signals.apply_scrape(i, EngineLoad(queue, running, kv))
+            i, *load = ev.args
+            signals.apply_scrape(i, EngineLoad(*load))
     for stream, answers in open_streams.values():
         stream.done.set()
         async for _ in answers:

@@ -112,6 +112,10 @@ class EngineMetrics:
     requests_rejected: int
     steps_total: int
     busy_time_s: float  # sum of step durations
+    # Inter-token gaps of decoding requests (each token after a request's first), as the
+    # engines' inter-token latency histograms count them: their sum and count.
+    itl_sum_s: float = 0.0
+    itl_count: int = 0
 
 
 class _Req:
@@ -165,6 +169,8 @@ class Engine:
         self._rejected = 0
         self._steps = 0
         self._busy = 0.0
+        self._itl_sum = 0.0
+        self._itl_count = 0
 
     # -- requests ---------------------------------------------------------------------------------
     def submit(self, req: EngineRequest, now: float) -> None:
@@ -297,7 +303,9 @@ class Engine:
         duration = profile.step_time_s(prefill_tokens, n_dec, ctx) / speed
         end = now + duration
 
-        # Decode: every request already decoding gets one token.
+        # Decode: every request already decoding gets one token, ``duration`` after its last.
+        self._itl_sum += n_dec * duration
+        self._itl_count += n_dec
         decoded = [r.rid for r in decoding]
         for r in decoding:
             r.generated += 1
@@ -344,6 +352,8 @@ class Engine:
         ):
             extra, end = self._fast_forward(max_decode_steps - 1, end, horizon)
             steps += extra
+            self._itl_sum += len(decoding) * (end - first_end)
+            self._itl_count += len(decoding) * extra
 
         finished = self._finish_done() if decoding else []
         self._steps += steps
@@ -409,6 +419,8 @@ class Engine:
             requests_rejected=self._rejected,
             steps_total=self._steps,
             busy_time_s=self._busy,
+            itl_sum_s=self._itl_sum,
+            itl_count=self._itl_count,
         )
 
     def cached_prefix_tokens(

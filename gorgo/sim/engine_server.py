@@ -161,6 +161,11 @@ class _MetricsCollector(Collector):
             labels=keys,
         )
         lag.add_metric(vals, lag_buckets, s.lag_sum)
+        # Sum and count only (one +Inf bucket): what a scrape needs for the mean gap.
+        itl = HistogramMetricFamily(
+            f"{s.flavor}:inter_token_latency_seconds",
+            "Histogram of inter-token latency in seconds.", labels=keys)
+        itl.add_metric(vals, [("+Inf", m.itl_count)], m.itl_sum_s)
         hit = m.cached_tokens_total / m.prompt_tokens_total if m.prompt_tokens_total else 0.0
         if s.flavor == "sglang":
             yield gauge("sglang:num_running_reqs", "The number of running requests.", m.num_running)
@@ -202,6 +207,7 @@ class _MetricsCollector(Collector):
             success.add_metric([*vals, "length"], m.requests_finished)
             yield success
         yield ttft
+        yield itl
         yield lag
         # Not exposed by real engines: exact queue contents, for simulation-side analysis.
         yield gauge("gorgo_sim:waiting_prompt_tokens", "Prompt tokens in the waiting queue.",

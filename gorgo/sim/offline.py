@@ -313,12 +313,13 @@ class Simulation:
     def _scrape_at(self, i: int) -> None:
         m = self.engines[i].metrics()
         back = self.net.one_way(i)
-        self._push(self.now + back, SCRAPE_DONE, (i, m.num_waiting, m.num_running, m.kv_usage))
+        self._push(self.now + back, SCRAPE_DONE,
+                   (i, m.num_waiting, m.num_running, m.kv_usage, m.itl_sum_s, m.itl_count))
         self._push(self.now + self.spec.signals.scrape_interval_s, SCRAPE_AT, i)
 
-    def _scrape_done(self, payload: tuple[int, int, int, float]) -> None:
-        i, waiting, running, usage = payload
-        self.router.state.observe_engine(i, self.now, waiting, running, usage)
+    def _scrape_done(self, payload: tuple[int, int, int, float, float, int]) -> None:
+        i, *load = payload
+        self.router.state.observe_engine(i, self.now, *load)
 
     def _tick(self, _: object) -> None:
         self.router.tick(self.now)

@@ -119,7 +119,7 @@ def test_the_router_span_is_the_decision_and_nothing_is_canceled(stack: Stack) -
     assert duration(route) < duration(ext) / 4
     attrs = _attrs(route)
     assert attrs[OUTCOME_ATTR] == "routed"
-    assert isinstance(attrs["gorgo.weights_version"], int)
+    assert isinstance(attrs["gorgo.weights_version"], int) and attrs["gorgo.stream"] is True
     for field in ("predicted_ttft_ms", *TERM_FIELDS):
         assert isinstance(attrs[f"gorgo.{field}"], float), field
     assert attrs["gorgo.replica"] == _attrs(ingress)["gorgo.replica"]

@@ -155,6 +155,24 @@ def test_itl_grows_with_running_requests():
     assert four - alone == pytest.approx(extra / 1000)
 
 
+@pytest.mark.parametrize("fold", [1, 10_000])
+def test_inter_token_latency_counts_every_gap_after_a_first_token(fold: int):
+    """The engine's ITL histogram (sum, count) is what its requests' token gaps add up to,
+    stepped one at a time or folded."""
+    eng = Engine(prof(prefill_chunk_tokens=1024, max_running=4), TOK)
+    for i, mt in enumerate((6, 9, 9)):
+        eng.submit(req(i, 100, family=i, max_tokens=mt), 0.0)
+    t, first, done = 0.0, {}, {}
+    while eng.has_work():
+        res = eng.step(t, max_decode_steps=fold)
+        first.update({f.rid: res.first_end for f in res.first_tokens})
+        done.update({f.rid: res.end for f in res.finished})
+        t = res.end
+    m = eng.metrics()
+    assert m.itl_count == (6 - 1) + (9 - 1) + (9 - 1)
+    assert m.itl_sum_s == pytest.approx(sum(done[r] - first[r] for r in done))
+
+
 def test_max_running_limits_admission():
     eng = Engine(prof(prefill_chunk_tokens=1024, max_running=2), TOK)
     for i, mt in enumerate((2, 5, 5)):

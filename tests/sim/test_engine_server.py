@@ -178,6 +178,9 @@ def test_metrics_parse_with_the_flavors_names(flavor):
 
     samples, usage = serve(fn, flavor=flavor)
     p = flavor + ":"
+    # the ITL histogram the router calibrates decode from: 3 gaps after the first of 4 tokens
+    assert samples[p + "inter_token_latency_seconds_count"] == usage["completion_tokens"] - 1
+    assert samples[p + "inter_token_latency_seconds_sum"] > 0
     if flavor == "sglang":
         gauges = ("num_running_reqs", "num_queue_reqs", "token_usage", "cache_hit_rate")
         assert samples["sglang:cached_tokens_total"] == 0

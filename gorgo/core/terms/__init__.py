@@ -17,6 +17,7 @@ from gorgo.core.terms.base import (
     OBJECTIVES,
     TTFT,
     CostTerm,
+    EngineSample,
 )
 
 TERMS: tuple[CostTerm, ...] = (
@@ -31,4 +32,4 @@ def weight_keys(objective: str) -> tuple[str, ...]:
     return tuple(k for k, t in WEIGHTED.items() if objective in t.objectives)
 
 __all__ = ["ANCHOR", "BY_NAME", "E2E", "EXCLUDED", "FIXED", "FREE", "OBJECTIVES", "TERMS", "TTFT",
-           "WEIGHTED", "CostTerm", "weight_keys"]
+           "WEIGHTED", "CostTerm", "EngineSample", "weight_keys"]
