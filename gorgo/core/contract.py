@@ -51,8 +51,12 @@ DECISION_HEADER = "x-gorgo-decision-id"
 SESSION_HEADER = "x-session-id"
 POLICY_HEADER = "x-gorgo-policy"
 PRIORITY_HEADER = "x-gorgo-priority"
-CONTROL_HEADERS = (POLICY_HEADER, PRIORITY_HEADER)
+# Per-request latency targets of the `slo` objective, the Gateway API Inference Extension's names.
+SLO_TTFT_HEADER = "x-slo-ttft-ms"
+SLO_TPOT_HEADER = "x-slo-tpot-ms"
+CONTROL_HEADERS = (POLICY_HEADER, PRIORITY_HEADER, SLO_TTFT_HEADER, SLO_TPOT_HEADER)
 PRIORITY_BOUNDS = (0, 100)
+SLO_BOUNDS_MS = (1.0, 3_600_000.0)  # a target outside this is a client error
 # Envoy -> router, on the response (include_attempt_count_in_response): 2 means the retry served it.
 ATTEMPT_COUNT_HEADER = "x-envoy-attempt-count"
 # Every header the router reads, request and response: the only ones Envoy forwards to it.

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +23,9 @@ from gorgo.core.contract import (
     PRIORITY_BOUNDS,
     PRIORITY_HEADER,
     SESSION_HEADER,
+    SLO_BOUNDS_MS,
+    SLO_TPOT_HEADER,
+    SLO_TTFT_HEADER,
 )
 from gorgo.core.fleet import Limits
 from gorgo.core.tokens import Tokenization
@@ -82,6 +86,8 @@ class RequestFeatures:
     block_hashes: np.ndarray
     policy: str | None = None
     priority: int | None = None
+    slo_ttft_ms: float | None = None  # the request's own targets (trusted headers), if any
+    slo_tpot_ms: float | None = None
     head_hash: int = 0  # 64-bit hash of the first AFFINITY_HEAD_TOKENS tokens' text
 
 
@@ -273,6 +279,22 @@ def _priority(headers: Mapping[str, str]) -> int | None:
                        param=PRIORITY_HEADER, code="invalid_priority")
 
 
+def _slo(headers: Mapping[str, str], name: str) -> float | None:
+    """A latency target header in milliseconds, bounded (a plain decimal number)."""
+    raw = headers.get(name)
+    if raw is None:
+        return None
+    lo, hi = SLO_BOUNDS_MS
+    try:
+        value = float(raw) if raw.isascii() and len(raw) <= 16 else math.nan
+    except ValueError:
+        value = math.nan
+    if not lo <= value <= hi:  # NaN fails too
+        raise RequestError(400, f"Header '{name}' must be a number of milliseconds in "
+                                f"[{lo:g}, {hi:g}].", param=name, code="invalid_slo")
+    return value
+
+
 def _policy(headers: Mapping[str, str], known: Collection[str] | None) -> str | None:
     """The policy header; with ``known``, a name outside it is a client error, not ignored."""
     policy = headers.get(POLICY_HEADER) or None
@@ -298,10 +320,11 @@ def extract_features(
     a body past ``limits`` (``max_depth``, when given, overrides its depth)."""
     policy = _policy(headers, policies)
     priority = _priority(headers)
+    slo = (_slo(headers, SLO_TTFT_HEADER), _slo(headers, SLO_TPOT_HEADER))
     endpoint = endpoint_for_path(path)
     if endpoint is None:
         return RequestFeatures(None, None, False, None, headers.get(SESSION_HEADER) or None,
-                               0, 0, EMPTY_HASHES, policy, priority)
+                               0, 0, EMPTY_HASHES, policy, priority, *slo)
     depth = limits.max_json_depth if max_depth is None else max_depth
     body = parse_json_body(raw_body, depth, limits.max_json_containers)
     text = prompt_text(endpoint, body, limits)
@@ -329,6 +352,8 @@ def extract_features(
         block_hashes=tok.block_hashes(text),
         policy=policy,
         priority=priority,
+        slo_ttft_ms=slo[0],
+        slo_tpot_ms=slo[1],
         head_hash=stable_hash(text[: tok.chars_for_tokens(AFFINITY_HEAD_TOKENS)]),
     )
 

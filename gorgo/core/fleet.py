@@ -121,6 +121,15 @@ class Shedding:
 
 
 @dataclass(frozen=True, slots=True)
+class Slo:
+    """Default latency targets of the `slo` objective (a request's trusted x-slo-ttft-ms and
+    x-slo-tpot-ms headers override them); 0 is no target."""
+
+    ttft_ms: float = 0.0
+    tpot_ms: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
 class Penalties:
     """Anomaly penalty: ``error_ms`` is added to a replica's cost per failed response and decays
     with ``half_life_s``, as does any penalty the tuner publishes."""
@@ -182,6 +191,7 @@ class FleetSpec:
     signals: Signals = field(default_factory=Signals)
     limits: Limits = field(default_factory=Limits)
     shedding: Shedding = field(default_factory=Shedding)
+    slo: Slo = field(default_factory=Slo)
     penalties: Penalties = field(default_factory=Penalties)
     retries: Retries = field(default_factory=Retries)
     observability: Observability = field(default_factory=Observability)
@@ -471,7 +481,7 @@ def parse_fleet(raw: Any, source: str = "fleet") -> FleetSpec:
         {"name", "proxy_region", "regions", "replicas", "policy", "objective",
          "allow_policy_override",
          "weights", "block_tokens", "chars_per_token", "default_cluster", "timeouts", "signals",
-         "limits", "endpoint_picker", "shedding", "penalties", "retries", "routes",
+         "limits", "endpoint_picker", "shedding", "slo", "penalties", "retries", "routes",
          "control_headers", "observability"},
         source,
     )
@@ -525,6 +535,7 @@ def parse_fleet(raw: Any, source: str = "fleet") -> FleetSpec:
         signals=_section(raw, "signals", Signals, source),
         limits=_limits(raw, source),
         shedding=_section(raw, "shedding", Shedding, source),
+        slo=_section(raw, "slo", Slo, source),
         penalties=_section(raw, "penalties", Penalties, source),
         retries=_retries(raw, replicas, f"{source}.retries"),
         observability=_observability(raw, f"{source}.observability"),

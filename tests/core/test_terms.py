@@ -10,11 +10,11 @@ import pytest
 
 from gorgo.core.contract import DECISION_FIELDS, WEIGHT_BOUNDS
 from gorgo.core.cost import cost_terms
-from gorgo.core.features import extract_features
+from gorgo.core.features import RequestError, extract_features
 from gorgo.core.fleet import FleetError, parse_fleet
 from gorgo.core.router import Router
 from gorgo.core.state import FleetState
-from gorgo.core.terms import BY_NAME, E2E, OBJECTIVES, TERMS, TTFT, WEIGHTED, weight_keys
+from gorgo.core.terms import BY_NAME, E2E, OBJECTIVES, SLO, TERMS, TTFT, WEIGHTED, weight_keys
 
 
 def _spec(**extra):
@@ -48,6 +48,7 @@ def test_registry_is_consistent_with_the_contract() -> None:
     # TTFT terms count for every objective; decode only for e2e.
     assert weight_keys(TTFT) == ("rtt", "queue")
     assert weight_keys(E2E) == ("rtt", "queue", "decode", "interference")
+    assert weight_keys(SLO) == weight_keys(E2E)
 
 
 def test_decode_grows_with_the_batch_and_the_output() -> None:
@@ -106,7 +107,7 @@ def test_the_objective_chooses_which_terms_count() -> None:
 
 def test_objective_is_validated_and_defaults_to_ttft() -> None:
     assert _spec().objective == TTFT
-    with pytest.raises(FleetError, match=r"^fleet\.objective: must be one of ttft, e2e"):
+    with pytest.raises(FleetError, match=r"^fleet\.objective: must be one of ttft, e2e, slo"):
         _spec(objective="fastest")
 
 
@@ -139,3 +140,50 @@ def test_decode_calibrates_from_the_engines_inter_token_latency() -> None:
     s.observe_engine(1, 41.0, 0, 0, 0.0, itl_sum_s=1.0, itl_count=5)
     s.observe_engine(1, 42.0, 0, 0, 0.0, itl_sum_s=2.0, itl_count=10)
     assert scale[1] == 1.0
+
+
+def _slo_router(**slo) -> Router:
+    """a: near and busy (fast first token, slow tokens); b: far and idle (the opposite)."""
+    r = Router(_spec(objective=SLO, **({"slo": slo} if slo else {})))
+    r.state.observe_rtt(0, 10.0)
+    r.state.observe_rtt(1, 300.0)
+    r.state.now = 0.0
+    for _ in range(150):
+        r.state.add_inflight(0, 3000, 0)
+    return r
+
+
+def _slo_req(r: Router, **headers: str):
+    body = json.dumps({"prompt": "x" * 100, "max_tokens": 50}).encode()
+    return extract_features("/v1/completions", headers, body, r.state.tok)
+
+
+def test_slo_picks_among_the_replicas_that_meet_both_targets() -> None:
+    r = _slo_router()
+    itl = BY_NAME["decode"].compute(_slo_req(r), r.state) / 50
+    assert itl[0] > 2 * itl[1]  # a's batch slows its tokens
+    # Only a's first token is fast enough: a, though its tokens are slower.
+    d = r.route(_slo_req(r, **{"x-slo-ttft-ms": "100"}), now=0.0)
+    assert d.replica == 0
+    # Only b's tokens are fast enough: b, though its first token is slower.
+    d = r.route(_slo_req(r, **{"x-slo-tpot-ms": f"{(itl[1] + itl[0]) / 2:.3f}"}), now=0.0)
+    assert d.replica == 1
+    # Neither meets both: the least violating, never a refusal.
+    d = r.route(_slo_req(r, **{"x-slo-ttft-ms": "100", "x-slo-tpot-ms": "1"}), now=0.0)
+    assert d.replica in (0, 1)
+
+
+def test_slo_defaults_come_from_the_fleet_and_headers_override_them() -> None:
+    r = _slo_router(ttft_ms=100)
+    assert r.route(_slo_req(r), now=0.0).replica == 0
+    assert r.route(_slo_req(r, **{"x-slo-ttft-ms": "5000"}), now=0.0).replica == 1  # e2e cheapest
+    with pytest.raises(FleetError, match=r"^fleet\.slo\.tpot_ms: must be >= 0"):
+        _spec(slo={"tpot_ms": -1})
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "nan", "inf", "1e400", "5 ms", "９"])
+def test_slo_headers_are_bounded(value: str) -> None:
+    r = _slo_router()
+    with pytest.raises(RequestError) as info:
+        _slo_req(r, **{"x-slo-ttft-ms": value})
+    assert info.value.status == 400 and info.value.code == "invalid_slo"

@@ -15,6 +15,7 @@ from gorgo.core.terms.base import (
     FIXED,
     FREE,
     OBJECTIVES,
+    SLO,
     TTFT,
     CostTerm,
     EngineSample,
@@ -31,5 +32,6 @@ def weight_keys(objective: str) -> tuple[str, ...]:
     """The weights that matter under ``objective`` (what a tuner for it searches)."""
     return tuple(k for k, t in WEIGHTED.items() if objective in t.objectives)
 
-__all__ = ["ANCHOR", "BY_NAME", "E2E", "EXCLUDED", "FIXED", "FREE", "OBJECTIVES", "TERMS", "TTFT",
+__all__ = ["ANCHOR", "BY_NAME", "E2E", "EXCLUDED", "FIXED", "FREE", "OBJECTIVES", "SLO", "TERMS",
+           "TTFT",
            "WEIGHTED", "CostTerm", "EngineSample", "weight_keys"]

@@ -24,11 +24,13 @@ FIXED = "fixed"  # not weighted (always 1), still part of the predicted latency
 EXCLUDED = "excluded"  # not a latency prediction (a penalty): left out of the fit
 
 # What a fleet may minimise (`objective:` in the fleet file): the predicted time to first token
-# (the GORGO paper's cost), or the whole request (first token plus decoding, with what this request
-# costs the others already decoding there).
+# (the GORGO paper's cost), the whole request (first token plus decoding, with what this request
+# costs the others already decoding there), or the whole request among the replicas predicted to
+# meet the request's TTFT and time-per-output-token targets (the least violating when none does).
 TTFT = "ttft"
 E2E = "e2e"
-OBJECTIVES = (TTFT, E2E)
+SLO = "slo"
+OBJECTIVES = (TTFT, E2E, SLO)
 
 
 @dataclass(frozen=True, slots=True)

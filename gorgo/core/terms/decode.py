@@ -17,7 +17,8 @@ between two scrapes against what the model predicts at the engine's batch and KV
 the ratio, clamped to [0.1, 10]). What this request costs the requests already decoding there is
 the `interference` term.
 
-Only the `e2e` objective counts this term: TTFT does not include decoding.
+The `e2e` and `slo` objectives count this term (TTFT does not include decoding); `slo` also
+compares ``predicted_itl`` with the request's time-per-output-token target.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from gorgo.core.terms.base import E2E, EXCLUDED, CostTerm, EngineSample
+from gorgo.core.terms.base import E2E, EXCLUDED, SLO, CostTerm, EngineSample
 
 if TYPE_CHECKING:
     from gorgo.core.features import RequestFeatures
@@ -73,17 +74,22 @@ def _calibrate(s: FleetState, i: int, sample: EngineSample) -> None:
     p["itl_scale"][i] = float(np.exp((1 - SCALE_ALPHA) * np.log(old) + SCALE_ALPHA * np.log(ratio)))
 
 
-def _decode(f: RequestFeatures, s: FleetState) -> np.ndarray:
+def predicted_itl(f: RequestFeatures, s: FleetState) -> np.ndarray:
+    """Milliseconds per output token this request would see on each replica (its TPOT)."""
     p = s.params["decode"]
     out = expected_output(f, s)
     n = batch(s)
     context = s.inflight_prompt_tokens + n * out / 2 + f.prompt_tokens + out / 2
     itl = p["itl_base_ms"] + p["itl_per_seq_ms"] * (n + 1) + p["itl_per_kctx_ms"] * context / 1000
-    return out * itl * slowdown(s)
+    return itl * slowdown(s)
+
+
+def _decode(f: RequestFeatures, s: FleetState) -> np.ndarray:
+    return expected_output(f, s) * predicted_itl(f, s)
 
 
 TERM = CostTerm(
     name="decode", doc="this request's own decode time on the replica", compute=_decode,
     weight="decode", default=1.0, bounds=(0.05, 20.0), fit=EXCLUDED,
-    objectives=frozenset({E2E}), params=PARAMS, calibrate=_calibrate,
+    objectives=frozenset({E2E, SLO}), params=PARAMS, calibrate=_calibrate,
 )

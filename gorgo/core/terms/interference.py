@@ -12,7 +12,7 @@ and slows everything decoding there; this term prices that. Its weight (default 
 compromise of 0.05-1 across the project's traces, docs/results.md) says how much of the others'
 delay a request is charged: 1 counts every other request's time like its own.
 
-Only the `e2e` objective counts this term.
+The `e2e` and `slo` objectives count this term.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from gorgo.core.terms.base import E2E, EXCLUDED, CostTerm
+from gorgo.core.terms.base import E2E, EXCLUDED, SLO, CostTerm
 from gorgo.core.terms.decode import batch, expected_output, slowdown
 
 if TYPE_CHECKING:
@@ -41,5 +41,5 @@ def _interference(f: RequestFeatures, s: FleetState) -> np.ndarray:
 TERM = CostTerm(
     name="interference", doc="delay this request adds to the requests decoding there",
     compute=_interference, weight="interference", default=0.25, bounds=(0.05, 20.0),
-    fit=EXCLUDED, objectives=frozenset({E2E}),
+    fit=EXCLUDED, objectives=frozenset({E2E, SLO}),
 )
