@@ -209,10 +209,9 @@ class AdminApi:
             body = str(spec.get("body", "")).encode()
         except (ValueError, AttributeError) as exc:
             return _error(400, f"expected {{path, headers, body}}: {exc}")
-        depth = self.router.spec.limits.max_json_depth
         try:
-            f = extract_features(path, headers, body, self.router.state.tok, depth,
-                                 self.router.policies)
+            f = extract_features(path, headers, body, self.router.state.tok,
+                                 policies=self.router.policies, limits=self.router.spec.limits)
         except RequestError as err:
             return web.json_response(err.to_body(), status=err.status)
         return web.json_response(explain(self.router, f, time.monotonic()).to_dict())

@@ -49,7 +49,8 @@ def offline(fleet: str | FleetSpec, path: str, headers: dict[str, str],
     rtt = {r.name: r.rtt_ms for r in spec.regions}
     for i, replica in enumerate(spec.replicas):
         router.state.observe_rtt(i, rtt[replica.region])
-    f = extract_features(path, headers, body, router.state.tok, policies=router.policies)
+    f = extract_features(path, headers, body, router.state.tok, policies=router.policies,
+                         limits=router.spec.limits)
     return explain(router, f, 0.0)
 
 

@@ -310,14 +310,13 @@ def extract_features(
     headers: Mapping[str, str],
     raw_body: bytes,
     tok: Tokenization,
-    max_depth: int | None = None,
-    policies: Collection[str] | None = None,
     *,
+    policies: Collection[str] | None = None,
     limits: Limits = DEFAULT_LIMITS,
 ) -> RequestFeatures:
     """Features of one request; ``headers`` must have lower-case names. Raises RequestError,
     also for a policy header outside ``policies`` (when given: the router's policy names) and for
-    a body past ``limits`` (``max_depth``, when given, overrides its depth)."""
+    a body past the fleet's ``limits``."""
     policy = _policy(headers, policies)
     priority = _priority(headers)
     slo = (_slo(headers, SLO_TTFT_HEADER), _slo(headers, SLO_TPOT_HEADER))
@@ -325,8 +324,7 @@ def extract_features(
     if endpoint is None:
         return RequestFeatures(None, None, False, None, headers.get(SESSION_HEADER) or None,
                                0, 0, EMPTY_HASHES, policy, priority, *slo)
-    depth = limits.max_json_depth if max_depth is None else max_depth
-    body = parse_json_body(raw_body, depth, limits.max_json_containers)
+    body = parse_json_body(raw_body, limits.max_json_depth, limits.max_json_containers)
     text = prompt_text(endpoint, body, limits)
     model = body.get("model")
     if model is not None and not isinstance(model, str):

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 import pytest
 
 from gorgo.core.features import (
+    DEFAULT_LIMITS,
     DEFAULT_MAX_DEPTH,
     POLICY_HEADER,
     PRIORITY_BOUNDS,
@@ -428,9 +430,10 @@ def test_pathologically_deep_json_is_a_client_error() -> None:
 def test_extract_features_passes_max_depth() -> None:
     raw = json.dumps({"messages": [{"role": "user", "content": [{"type": "text", "text": "x"}]}]})
     # object > messages list > message > content list > part: depth 5.
-    assert extract_features(CHAT, {}, raw.encode(), TOK, max_depth=5).prompt_chars == 1
+    five, four = (replace(DEFAULT_LIMITS, max_json_depth=d) for d in (5, 4))
+    assert extract_features(CHAT, {}, raw.encode(), TOK, limits=five).prompt_chars == 1
     with pytest.raises(RequestError):
-        extract_features(CHAT, {}, raw.encode(), TOK, max_depth=4)
+        extract_features(CHAT, {}, raw.encode(), TOK, limits=four)
 
 
 def test_features_compare_by_identity() -> None:

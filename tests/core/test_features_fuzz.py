@@ -7,12 +7,13 @@ nothing else may escape, because the ext_proc server answers from exactly these 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gorgo.core.features import RequestError, extract_features
+from gorgo.core.features import DEFAULT_LIMITS, RequestError, extract_features
 from gorgo.core.tokens import Tokenization
 
 TOK = Tokenization()
@@ -50,9 +51,12 @@ shaped = st.fixed_dictionaries(
 )
 
 
+SHALLOW = replace(DEFAULT_LIMITS, max_json_depth=16)
+
+
 def _check(path: str, headers: dict[str, str], raw: bytes) -> None:
     try:
-        f = extract_features(path, headers, raw, TOK, max_depth=16)
+        f = extract_features(path, headers, raw, TOK, limits=SHALLOW)
     except RequestError as err:
         assert 400 <= err.status < 500
         body = err.to_body()
