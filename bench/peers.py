@@ -196,7 +196,15 @@ def serving(router: Router, fleet_doc: dict[str, Any], workdir: Path, seed: int,
                         READY_S, 0.2) or proc.poll() is not None:
             tail = log_path.read_text()[-2000:]
             raise RuntimeError(f"{router.name} did not become ready:\n{tail}")
-        yield url, lambda: _get_json(control + "/status")
+
+        def status() -> dict[str, Any]:
+            try:
+                return _get_json(control + "/status")
+            except OSError as exc:
+                tail = "".join(fleet.lines)[-3000:]
+                raise RuntimeError(f"the fleet's /status failed ({exc}); its log:\n{tail}") from exc
+
+        yield url, status
 
 
 # --- one run ----------------------------------------------------------------------------------
@@ -219,6 +227,8 @@ class Run:
     wall_s: float
     errors: dict[str, int] = field(default_factory=dict)
     slip_p99_ms: float = math.nan
+    ttft_ms: list[float] = field(default_factory=list)  # per served request, in trace order
+    e2e_ms: list[float] = field(default_factory=list)
 
 
 def _p(values: Sequence[float | None], q: float) -> float:
@@ -254,6 +264,8 @@ def run_live(router: Router, fleet_doc: dict[str, Any], requests: Sequence[Trace
                  / total for g in regions},
         wall_s=wall, errors=errors,
         slip_p99_ms=_p([r.slip_ms for r in res.records], 99),
+        ttft_ms=[round(r.ttft_ms or math.nan, 1) for r in ok],
+        e2e_ms=[round(r.e2e_ms or math.nan, 1) for r in ok],
     )
 
 
@@ -354,7 +366,7 @@ def render(runs: Sequence[Run], offline: dict[str, dict[str, list[dict[str, floa
     if verdict:
         lines += ["Acceptance (Envoy + gorgo / `sglang-router cache_aware`, ratio of means): "
                   + "; ".join(verdict) + ".", ""]
-    if offline:
+    if any(offline.values()):
         lines += ["The project's policies on the same slice and time scales: offline (the "
                   f"simulator, mean over {cfg['sim_seeds']} seeds), live through Envoy + "
                   "`gorgo extproc`, and the real router they imitate (ms, p95 TTFT / E2E p95):",
@@ -376,6 +388,7 @@ def render(runs: Sequence[Run], offline: dict[str, dict[str, list[dict[str, floa
         lines.append("")
     lines += ["Per run (router, load, seed: p95 TTFT / E2E p95 ms, served, wall s, replay send "
               "slip p99 ms, errors):", ""]
+    lines += [f"- FAILED: {f}" for f in cfg.get("failed", [])]
     for r in runs:
         errs = ", ".join(f"{k} x{v}" for k, v in r.errors.items()) or "none"
         lines.append(f"- {names[r.router]}, {r.load:g}, {r.seed}: {r.ttft_p95_ms:,.0f} / "
@@ -407,7 +420,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=300.0, help="per-request timeout (s)")
     p.add_argument("--peers-venv", type=Path, default=DEFAULT_VENV,
                    help="virtual environment for the peer routers (created when missing)")
-    p.add_argument("--out", type=Path, default=None, help="write the runs as JSON here")
+    p.add_argument("--out", type=Path, default=None,
+                   help="write the runs as JSON here (after every run)")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the runs already in --out and do only the missing ones")
     p.add_argument("--write-docs", action="store_true",
                    help=f"write the tables into '{SECTION}' of {DOC.relative_to(ROOT)}")
     p.add_argument("--render", type=Path, default=None, metavar="RUN.json",
@@ -438,7 +454,7 @@ def bench(args: argparse.Namespace, log: Callable[[str], None]) -> str:
     routers = [parse_router(x.strip()) for x in args.routers.split(",") if x.strip()]
     loads = [float(x) for x in args.loads.split(",") if x.strip()]
     command = ".venv/bin/python bench/peers.py" + "".join(
-        f" {a}" for a in public_args(sys.argv[1:]))
+        f" {a}" for a in public_args(sys.argv[1:]) if a != "--resume")
     bin_dir = ensure_peers(args.peers_venv, log) if any(r.kind != "gorgo" for r in routers) \
         else None
     fleet_doc = PRESETS["paper"]
@@ -454,8 +470,22 @@ def bench(args: argparse.Namespace, log: Callable[[str], None]) -> str:
         "sim_seeds": args.sim_seeds, "command": command, "load_before": os.getloadavg()[0],
     }
     t_start = time.perf_counter()
+    runs: list[Run] = []
     offline: dict[str, dict[str, list[dict[str, float]]]] = {}
+    if args.resume and args.out and args.out.exists():
+        saved = json.loads(args.out.read_text())
+        runs, offline = [Run(**r) for r in saved["runs"]], saved["offline"]
+        cfg["wall_s_before"] = saved["config"].get("wall_s", 0.0)
+        log(f"[peers] resuming: {len(runs)} runs kept from {args.out}")
+
+    def save() -> None:
+        if args.out:
+            args.out.write_text(json.dumps({"config": cfg, "offline": offline,
+                                            "runs": [asdict(r) for r in runs]}) + "\n")
+
     for load, scale in scales.items():
+        if str(load) in offline:
+            continue
         offline[str(load)] = {
             policy: [run_offline(policy, fleet_doc, requests, scale, seed, tok)
                      for seed in range(args.sim_seeds)]
@@ -463,22 +493,30 @@ def bench(args: argparse.Namespace, log: Callable[[str], None]) -> str:
         for policy, sims in offline[str(load)].items():
             log(f"[peers] offline {policy} at {load:g}: p95 TTFT "
                 f"{np.mean([s['ttft_p95_ms'] for s in sims]):.0f} ms")
-    runs: list[Run] = []
+    done = {(r.router, r.load, r.seed) for r in runs}
+    failed: list[str] = []
     # Repeat-major order: a drift in the machine's load spreads over every router alike.
     for seed in range(args.repeats):
         for load, scale in scales.items():
             for router in routers:
-                run = run_live(router, fleet_doc, requests, scale, load, seed, bin_dir,
-                               args.timeout, tok)
+                if (router.key, load, seed) in done:
+                    continue
+                try:
+                    run = run_live(router, fleet_doc, requests, scale, load, seed, bin_dir,
+                                   args.timeout, tok)
+                except (RuntimeError, OSError) as exc:  # one broken run must not lose the rest
+                    failed.append(f"{router.name}, load {load:g}, seed {seed}: {exc}")
+                    log(f"[peers] FAILED {failed[-1]}")
+                    continue
                 runs.append(run)
+                save()
                 log(f"[peers] {router.name} load {load:g} seed {seed}: p95 TTFT "
                     f"{run.ttft_p95_ms:.0f} ms, E2E p95 {run.e2e_p95_ms:.0f} ms, "
                     f"{run.ok}/{run.n} ok, {run.wall_s:.0f} s")
-    cfg.update(wall_s=time.perf_counter() - t_start, finished_at=_utc_now(),
-               load_after=os.getloadavg()[0])
-    if args.out:
-        args.out.write_text(json.dumps({"config": cfg, "offline": offline,
-                                        "runs": [asdict(r) for r in runs]}, indent=1) + "\n")
+    cfg.update(wall_s=cfg.pop("wall_s_before", 0.0) + time.perf_counter() - t_start,
+               finished_at=_utc_now(), load_after=os.getloadavg()[0],
+               failed=[f.splitlines()[0] for f in failed])
+    save()
     return render(runs, offline, cfg)
 
 
