@@ -24,12 +24,14 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from gorgo.core.policies import REGISTRY
 from gorgo.core.terms import OBJECTIVES
 from gorgo.errors import UserError
 from gorgo.harness.docblock import public_args, stop_on_signals, write_block
 from gorgo.sim import bench
+from gorgo.sim.capacity import code_digest
 from gorgo.sim.presets import PRESETS
 
 TRACES: dict[str, str] = {
@@ -39,24 +41,29 @@ TRACES: dict[str, str] = {
     "chat": "chat",
 }
 LOADS = (0.5, 0.8, 0.95)
-VARIANTS = tuple(f"{bench.GORGO}{bench.VARIANT}{o}" for o in OBJECTIVES)
 METRICS = tuple(bench.GOALS)
 SECTION = "## Offline matrix: every trace, fleet and load"
 BEGIN, END = "<!-- bench/matrix.py begin -->", "<!-- bench/matrix.py end -->"
 
 
 def policies() -> list[str]:
-    return [*VARIANTS, *(p for p in REGISTRY if p != bench.GORGO)]
+    """gorgo under every objective, then every peer."""
+    variants = [f"{bench.GORGO}{bench.VARIANT}{o}" for o in OBJECTIVES]
+    return [*variants, *(p for p in REGISTRY if p != bench.GORGO)]
 
 
-def run_pair(trace: str, fleet: str, args: argparse.Namespace) -> Path:
+def variants(pols: list[str]) -> list[str]:
+    return [p for p in pols if bench.is_gorgo(p)]
+
+
+def run_pair(trace: str, fleet: str, pols: list[str], args: argparse.Namespace) -> Path:
     """One `gorgo bench sim` over every load; returns its results folder."""
     out = args.out / f"{trace}-{fleet}"
     if not args.report_only:
         parser = argparse.ArgumentParser()
         bench.add_arguments(parser)
         bench.main(parser.parse_args([
-            "--trace", TRACES[trace], "--fleet", fleet, "--policies", ",".join(policies()),
+            "--trace", TRACES[trace], "--fleet", fleet, "--policies", ",".join(pols),
             "--windows", str(args.windows), "--seeds", str(args.seeds),
             "--requests", str(args.requests), "--load", ",".join(map(str, LOADS)),
             "--capacity-cache", str(args.out / "capacity.json"), "--out", str(out),
@@ -70,23 +77,21 @@ class Row:
 
     cells: list[str]
     missed: dict[str, list[str]]  # variant -> headers of the metrics whose goal is not met
-    code: frozenset[str] = frozenset()  # digests of the code that ran (`sim.capacity`)
 
     def line(self) -> str:
         goals = ["met" if not m else f"NOT met ({', '.join(m)})" for m in self.missed.values()]
         return "| " + " | ".join([*self.cells, *goals]) + " |"
 
 
-def rows(trace: str, fleet: str, out: Path) -> list[Row]:
-    """The summary rows of one (trace, fleet): one per load, also for loads without results."""
+def rows(trace: str, fleet: str, out: Path, gorgos: list[str]) -> list[Row]:
+    """The summary rows of one (trace, fleet): one per load, also for loads without results;
+    ``gorgos`` are the gorgo variants that ran."""
     try:
-        doc = json.loads((out / "results.json").read_text())
-        by_load = bench.tables(bench.load_runs(doc))
-        code = frozenset(w["capacity"]["key"].rpartition("|code:")[2] for w in doc["windows"])
+        by_load = bench.tables(bench.load_runs(json.loads((out / "results.json").read_text())))
         error = "not run"
     except (OSError, ValueError, KeyError) as exc:
-        by_load, code, error = {}, frozenset(), f"no results ({exc})"
-    width = len(METRICS) * (1 + len(VARIANTS))
+        by_load, error = {}, f"no results ({exc})"
+    width = len(METRICS) * (1 + len(gorgos))
     everything = [bench.TABLE_METRICS[k][0] for k in METRICS]
     out_rows = []
     for load in (f"{x:g}" for x in LOADS):
@@ -94,26 +99,26 @@ def rows(trace: str, fleet: str, out: Path) -> list[Row]:
         t = by_load.get(load)
         if t is None:
             out_rows.append(Row([*head, error, *["-"] * (width - 1)],
-                                {v: everything for v in VARIANTS}))
+                                {v: everything for v in gorgos}))
             continue
         cells: list[str] = []
         for k in METRICS:
             peer = t.best_peer(k)
             cells.append("none" if peer is None else
                          f"{peer} {bench.fmt_stat(t.stat(peer, k), bench.TABLE_METRICS[k][1])}")
-            for v in VARIANTS:
+            for v in gorgos:
                 c = t.compare(v, k)
                 cells.append("n/a" if c is None else bench.fmt_ratio(c.ratio))
         missed = {v: [bench.TABLE_METRICS[k][0] for k in METRICS
-                      if (c := t.compare(v, k)) is None or not c.met] for v in VARIANTS}
-        out_rows.append(Row([*head, *cells], missed, code))
+                      if (c := t.compare(v, k)) is None or not c.met] for v in gorgos}
+        out_rows.append(Row([*head, *cells], missed))
     return out_rows
 
 
 def tally(table: list[Row]) -> list[str]:
     """How many cells each variant meets, and how often each part of the goal is missed."""
     out = []
-    for v in VARIANTS:
+    for v in table[0].missed if table else ():
         parts = "; ".join(f"{bench.TABLE_METRICS[k][0]} part missed in "
                           f"{sum(bench.TABLE_METRICS[k][0] in r.missed[v] for r in table)}"
                           for k in METRICS)
@@ -122,30 +127,33 @@ def tally(table: list[Row]) -> list[str]:
     return out
 
 
-def summary(table: list[Row], args: argparse.Namespace, command: str,
-            wall_s: float | None) -> str:
+def summary(table: list[Row], args: argparse.Namespace, run: dict[str, Any]) -> str:
+    """The docs block: the command, how the cells are made, the table and the tallies."""
+    pols = run["policies"]
+    gorgos = variants(pols)
+    command = " ".join(shlex.quote(a) for a in
+                       [".venv/bin/python", "bench/matrix.py", *run["argv"]])
     ttft, e2e = bench.GOALS["ttft_p95_ms"], bench.GOALS["e2e_p95_ms"]
     heads = []
     for k in METRICS:
         heads.append(f"best peer by {bench.TABLE_METRICS[k][0]} (ms)")
-        heads += [f"{v} / best" for v in VARIANTS]
-    heads += [f"goal {v}" for v in VARIANTS]
-    took = "" if wall_s is None else f" in {wall_s / 60:.1f} min on {os.cpu_count()} CPUs"
-    code = sorted(frozenset().union(*(r.code for r in table)))
-    same = (f"the same router and simulator code in every cell (digest {code[0]})"
-            if len(code) == 1 else
-            f"NOTE: the code changed during the run (digests {', '.join(code) or 'none'})")
+        heads += [f"{v} / best" for v in gorgos]
+    heads += [f"goal {v}" for v in gorgos]
+    wall = run.get("wall_s")
+    took = "" if wall is None else f" in {wall / 60:.1f} min on {os.cpu_count()} CPUs"
     return "\n".join([
         "```", command, "```", "",
         f"{len(table)} cells ({len(TRACES)} traces x {len(PRESETS)} fleets x {len(LOADS)} "
         f"loads){took}. Each cell: {args.windows} trace windows of {args.requests} requests "
         f"(`chat`: generator seeds 0-{args.windows - 1}) x {args.seeds} seeds, every policy at "
         "that load of each window's own capacity. Peers: "
-        f"{', '.join(policies()[len(VARIANTS):])}. Cells are {bench.CI_NOTE}. A ratio is the "
+        f"{', '.join(p for p in pols if p not in gorgos)}. Cells are {bench.CI_NOTE}. A "
+        "ratio is the "
         "gorgo variant's p95 over the best peer's on that metric (best by mean). Goal: p95 "
         f"TTFT <= {ttft:g}x and E2E p95 <= {e2e:g}x, each ratio's interval wholly below 1; the "
         f"goal column names the parts missed. Per-cell tables: "
-        f"`{args.out}/<trace>-<fleet>/results.md`; {same}.", "",
+        f"`{args.out}/<trace>-<fleet>/results.md`. One process ran every cell with the code "
+        f"it loaded at its start ({run['code']}).", "",
         "| trace | fleet | load | " + " | ".join(heads) + " |",
         "|---|---|---:|" + "---:|" * len(heads),
         *(r.line() for r in table), "", *tally(table), ""])
@@ -165,27 +173,32 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     stop_on_signals()
     t0 = time.monotonic()
+    args.out.mkdir(parents=True, exist_ok=True)
+    meta = args.out / "matrix.json"  # what the full run ran, for --report-only
+    if args.report_only:
+        try:
+            run = json.loads(meta.read_text())
+        except (OSError, ValueError) as exc:
+            raise SystemExit(f"matrix: --report-only needs a full run's {meta}: {exc}") from None
+    else:
+        run = {"argv": public_args(argv), "policies": policies(),
+               "code": f"router and simulator digest {code_digest()}, as `sim.capacity` "
+                       "computes it"}
     table: list[Row] = []
     for trace in TRACES:
         for fleet in PRESETS:
             print(f"matrix: {trace} x {fleet} ({time.monotonic() - t0:.0f} s so far)",
                   file=sys.stderr, flush=True)
             try:
-                out = run_pair(trace, fleet, args)
+                out = run_pair(trace, fleet, run["policies"], args)
             except (UserError, RuntimeError) as exc:  # the cell is reported, not dropped
                 print(f"matrix: {trace} x {fleet} failed: {exc}", file=sys.stderr)
                 out = args.out / f"{trace}-{fleet}" / "failed"
-            table += rows(trace, fleet, out)
-    args.out.mkdir(parents=True, exist_ok=True)
-    meta = args.out / "matrix.json"  # the full run's command and wall time, for --report-only
-    if args.report_only:
-        run = json.loads(meta.read_text()) if meta.exists() else {}
-    else:
-        run = {"argv": public_args(argv), "wall_s": time.monotonic() - t0}
+            table += rows(trace, fleet, out, variants(run["policies"]))
+    if not args.report_only:
+        run["wall_s"] = time.monotonic() - t0
         meta.write_text(json.dumps(run) + "\n")
-    command = " ".join(shlex.quote(a) for a in
-                       [".venv/bin/python", "bench/matrix.py", *run.get("argv", argv)])
-    text = summary(table, args, command, run.get("wall_s"))
+    text = summary(table, args, run)
     (args.out / "summary.md").write_text(f"{SECTION}\n\n{text}")
     if args.write_docs is not None:
         write_block(args.write_docs, SECTION, BEGIN, END, text, "# Results")

@@ -66,6 +66,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", default=DEMO_PROFILE, help="engine profile of the replicas")
     p.add_argument("--stream-interval", type=int, default=8, help="tokens per streamed chunk")
     p.add_argument("--no-tuner", action="store_true", help="run without the online tuner")
+    p.add_argument("--cache", default="approximate", choices=("approximate", "precise"),
+                   help="the router's cache view: precise follows the simulated vLLMs' KV events")
     p.add_argument("--out", default=None,
                    help="results folder (default results/demo-YYYYmmdd-HHMMSS)")
     p.add_argument("--seed", type=int, default=0)
@@ -321,7 +323,8 @@ def main(args: argparse.Namespace) -> int:
         raise UserError("the slice is empty; move --offset into the trace or raise --duration")
     out = Path(args.out or f"results/demo-{datetime.now():%Y%m%d-%H%M%S}")
     out.mkdir(parents=True, exist_ok=True)
-    doc = fleet_document({r: 2 for r in REGIONS}, profile=args.profile, name="demo")
+    doc = fleet_document({r: 2 for r in REGIONS}, profile=args.profile, name="demo",
+                         cache=args.cache)
     try:  # before the live runs: a bad name fails in a second, not after minutes
         names = (bench.parse_policies(args.offline_policies, parse_fleet(doc).objective)
                  if args.offline_policies else [])

@@ -40,6 +40,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from functools import cache
 from pathlib import Path
 
 import numpy as np
@@ -205,14 +206,16 @@ def fleet_digest(spec: FleetSpec) -> str:
     return hashlib.blake2b(text.encode(), digest_size=6).hexdigest()
 
 
+@cache
 def code_digest() -> str:
     """A short digest of the code a probe runs (router core and simulator).
 
     The simulator is still being refined; a change to it changes the capacity, and a cache entry
-    from older code must not be reused.
+    from older code must not be reused. Read once per process: a process runs the code it loaded,
+    whatever is edited on disk meanwhile.
     """
-    root = Path(__file__).resolve().parents[1]
-    files = sorted((root / "gorgo" / "core").rglob("*.py")) + [
+    root = Path(__file__).resolve().parents[1]  # the gorgo package
+    files = sorted((root / "core").rglob("*.py")) + [
         root / "sim" / f"{m}.py" for m in SIM_MODULES]
     h = hashlib.blake2b(digest_size=6)
     for f in files:
