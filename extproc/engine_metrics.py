@@ -18,12 +18,19 @@ NAMES = {
 }
 # vLLM before 0.10 called KV usage gpu_cache_usage_perc.
 ALIASES = {"vllm:gpu_cache_usage_perc": "vllm:kv_cache_usage_perc"}
-# Inter-token latency histograms (cumulative sum and count; the router takes their deltas):
-# vLLM's and SGLang's current names first, their older time-per-output-token names after.
-ITL_NAMES = {
-    "sglang": ("sglang:inter_token_latency_seconds", "sglang:time_per_output_token_seconds"),
-    "vllm": ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds"),
-}
+
+
+CACHE_CONFIG = "vllm:cache_config_info"
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    """vLLM's cache_config_info labels: the KV block size and pool the engine really has, and the
+    prefix-cache hash algorithm (so neither is configured by hand)."""
+
+    block_size: int
+    num_blocks: int
+    hash_algo: str | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,8 +38,15 @@ class EngineLoad:
     queue_reqs: float
     running_reqs: float
     kv_usage: float
-    itl_sum_s: float = float("nan")  # cumulative, NaN when the engine exports no ITL histogram
-    itl_count: float = float("nan")
+    cache: CacheConfig | None = None
+
+
+def _cache_config(labels: dict[str, str]) -> CacheConfig | None:
+    """The config of one cache_config_info sample; None without a usable block size and pool."""
+    size, blocks = labels.get("block_size", ""), labels.get("num_gpu_blocks", "")
+    if not (size.isdigit() and blocks.isdigit() and int(size) > 0 and int(blocks) > 0):
+        return None
+    return CacheConfig(int(size), int(blocks), labels.get("prefix_caching_hash_algo") or None)
 
 
 class MetricsFormatError(ValueError):
@@ -42,23 +56,20 @@ class MetricsFormatError(ValueError):
 def parse_engine_metrics(text: str, flavor: str) -> EngineLoad:
     queue_name, running_name, usage_name = NAMES[flavor]
     sums: dict[str, list[float]] = {queue_name: [], running_name: [], usage_name: []}
-    for base in ITL_NAMES[flavor]:
-        sums[f"{base}_sum"] = []
-        sums[f"{base}_count"] = []
+    cache = None
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             name = ALIASES.get(sample.name, sample.name)
             if name in sums:
                 sums[name].append(sample.value)
+            elif name == CACHE_CONFIG and cache is None:
+                cache = _cache_config(sample.labels)
     if not sums[queue_name] or not sums[running_name]:
         raise MetricsFormatError(f"no {queue_name} / {running_name} in {flavor} metrics")
     usage = sums[usage_name]
-    itl = next(((sum(sums[f"{b}_sum"]), sum(sums[f"{b}_count"])) for b in ITL_NAMES[flavor]
-                if sums[f"{b}_count"]), (float("nan"), float("nan")))
     return EngineLoad(
         queue_reqs=sum(sums[queue_name]),
         running_reqs=sum(sums[running_name]),
         kv_usage=sum(usage) / len(usage) if usage else float("nan"),
-        itl_sum_s=itl[0],
-        itl_count=itl[1],
+        cache=cache,
     )

@@ -14,6 +14,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from extproc.admin import load_admin_token
 from extproc.http_api import make_app, readiness
+from extproc.kv_events import KVEventsClient
 from extproc.service import ExtProcService
 from extproc.signals import Signals
 from extproc.telemetry import RouterMetrics, log_event
@@ -64,6 +65,8 @@ class ExtProcServer:
         self.metrics = RouterMetrics(router.state, lambda: router.open_requests, otlp)
         self.service = ExtProcService(router, self.metrics)
         self.signals = Signals(router, self.metrics)
+        self.kv_events = (KVEventsClient(router, self.metrics)
+                          if router.state.precise is not None else None)
         self.health = health.aio.HealthServicer()
         self._health_task: asyncio.Task | None = None
         self.grpc_port = 0
@@ -105,6 +108,8 @@ class ExtProcServer:
                 raise bind_error(exc, metrics_what, METRICS_HINT) from None
             self.metrics_port = self._http.addresses[-1][1]
         await self.signals.start()
+        if self.kv_events is not None:
+            await self.kv_events.start()
         await self.metrics.spans.start()
         self._health_task = asyncio.create_task(self._serve_health())
 
@@ -125,6 +130,8 @@ class ExtProcServer:
             self._health_task.cancel()
             await asyncio.gather(self._health_task, return_exceptions=True)
             await self.health.enter_graceful_shutdown()
+        if self.kv_events is not None:
+            await self.kv_events.stop()
         await self.signals.stop()
         await self.metrics.spans.stop()
         if self._http is not None:

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from extproc import messages
+from extproc.kv_events import PromptWarmer
 from extproc.telemetry import RouterMetrics, parse_traceparent
 from gorgo._xds.envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from gorgo._xds.envoy.service.ext_proc.v3.external_processor_pb2_grpc import (
@@ -85,6 +86,8 @@ class ExtProcService(ExternalProcessorServicer):
         self.limits = spec.limits
         self.picker = spec.endpoint_picker
         self.retries = spec.retries.enabled
+        # The precise cache view tokenizes the rest of each prompt off the request path.
+        self._warm = PromptWarmer(router.state.precise) if router.state.precise else None
 
     async def Process(
         self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: Any
@@ -221,6 +224,8 @@ class ExtProcService(ExternalProcessorServicer):
             return self._refuse(d)
         st.decision = d
         st.served = d.replica
+        if self._warm is not None:
+            self._warm.submit(f)
         s = self.router.state
         replica, region = self.metrics.replica(d.replica)
         fields = {**decision_fields(d, replica, region),

@@ -243,8 +243,10 @@ class Signals:
 
     def apply_scrape(self, i: int, load: EngineLoad) -> None:
         self.router.state.observe_engine(
-            i, self.clock(), load.queue_reqs, load.running_reqs, load.kv_usage,
-            load.itl_sum_s, load.itl_count)
+            i, self.clock(), load.queue_reqs, load.running_reqs, load.kv_usage)
+        if load.cache is not None:
+            c = load.cache
+            self.router.state.observe_cache_config(i, c.block_size, c.num_blocks, c.hash_algo)
 
     async def scrape_all(self) -> None:
         """Scrape every replica's engine once (on the signal thread); applied when it returns."""

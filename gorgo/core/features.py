@@ -89,6 +89,9 @@ class RequestFeatures:
     slo_ttft_ms: float | None = None  # the request's own targets (trusted headers), if any
     slo_tpot_ms: float | None = None
     head_hash: int = 0  # 64-bit hash of the first AFFINITY_HEAD_TOKENS tokens' text
+    # The parsed body, for a precise cache view that tokenizes it as the engine does
+    # (gorgo.core.precise); None for non-inference paths.
+    body: Mapping[str, Any] | None = None
 
 
     @property
@@ -353,6 +356,7 @@ def extract_features(
         slo_ttft_ms=slo[0],
         slo_tpot_ms=slo[1],
         head_hash=stable_hash(text[: tok.chars_for_tokens(AFFINITY_HEAD_TOKENS)]),
+        body=body,
     )
 
 

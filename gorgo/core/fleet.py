@@ -17,6 +17,7 @@ from typing import Any
 
 import yaml
 
+from gorgo.core.block_hashes import DEFAULT_SEED
 from gorgo.core.contract import API_PATHS, HEALTH_PATH, WEIGHT_BOUNDS
 from gorgo.core.terms import OBJECTIVES, TTFT
 from gorgo.core.weights import Weights
@@ -50,6 +51,31 @@ class SimEngineSpec:
     flavor: str = "sglang"
     port: int = 0  # engine port behind the link emulator; 0 = pick one
     speed: float = 1.0  # relative GPU speed (0.5 = a GPU half as fast as the profile's)
+    kv_tokens: int = 0  # KV pool in tokens; 0 = the profile's (smaller: cache pressure)
+
+
+APPROXIMATE, PRECISE = "approximate", "precise"
+CACHE_MODES = (APPROXIMATE, PRECISE)
+
+
+@dataclass(frozen=True, slots=True)
+class KVEventsSpec:
+    """Where a replica's engine publishes KV events (vLLM's --kv-events-config); without it the
+    router asks the engine's /kv_event_sources."""
+
+    endpoint: str
+    replay_endpoint: str | None = None
+    topic: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class PreciseSpec:
+    """A `cache: precise` replica: its served model's tokenizer (a local directory, or ``sim``)
+    and the engine's block-hash seed (its PYTHONHASHSEED, when set)."""
+
+    tokenizer: str
+    hash_seed: str = DEFAULT_SEED
+    kv_events: KVEventsSpec | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +90,8 @@ class ReplicaSpec:
     prefill_rate: float  # tokens/s, a hint the tuner refines
     kv_capacity_tokens: int
     sim: SimEngineSpec | None = None
+    cache: str = APPROXIMATE  # the router's view of its KV cache (gorgo.core.precise)
+    precise: PreciseSpec | None = None  # set exactly when cache is precise
 
     @property
     def host(self) -> str:
@@ -300,7 +328,7 @@ def _replica(raw: Any, path: str, regions: set[str]) -> ReplicaSpec:
     _check_keys(
         raw,
         {"name", "region", "cluster", "address", "engine", "health_url", "metrics_url",
-         "prefill_rate", "kv_capacity_tokens", "sim"},
+         "prefill_rate", "kv_capacity_tokens", "sim", "cache", *PRECISE_FIELDS},
         path,
     )
     name = _str(raw, "name", path)
@@ -314,7 +342,7 @@ def _replica(raw: Any, path: str, regions: set[str]) -> ReplicaSpec:
     sim = None
     if engine == "sim":
         sraw = _mapping(raw.get("sim") or {}, f"{path}.sim")
-        _check_keys(sraw, {"profile", "flavor", "port", "speed"}, f"{path}.sim")
+        _check_keys(sraw, {"profile", "flavor", "port", "speed", "kv_tokens"}, f"{path}.sim")
         flavor = _str(sraw, "flavor", f"{path}.sim", "sglang")
         if flavor not in ("sglang", "vllm"):
             raise FleetError(f"{path}.sim.flavor: must be sglang or vllm, got {flavor!r}")
@@ -323,9 +351,11 @@ def _replica(raw: Any, path: str, regions: set[str]) -> ReplicaSpec:
             flavor=flavor,
             port=_num(sraw, "port", f"{path}.sim", 0, cast=int),
             speed=_num(sraw, "speed", f"{path}.sim", 1.0, strict=True),
+            kv_tokens=_num(sraw, "kv_tokens", f"{path}.sim", 0, cast=int),
         )
     elif "sim" in raw:
         raise FleetError(f"{path}.sim: only allowed with engine: sim")
+    precise = _precise(raw, path, engine, sim)
     return ReplicaSpec(
         name=name,
         region=region,
@@ -337,7 +367,53 @@ def _replica(raw: Any, path: str, regions: set[str]) -> ReplicaSpec:
         prefill_rate=_num(raw, "prefill_rate", path, 10000.0, strict=True),
         kv_capacity_tokens=_num(raw, "kv_capacity_tokens", path, 500_000, minimum=1, cast=int),
         sim=sim,
+        cache=PRECISE if precise else APPROXIMATE,
+        precise=precise,
     )
+
+
+PRECISE_FIELDS = ("tokenizer", "hash_seed", "kv_events")
+_ZMQ_ENDPOINT = re.compile(r"(tcp://[^\s/]+:\d+|ipc://\S+)")
+
+
+def _precise(raw: Mapping[str, Any], path: str, engine: str,
+             sim: SimEngineSpec | None) -> PreciseSpec | None:
+    """The replica's cache view: approximate (the default), or precise from its KV events, which
+    only vLLM (or the simulator in vLLM's flavor) publishes."""
+    cache = _str(raw, "cache", path, APPROXIMATE)
+    if cache not in CACHE_MODES:
+        raise FleetError(f"{path}.cache: must be one of {', '.join(CACHE_MODES)}, got {cache!r}")
+    if cache == APPROXIMATE:
+        extra = [k for k in PRECISE_FIELDS if k in raw]
+        if extra:
+            raise FleetError(f"{path}.{extra[0]}: only allowed with cache: precise")
+        return None
+    if engine == "sglang" or (sim is not None and sim.flavor != "vllm"):
+        raise FleetError(f"{path}.cache: precise needs vLLM's KV events: engine: vllm, or "
+                         "engine: sim with sim.flavor: vllm")
+    seed = raw.get("hash_seed", DEFAULT_SEED)
+    if not isinstance(seed, str):
+        raise FleetError(f"{path}.hash_seed: expected a string (the engine's PYTHONHASHSEED), "
+                         f"got {seed!r}")
+    events = None
+    if raw.get("kv_events") is not None:
+        epath = f"{path}.kv_events"
+        eraw = _mapping(raw["kv_events"], epath)
+        _check_keys(eraw, set(KVEventsSpec.__dataclass_fields__), epath)
+        endpoints = {}
+        for key in ("endpoint", "replay_endpoint"):
+            value = eraw.get(key)
+            if value is None and key == "replay_endpoint":
+                continue
+            if not isinstance(value, str) or not _ZMQ_ENDPOINT.fullmatch(value):
+                raise FleetError(f"{epath}.{key}: expected a ZMQ endpoint like "
+                                 f"tcp://127.0.0.1:5557 or ipc:///path, got {value!r}")
+            endpoints[key] = value
+        topic = eraw.get("topic", "")
+        if not isinstance(topic, str):
+            raise FleetError(f"{epath}.topic: expected a string, got {topic!r}")
+        events = KVEventsSpec(endpoints["endpoint"], endpoints.get("replay_endpoint"), topic)
+    return PreciseSpec(_str(raw, "tokenizer", path), seed, events)
 
 
 def _section(raw: Mapping[str, Any], key: str, cls: type, path: str) -> Any:

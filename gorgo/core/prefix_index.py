@@ -11,6 +11,7 @@ before the shared roots, as a radix cache does.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterable
 
 import numpy as np
 
@@ -31,42 +32,58 @@ class PrefixIndex:
     def sizes(self) -> np.ndarray:
         return np.fromiter((len(x) for x in self._lru), dtype=np.int64, count=self.n)
 
-    def match(self, hashes: np.ndarray) -> np.ndarray:
-        """Matched prefix length in blocks, per replica (int64 array of length n)."""
+    def match(self, hashes: np.ndarray | Iterable[int], among: int | None = None) -> np.ndarray:
+        """Matched prefix length in blocks, per replica (int64 array of length n).
+
+        ``hashes`` may be lazy (the precise view computes them as it goes): the walk stops at the
+        first block no replica holds. ``among`` (a bitmask) limits it to those replicas.
+        """
         depth = np.zeros(self.n, dtype=np.int64)
-        if len(hashes) == 0 or not self._holders:
+        alive = (1 << self.n) - 1 if among is None else among
+        if not self._holders or not alive:
             return depth
-        full = (1 << self.n) - 1
-        alive = full
         get = self._holders.get
         k = 0
-        for k, h in enumerate(hashes.tolist()):
+        for k, h in enumerate(hashes.tolist() if isinstance(hashes, np.ndarray) else hashes, 1):
             nxt = alive & get(h, 0)
             lost = alive & ~nxt
             while lost:
                 low = lost & -lost
-                depth[low.bit_length() - 1] = k
+                depth[low.bit_length() - 1] = k - 1
                 lost ^= low
             alive = nxt
             if not alive:
                 return depth
         while alive:  # matched every block
             low = alive & -alive
-            depth[low.bit_length() - 1] = k + 1
+            depth[low.bit_length() - 1] = k
             alive ^= low
         return depth
 
-    def insert(self, replica: int, hashes: np.ndarray) -> None:
+    def insert(self, replica: int, hashes: np.ndarray | list[int]) -> None:
         """Record that ``replica`` now caches these blocks, evicting its LRU blocks if full."""
         lru = self._lru[replica]
         bit = 1 << replica
         holders = self._holders
-        for h in reversed(hashes.tolist()):
+        for h in reversed(hashes.tolist() if isinstance(hashes, np.ndarray) else hashes):
             if h in lru:
                 lru.move_to_end(h)
             else:
                 lru[h] = None
                 holders[h] = holders.get(h, 0) | bit
+        self._trim(replica)
+
+    def set_capacity(self, replica: int, blocks: int) -> None:
+        """Bound the replica to ``blocks`` (its engine said how many it has); no-op unbounded."""
+        if self.capacity is not None:
+            self.capacity[replica] = max(1, blocks)
+            self._trim(replica)
+
+    def _trim(self, replica: int) -> None:
+        """Evict the replica's LRU blocks down to its capacity."""
+        lru = self._lru[replica]
+        bit = 1 << replica
+        holders = self._holders
         if self.capacity is not None:
             cap = self.capacity[replica]
             while len(lru) > cap:
@@ -76,6 +93,20 @@ class PrefixIndex:
                     holders[old] = rest
                 else:
                     del holders[old]
+
+    def remove(self, replica: int, hashes: Iterable[int]) -> None:
+        """The replica no longer holds these blocks (its engine evicted them)."""
+        lru = self._lru[replica]
+        bit = 1 << replica
+        holders = self._holders
+        for h in hashes:
+            if h in lru:
+                del lru[h]
+                rest = holders[h] & ~bit
+                if rest:
+                    holders[h] = rest
+                else:
+                    del holders[h]
 
     def clear(self, replica: int) -> None:
         """Forget a replica's cache (it restarted, or was ejected)."""

@@ -171,6 +171,8 @@ class Router:
         if entry is None:
             return False
         self.state.release_inflight(entry.replica, entry.prompt_tokens, entry.uncached)
+        if self.state.precise is not None:
+            self.state.precise.closed(entry.replica, entry.block_hashes)
         return True
 
     def reassign(self, decision_id: str, replica: int) -> bool:
@@ -180,6 +182,9 @@ class Router:
             return False
         s = self.state
         s.release_inflight(entry.replica, entry.prompt_tokens, entry.uncached)
+        if s.precise is not None:
+            s.precise.closed(entry.replica, entry.block_hashes)
+            s.precise.sent(replica, entry.block_hashes)
         cached = int(s.prefix.match(entry.block_hashes)[replica]) * self.spec.block_tokens
         s.prefix.insert(replica, entry.block_hashes)
         entry.uncached = max(entry.prompt_tokens - cached, 0)

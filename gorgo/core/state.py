@@ -14,8 +14,10 @@ import numpy as np
 
 from gorgo.core.features import RequestFeatures
 from gorgo.core.fleet import FleetSpec
+from gorgo.core.kv_events import KVEvent
+from gorgo.core.precise import PreciseCache
 from gorgo.core.prefix_index import PrefixIndex
-from gorgo.core.terms import TERMS, EngineSample
+from gorgo.core.terms import TERMS
 from gorgo.core.tokens import Tokenization
 from gorgo.core.weights import Weights
 
@@ -43,7 +45,7 @@ class FleetState:
         self.rtt_samples = np.zeros(n, dtype=np.int64)
         # Capacity model: prefill tokens/s per replica (fleet hint, refined by the tuner).
         self.prefill_rate = np.array([r.prefill_rate for r in spec.replicas], dtype=float)
-        # Each term's per-replica constants (CostTerm.params), at their defaults until calibrated.
+        # Each term's per-replica constants (CostTerm.params), at their defaults.
         self.params: dict[str, dict[str, np.ndarray]] = {
             t.name: {k: np.full(n, float(v)) for k, v in t.params.items()} for t in TERMS}
         # This router's own accounting of what it has sent.
@@ -60,8 +62,6 @@ class FleetState:
         self.eng_running_reqs = np.full(n, np.nan)
         self.eng_kv_usage = np.full(n, np.nan)
         self.eng_scraped_at = np.full(n, -np.inf)
-        self._itl_sum = np.full(n, np.nan)  # the engine's cumulative ITL histogram, last read
-        self._itl_count = np.full(n, np.nan)
         # Anomaly penalty in ms (failed responses here, slow-vs-predicted from the tuner), as of
         # ``penalty_at``; it halves every ``penalties.half_life_s``.
         self.penalty_ms = np.zeros(n)
@@ -72,6 +72,8 @@ class FleetState:
         self.retry_at = np.zeros(n)
         blocks = [max(1, r.kv_capacity_tokens // spec.block_tokens) for r in spec.replicas]
         self.prefix = PrefixIndex(n, None if unbounded_prefix else blocks)
+        # The engines' own block sets, for `cache: precise` replicas (None when there is none).
+        self.precise = PreciseCache(spec) if any(r.precise for r in spec.replicas) else None
         # Bumped by every writer, so per-request memos (prefix match, cost terms) never go stale.
         self.version = 0
         self.terms_memo: tuple | None = None
@@ -91,6 +93,8 @@ class FleetState:
         key = (features, self.version)
         if self._match_for != key:
             self._match = self.prefix.match(features.block_hashes)
+            if self.precise is not None:
+                self._match = self.precise.overlay(features, self._match)
             self._match_for = key
         return self._match
 
@@ -151,6 +155,8 @@ class FleetState:
     def record_sent(self, i: int, f: RequestFeatures, uncached: int) -> None:
         """A request was routed to replica i: count it in flight and in its prefix cache."""
         self.prefix.insert(i, f.block_hashes)
+        if self.precise is not None:
+            self.precise.sent(i, f.block_hashes)
         self.add_inflight(i, f.prompt_tokens, uncached)
 
     def add_inflight(self, i: int, prompt_tokens: int, uncached: int) -> None:
@@ -195,25 +201,11 @@ class FleetState:
 
     def observe_engine(
         self, i: int, now: float, queue_reqs: float, running_reqs: float, kv_usage: float,
-        itl_sum_s: float = math.nan, itl_count: float = math.nan,
     ) -> None:
         """A scrape of replica i's engine, read at ``now``. An idle engine (nothing waiting or
         running) owes no prefill but for what was sent after it was read: our backlog is cut to
-        that (tokens sent since the previous scrape, a bound that errs on the high side).
-
-        ``itl_sum_s`` / ``itl_count`` are the engine's cumulative inter-token latency histogram;
-        their change since the last scrape is the mean gap the terms calibrate from."""
+        that (tokens sent since the previous scrape, a bound that errs on the high side)."""
         self.version += 1
-        itl_ms = math.nan
-        d_count = itl_count - self._itl_count[i]
-        if d_count > 0:  # a drop is an engine restart: the next scrape has a fresh baseline
-            itl_ms = 1000.0 * (itl_sum_s - self._itl_sum[i]) / d_count
-        if not math.isnan(itl_count):
-            self._itl_sum[i], self._itl_count[i] = itl_sum_s, itl_count
-        sample = EngineSample(queue_reqs, running_reqs, kv_usage, itl_ms)
-        for t in TERMS:
-            if t.calibrate is not None:
-                t.calibrate(self, i, sample)
         if queue_reqs == 0 and running_reqs == 0:
             self.backlog_tokens[i] = min(self.backlog_tokens[i], self.sent_since_scrape[i])
         self.eng_queue_reqs[i] = queue_reqs
@@ -221,6 +213,31 @@ class FleetState:
         self.eng_kv_usage[i] = kv_usage
         self.eng_scraped_at[i] = now
         self.sent_since_scrape[i] = 0.0
+
+    def observe_cache_config(
+        self, i: int, block_size: int, capacity_blocks: int, algorithm: str | None = None
+    ) -> None:
+        """What replica i's engine says of its KV cache (vLLM's cache_config_info): the
+        approximate view is bounded by its real capacity, the precise one hashes its way."""
+        self.version += 1
+        self.prefix.set_capacity(i, capacity_blocks * block_size // self.spec.block_tokens)
+        if self.precise is not None:
+            self.precise.configure(i, block_size, algorithm)
+
+    def apply_kv_events(self, i: int, events: tuple[KVEvent, ...] | list[KVEvent]) -> None:
+        """One batch of replica i's KV events (precise replicas only)."""
+        if self.precise is not None:
+            self.version += 1
+            self.precise.apply(i, events)
+
+    def set_kv_synced(self, i: int, synced: bool, clear: bool = False) -> None:
+        """Whether replica i's event stream is whole (else it is looked up approximately);
+        ``clear`` first forgets its block set (an engine restart, a gap the replay cannot fill)."""
+        if self.precise is not None:
+            self.version += 1
+            if clear:
+                self.precise.clear(i)
+            self.precise.set_synced(i, synced)
 
     def set_weights(
         self, weights: Weights, prefill_rate: dict[str, float | None] | None = None
@@ -282,3 +299,4 @@ class FleetState:
         if not self.healthy.any():
             return np.ones(self.n, dtype=bool)
         return self.healthy | (now >= self.retry_at)
+

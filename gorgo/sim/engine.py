@@ -22,6 +22,7 @@ of ``step``: durations are the same per-step formula summed.
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections import deque
 from collections.abc import Hashable
@@ -29,6 +30,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from gorgo.core.kv_events import REMOVED, STORED, KVEvent
 from gorgo.core.tokens import Tokenization
 from gorgo.sim.kv_cache import PrefixKVCache
 from gorgo.sim.profiles import EngineProfile
@@ -52,6 +54,9 @@ class EngineRequest:
     block_hashes: np.ndarray  # uint64 chained hashes of the prompt's full blocks
     max_tokens: int
     arrival: float
+    # The prompt's token ids, for the KV events of an engine that publishes them (their
+    # block_hashes are then the engine's own, gorgo.core.block_hashes).
+    token_ids: np.ndarray | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +100,20 @@ class StepResult:
         return self.steps * len(self.decoded)
 
 
+# Upper edges (s) of the inter-token latency histogram, as engines export it (+Inf last).
+ITL_BUCKETS_S = (0.002, 0.004, 0.006, 0.008, 0.01, 0.0125, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05,
+                 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
+
+
+def itl_cumulative(counts: tuple[int, ...]) -> tuple[tuple[float, float], ...]:
+    """Per-bucket ITL counts as the cumulative (upper edge s, count) pairs a scrape reads."""
+    total, out = 0, []
+    for edge, n in zip((*ITL_BUCKETS_S, math.inf), counts, strict=False):
+        total += n
+        out.append((edge, float(total)))
+    return tuple(out)
+
+
 @dataclass(frozen=True, slots=True)
 class EngineMetrics:
     num_waiting: int
@@ -116,12 +135,13 @@ class EngineMetrics:
     # engines' inter-token latency histograms count them: their sum and count.
     itl_sum_s: float = 0.0
     itl_count: int = 0
+    itl_buckets: tuple[int, ...] = ()  # gaps per ITL_BUCKETS_S bucket (+Inf last), not cumulative
 
 
 class _Req:
     __slots__ = (
         "arrival", "cached", "generated", "hashes", "held", "max_tokens", "prefilled",
-        "private", "prompt_tokens", "rid", "state",
+        "private", "prompt_tokens", "rid", "state", "token_ids",
     )
 
     def __init__(self, req: EngineRequest, hashes: list[int]) -> None:
@@ -130,6 +150,7 @@ class _Req:
         self.max_tokens = req.max_tokens
         self.arrival = req.arrival
         self.hashes = hashes
+        self.token_ids = req.token_ids
         self.state = WAITING
         self.cached = 0  # prompt tokens matched in the cache at admission
         self.prefilled = 0  # prompt tokens in KV (cached + computed)
@@ -142,7 +163,8 @@ class Engine:
     """Continuous batching with chunked prefill over a prefix KV cache (see module docstring)."""
 
     def __init__(
-        self, profile: EngineProfile, tokenization: Tokenization, speed: float = 1.0
+        self, profile: EngineProfile, tokenization: Tokenization, speed: float = 1.0,
+        kv_events: bool = False,
     ) -> None:
         if not speed > 0:
             raise ValueError("speed must be > 0")
@@ -152,6 +174,12 @@ class Engine:
         self.block_tokens = tokenization.block_tokens
         capacity = max(profile.kv_capacity_tokens, self.block_tokens)
         self.cache = PrefixKVCache(capacity, self.block_tokens)
+        # vLLM's KV events since the last take_kv_events(): blocks stored (newly cached, one event
+        # per request's run of them) and removed (evicted), in the order they happened.
+        self._kv_log: list[KVEvent] | None = [] if kv_events else None
+        self._removed: list[int] = []  # evicted since the last event logged
+        if kv_events:
+            self.cache.on_remove = self._log_removed
         self._reqs: dict[Hashable, _Req] = {}
         self._waiting: deque[_Req] = deque()
         self._prefilling: list[_Req] = []  # admitted, prefill incomplete, admission order
@@ -171,6 +199,7 @@ class Engine:
         self._busy = 0.0
         self._itl_sum = 0.0
         self._itl_count = 0
+        self._itl_hist = [0] * (len(ITL_BUCKETS_S) + 1)
 
     # -- requests ---------------------------------------------------------------------------------
     def submit(self, req: EngineRequest, now: float) -> None:
@@ -304,8 +333,7 @@ class Engine:
         end = now + duration
 
         # Decode: every request already decoding gets one token, ``duration`` after its last.
-        self._itl_sum += n_dec * duration
-        self._itl_count += n_dec
+        self._count_gaps(duration, n_dec)
         decoded = [r.rid for r in decoding]
         for r in decoding:
             r.generated += 1
@@ -322,8 +350,9 @@ class Engine:
             self._pending_prefill -= n
             full = min(r.prefilled // bt, len(r.hashes))
             if full > r.held:
-                for h in r.hashes[r.held : full]:
-                    cache.commit_block(h)
+                stored = [k for k in range(r.held, full) if cache.commit_block(r.hashes[k])]
+                if stored and self._kv_log is not None:
+                    self._log_stored(r, stored)
                 r.private -= (full - r.held) * bt
                 r.held = full
             if r.prefilled == r.prompt_tokens:
@@ -352,13 +381,19 @@ class Engine:
         ):
             extra, end = self._fast_forward(max_decode_steps - 1, end, horizon)
             steps += extra
-            self._itl_sum += len(decoding) * (end - first_end)
-            self._itl_count += len(decoding) * extra
+            if extra:  # folded decode steps: their mean length, once per token
+                self._count_gaps((end - first_end) / extra, len(decoding) * extra)
 
         finished = self._finish_done() if decoding else []
         self._steps += steps
         self._busy += end - now
         return StepResult(now, end, first_end, steps, prefill_tokens, first, decoded, finished)
+
+    def _count_gaps(self, gap_s: float, tokens: int) -> None:
+        """``tokens`` inter-token gaps of ``gap_s`` each, into the ITL sum, count and histogram."""
+        self._itl_sum += gap_s * tokens
+        self._itl_count += tokens
+        self._itl_hist[bisect.bisect_left(ITL_BUCKETS_S, gap_s)] += tokens
 
     def _fast_forward(self, limit: int, start: float, horizon: float) -> tuple[int, float]:
         """Fold pure decode steps while nothing can change the batch; returns (steps, end time).
@@ -399,6 +434,42 @@ class Engine:
             out.append(Finished(r.rid, r.generated, "length"))
         return out
 
+    # -- KV events ------------------------------------------------------------------------------
+    def _log_stored(self, r: _Req, blocks: list[int]) -> None:
+        """BlockStored events for the blocks (indices into ``r.hashes``) this step cached: one per
+        consecutive run, its parent the block before it, as vLLM reports a request's new blocks."""
+        assert self._kv_log is not None
+        self._flush_removed()
+        bt = self.block_tokens
+        ids = r.token_ids
+        runs: list[list[int]] = []
+        for k in blocks:
+            if runs and runs[-1][-1] == k - 1:
+                runs[-1].append(k)
+            else:
+                runs.append([k])
+        for run in runs:
+            k0, k1 = run[0], run[-1] + 1
+            tokens = () if ids is None else tuple(ids[k0 * bt : k1 * bt].tolist())
+            self._kv_log.append(KVEvent(STORED, tuple(r.hashes[k0:k1]),
+                                        r.hashes[k0 - 1] if k0 else None, tokens, bt))
+
+    def _log_removed(self, block_hash: int) -> None:
+        self._removed.append(block_hash)
+
+    def _flush_removed(self) -> None:
+        if self._removed and self._kv_log is not None:
+            self._kv_log.append(KVEvent(REMOVED, tuple(self._removed)))
+            self._removed = []
+
+    def take_kv_events(self) -> list[KVEvent]:
+        """The KV events since the last call (none unless built with ``kv_events``)."""
+        self._flush_removed()
+        if not self._kv_log:
+            return []
+        out, self._kv_log = self._kv_log, []
+        return out
+
     # -- observation ------------------------------------------------------------------------------
     def metrics(self) -> EngineMetrics:
         cache = self.cache
@@ -421,6 +492,7 @@ class Engine:
             busy_time_s=self._busy,
             itl_sum_s=self._itl_sum,
             itl_count=self._itl_count,
+            itl_buckets=tuple(self._itl_hist),
         )
 
     def cached_prefix_tokens(

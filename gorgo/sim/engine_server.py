@@ -29,7 +29,6 @@ import uuid
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
-import numpy as np
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -44,17 +43,17 @@ from gorgo.core.features import (
     positive_int,
     prompt_text,
 )
+from gorgo.core.prompt_tokens import SimTokenizer
 from gorgo.core.tokens import DEFAULT_BLOCK_TOKENS, DEFAULT_CHARS_PER_TOKEN, Tokenization
 from gorgo.errors import UserError, bind_error
-from gorgo.sim.engine import Engine, EngineRejected, EngineRequest, StepResult
+from gorgo.sim.engine import ITL_BUCKETS_S, Engine, EngineRejected, EngineRequest, StepResult
+from gorgo.sim.kv_publish import HASH_ALGO, KVEventPublisher, SimHashing
 from gorgo.sim.profiles import PROFILES, get_profile
 
 FLAVORS = ("sglang", "vllm")
 FAIL_MODES = (None, "503", "reset")
 SERVED_BY_HEADER = "x-gorgo-served-by"
 DEFAULT_MAX_TOKENS = 128
-PSEUDO_VOCAB_BITS = 17  # pseudo token ids are in [0, 2**17), about a real vocabulary's size
-_ID_MIX = (0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F)  # odd 64-bit multipliers
 MAX_LAG_S = 1.0  # behind schedule by more than this (a stalled loop): restart the clock
 SHUTDOWN_GRACE_S = 1.0
 TTFT_BUCKETS = (
@@ -82,21 +81,9 @@ def pseudo_text(tok: Tokenization, start: int, end: int) -> str:
 
 
 def pseudo_token_ids(tok: Tokenization, text: str) -> list[int]:
-    """Deterministic ids of the tokens the engine counts in ``text``: token k hashes the
-    characters [round(k * chars_per_token), round((k + 1) * chars_per_token)), so two prompts
-    with a common prefix share their leading ids, as a real tokenizer's output would."""
-    codes = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
-    if codes.size == 0:
-        return [0]
-    n = max(1, tok.count_tokens(codes.size))
-    starts = np.minimum(np.round(np.arange(n) * tok.chars_per_token).astype(np.int64),
-                        codes.size - 1)
-    pos = np.arange(codes.size)
-    offset = (pos - starts[np.searchsorted(starts, pos, side="right") - 1]).astype(np.uint64)
-    with np.errstate(over="ignore"):  # 64-bit hashing wraps by design
-        mixed = codes.astype(np.uint64) * (offset * np.uint64(_ID_MIX[0]) + np.uint64(1))
-        ids = np.add.reduceat(mixed, starts) * np.uint64(_ID_MIX[1])
-    return (ids >> np.uint64(64 - PSEUDO_VOCAB_BITS)).astype(np.int64).tolist()
+    """The ids the engine counts in ``text`` (`gorgo.core.prompt_tokens.SimTokenizer`; [0] for an
+    empty prompt, which still runs one token)."""
+    return SimTokenizer(tok.chars_per_token).ids(text).tolist() or [0]
 
 
 class _Pending:
@@ -161,11 +148,13 @@ class _MetricsCollector(Collector):
             labels=keys,
         )
         lag.add_metric(vals, lag_buckets, s.lag_sum)
-        # Sum and count only (one +Inf bucket): what a scrape needs for the mean gap.
+        cum = list(itertools.accumulate(m.itl_buckets))
+        itl_buckets = [(repr(b), n) for b, n in zip(ITL_BUCKETS_S, cum, strict=False)]
+        itl_buckets.append(("+Inf", cum[-1]))
         itl = HistogramMetricFamily(
             f"{s.flavor}:inter_token_latency_seconds",
             "Histogram of inter-token latency in seconds.", labels=keys)
-        itl.add_metric(vals, [("+Inf", m.itl_count)], m.itl_sum_s)
+        itl.add_metric(vals, itl_buckets, m.itl_sum_s)
         hit = m.cached_tokens_total / m.prompt_tokens_total if m.prompt_tokens_total else 0.0
         if s.flavor == "sglang":
             yield gauge("sglang:num_running_reqs", "The number of running requests.", m.num_running)
@@ -206,6 +195,16 @@ class _MetricsCollector(Collector):
                                           "requests.", labels=[*keys, "finished_reason"])
             success.add_metric([*vals, "length"], m.requests_finished)
             yield success
+            # vLLM's cache config as an info gauge: what a router reads block size and capacity
+            # (and, for KV events, the hash algorithm) from.
+            bt = s.tok.block_tokens
+            cache = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine "
+                                      "CacheConfig", labels=["block_size", "num_gpu_blocks",
+                                                             "prefix_caching_hash_algo",
+                                                             "enable_prefix_caching", "engine"])
+            cache.add_metric([str(bt), str(s.engine.cache.capacity_tokens // bt), HASH_ALGO,
+                              "True", "0"], 1.0)
+            yield cache
         yield ttft
         yield itl
         yield lag
@@ -233,7 +232,10 @@ class EngineServer:
         stream_interval: int = 1,
         name: str | None = None,
         default_max_tokens: int = DEFAULT_MAX_TOKENS,
+        kv_events: KVEventPublisher | None = None,
     ) -> None:
+        """With ``kv_events`` (an engine built with ``kv_events=True``) the engine keys its cache
+        on vLLM's block hashes and publishes its KV events, as ``--kv-events-config`` does."""
         if flavor not in FLAVORS:
             raise ValueError(f"flavor must be one of {FLAVORS}")
         if stream_interval < 1:
@@ -245,6 +247,8 @@ class EngineServer:
         self.stream_interval = stream_interval
         self.default_max_tokens = default_max_tokens
         self.name = name
+        self.kv_events = kv_events
+        self.hashing = SimHashing(tokenization) if kv_events is not None else None
         self.slowdown = 1.0
         self.fail_mode: str | None = None
         self.created = int(time.time())
@@ -276,6 +280,8 @@ class EngineServer:
         else:
             app.router.add_post("/v1/chat/completions/render", self._handle_render)
             app.router.add_post("/v1/completions/render", self._handle_render)
+        if self.kv_events is not None:
+            app.router.add_get("/kv_event_sources", self._handle_kv_event_sources)
         app.router.add_get("/v1/models", self._handle_models)
         app.router.add_get("/health", self._handle_health)
         app.router.add_get("/metrics", self._handle_metrics)
@@ -296,6 +302,8 @@ class EngineServer:
         site = web.TCPSite(self._runner, host, port)
         await site.start()
         self.port = int(self._runner.addresses[0][1])
+        if self.kv_events is not None:
+            await self.kv_events.start()
         if self.name is None:
             self.name = f"{self.flavor}-{self.port}"
         self._driver = asyncio.create_task(self._drive(), name=f"engine-{self.name}")
@@ -315,6 +323,8 @@ class EngineServer:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._driver
             self._driver = None
+        if self.kv_events is not None:
+            await self.kv_events.stop()
 
     @property
     def url(self) -> str:
@@ -348,6 +358,8 @@ class EngineServer:
             self.lag_counts[bisect.bisect_left(STEP_LAG_BUCKETS, lag)] += 1
             self.lag_sum += lag
             self._deliver(res, deadline)
+            if self.kv_events is not None:
+                self.kv_events.publish(engine.take_kv_events())
             t = deadline
 
     def _deliver(self, res: StepResult, at: float) -> None:
@@ -402,6 +414,10 @@ class EngineServer:
             "max_model_len": self.engine.cache.capacity_tokens,
         }
         return web.json_response({"object": "list", "data": [card]})
+
+    async def _handle_kv_event_sources(self, request: web.Request) -> web.Response:
+        assert self.kv_events is not None
+        return web.json_response(self.kv_events.config())
 
     async def _handle_metrics(self, request: web.Request) -> web.Response:
         return web.Response(
@@ -504,7 +520,11 @@ class EngineServer:
         rid = prefix + uuid.uuid4().hex
         loop = asyncio.get_running_loop()
         now = loop.time()
-        req = EngineRequest(rid, prompt_tokens, self.tok.block_hashes(text), max_tokens, now)
+        if self.hashing is None:
+            req = EngineRequest(rid, prompt_tokens, self.tok.block_hashes(text), max_tokens, now)
+        else:
+            ids, hashes = self.hashing.blocks(text)
+            req = EngineRequest(rid, prompt_tokens, hashes, max_tokens, now, ids)
         try:
             self.engine.submit(req, now)
         except EngineRejected as exc:
@@ -753,19 +773,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chars-per-token", type=float, default=DEFAULT_CHARS_PER_TOKEN)
     parser.add_argument("--block-tokens", type=int, default=DEFAULT_BLOCK_TOKENS)
     parser.add_argument("--default-max-tokens", type=int, default=DEFAULT_MAX_TOKENS)
+    parser.add_argument("--kv-events-endpoint", default=None,
+                        help="publish vLLM KV events here (ZMQ; bound if it has * or is ipc://, "
+                             "else connected); vllm flavor only")
+    parser.add_argument("--kv-events-replay", default=None, help="ZMQ replay endpoint (bound)")
+    parser.add_argument("--kv-events-topic", default="")
 
 
 def build_server(args: argparse.Namespace) -> EngineServer:
     tok = Tokenization(args.chars_per_token, args.block_tokens)
     profile = get_profile(args.profile)
+    events = None
+    if args.kv_events_endpoint is not None:
+        if args.flavor != "vllm":
+            raise ValueError("--kv-events-endpoint needs --flavor vllm")
+        events = KVEventPublisher(args.kv_events_endpoint, args.kv_events_replay,
+                                  args.kv_events_topic)
     return EngineServer(
-        Engine(profile, tok, speed=args.speed),
+        Engine(profile, tok, speed=args.speed, kv_events=events is not None),
         tok,
         args.model or profile.name,
         flavor=args.flavor,
         stream_interval=args.stream_interval,
         name=args.name,
         default_max_tokens=args.default_max_tokens,
+        kv_events=events,
     )
 
 

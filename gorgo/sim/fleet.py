@@ -16,6 +16,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import shutil
+import tempfile
 from collections.abc import Collection
 from typing import Any
 
@@ -27,8 +29,9 @@ from gorgo.core.tokens import Tokenization
 from gorgo.errors import UserError, bind_error, check_port
 from gorgo.sim.engine import Engine
 from gorgo.sim.engine_server import EngineServer
+from gorgo.sim.kv_publish import KVEventPublisher
 from gorgo.sim.link import Link
-from gorgo.sim.profiles import get_profile
+from gorgo.sim.profiles import replica_profile
 
 log = logging.getLogger("gorgo.sim.fleet")
 
@@ -56,13 +59,29 @@ class SimFleet:
         self.servers: dict[str, EngineServer] = {}
         self.links: dict[str, Link] = {}
         self._regions = {r.name: r for r in spec.regions}
+        self._ipc_dir: str | None = None  # sockets of the KV events nobody declared
+
+    def _events(self, r: ReplicaSpec) -> KVEventPublisher | None:
+        """A `cache: precise` replica's publisher: at its declared endpoints, else on ipc
+        sockets that the router finds through /kv_event_sources (engine restarts keep them)."""
+        if r.precise is None:
+            return None
+        declared = r.precise.kv_events
+        if declared is not None:
+            return KVEventPublisher(declared.endpoint, declared.replay_endpoint, declared.topic)
+        if self._ipc_dir is None:
+            self._ipc_dir = tempfile.mkdtemp(prefix="gorgo-kv-")
+        base = f"ipc://{self._ipc_dir}/{r.name}"
+        return KVEventPublisher(f"{base}.pub", f"{base}.replay")
 
     def _server(self, r: ReplicaSpec) -> EngineServer:
         assert r.sim is not None
-        profile = get_profile(r.sim.profile)
-        engine = Engine(profile, self.tok, speed=self.speed * r.sim.speed)
+        profile = replica_profile(r.sim)
+        events = self._events(r)
+        engine = Engine(profile, self.tok, speed=self.speed * r.sim.speed,
+                        kv_events=events is not None)
         return EngineServer(engine, self.tok, self.model or profile.name, flavor=r.sim.flavor,
-                            stream_interval=self.stream_interval, name=r.name)
+                            stream_interval=self.stream_interval, name=r.name, kv_events=events)
 
     async def start(self) -> None:
         # Links first: their addresses are fixed by the fleet file, while the engines take any
@@ -84,6 +103,9 @@ class SimFleet:
             await link.stop()
         for server in self.servers.values():
             await server.stop()
+        if self._ipc_dir is not None:
+            shutil.rmtree(self._ipc_dir, ignore_errors=True)
+            self._ipc_dir = None
 
     # --- chaos controls ----------------------------------------------------------------------
 

@@ -11,13 +11,14 @@ least recently released first.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 
 class PrefixKVCache:
     """Block-hash prefix cache over a token budget; all operations are O(blocks touched)."""
 
-    __slots__ = ("_lru", "_private", "_refs", "block_tokens", "capacity_tokens", "evicted_blocks")
+    __slots__ = ("_lru", "_private", "_refs", "block_tokens", "capacity_tokens", "evicted_blocks",
+                 "on_remove")
 
     def __init__(self, capacity_tokens: int, block_tokens: int) -> None:
         if block_tokens < 1 or capacity_tokens < block_tokens:
@@ -28,6 +29,8 @@ class PrefixKVCache:
         self._lru: OrderedDict[int, None] = OrderedDict()  # unreferenced blocks, oldest first
         self._private = 0
         self.evicted_blocks = 0
+        # Called with each block hash that leaves the cache (the engine's KV events).
+        self.on_remove: Callable[[int], None] | None = None
 
     # -- accounting ---------------------------------------------------------------------------
     @property
@@ -141,10 +144,14 @@ class PrefixKVCache:
             h, _ = lru.popitem(last=False)
             del refs[h]
             self.evicted_blocks += 1
+            if self.on_remove is not None:
+                self.on_remove(h)
             missing -= self.block_tokens
 
     def clear(self) -> None:
         """Drop every unreferenced block (what a cache flush does on a real engine)."""
         for h in self._lru:
             del self._refs[h]
+            if self.on_remove is not None:
+                self.on_remove(h)
         self._lru.clear()

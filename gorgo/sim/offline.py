@@ -30,16 +30,17 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from gorgo.core.decision import Decision, Rejection
-from gorgo.core.features import RequestFeatures
+from gorgo.core.features import RequestFeatures, prompt_text
 from gorgo.core.fleet import FleetSpec
 from gorgo.core.policies.base import Policy
 from gorgo.core.router import TICK_INTERVAL_S, Router
 from gorgo.sim.engine import Engine, EngineRejected, EngineRequest, StepResult
-from gorgo.sim.profiles import get_profile
+from gorgo.sim.kv_publish import HASH_ALGO, SimHashing
+from gorgo.sim.profiles import replica_profile
 
 # Event kinds, in tie-break order at equal times (completions before new arrivals; hooks last).
-(STEP_END, CLOSE, PROBE_DONE, SCRAPE_DONE, SCRAPE_AT, SUBMIT, ARRIVE, PROBE, TICK,
- CALL) = range(10)
+(STEP_END, CLOSE, PROBE_DONE, SCRAPE_DONE, KV_EVENTS, SCRAPE_AT, SUBMIT, ARRIVE, PROBE, TICK,
+ CALL) = range(11)
 
 # Router intake (added after bench/crosscheck.py compared this simulation with the live stack,
 # see docs/results.md "Live cross-check"): the live router takes requests one at a time, and each
@@ -113,7 +114,8 @@ def build_engines(spec: FleetSpec, speed: float = 1.0) -> list[Engine]:
         sim = r.sim
         if sim is None:
             raise ValueError(f"replica {r.name}: the offline simulation needs engine: sim")
-        engines.append(Engine(get_profile(sim.profile), tok, speed=speed * sim.speed))
+        engines.append(Engine(replica_profile(sim), tok, speed=speed * sim.speed,
+                              kv_events=r.precise is not None))
     return engines
 
 
@@ -153,6 +155,19 @@ class Simulation:
         self.on_complete = on_complete
         self.intake = intake  # (seconds per request, seconds per prompt token); see INTAKE_*
         self._router_free = 0.0  # when the router has taken every request that arrived so far
+        # `cache: precise` replicas: the simulated vLLM's hashing, and when its last KV-event batch
+        # reaches the router (one-way delay, in order as over TCP; no draw from the RNG).
+        tok = self.router.state.tok
+        self._hashing = {i: SimHashing(tok, r.precise.hash_seed)
+                         for i, r in enumerate(spec.replicas) if r.precise is not None}
+        self._kv_at = [0.0] * len(self.engines)
+        for i, r in enumerate(spec.replicas):
+            if r.sim is not None and r.sim.flavor == "vllm":  # its cache_config_info, scraped
+                bt = spec.block_tokens
+                self.router.state.observe_cache_config(
+                    i, bt, self.engines[i].cache.capacity_tokens // bt, HASH_ALGO)
+            if r.precise is not None:  # subscribed; the replay of an empty history answered
+                self.router.state.set_kv_synced(i, True)
 
     def call_at(self, t: float, fn: Callable[[], None]) -> None:
         """Run ``fn()`` at simulated time ``t`` (not before now); the run still ends with its last
@@ -199,7 +214,7 @@ class Simulation:
             ARRIVE: self._arrive, SUBMIT: self._submit, STEP_END: self._step_end,
             CLOSE: self._close, PROBE: self._probe, PROBE_DONE: self._probe_done,
             SCRAPE_AT: self._scrape_at, SCRAPE_DONE: self._scrape_done, TICK: self._tick,
-            CALL: self._call,
+            CALL: self._call, KV_EVENTS: self._kv_events,
         }
         self._open = n
         while heap and self._open > 0:
@@ -244,10 +259,14 @@ class Simulation:
         i = rec.replica
         f = self.features[k]
         rec.back_delay = self.net.one_way(i)
+        hashing = self._hashing.get(i)
+        if hashing is None or f.endpoint is None or f.body is None:
+            req = EngineRequest(k, f.prompt_tokens, f.block_hashes, rec.output_tokens, self.now)
+        else:
+            ids, hashes = hashing.blocks(prompt_text(f.endpoint, f.body))
+            req = EngineRequest(k, f.prompt_tokens, hashes, rec.output_tokens, self.now, ids)
         try:
-            self.engines[i].submit(
-                EngineRequest(k, f.prompt_tokens, f.block_hashes, rec.output_tokens, self.now),
-                self.now)
+            self.engines[i].submit(req, self.now)
         except EngineRejected as exc:
             rec.status = exc.status
             self._push(self.now + rec.back_delay, CLOSE, k)
@@ -283,6 +302,11 @@ class Simulation:
             if fin.completion_tokens > 1:
                 rec.itl = (res.end - rec.first_at) / (fin.completion_tokens - 1)
             self._push(end, CLOSE, fin.rid)
+        if i in self._hashing:
+            events = self.engines[i].take_kv_events()
+            if events:
+                self._kv_at[i] = max(self.now + self.net.half[i], self._kv_at[i])
+                self._push(self._kv_at[i], KV_EVENTS, (i, events))
         if self.engines[i].has_work():
             self._start_step(i)
         else:
@@ -314,12 +338,16 @@ class Simulation:
         m = self.engines[i].metrics()
         back = self.net.one_way(i)
         self._push(self.now + back, SCRAPE_DONE,
-                   (i, m.num_waiting, m.num_running, m.kv_usage, m.itl_sum_s, m.itl_count))
+                   (i, m.num_waiting, m.num_running, m.kv_usage))
         self._push(self.now + self.spec.signals.scrape_interval_s, SCRAPE_AT, i)
 
-    def _scrape_done(self, payload: tuple[int, int, int, float, float, int]) -> None:
+    def _scrape_done(self, payload: tuple) -> None:
         i, *load = payload
         self.router.state.observe_engine(i, self.now, *load)
+
+    def _kv_events(self, payload: tuple[int, list]) -> None:
+        i, events = payload
+        self.router.state.apply_kv_events(i, events)
 
     def _tick(self, _: object) -> None:
         self.router.tick(self.now)

@@ -29,8 +29,12 @@ def fleet_document(
     links: Mapping[str, Mapping[str, Any]] | None = None,
     proxy_region: str | None = None,
     name: str = "fleet",
+    cache: str = "approximate",
 ) -> dict[str, Any]:
     """A fleet document: ``replicas[region]`` replicas per region, all on one engine profile.
+
+    ``cache: precise`` makes every replica a simulated vLLM that publishes KV events, which the
+    router follows (tokenizer ``sim``).
 
     ``links`` overrides a region's link (default: the link preset of the region's name);
     ``speed`` sets a region's relative GPU speed, and its prefill-rate hint with it.
@@ -46,7 +50,11 @@ def fleet_document(
             sim: dict[str, Any] = {"profile": profile}
             if s != 1.0:
                 sim["speed"] = s
+            precise = {"cache": cache, "tokenizer": "sim"} if cache == "precise" else {}
+            if precise:
+                sim["flavor"] = "vllm"
             reps.append({
+                **precise,
                 "name": f"{region}-{k}",
                 "engine": "sim",
                 "region": region,

@@ -13,8 +13,9 @@ are in docs/simulator.md; ``describe`` turns a profile into the TTFT/ITL it prod
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from gorgo.core.fleet import SimEngineSpec
 from gorgo.core.tokens import Tokenization
 
 
@@ -102,6 +103,12 @@ def get_profile(name: str) -> EngineProfile:
     except KeyError:
         known = ", ".join(sorted(PROFILES))
         raise ValueError(f"unknown engine profile {name!r} (known: {known})") from None
+
+
+def replica_profile(sim: SimEngineSpec) -> EngineProfile:
+    """A simulated replica's profile, with its ``sim.kv_tokens`` pool when it sets one."""
+    profile = get_profile(sim.profile)
+    return replace(profile, kv_capacity_tokens=sim.kv_tokens) if sim.kv_tokens else profile
 
 
 @dataclass(frozen=True, slots=True)

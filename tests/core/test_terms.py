@@ -119,29 +119,6 @@ def test_state_holds_each_terms_parameters_per_replica() -> None:
     assert replace(_spec()).objective == TTFT
 
 
-def test_decode_calibrates_from_the_engines_inter_token_latency() -> None:
-    s = FleetState(_spec())
-    scale = s.params["decode"]["itl_scale"]
-    # 40 running, no KV in use: the model predicts 6 + 0.03 * 40 = 7.2 ms; the engine says 14.4.
-    s.observe_engine(0, 1.0, 0, 40, 0.0, itl_sum_s=10.0, itl_count=1000)  # baseline only
-    assert scale[0] == 1.0
-    for k in range(1, 30):
-        s.observe_engine(0, 1.0 + k, 0, 40, 0.0, itl_sum_s=10.0 + 0.0144 * 100 * k,
-                         itl_count=1000 + 100 * k)
-    assert scale[0] == pytest.approx(2.0, rel=0.01) and scale[1] == 1.0
-    s.now = 1000.0  # the scrapes are stale: both replicas priced on the router's own (empty) count
-    d = cost_terms(_req(s), s)["decode"]
-    assert d[0] == pytest.approx(2 * d[1], rel=0.01)
-    # A restarted engine (its counters went down) changes nothing, then has a fresh baseline.
-    s.observe_engine(0, 40.0, 0, 40, 0.0, itl_sum_s=0.1, itl_count=10)
-    assert scale[0] == pytest.approx(2.0, rel=0.01)
-    # An engine without the histogram, or an idle one, leaves the scale alone.
-    s.observe_engine(1, 40.0, 0, 40, 0.0)
-    s.observe_engine(1, 41.0, 0, 0, 0.0, itl_sum_s=1.0, itl_count=5)
-    s.observe_engine(1, 42.0, 0, 0, 0.0, itl_sum_s=2.0, itl_count=10)
-    assert scale[1] == 1.0
-
-
 def _slo_router(**slo) -> Router:
     """a: near and busy (fast first token, slow tokens); b: far and idle (the opposite)."""
     r = Router(_spec(objective=SLO, **({"slo": slo} if slo else {})))

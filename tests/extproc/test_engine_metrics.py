@@ -55,21 +55,3 @@ def test_missing_usage_is_nan_and_missing_queue_is_an_error() -> None:
     with pytest.raises(MetricsFormatError):
         parse_engine_metrics(VLLM, "sglang")
 
-
-def test_inter_token_latency_histograms_are_read_as_cumulative_sum_and_count() -> None:
-    itl = ("# TYPE vllm:inter_token_latency_seconds histogram\n"
-           'vllm:inter_token_latency_seconds_bucket{engine="0",le="+Inf"} 300\n'
-           'vllm:inter_token_latency_seconds_count{engine="0"} 300\n'
-           'vllm:inter_token_latency_seconds_sum{engine="0"} 3.0\n'
-           'vllm:inter_token_latency_seconds_bucket{engine="1",le="+Inf"} 100\n'
-           'vllm:inter_token_latency_seconds_count{engine="1"} 100\n'
-           'vllm:inter_token_latency_seconds_sum{engine="1"} 2.0\n')
-    load = parse_engine_metrics(VLLM + itl, "vllm")
-    assert (load.itl_sum_s, load.itl_count) == (pytest.approx(5.0), 400)
-    # SGLang's older name still counts; an engine without any ITL histogram reads NaN.
-    old = ("# TYPE sglang:time_per_output_token_seconds histogram\n"
-           "sglang:time_per_output_token_seconds_count 10\n"
-           "sglang:time_per_output_token_seconds_sum 0.5\n")
-    load = parse_engine_metrics(SGLANG + old, "sglang")
-    assert (load.itl_sum_s, load.itl_count) == (pytest.approx(0.5), 10)
-    assert math.isnan(parse_engine_metrics(SGLANG, "sglang").itl_count)

@@ -18,7 +18,6 @@ from gorgo.core.terms.base import (
     SLO,
     TTFT,
     CostTerm,
-    EngineSample,
 )
 
 TERMS: tuple[CostTerm, ...] = (
@@ -34,4 +33,4 @@ def weight_keys(objective: str) -> tuple[str, ...]:
 
 __all__ = ["ANCHOR", "BY_NAME", "E2E", "EXCLUDED", "FIXED", "FREE", "OBJECTIVES", "SLO", "TERMS",
            "TTFT",
-           "WEIGHTED", "CostTerm", "EngineSample", "weight_keys"]
+           "WEIGHTED", "CostTerm", "weight_keys"]

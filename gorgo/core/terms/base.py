@@ -34,28 +34,14 @@ OBJECTIVES = (TTFT, E2E, SLO)
 
 
 @dataclass(frozen=True, slots=True)
-class EngineSample:
-    """What one scrape of a replica's engine says, as a term's calibration reads it.
-
-    ``itl_ms`` is the mean inter-token latency since the previous scrape (NaN when the engine
-    exports no histogram or decoded nothing in between)."""
-
-    queue_reqs: float
-    running_reqs: float
-    kv_usage: float
-    itl_ms: float
-
-
-@dataclass(frozen=True, slots=True)
 class CostTerm:
     """One term of the cost; ``compute`` returns its unweighted value per replica in ``unit``.
 
     ``weight`` is the key of its weight in `Weights` (None: always weighted 1), with its default
     and the bounds every process enforces (fleet file, admin API, tuner). ``objectives`` are the
     objectives whose total includes the term (a TTFT term counts for every objective). ``params``
-    are per-replica constants the term reads from ``FleetState.params[name]``, with defaults that
-    ``calibrate`` refines from the engines' scrapes, so a term needs no field of its own in the
-    fleet state.
+    are per-replica constants the term reads from ``FleetState.params[name]``, with defaults, so a
+    term needs no field of its own in the fleet state.
     """
 
     name: str
@@ -68,8 +54,6 @@ class CostTerm:
     fit: str = FIXED
     objectives: frozenset[str] = frozenset(OBJECTIVES)
     params: Mapping[str, float] = field(default_factory=dict)
-    # Refines ``params`` from a scrape of replica i (None: nothing to calibrate).
-    calibrate: Callable[[FleetState, int, EngineSample], None] | None = None
 
     @property
     def field(self) -> str:

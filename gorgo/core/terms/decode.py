@@ -11,11 +11,11 @@ waiting requests when a fresh scrape says more), ``context`` their prompt tokens
 expected output each, and ``out`` the expected output length: ``max_tokens`` when the request sets
 it, else the ``output_tokens`` parameter. A replica whose prefill rate is below the fleet's fastest
 is assumed to decode as much slower. The constants are per replica
-(``FleetState.params["decode"]``); their defaults are an H100 running an 8B model, and
-``itl_scale`` corrects them from each engine's own inter-token latency histogram (the mean gap
-between two scrapes against what the model predicts at the engine's batch and KV use; an EWMA of
-the ratio, clamped to [0.1, 10]). What this request costs the requests already decoding there is
-the `interference` term.
+(``FleetState.params["decode"]``); their defaults are an H100 running an 8B model. (Calibrating
+them from the engines' inter-token latency histograms was tried and measured worse: under chunked
+prefill most decode steps carry prefill chunks, so the engines' gaps mostly price prefill, which
+the `interference` term already counts; docs/results.md.) What this request costs the requests
+already decoding there is the `interference` term.
 
 The `e2e` and `slo` objectives count this term (TTFT does not include decoding); `slo` also
 compares ``predicted_itl`` with the request's time-per-output-token target.
@@ -27,16 +27,14 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from gorgo.core.terms.base import E2E, EXCLUDED, SLO, CostTerm, EngineSample
+from gorgo.core.terms.base import E2E, EXCLUDED, SLO, CostTerm
 
 if TYPE_CHECKING:
     from gorgo.core.features import RequestFeatures
     from gorgo.core.state import FleetState
 
 PARAMS = {"itl_base_ms": 6.0, "itl_per_seq_ms": 0.03, "itl_per_kctx_ms": 0.04,
-          "output_tokens": 256.0, "itl_scale": 1.0}
-SCALE_ALPHA = 0.3  # EWMA weight of one scrape's ratio (in log space)
-SCALE_BOUNDS = (0.1, 10.0)
+          "output_tokens": 256.0}
 
 
 def expected_output(f: RequestFeatures, s: FleetState) -> np.ndarray:
@@ -55,23 +53,8 @@ def batch(s: FleetState) -> np.ndarray:
 
 
 def slowdown(s: FleetState) -> np.ndarray:
-    """How much slower than the model each replica decodes: the engine-calibrated scale on top of
-    the prior that it is as much slower than the fleet's fastest as its prefill rate says."""
-    return s.params["decode"]["itl_scale"] * s.prefill_rate.max() / s.prefill_rate
-
-
-def _calibrate(s: FleetState, i: int, sample: EngineSample) -> None:
-    """Fold one scrape's mean inter-token latency into replica i's ``itl_scale``."""
-    if not (sample.itl_ms > 0 and sample.running_reqs > 0) or np.isnan(sample.itl_ms):
-        return
-    p = s.params["decode"]
-    context = np.nan_to_num(sample.kv_usage) * s.spec.replicas[i].kv_capacity_tokens
-    prior = ((p["itl_base_ms"][i] + p["itl_per_seq_ms"][i] * sample.running_reqs
-              + p["itl_per_kctx_ms"][i] * context / 1000.0)
-             * s.prefill_rate.max() / s.prefill_rate[i])
-    ratio = float(np.clip(sample.itl_ms / prior, *SCALE_BOUNDS))
-    old = float(p["itl_scale"][i])
-    p["itl_scale"][i] = float(np.exp((1 - SCALE_ALPHA) * np.log(old) + SCALE_ALPHA * np.log(ratio)))
+    """How much slower than the fleet's fastest replica each one computes (prefill as the proxy)."""
+    return s.prefill_rate.max() / s.prefill_rate
 
 
 def predicted_itl(f: RequestFeatures, s: FleetState) -> np.ndarray:
@@ -91,5 +74,5 @@ def _decode(f: RequestFeatures, s: FleetState) -> np.ndarray:
 TERM = CostTerm(
     name="decode", doc="this request's own decode time on the replica", compute=_decode,
     weight="decode", default=1.0, bounds=(0.05, 20.0), fit=EXCLUDED,
-    objectives=frozenset({E2E, SLO}), params=PARAMS, calibrate=_calibrate,
+    objectives=frozenset({E2E, SLO}), params=PARAMS,
 )

@@ -1,0 +1,220 @@
+"""vLLM's KV-cache events as plain data, and the sequence logic that keeps a subscriber's copy of
+an engine's block set whole.
+
+Wire format (vLLM's ``ZmqEventPublisher``, also what the simulated engine publishes): a ZMQ
+message ``[topic, seq, payload]`` with ``seq`` an 8-byte big-endian batch number (0, 1, 2, ...
+per engine process) and ``payload`` msgpack of ``[ts, events, dp_rank]``; each event is a map
+tagged ``type``: ``BlockStored`` (``block_hashes`` as 64-bit ints, ``parent_block_hash``,
+``token_ids`` of whole blocks, ``block_size``, ``medium`` ...), ``BlockRemoved``
+(``block_hashes``) or ``AllBlocksCleared``. A replay socket (ROUTER) answers ``["", start_seq]``
+with every buffered batch from ``start_seq`` on, then an end marker whose seq is -1.
+
+This module knows the schema (`decode_batch`, `encode_batch`) on already-unpacked objects and
+decides what a subscriber must do (`EventStream`); sockets and msgpack live in the drivers
+(extproc/kv_events.py, the simulator).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+STORED, REMOVED, CLEARED = "BlockStored", "BlockRemoved", "AllBlocksCleared"
+END_SEQ = -1  # the replay's end marker
+MEDIUM = "GPU"
+
+
+@dataclass(frozen=True, slots=True)
+class KVEvent:
+    """One event: ``kind`` is STORED, REMOVED or CLEARED (which has no hashes)."""
+
+    kind: str
+    block_hashes: tuple[int, ...] = ()
+    parent: int | None = None
+    token_ids: tuple[int, ...] = ()
+    block_size: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class EventBatch:
+    seq: int
+    ts: float
+    events: tuple[KVEvent, ...]
+
+
+def publisher_binds(endpoint: str) -> bool:
+    """vLLM's rule for its PUB socket: it binds wildcard (``*``, ``::``) and ipc/inproc
+    endpoints and connects to any other, where the subscriber must bind. (Its replay socket
+    always binds.)"""
+    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+
+
+class EventFormatError(ValueError):
+    """A payload that is not a KV-event batch."""
+
+
+def _hash(value: Any) -> int:
+    """A published block hash: vLLM sends a 64-bit int (bytes before 0.11; kept as their low 64
+    bits, big-endian, which is what the int form is)."""
+    if isinstance(value, bytes | bytearray):
+        return int.from_bytes(value, "big") & (2**64 - 1)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value & (2**64 - 1)
+    raise EventFormatError(f"block hash {value!r:.40} is neither an int nor bytes")
+
+
+def decode_event(raw: Any) -> KVEvent | None:
+    """One unpacked event, or None for an event type this router does not use."""
+    if not isinstance(raw, dict):
+        raise EventFormatError("an event must be a map")
+    kind = raw.get("type")
+    if kind == CLEARED:
+        return KVEvent(CLEARED)
+    if kind not in (STORED, REMOVED):
+        return None
+    hashes = raw.get("block_hashes")
+    if not isinstance(hashes, list):
+        raise EventFormatError(f"{kind}.block_hashes must be a list")
+    if kind == REMOVED:
+        return KVEvent(REMOVED, tuple(map(_hash, hashes)))
+    parent = raw.get("parent_block_hash")
+    size = raw.get("block_size")
+    if not isinstance(size, int) or size < 1:
+        raise EventFormatError(f"BlockStored.block_size must be a positive int, got {size!r}")
+    return KVEvent(STORED, tuple(map(_hash, hashes)), None if parent is None else _hash(parent),
+                   tuple(raw.get("token_ids") or ()), size)
+
+
+def decode_batch(seq: int, raw: Any) -> EventBatch:
+    """A batch from its seq and unpacked payload ``[ts, events, dp_rank]``."""
+    if not isinstance(raw, list | tuple) or len(raw) < 2 or not isinstance(raw[1], list):
+        raise EventFormatError("a batch must be [ts, events, ...]")
+    events = (decode_event(e) for e in raw[1])
+    return EventBatch(seq, float(raw[0]), tuple(e for e in events if e is not None))
+
+
+def encode_event(e: KVEvent) -> dict[str, Any]:
+    """An event as vLLM's msgspec encoder writes it (fields at their defaults left out)."""
+    if e.kind == CLEARED:
+        return {"type": CLEARED}
+    if e.kind == REMOVED:
+        return {"type": REMOVED, "block_hashes": list(e.block_hashes), "medium": MEDIUM}
+    return {"type": STORED, "block_hashes": list(e.block_hashes),
+            "parent_block_hash": e.parent, "token_ids": list(e.token_ids),
+            "block_size": e.block_size, "lora_id": None, "medium": MEDIUM, "lora_name": None}
+
+
+def encode_batch(ts: float, events: list[KVEvent] | tuple[KVEvent, ...]) -> list[Any]:
+    """A batch's payload, ready for msgpack: ``[ts, events, dp_rank]``."""
+    return [ts, [encode_event(e) for e in events], 0]
+
+
+# --- a subscriber's sequence logic ----------------------------------------------------------------
+
+APPLY, CLEAR, REPLAY = "apply", "clear", "replay"
+
+
+@dataclass(frozen=True, slots=True)
+class Action:
+    """What the subscriber does next: APPLY ``batch`` to the block set, CLEAR it, or ask the
+    replay socket for every batch from ``seq`` on."""
+
+    kind: str
+    batch: EventBatch | None = None
+    seq: int = 0
+
+
+@dataclass
+class EventStream:
+    """One engine's batches in order, whatever the network did to them.
+
+    A subscriber starts by replaying from 0 (the engine's buffered history: a warm engine's blocks
+    are known at once). Live batches are applied while their seq is the next one; a jump ahead is
+    a gap, filled from the replay socket, with live batches held meanwhile; a seq behind (a fresh
+    count) is an engine restart: its blocks are gone, so the set is cleared and filled from 0.
+    A replay that no longer holds the first missing batch (its buffer moved on) cannot make the
+    set whole: it is cleared and rebuilt from what the replay still has, so blocks stored before
+    that and never removed stay unknown (under-counted, never invented).
+
+    A reconnection (the engine process went away and came back, or the network did) replays from
+    0: a history that ends before the batches already applied is a new process, whose first
+    batches were published before the subscription was back, so the set is rebuilt from it.
+
+    ``synced`` is False until the first replay answered and while a gap is open: the router uses
+    its approximate view of the replica then.
+    """
+
+    expected: int | None = None  # the next seq to apply; None before the first sync
+    replaying: bool = False
+    held: list[EventBatch] = field(default_factory=list)
+    gaps: int = 0  # gaps filled (or found unfillable)
+    restarts: int = 0
+    lost: int = 0  # replays that could not fill their gap
+    resyncing: bool = False
+
+    @property
+    def synced(self) -> bool:
+        return self.expected is not None and not self.replaying
+
+    def start(self) -> list[Action]:
+        """(Re)subscribe: replay the whole buffered history."""
+        self.replaying = True
+        return [Action(REPLAY, seq=0 if self.expected is None else self.expected)]
+
+    def reconnected(self) -> list[Action]:
+        """The subscription reconnected: replay the whole history to tell a new engine process
+        from the same one."""
+        if self.expected is None or self.replaying:
+            return []
+        self.replaying = self.resyncing = True
+        return [Action(REPLAY, seq=0)]
+
+    def live(self, batch: EventBatch) -> list[Action]:
+        if self.replaying:
+            self.held.append(batch)
+            return []
+        assert self.expected is not None, "start() first"
+        if batch.seq == self.expected:
+            self.expected += 1
+            return [Action(APPLY, batch)]
+        self.held.append(batch)
+        self.replaying = True
+        if batch.seq < self.expected:
+            self.restarts += 1
+            self.expected = 0
+            return [Action(CLEAR), Action(REPLAY, seq=0)]
+        self.gaps += 1
+        return [Action(REPLAY, seq=self.expected)]
+
+    def replayed(self, batches: list[EventBatch]) -> list[Action]:
+        """The replay's answer (in seq order, end marker excluded); then the held live batches."""
+        want = 0 if self.expected is None else self.expected
+        out: list[Action] = []
+        if self.resyncing and (batches[-1].seq if batches else -1) < want - 1:
+            self.restarts += 1
+            want = 0
+            out.append(Action(CLEAR))
+        self.resyncing = False
+        if self.expected is None:
+            out.append(Action(CLEAR))  # a first sync replaces whatever the set held
+        if batches and batches[0].seq > want:
+            self.lost += 1
+            out.append(Action(CLEAR))
+            want = batches[0].seq
+        elif not batches and self.held and self.held[0].seq > want:
+            self.lost += 1  # nothing buffered, yet live batches are past what we have
+            out.append(Action(CLEAR))
+            want = self.held[0].seq
+        for b in sorted([*batches, *self.held], key=lambda b: b.seq):
+            if b.seq == want:
+                out.append(Action(APPLY, b))
+                want += 1
+        self.expected = want
+        self.held.clear()
+        self.replaying = False
+        return out
+
+    def replay_failed(self) -> list[Action]:
+        """No answer from the replay socket: try again; live batches stay held meanwhile."""
+        seq = 0 if self.expected is None or self.resyncing else self.expected
+        return [Action(REPLAY, seq=seq)]

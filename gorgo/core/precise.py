@@ -1,0 +1,221 @@
+"""The precise cache view: each `cache: precise` replica's real block set, from its KV events.
+
+The approximate view (`prefix_index`) guesses what a replica caches from what this router sent it,
+bounded by a capacity; it cannot see evictions, other routers' traffic or a flush. A precise
+replica's engine publishes every block it stores and removes (`kv_events`); this view applies them
+to a `PrefixIndex` without capacity (the engine bounds it), keyed by the engine's own block hashes.
+A request is looked up by tokenizing its prompt with the served model's tokenizer and chat
+template (`prompt_tokens`) and hashing its blocks as the engine does (`block_hashes`), lazily, up
+to the first block no live replica holds.
+
+Events lag: a replica reports a prompt's blocks only once it has prefilled them, so the requests
+this router sent it that are still open count as cached there too (`PendingBlocks`, in the
+router's own block hashes): without them a burst of requests sharing a new prefix would be spread
+over the fleet before the first one's blocks were reported. The view of a live replica is the
+longer of the two matches.
+
+A replica's view is live once its engine's block size and hash algorithm are known (scraped from
+``vllm:cache_config_info`` or the events themselves) and its event stream is synced; until then,
+and while a gap is being filled, the router keeps using its approximate view of that replica.
+Loading a `tokenizer:` reads its files once, when the view is built (as `load_fleet` reads the
+fleet file); lookups do no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from gorgo.core.block_hashes import ALGORITHMS, BlockHasher
+from gorgo.core.features import RequestFeatures
+from gorgo.core.fleet import FleetSpec
+from gorgo.core.kv_events import CLEARED, REMOVED, STORED, KVEvent
+from gorgo.core.prefix_index import PrefixIndex
+from gorgo.core.prompt_tokens import Chunk, PromptTokenizer, load_tokenizer
+
+
+def _counted(chunks: Iterator[Chunk], seen: list[int]) -> Iterator[Sequence[int]]:
+    """The chunks' ids, adding up their characters and tokens in ``seen`` as they pass."""
+    for chunk, chars in chunks:
+        seen[0] += chars
+        seen[1] += len(chunk)
+        yield chunk
+
+
+class PendingBlocks:
+    """Router-hash blocks of the open requests per replica, counted (two open requests may share
+    blocks), with a `PrefixIndex` of those held at least once for the lookup."""
+
+    def __init__(self, n: int) -> None:
+        self.index = PrefixIndex(n, None)
+        self._counts: list[dict[int, int]] = [{} for _ in range(n)]
+
+    def add(self, i: int, hashes: list[int]) -> None:
+        counts = self._counts[i]
+        new = []
+        for h in hashes:
+            c = counts.get(h, 0)
+            if not c:
+                new.append(h)
+            counts[h] = c + 1
+        self.index.insert(i, new)
+
+    def remove(self, i: int, hashes: list[int]) -> None:
+        counts = self._counts[i]
+        gone = []
+        for h in hashes:
+            c = counts.get(h, 0) - 1
+            if c > 0:
+                counts[h] = c
+            elif c == 0:
+                del counts[h]
+                gone.append(h)
+        self.index.remove(i, gone)
+
+
+@dataclass(slots=True)
+class _Replica:
+    tokenizer: PromptTokenizer
+    seed: str
+    block_size: int | None = None
+    algorithm: str | None = None
+    hasher: BlockHasher | None = None
+    synced: bool = False
+
+
+class PreciseCache:
+    """Block sets of the fleet's precise replicas and the lookup over them."""
+
+    def __init__(self, spec: FleetSpec) -> None:
+        self.n = len(spec.replicas)
+        self.router_block_tokens = spec.block_tokens
+        self.chars_per_token = spec.chars_per_token
+        tokenizers: dict[str, PromptTokenizer] = {}
+        self.replicas: dict[int, _Replica] = {}
+        for i, r in enumerate(spec.replicas):
+            if r.precise is None:
+                continue
+            name = r.precise.tokenizer
+            if name not in tokenizers:
+                tokenizers[name] = load_tokenizer(name, spec.chars_per_token)
+            self.replicas[i] = _Replica(tokenizers[name], r.precise.hash_seed)
+        self.index = PrefixIndex(self.n, None)
+        self.pending = PendingBlocks(self.n)
+        self.events_applied = np.zeros(self.n, dtype=np.int64)
+
+    def live(self, i: int) -> bool:
+        r = self.replicas.get(i)
+        return r is not None and r.synced and r.hasher is not None
+
+    def live_mask(self) -> int:
+        return sum(1 << i for i in self.replicas if self.live(i))
+
+    def blocks_held(self, i: int) -> int:
+        return self.index.blocks_held(i)
+
+    # --- writers -------------------------------------------------------------------------------
+
+    def configure(self, i: int, block_size: int | None = None,
+                  algorithm: str | None = None) -> None:
+        """What the engine says of its cache (either may be None: unchanged). An algorithm this
+        view cannot reproduce leaves the replica approximate."""
+        r = self.replicas.get(i)
+        if r is None:
+            return
+        r.block_size = block_size or r.block_size
+        r.algorithm = algorithm or r.algorithm
+        if r.block_size and r.algorithm in ALGORITHMS:
+            if r.hasher is None or r.hasher.key != (r.algorithm, r.block_size, r.seed):
+                r.hasher = BlockHasher(r.algorithm, r.block_size, r.seed)
+        else:
+            r.hasher = None
+
+    def set_synced(self, i: int, synced: bool) -> None:
+        if i in self.replicas:
+            self.replicas[i].synced = synced
+
+    def apply(self, i: int, events: tuple[KVEvent, ...] | list[KVEvent]) -> None:
+        """Apply one batch of replica i's events, in order."""
+        if i not in self.replicas:
+            return
+        index = self.index
+        for e in events:
+            if e.kind == STORED:
+                if e.block_size and e.block_size != self.replicas[i].block_size:
+                    self.configure(i, block_size=e.block_size)
+                index.insert(i, list(e.block_hashes))
+            elif e.kind == REMOVED:
+                index.remove(i, e.block_hashes)
+            elif e.kind == CLEARED:
+                index.clear(i)
+        self.events_applied[i] += len(events)
+
+    def clear(self, i: int) -> None:
+        self.index.clear(i)
+
+    def sent(self, i: int, block_hashes: np.ndarray) -> None:
+        """A request was routed to replica i: its blocks count as cached there while it is open."""
+        if i in self.replicas:
+            self.pending.add(i, block_hashes.tolist())
+
+    def closed(self, i: int, block_hashes: np.ndarray) -> None:
+        if i in self.replicas:
+            self.pending.remove(i, block_hashes.tolist())
+
+    # --- lookup --------------------------------------------------------------------------------
+
+    def cached_tokens(self, f: RequestFeatures) -> tuple[int, np.ndarray]:
+        """(bitmask of the live replicas looked up, prompt tokens each of them caches).
+
+        Tokens are the router's estimate (characters / chars_per_token, what ``prompt_tokens``
+        counts), converted from the engine's tokens at the characters-per-token ratio of the part
+        of the prompt tokenized, so cached and uncached add up to the prompt."""
+        tokens = np.zeros(self.n, dtype=np.int64)
+        groups: dict[tuple, tuple[_Replica, int]] = {}
+        for i, r in self.replicas.items():
+            if self.live(i):
+                assert r.hasher is not None
+                key = (id(r.tokenizer), r.hasher.key)
+                first, mask = groups.get(key, (r, 0))
+                groups[key] = (first, mask | 1 << i)
+        live = 0
+        for r, mask in groups.values():
+            assert r.hasher is not None
+            seen = [0, 0]  # characters, engine tokens tokenized so far
+            ids = _counted(r.tokenizer.token_chunks(f), seen)
+            blocks = self.index.match(r.hasher.iter_hashes(ids), among=mask)
+            scale = seen[0] / seen[1] / self.chars_per_token if seen[0] and seen[1] else 1.0
+            tokens += (blocks * r.hasher.block_size * scale).astype(np.int64)
+            live |= mask
+        return live, tokens
+
+    def warm(self, f: RequestFeatures) -> None:
+        """Tokenize and hash the whole prompt for every live replica's tokenizer, filling the
+        memos, so the next request that extends it (the conversation's next turn, whose prefix
+        the engine has cached by then) is looked up at memo speed. The lookup stopped at the
+        first miss; the driver calls this off the request path (extproc: a worker thread, as
+        tokenizers release the GIL), and it reads no state the router's loop writes but the
+        memos, which tolerate it."""
+        seen: set[tuple] = set()
+        for r in list(self.replicas.values()):
+            hasher = r.hasher
+            if hasher is None or (id(r.tokenizer), hasher.key) in seen:
+                continue
+            seen.add((id(r.tokenizer), hasher.key))
+            for _ in hasher.iter_hashes(ids for ids, _ in r.tokenizer.token_chunks(f)):
+                pass
+
+    def overlay(self, f: RequestFeatures, matched: np.ndarray) -> np.ndarray:
+        """``matched`` (router blocks per replica, the approximate view) with each live precise
+        replica's entry replaced by what its engine really caches, in router blocks."""
+        live, tokens = self.cached_tokens(f)
+        if not live:
+            return matched
+        pending = self.pending.index.match(f.block_hashes, among=live)
+        out = matched.copy()
+        for i in range(self.n):
+            if live >> i & 1:
+                out[i] = max(tokens[i] // self.router_block_tokens, pending[i])
+        return out

@@ -1,0 +1,142 @@
+"""KV-event schema and the subscriber's sequence logic (gaps, replay, restarts)."""
+
+from __future__ import annotations
+
+import pytest
+
+from gorgo.core.kv_events import (
+    APPLY,
+    CLEAR,
+    CLEARED,
+    REMOVED,
+    REPLAY,
+    STORED,
+    EventBatch,
+    EventFormatError,
+    EventStream,
+    KVEvent,
+    decode_batch,
+    encode_batch,
+    publisher_binds,
+)
+
+# A batch as vLLM 0.32 sends it (msgspec: events are maps tagged "type", defaults left out).
+VLLM_PAYLOAD = [1796122796.38, [
+    {"type": "BlockStored", "block_hashes": [8549428687285952081, 5621987978429021048],
+     "parent_block_hash": None, "token_ids": [1, 31, 95], "block_size": 128, "lora_id": None,
+     "medium": "GPU", "lora_name": None, "extra_keys": [None, None], "group_idx": 0,
+     "kv_cache_spec_kind": "full_attention"},
+    {"type": "BlockRemoved", "block_hashes": [7], "medium": "GPU"},
+    {"type": "AllBlocksCleared"},
+    {"type": "SomethingNew", "x": 1},
+], 0]
+
+
+def test_decode_vllm_batch() -> None:
+    b = decode_batch(5, VLLM_PAYLOAD)
+    assert b.seq == 5
+    assert [e.kind for e in b.events] == [STORED, REMOVED, CLEARED]  # unknown types skipped
+    assert b.events[0].block_hashes == (8549428687285952081, 5621987978429021048)
+    assert b.events[0].block_size == 128 and b.events[0].parent is None
+    assert b.events[1].block_hashes == (7,)
+
+
+def test_bytes_hashes_read_as_low_64_bits() -> None:
+    raw = [0.0, [{"type": "BlockRemoved", "block_hashes": [(2**70 + 9).to_bytes(32, "big")]}]]
+    assert decode_batch(0, raw).events[0].block_hashes == (9,)
+
+
+@pytest.mark.parametrize("raw", [None, [], [0.0, "x"], [0.0, [3]],
+                                 [0.0, [{"type": "BlockStored", "block_hashes": [1]}]],
+                                 [0.0, [{"type": "BlockRemoved", "block_hashes": ["a"]}]]])
+def test_bad_payloads(raw: object) -> None:
+    with pytest.raises(EventFormatError):
+        decode_batch(0, raw)
+
+
+def test_encode_round_trip() -> None:
+    events = (KVEvent(STORED, (1, 2), 9, (5, 6, 7, 8), 2), KVEvent(REMOVED, (1,)),
+              KVEvent(CLEARED))
+    assert decode_batch(3, encode_batch(1.5, events)).events == events
+
+
+def test_publisher_binds_as_vllm() -> None:
+    assert publisher_binds("tcp://*:5557") and publisher_binds("tcp://[::]:5557")
+    assert publisher_binds("ipc:///tmp/kv") and not publisher_binds("tcp://127.0.0.1:5557")
+
+
+def batch(seq: int) -> EventBatch:
+    return EventBatch(seq, 0.0, (KVEvent(STORED, (seq,), None, (), 1),))
+
+
+def kinds(actions) -> list[tuple[str, int]]:
+    return [(a.kind, a.batch.seq if a.kind == APPLY else a.seq) for a in actions]
+
+
+def test_first_sync_replays_history_then_applies_live() -> None:
+    s = EventStream()
+    assert kinds(s.start()) == [(REPLAY, 0)]
+    assert not s.synced
+    assert s.live(batch(2)) == []  # held while the replay runs
+    out = s.replayed([batch(0), batch(1), batch(2)])
+    assert kinds(out) == [(CLEAR, 0), (APPLY, 0), (APPLY, 1), (APPLY, 2)]  # 2 once
+    assert s.synced and s.expected == 3
+    assert kinds(s.live(batch(3))) == [(APPLY, 3)]
+
+
+def test_gap_filled_by_replay() -> None:
+    s = EventStream()
+    s.start()
+    s.replayed([])
+    assert kinds(s.live(batch(0))) == [(APPLY, 0)]
+    assert kinds(s.live(batch(3))) == [(REPLAY, 1)]
+    assert not s.synced and s.gaps == 1
+    assert s.live(batch(4)) == []
+    assert kinds(s.replayed([batch(1), batch(2), batch(3)])) == [
+        (APPLY, 1), (APPLY, 2), (APPLY, 3), (APPLY, 4)]
+    assert s.synced and s.expected == 5
+
+
+def test_gap_the_replay_cannot_fill_clears() -> None:
+    s = EventStream(expected=10)
+    assert kinds(s.live(batch(15))) == [(REPLAY, 10)]
+    out = s.replayed([batch(13), batch(14), batch(15)])
+    assert kinds(out) == [(CLEAR, 0), (APPLY, 13), (APPLY, 14), (APPLY, 15)]
+    assert s.lost == 1 and s.synced
+
+
+def test_restart_clears_and_replays_from_zero() -> None:
+    s = EventStream(expected=40)
+    assert kinds(s.live(batch(1))) == [(CLEAR, 0), (REPLAY, 0)]
+    assert s.restarts == 1
+    assert kinds(s.replayed([batch(0), batch(1)])) == [(APPLY, 0), (APPLY, 1)]
+    assert s.expected == 2
+
+
+def test_replay_failure_retries_and_keeps_holding() -> None:
+    s = EventStream(expected=2)
+    s.live(batch(4))
+    assert kinds(s.replay_failed()) == [(REPLAY, 2)]
+    assert not s.synced and len(s.held) == 1
+
+
+def test_no_replay_socket_takes_the_stream_as_it_comes() -> None:
+    s = EventStream()
+    s.start()
+    s.live(batch(7))
+    assert kinds(s.replayed([])) == [(CLEAR, 0), (CLEAR, 0), (APPLY, 7)]
+    assert s.synced and s.expected == 8
+
+
+def test_reconnection_tells_a_new_engine_from_the_same_one() -> None:
+    same = EventStream(expected=3)
+    assert kinds(same.reconnected()) == [(REPLAY, 0)]
+    assert kinds(same.replayed([batch(0), batch(1), batch(2), batch(3)])) == [(APPLY, 3)]
+    assert same.restarts == 0 and same.expected == 4
+    new = EventStream(expected=3)
+    new.reconnected()
+    assert kinds(new.replayed([batch(0)])) == [(CLEAR, 0), (APPLY, 0)]  # history ends early
+    assert new.restarts == 1 and new.expected == 1
+    idle = EventStream(expected=3)
+    idle.reconnected()
+    assert kinds(idle.replayed([])) == [(CLEAR, 0)] and idle.expected == 0

@@ -1,0 +1,133 @@
+"""The precise cache view: fleet settings, and what every policy sees through matched_blocks."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gorgo.core.decision import Decision
+from gorgo.core.features import extract_features, prompt_text
+from gorgo.core.fleet import PRECISE, FleetError, parse_fleet
+from gorgo.core.kv_events import CLEARED, REMOVED, STORED, KVEvent
+from gorgo.core.router import Router
+from gorgo.sim.kv_publish import SimHashing
+
+BT = 64
+
+
+def fleet(**extra: object) -> dict:
+    replicas = [{"name": f"r{i}", "region": "a", "address": f"127.0.0.1:{9000 + i}",
+                 "engine": "vllm", "cache": "precise", "tokenizer": "sim", **extra}
+                for i in range(2)]
+    return {"regions": {"a": None}, "replicas": replicas, "block_tokens": BT}
+
+
+def replica_error(**fields: object) -> str:
+    raw = fleet()
+    raw["replicas"][0] = {k: v for k, v in raw["replicas"][0].items() if v is not None}
+    raw["replicas"][0].update({k: v for k, v in fields.items() if v is not None})
+    for k, v in fields.items():
+        if v is None:
+            raw["replicas"][0].pop(k)
+    with pytest.raises(FleetError) as err:
+        parse_fleet(raw)
+    return str(err.value)
+
+
+def test_fleet_settings() -> None:
+    spec = parse_fleet(fleet(hash_seed="", kv_events={"endpoint": "tcp://127.0.0.1:5557",
+                                                       "replay_endpoint": "ipc:///tmp/r"}))
+    r = spec.replicas[0]
+    assert r.cache == PRECISE and r.precise is not None
+    assert r.precise.hash_seed == "" and r.precise.kv_events.replay_endpoint == "ipc:///tmp/r"
+    plain = parse_fleet({"regions": {"a": None}, "replicas": [
+        {"name": "x", "region": "a", "address": "127.0.0.1:1", "engine": "vllm"}]})
+    assert plain.replicas[0].cache == "approximate" and plain.replicas[0].precise is None
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"cache": "exact"}, "replicas[0].cache: must be one of approximate, precise"),
+    ({"tokenizer": None}, "replicas[0].tokenizer: required"),
+    ({"engine": "sglang"}, "replicas[0].cache: precise needs vLLM's KV events"),
+    ({"hash_seed": 5}, "replicas[0].hash_seed: expected a string"),
+    ({"kv_events": {"endpoint": "http://x"}}, "replicas[0].kv_events.endpoint: expected a ZMQ"),
+    ({"kv_events": {"endpoint": "tcp://h:1", "hwm": 3}}, "replicas[0].kv_events.hwm: unknown"),
+    ({"cache": "approximate"}, "replicas[0].tokenizer: only allowed with cache: precise"),
+])
+def test_fleet_errors(fields: dict, message: str) -> None:
+    assert message in replica_error(**fields)
+
+
+def test_sim_engine_needs_vllm_flavor() -> None:
+    assert "sim.flavor: vllm" in replica_error(engine="sim", sim={"flavor": "sglang"})
+
+
+def request(text: str):
+    body = {"model": "m", "messages": [{"role": "user", "content": text}], "max_tokens": 8}
+    router = ROUTER
+    return extract_features("/v1/chat/completions", {}, json.dumps(body).encode(),
+                            router.state.tok), body
+
+
+ROUTER = Router(parse_fleet(fleet()))
+
+
+def engine_hashes(body: dict) -> list[int]:
+    _, hashes = SimHashing(ROUTER.state.tok).blocks(prompt_text("chat", body))
+    return [int(h) for h in hashes]
+
+
+def fresh() -> Router:
+    return Router(parse_fleet(fleet()))
+
+
+def test_live_only_once_synced_and_configured() -> None:
+    router = fresh()
+    s = router.state
+    f, body = request("word " * 2000)
+    hashes = engine_hashes(body)
+    s.apply_kv_events(1, [KVEvent(STORED, tuple(hashes[:20]), None, (), BT)])
+    assert s.matched_blocks(f).tolist() == [0, 0]  # not synced yet: the approximate view
+    s.set_kv_synced(1, True)
+    assert s.matched_blocks(f).tolist() == [0, 0]  # block size known (the event), algo not yet
+    s.observe_cache_config(1, BT, 10_000, "xxhash")
+    assert s.matched_blocks(f).tolist() == [0, 0]  # an algorithm it cannot reproduce
+    s.observe_cache_config(1, BT, 10_000, "sha256_cbor")
+    assert s.matched_blocks(f).tolist() == [0, 20]
+
+
+def test_removed_and_cleared_are_seen() -> None:
+    router = fresh()
+    s = router.state
+    f, body = request("word " * 2000)
+    hashes = engine_hashes(body)
+    for i in (0, 1):
+        s.observe_cache_config(i, BT, 10_000, "sha256_cbor")
+        s.set_kv_synced(i, True)
+    s.apply_kv_events(0, [KVEvent(STORED, tuple(hashes), None, (), BT)])
+    s.apply_kv_events(1, [KVEvent(STORED, tuple(hashes[:10]), None, (), BT)])
+    assert s.matched_blocks(f).tolist() == [len(hashes), 10]
+    s.apply_kv_events(0, [KVEvent(REMOVED, (hashes[5],))])  # evicted in the middle
+    assert s.matched_blocks(f).tolist() == [5, 10]
+    s.apply_kv_events(1, [KVEvent(CLEARED)])
+    assert s.matched_blocks(f).tolist() == [5, 0]
+    s.set_kv_synced(0, False, clear=True)  # a restart: forgotten, approximate again
+    assert s.matched_blocks(f).tolist() == [0, 0]
+
+
+def test_every_policy_routes_on_the_engine_blocks() -> None:
+    f, body = request("word " * 4000)
+    hashes = engine_hashes(body)
+    for name in ("gorgo", "cache-aware", "prefix-cache", "kv-cost"):
+        router = fresh()
+        s = router.state
+        for i in (0, 1):
+            s.observe_cache_config(i, BT, 10_000, "sha256_cbor")
+            s.set_kv_synced(i, True)
+            s.observe_rtt(i, 1.0)
+        s.apply_kv_events(1, [KVEvent(STORED, tuple(hashes), None, (), BT)])
+        router.policies[router.default_policy] = router.policies[name]
+        d = router.route(f, 0.0)
+        assert isinstance(d, Decision) and d.replica == 1, name
+        assert d.uncached_tokens < f.prompt_tokens // 10, name

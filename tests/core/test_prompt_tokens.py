@@ -1,0 +1,109 @@
+"""Prompt token ids as the engine runs them: the simulated tokenizer, and a served model's
+tokenizer and chat template (built here: a small byte-level BPE, no download)."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from gorgo.core.features import extract_features
+from gorgo.core.fleet import FleetError
+from gorgo.core.prompt_tokens import HFTokenizer, SimTokenizer, load_tokenizer
+from gorgo.core.tokens import Tokenization
+
+TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}</s>\n"
+            "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+TOK = Tokenization()
+
+
+def words(n: int, seed: int = 0) -> str:
+    rng = random.Random(seed)
+    vocab = ["route", "the", "cache", "  ", "\n", "Prefix", "42,", "blocks.", "héllo", "\t",
+             "x=y", "don't", "(KV)", "--", "tokens"]
+    return " ".join(rng.choice(vocab) for _ in range(n))
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    tokenizers = pytest.importorskip("tokenizers")
+    transformers = pytest.importorskip("transformers")
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<unk>", "<s>", "</s>"],
+        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([words(3000, s) for s in range(3)], trainer)
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>",
+                                                eos_token="</s>", unk_token="<unk>")
+    fast.chat_template = TEMPLATE
+    out = tmp_path_factory.mktemp("tok")
+    fast.save_pretrained(out)
+    return out
+
+
+def features(body: dict, path: str = "/v1/chat/completions"):
+    return extract_features(path, {}, json.dumps(body).encode(), TOK)
+
+
+def ids(tokenizer, f) -> list[int]:
+    return [t for chunk, _ in tokenizer.token_chunks(f) for t in chunk]
+
+
+def test_sim_tokenizer_counts_as_the_router_and_shares_prefixes() -> None:
+    sim = SimTokenizer(4.0)
+    a, b = words(400), words(400) + " more text"
+    fa = features({"messages": [{"role": "user", "content": a}]})
+    fb = features({"messages": [{"role": "user", "content": b}]})
+    ia, ib = ids(sim, fa), ids(sim, fb)
+    assert len(ia) == fa.prompt_tokens and len(ib) == fb.prompt_tokens
+    assert ib[: len(ia) - 1] == ia[:-1]  # all but a partial last token
+    assert max(ia) < 2**17 and ia == sim.ids(a).tolist()
+
+
+def test_hf_chunks_equal_whole_text(model_dir: Path) -> None:
+    hf = HFTokenizer(str(model_dir), chunk_chars=64)
+    assert hf.chunked
+    raw = hf._tok
+    for seed in range(5):
+        messages = [{"role": "system", "content": words(50, seed)},
+                    {"role": "user", "content": words(300, seed + 10)}]
+        got = ids(hf, features({"messages": messages}))
+        # What vLLM runs: the template rendered to text, tokenized without special tokens.
+        text = raw.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        want = raw.encode(text, add_special_tokens=False)
+        assert got == want
+        assert got[0] == raw.bos_token_id  # the template's BOS: the engine hashes it too
+    text = words(200, 99)
+    f = features({"prompt": text}, "/v1/completions")
+    assert ids(hf, f) == raw.encode(text, add_special_tokens=True)
+    assert ids(hf, features({"prompt": [5, 6, 7]}, "/v1/completions")) == [5, 6, 7]
+
+
+def test_hf_memo_repeats_no_work(model_dir: Path) -> None:
+    hf = HFTokenizer(str(model_dir), chunk_chars=64)
+    f = features({"messages": [{"role": "user", "content": words(400)}]})
+    first = ids(hf, f)
+    calls = []
+    encode = hf._encode
+    hf._encode = lambda text, special: calls.append(text) or encode(text, special)
+    assert ids(hf, f) == first and calls == []
+
+
+def test_hf_stops_early_when_the_caller_does(model_dir: Path) -> None:
+    hf = HFTokenizer(str(model_dir), chunk_chars=64)
+    f = features({"messages": [{"role": "user", "content": words(4000)}]})
+    next(iter(hf.token_chunks(f)))
+    assert len(hf._memo) == 1
+
+
+def test_unrenderable_and_missing() -> None:
+    assert load_tokenizer("sim", 4.0).name == "sim"
+    with pytest.raises(FleetError, match="cannot load"):
+        HFTokenizer("/nonexistent/model")
+    assert list(SimTokenizer(4.0).token_chunks(features({"messages": []}))) == []
+    assert SimTokenizer(3.5).ids("").size == 0 and np.all(SimTokenizer(3.5).ids("abcdefg") >= 0)
