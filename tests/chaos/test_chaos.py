@@ -394,8 +394,11 @@ def test_overload_at_twice_capacity_sheds_fast_and_admitted_requests_meet_the_sl
     # At twice the capacity about half must go; the first seconds fill the queues up to the SLO.
     assert 0.25 <= len(shed) / len(run.results) <= 0.6
     shed_p99 = float(np.percentile([r.rec.e2e_ms for r in shed], 99))
-    assert shed_p99 < 100.0
     assert all(r.complete for r in admitted)
+    # Shed fast: a refusal costs the router and Envoy only, so even its p99 is well below what a
+    # served request takes to its first token (a ratio, which a loaded machine does not break).
+    admitted_ttft_p50 = float(np.percentile([r.rec.ttft_ms for r in admitted], 50))
+    assert shed_p99 < 0.5 * admitted_ttft_p50
     # The router prices queued tokens as draining continuously, while chunked prefill hands out
     # first tokens only at the end of a step of up to prefill_chunk_tokens: an admitted request
     # may wait up to one full step (8192 tokens / 20000 tokens/s = 410 ms) beyond its prediction.
