@@ -24,12 +24,14 @@ def fleet(**extra: object) -> dict:
 
 
 def replica_error(**fields: object) -> str:
+    """The error of the fleet whose first replica has ``fields`` changed (None: removed)."""
     raw = fleet()
-    raw["replicas"][0] = {k: v for k, v in raw["replicas"][0].items() if v is not None}
-    raw["replicas"][0].update({k: v for k, v in fields.items() if v is not None})
+    replica = raw["replicas"][0]
     for k, v in fields.items():
         if v is None:
-            raw["replicas"][0].pop(k)
+            replica.pop(k)
+        else:
+            replica[k] = v
     with pytest.raises(FleetError) as err:
         parse_fleet(raw)
     return str(err.value)
@@ -63,14 +65,13 @@ def test_sim_engine_needs_vllm_flavor() -> None:
     assert "sim.flavor: vllm" in replica_error(engine="sim", sim={"flavor": "sglang"})
 
 
+ROUTER = Router(parse_fleet(fleet()))
+
+
 def request(text: str):
     body = {"model": "m", "messages": [{"role": "user", "content": text}], "max_tokens": 8}
-    router = ROUTER
     return extract_features("/v1/chat/completions", {}, json.dumps(body).encode(),
-                            router.state.tok), body
-
-
-ROUTER = Router(parse_fleet(fleet()))
+                            ROUTER.state.tok), body
 
 
 def engine_hashes(body: dict) -> list[int]:
@@ -131,3 +132,22 @@ def test_every_policy_routes_on_the_engine_blocks() -> None:
         d = router.route(f, 0.0)
         assert isinstance(d, Decision) and d.replica == 1, name
         assert d.uncached_tokens < f.prompt_tokens // 10, name
+
+
+def test_warm_fills_the_memos_off_the_request_path() -> None:
+    router = fresh()
+    s = router.state
+    s.observe_cache_config(0, BT, 10_000, "sha256_cbor")
+    s.set_kv_synced(0, True)
+    f, _ = request("word " * 2000)
+    hasher = s.precise.replicas[0].hasher
+    assert hasher is not None and not hasher._memo
+    s.precise.warm(f)
+    assert len(hasher._memo) == f.n_blocks  # every block's digest, for the next turn
+
+
+def test_demo_fleet_can_be_precise() -> None:
+    from gorgo.sim.presets import fleet_document
+
+    spec = parse_fleet(fleet_document({"us-east": 2}, cache="precise"))
+    assert all(r.cache == PRECISE and r.sim.flavor == "vllm" for r in spec.replicas)

