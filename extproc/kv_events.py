@@ -33,6 +33,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 from zmq.utils.monitor import parse_monitor_message
 
+from extproc.loop_thread import LoopThread
 from extproc.telemetry import REPLICA_LABELS, RouterMetrics, log_event
 from gorgo.core.features import RequestFeatures
 from gorgo.core.fleet import KVEventsSpec, ReplicaSpec
@@ -106,8 +107,7 @@ class KVEventsClient:
         self.streams: dict[int, EventStream] = {i: EventStream() for i in self.replicas}
         self.batches: dict[int, int] = dict.fromkeys(self.replicas, 0)
         self._loop: asyncio.AbstractEventLoop | None = None  # the router's
-        self._thread: threading.Thread | None = None
-        self._thread_loop: asyncio.AbstractEventLoop | None = None
+        self._thread = LoopThread("gorgo-kv-events")
         self._ctx: zmq.asyncio.Context | None = None
         self._tasks: list[asyncio.Task[None]] = []
         metrics.registry.register(_KVCollector(self))
@@ -116,24 +116,18 @@ class KVEventsClient:
         if not self.replicas:
             return
         self._loop = asyncio.get_running_loop()
-        self._thread_loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._thread_loop.run_forever,
-                                        name="gorgo-kv-events", daemon=True)
         self._thread.start()
-        await self._on_thread(self._start_thread())
+        await self._thread.run(self._start_thread())
 
     async def _start_thread(self) -> None:
         self._ctx = zmq.asyncio.Context()
         self._tasks = [asyncio.create_task(self._follow(i)) for i in self.replicas]
 
     async def stop(self) -> None:
-        if self._thread is None or self._thread_loop is None:
+        if not self._thread.running:
             return
-        await self._on_thread(self._stop_thread())
-        self._thread_loop.call_soon_threadsafe(self._thread_loop.stop)
-        await asyncio.to_thread(self._thread.join, 5)
-        self._thread_loop.close()
-        self._thread = None
+        await self._thread.run(self._stop_thread())
+        await self._thread.stop()
 
     async def _stop_thread(self) -> None:
         for t in self._tasks:
@@ -141,10 +135,6 @@ class KVEventsClient:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._ctx is not None:
             self._ctx.term()
-
-    async def _on_thread(self, coro: Any) -> None:
-        assert self._thread_loop is not None
-        await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self._thread_loop))
 
     # --- on the router's loop ------------------------------------------------------------------
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
 from collections import deque
 from collections.abc import Callable, Coroutine
@@ -32,6 +31,7 @@ import aiohttp
 import numpy as np
 
 from extproc.engine_metrics import EngineLoad, parse_engine_metrics
+from extproc.loop_thread import LoopThread
 from extproc.telemetry import RouterMetrics, log_event
 from gorgo.core.router import TICK_INTERVAL_S, Router
 
@@ -87,8 +87,7 @@ class Signals:
         self.last_tick: float | None = None
         self._healthy = router.state.healthy.copy()
         self._loop: asyncio.AbstractEventLoop | None = None  # the router's
-        self._thread: threading.Thread | None = None
-        self._thread_loop: asyncio.AbstractEventLoop | None = None
+        self._thread = LoopThread("gorgo-signals")
         self._thread_tasks: list[asyncio.Task] = []  # on the signal thread: probes, scrapes, lag
         self.lag = LoopLag()  # of the signal thread's loop
 
@@ -100,9 +99,6 @@ class Signals:
             asyncio.create_task(self._every(TICK_INTERVAL_S, self._tick)),
             asyncio.create_task(LoopLag().run(lag.labels("router").observe)),
         ]
-        self._thread_loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._thread_loop.run_forever,
-                                        name="gorgo-signals", daemon=True)
         self._thread.start()
         await self._on_thread(self._start_thread())
 
@@ -124,12 +120,9 @@ class Signals:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self._thread is not None and self._thread_loop is not None:
+        if self._thread.running:
             await self._on_thread(self._stop_thread())
-            self._thread_loop.call_soon_threadsafe(self._thread_loop.stop)
-            await asyncio.to_thread(self._thread.join, 5)
-            self._thread_loop.close()
-            self._thread = None
+            await self._thread.stop()
 
     async def _stop_thread(self) -> None:
         for t in self._thread_tasks:
@@ -140,8 +133,7 @@ class Signals:
 
     async def _on_thread(self, coro: Coroutine[Any, Any, None]) -> None:
         """Run ``coro`` on the signal thread's loop and wait for it on the router's."""
-        assert self._thread_loop is not None, "Signals.start() first"
-        await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self._thread_loop))
+        await self._thread.run(coro)
 
     def _apply(self, fn: Callable[..., None], *args: Any) -> None:
         """Run a state update on the router's loop, after what it is doing now."""
