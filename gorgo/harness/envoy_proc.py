@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from gorgo.harness.procs import stop_group
+from gorgo.harness.procs import file_tail, stop_group
 
 
 def envoy_binary() -> str:
@@ -76,10 +76,7 @@ class EnvoyProcess:
             return out
 
     def log_tail(self, n: int = 4000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-n:]
-        except OSError:
-            return ""
+        return file_tail(self.log_path, n)
 
     def stop(self) -> None:
         if self.proc is not None:

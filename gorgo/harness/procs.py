@@ -18,6 +18,14 @@ from typing import Any
 BIN = Path(sys.executable).parent
 
 
+def file_tail(path: Path, n: int) -> str:
+    """The last ``n`` characters of a process's log file ('' if it cannot be read)."""
+    try:
+        return path.read_text(errors="replace")[-n:]
+    except OSError:
+        return ""
+
+
 def free_port() -> int:
     return free_ports(1)[0]
 

@@ -20,7 +20,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from gorgo.harness.procs import stop_group
+from gorgo.harness.procs import file_tail, stop_group
 
 REPO = Path(__file__).resolve().parents[2]
 ENGINE_DIR = Path(os.environ.get("ENGINE_DIR", REPO / ".engines"))
@@ -112,10 +112,7 @@ class VLLMProcess:
         raise TimeoutError(f"vLLM {self.name} not ready in {timeout:.0f} s:\n{self.log_tail()}")
 
     def log_tail(self, n: int = 3000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-n:]
-        except OSError:
-            return ""
+        return file_tail(self.log_path, n)
 
     def stop(self) -> None:
         if self.proc is not None:

@@ -105,15 +105,6 @@ ITL_BUCKETS_S = (0.002, 0.004, 0.006, 0.008, 0.01, 0.0125, 0.015, 0.02, 0.025, 0
                  0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
 
 
-def itl_cumulative(counts: tuple[int, ...]) -> tuple[tuple[float, float], ...]:
-    """Per-bucket ITL counts as the cumulative (upper edge s, count) pairs a scrape reads."""
-    total, out = 0, []
-    for edge, n in zip((*ITL_BUCKETS_S, math.inf), counts, strict=False):
-        total += n
-        out.append((edge, float(total)))
-    return tuple(out)
-
-
 @dataclass(frozen=True, slots=True)
 class EngineMetrics:
     num_waiting: int

@@ -26,7 +26,7 @@ import socket
 import struct
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
 from aiohttp import web
@@ -130,31 +130,26 @@ class _MetricsCollector(Collector):
             c.add_metric(vals, value)
             return c
 
-        cum = list(itertools.accumulate(s.ttft_counts))
-        buckets = [(repr(b), n) for b, n in zip(TTFT_BUCKETS, cum, strict=False)]
-        buckets.append(("+Inf", cum[-1]))
-        ttft = HistogramMetricFamily(
-            f"{s.flavor}:time_to_first_token_seconds",
-            "Histogram of time to first token in seconds.",
-            labels=keys,
-        )
-        ttft.add_metric(vals, buckets, s.ttft_sum)
-        cum = list(itertools.accumulate(s.lag_counts))
-        lag_buckets = [(repr(b), n) for b, n in zip(STEP_LAG_BUCKETS, cum, strict=False)]
-        lag_buckets.append(("+Inf", cum[-1]))
-        lag = HistogramMetricFamily(
-            "gorgo_sim:step_lag_seconds",
-            "How late each engine step ended relative to its planned end (loop slip).",
-            labels=keys,
-        )
-        lag.add_metric(vals, lag_buckets, s.lag_sum)
-        cum = list(itertools.accumulate(m.itl_buckets))
-        itl_buckets = [(repr(b), n) for b, n in zip(ITL_BUCKETS_S, cum, strict=False)]
-        itl_buckets.append(("+Inf", cum[-1]))
-        itl = HistogramMetricFamily(
-            f"{s.flavor}:inter_token_latency_seconds",
-            "Histogram of inter-token latency in seconds.", labels=keys)
-        itl.add_metric(vals, itl_buckets, m.itl_sum_s)
+        def histogram(name: str, doc: str, edges: Sequence[float], counts: Sequence[int],
+                      total: float) -> HistogramMetricFamily:
+            """Per-bucket ``counts`` (+Inf last) as Prometheus' cumulative buckets."""
+            cum = list(itertools.accumulate(counts))
+            buckets = [(repr(b), n) for b, n in zip(edges, cum, strict=False)]
+            buckets.append(("+Inf", cum[-1]))
+            h = HistogramMetricFamily(name, doc, labels=keys)
+            h.add_metric(vals, buckets, total)
+            return h
+
+        ttft = histogram(f"{s.flavor}:time_to_first_token_seconds",
+                         "Histogram of time to first token in seconds.", TTFT_BUCKETS,
+                         s.ttft_counts, s.ttft_sum)
+        lag = histogram("gorgo_sim:step_lag_seconds",
+                        "How late each engine step ended relative to its planned end (loop slip).",
+                        STEP_LAG_BUCKETS, s.lag_counts, s.lag_sum)
+        # Real engines' ITL histogram (vLLM and SGLang name it alike, per flavor).
+        itl = histogram(f"{s.flavor}:inter_token_latency_seconds",
+                        "Histogram of inter-token latency in seconds.", ITL_BUCKETS_S,
+                        m.itl_buckets, m.itl_sum_s)
         hit = m.cached_tokens_total / m.prompt_tokens_total if m.prompt_tokens_total else 0.0
         if s.flavor == "sglang":
             yield gauge("sglang:num_running_reqs", "The number of running requests.", m.num_running)
