@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import sys
 import time
 from dataclasses import dataclass
@@ -29,7 +28,7 @@ from typing import Any
 from gorgo.core.policies import REGISTRY
 from gorgo.core.terms import OBJECTIVES
 from gorgo.errors import UserError
-from gorgo.harness.docblock import public_args, stop_on_signals, write_block
+from gorgo.harness.docblock import command_lines, public_args, stop_on_signals, write_block
 from gorgo.sim import bench
 from gorgo.sim.capacity import code_digest
 from gorgo.sim.presets import PRESETS
@@ -131,18 +130,15 @@ def summary(table: list[Row], args: argparse.Namespace, run: dict[str, Any]) -> 
     """The docs block: the command, how the cells are made, the table and the tallies."""
     pols = run["policies"]
     gorgos = variants(pols)
-    command = " ".join(shlex.quote(a) for a in
-                       [".venv/bin/python", "bench/matrix.py", *run["argv"]])
+    head, took = command_lines("bench/matrix.py", run["argv"], run.get("wall_s"))
     ttft, e2e = bench.GOALS["ttft_p95_ms"], bench.GOALS["e2e_p95_ms"]
     heads = []
     for k in METRICS:
         heads.append(f"best peer by {bench.TABLE_METRICS[k][0]} (ms)")
         heads += [f"{v} / best" for v in gorgos]
     heads += [f"goal {v}" for v in gorgos]
-    wall = run.get("wall_s")
-    took = "" if wall is None else f" in {wall / 60:.1f} min on {os.cpu_count()} CPUs"
     return "\n".join([
-        "```", command, "```", "",
+        *head,
         f"{len(table)} cells ({len(TRACES)} traces x {len(PRESETS)} fleets x {len(LOADS)} "
         f"loads){took}. Each cell: {args.windows} trace windows of {args.requests} requests "
         f"(`chat`: generator seeds 0-{args.windows - 1}) x {args.seeds} seeds, every policy at "

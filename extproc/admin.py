@@ -1,4 +1,5 @@
-"""The router's admin API: `GET/PUT /admin/weights` and `POST /admin/explain` on the metrics port.
+"""The router's admin API on the metrics port: `GET/PUT /admin/weights`, `POST /admin/explain`,
+and the fleet's membership under `/admin/fleet` (extproc/reload.py).
 
 The tuner publishes through it, and so can an operator. It changes routing for every request, so
 it is closed unless a token is configured (403 "admin API disabled"), every call must carry
@@ -15,17 +16,20 @@ import logging
 import math
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter
 
+from extproc.reload import FleetReloader
 from extproc.telemetry import log_event
 from gorgo.core.contract import PREFILL_RATE_BOUNDS, VERSION_MAX, WEIGHT_BOUNDS
 from gorgo.core.explain import explain
 from gorgo.core.features import RequestError, extract_features, parse_json_body
+from gorgo.core.fleet import FleetError
+from gorgo.core.membership import FleetDiff
 from gorgo.core.router import Router
 from gorgo.core.weights import Weights
 from gorgo.errors import UserError
@@ -217,14 +221,79 @@ class AdminApi:
         return web.json_response(explain(self.router, f, time.monotonic()).to_dict())
 
 
+class FleetAdmin:
+    """`/admin/fleet`: the fleet as the router runs it, and its membership changes (reload from
+    the file, add, remove, drain), each validated whole before anything changes (400 naming the
+    field otherwise, the old fleet routing on)."""
+
+    def __init__(self, api: AdminApi, reloader: FleetReloader) -> None:
+        self.api = api
+        self.reloader = reloader
+
+    async def _change(self, request: web.Request, change: Callable[[], FleetDiff]) -> web.Response:
+        denied = self.api._authorize(request)
+        if denied is not None:
+            return denied
+        try:
+            diff = change()
+        except KeyError as exc:
+            return _error(404, f"unknown replica {exc.args[0]!r}", "name")
+        except _Invalid as exc:
+            return exc.response()
+        except FleetError as exc:
+            return _error(400, f"fleet not changed: {exc}")
+        return web.json_response({**diff.to_dict(), **self.reloader.status()})
+
+    async def get(self, request: web.Request) -> web.Response:
+        denied = self.api._authorize(request)
+        return denied or web.json_response(self.reloader.status())
+
+    async def reload(self, request: web.Request) -> web.Response:
+        return await self._change(request, lambda: self.reloader.reload_file("admin reload"))
+
+    async def add(self, request: web.Request) -> web.Response:
+        if self.api._authorize(request) is not None:
+            return self.api._authorize(request)
+        try:
+            raw = await _read_json(request, WEIGHTS_MAX_BYTES)
+        except _Invalid as exc:
+            return exc.response()
+        return await self._change(request, lambda: self.reloader.add(raw))
+
+    async def remove(self, request: web.Request) -> web.Response:
+        name = request.match_info["name"]
+        return await self._change(request, lambda: self.reloader.remove(name))
+
+    async def drain(self, request: web.Request) -> web.Response:
+        if self.api._authorize(request) is not None:
+            return self.api._authorize(request)
+        name = request.match_info["name"]
+        try:
+            body = await _read_json(request, WEIGHTS_MAX_BYTES) if request.can_read_body else {}
+        except _Invalid as exc:
+            return exc.response()
+        drain = body.get("drain", True)
+        if not isinstance(drain, bool) or set(body) - {"drain"}:
+            return _error(400, "expected {\"drain\": true|false}", "drain")
+        return await self._change(request, lambda: self.reloader.drain(name, drain))
+
+
 def add_admin_routes(
     app: web.Application,
     router: Router,
     token: str | None,
     registry: CollectorRegistry | None = None,
+    reloader: FleetReloader | None = None,
 ) -> AdminApi:
     api = AdminApi(router, token, registry)
     app.router.add_get("/admin/weights", api.get)
     app.router.add_put("/admin/weights", api.put)
     app.router.add_post("/admin/explain", api.explain)
+    if reloader is not None:
+        fleet = FleetAdmin(api, reloader)
+        app.router.add_get("/admin/fleet", fleet.get)
+        app.router.add_post("/admin/fleet/reload", fleet.reload)
+        app.router.add_post("/admin/fleet/replicas", fleet.add)
+        app.router.add_delete("/admin/fleet/replicas/{name}", fleet.remove)
+        app.router.add_post("/admin/fleet/replicas/{name}/drain", fleet.drain)
     return api

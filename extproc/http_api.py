@@ -10,6 +10,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from extproc.admin import add_admin_routes
+from extproc.reload import FleetReloader
 from extproc.signals import Signals
 from extproc.telemetry import RouterMetrics
 from gorgo.core.router import Router
@@ -27,7 +28,7 @@ def readiness(router: Router, signals: Signals) -> dict[str, bool]:
 
 def make_app(
     metrics: RouterMetrics, router: Router | None = None, admin_token: str | None = None,
-    ready: Readiness | None = None,
+    ready: Readiness | None = None, reloader: FleetReloader | None = None,
 ) -> web.Application:
     """``ready`` gives /readyz its checks; without it /readyz answers as /healthz does."""
     async def prometheus(_: web.Request) -> web.Response:
@@ -47,5 +48,5 @@ def make_app(
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     if router is not None:
-        add_admin_routes(app, router, admin_token, metrics.registry)
+        add_admin_routes(app, router, admin_token, metrics.registry, reloader)
     return app

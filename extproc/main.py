@@ -5,26 +5,34 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
+import signal
 
 import grpc
 from aiohttp import web
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from extproc.admin import load_admin_token
+from extproc.discovery import DnsDiscovery
+from extproc.envoy_admin import EnvoyOutcomes
 from extproc.http_api import make_app, readiness
 from extproc.kv_events import KVEventsClient
+from extproc.reload import POLL_INTERVAL_S, FleetReloader
 from extproc.service import ExtProcService
 from extproc.signals import Signals
 from extproc.telemetry import RouterMetrics, log_event
+from extproc.workers import supervise
 from gorgo import shutdown
 from gorgo._xds.envoy.service.ext_proc.v3 import external_processor_pb2
 from gorgo._xds.envoy.service.ext_proc.v3.external_processor_pb2_grpc import (
     add_ExternalProcessorServicer_to_server,
 )
-from gorgo.core.fleet import FleetSpec, load_fleet
+from gorgo.core.fleet import FleetError, FleetSpec
+from gorgo.core.membership import FleetDiff
 from gorgo.core.router import Router
+from gorgo.envoy_config import write_cds
 from gorgo.errors import UserError, bind_error, check_port
 
 log = logging.getLogger("gorgo.extproc")
@@ -51,6 +59,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--otlp", default=None,
                    help="OTLP/gRPC collector HOST:PORT for the router's decision spans "
                         "(default: none exported)")
+    p.add_argument("--envoy-admin", default=None,
+                   help="Envoy admin HOST:PORT, read for each replica's errors and ejections; "
+                        "required when the fleet skips the response-headers round trip "
+                        "(extproc.response_headers: skip)")
+    p.add_argument("--workers", type=int, default=1,
+                   help="router processes, each on its own gRPC port (PORT..PORT+N-1; list them "
+                        "all in `gorgo envoy-config --extproc`), under one supervisor that owns "
+                        "the metrics/admin port (default 1; 0 = one per core)")
+    p.add_argument("--cds-file", default=None,
+                   help="cluster mode with membership changes: the clusters file Envoy watches "
+                        "(`gorgo envoy-config --cds-file`), rewritten atomically on each reload")
     p.add_argument("--log-level", default="INFO")
 
 
@@ -58,8 +77,12 @@ class ExtProcServer:
     """Everything one router process runs; usable in-process by tests and the demo."""
 
     def __init__(
-        self, router: Router, admin_token: str | None = None, otlp: str | None = None
+        self, router: Router, admin_token: str | None = None, otlp: str | None = None,
+        envoy_admin: str | None = None, fleet_path: str | None = None,
+        cds_file: str | None = None,
     ) -> None:
+        """``fleet_path``: the fleet file, reloaded on SIGHUP, on change and through the admin
+        API; ``cds_file``: the clusters file Envoy watches, rewritten on every reload."""
         self.router = router
         self.admin_token = admin_token
         self.metrics = RouterMetrics(router.state, lambda: router.open_requests, otlp)
@@ -67,6 +90,10 @@ class ExtProcServer:
         self.signals = Signals(router, self.metrics)
         self.kv_events = (KVEventsClient(router, self.metrics)
                           if router.state.precise is not None else None)
+        self.outcomes = EnvoyOutcomes(router, envoy_admin) if envoy_admin else None
+        self.cds_file = cds_file
+        self.reloader = FleetReloader(router, self.metrics, self.apply_fleet, fleet_path)
+        self._watch_task: asyncio.Task | None = None
         self.health = health.aio.HealthServicer()
         self._health_task: asyncio.Task | None = None
         self.grpc_port = 0
@@ -99,7 +126,7 @@ class ExtProcServer:
         await self._grpc.start()
         if metrics_port >= 0:
             self._http = web.AppRunner(make_app(self.metrics, self.router, self.admin_token,
-                                                 self.ready), access_log=None)
+                                                 self.ready, self.reloader), access_log=None)
             await self._http.setup()
             site = web.TCPSite(self._http, metrics_host, metrics_port)
             try:
@@ -110,8 +137,34 @@ class ExtProcServer:
         await self.signals.start()
         if self.kv_events is not None:
             await self.kv_events.start()
+        if self.outcomes is not None:
+            await self.outcomes.start()
         await self.metrics.spans.start()
         self._health_task = asyncio.create_task(self._serve_health())
+        if self.reloader.path is not None:
+            self._watch_task = asyncio.create_task(self._watch_fleet())
+
+    def apply_fleet(self, spec: FleetSpec) -> FleetDiff:
+        """Take on a new fleet (FleetError: nothing changed): the router first, then what reads
+        its state, then the CDS file, so Envoy learns an added cluster while the new replica
+        still waits for its first probe, and drops a removed one once nothing routes there."""
+        diff = self.router.reload(spec)
+        self.service.reloaded()
+        self.signals.reloaded()
+        self.metrics.rebind(self.router.state, list(diff.removed))
+        if self.cds_file is not None:
+            try:
+                write_cds(spec, self.cds_file)
+            except OSError as exc:
+                self.metrics.fleet_reloads.labels("cds_error").inc()
+                log_event(log, "cds_write_failed", logging.ERROR, path=self.cds_file,
+                          error=exc.strerror)
+        return diff
+
+    async def _watch_fleet(self) -> None:
+        while True:
+            await asyncio.sleep(POLL_INTERVAL_S)
+            self.reloader.poll()
 
     def ready(self) -> dict[str, bool]:
         return readiness(self.router, self.signals)
@@ -126,12 +179,17 @@ class ExtProcServer:
             await asyncio.sleep(HEALTH_INTERVAL_S)
 
     async def stop(self, grace: float = 1.0) -> None:
+        if self._watch_task is not None:
+            self._watch_task.cancel()
+            await asyncio.gather(self._watch_task, return_exceptions=True)
         if self._health_task is not None:
             self._health_task.cancel()
             await asyncio.gather(self._health_task, return_exceptions=True)
             await self.health.enter_graceful_shutdown()
         if self.kv_events is not None:
             await self.kv_events.stop()
+        if self.outcomes is not None:
+            await self.outcomes.stop()
         await self.signals.stop()
         await self.metrics.spans.stop()
         if self._http is not None:
@@ -140,11 +198,18 @@ class ExtProcServer:
             await self._grpc.stop(grace)
 
 
-async def serve(args: argparse.Namespace, spec: FleetSpec, token: str | None) -> int:
+async def serve(args: argparse.Namespace, spec: FleetSpec, token: str | None,
+                discovery: DnsDiscovery | None = None) -> int:
     stop = asyncio.Event()
     shutdown.on_stop(stop.set)  # first: a signal during the start still stops in order
     router = Router(spec, id_prefix=os.urandom(3).hex())
-    server = ExtProcServer(router, admin_token=token, otlp=args.otlp)
+    server = ExtProcServer(router, admin_token=token, otlp=args.otlp,
+                           envoy_admin=args.envoy_admin, fleet_path=args.fleet,
+                           cds_file=args.cds_file)
+    if args.cds_file:
+        write_cds(spec, args.cds_file)
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGHUP, _reload_on_hup, server)
     try:
         await server.start(args.host, args.port, args.metrics_host, args.metrics_port)
     except BaseException:
@@ -158,14 +223,34 @@ async def serve(args: argparse.Namespace, spec: FleetSpec, token: str | None) ->
         log.warning("admin API reachable on %s: keep its token secret and the port firewalled",
                     args.metrics_host)
     print(f"READY grpc={server.grpc_port} metrics={server.metrics_port}", flush=True)
+    if discovery is not None:
+        discovery.start()  # re-resolves the fleet's discover: names (extproc/discovery.py)
     await stop.wait()
+    if discovery is not None:
+        await discovery.stop()
+    loop.remove_signal_handler(signal.SIGHUP)
     await server.stop()
     return 0
+
+
+def _reload_on_hup(server: ExtProcServer) -> None:
+    with contextlib.suppress(FleetError):  # logged and counted; the old fleet routes on
+        server.reloader.reload_file("SIGHUP")
 
 
 def main(args: argparse.Namespace) -> int:
     """Serve until SIGTERM/SIGINT (0); a bad fleet, token file or port is a UserError."""
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(message)s")
-    spec = load_fleet(args.fleet)
+    discovery = DnsDiscovery(args.fleet)  # the fleet file, its discover: names resolved
+    spec = discovery.spec
     token = load_admin_token(args.admin_token_file)
-    return asyncio.run(serve(args, spec, token))
+    if spec.extproc.skip_response_headers and not args.envoy_admin:
+        raise UserError("the fleet skips the response-headers round trip "
+                        "(extproc.response_headers: skip): pass --envoy-admin HOST:PORT so the "
+                        "router still learns each replica's errors")
+    workers = args.workers if args.workers > 0 else (os.cpu_count() or 1)
+    if args.workers < 0:
+        raise UserError(f"--workers must be >= 0 (0 = one per core), got {args.workers}")
+    if workers > 1:
+        return asyncio.run(supervise(args, workers, token))
+    return asyncio.run(serve(args, spec, token, discovery))

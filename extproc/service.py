@@ -35,8 +35,9 @@ from gorgo.core.contract import (
     decision_fields,
     request_fields,
 )
-from gorgo.core.decision import SHED, Decision, Rejection
+from gorgo.core.decision import SHED, UNKNOWN_MODEL, Decision, Rejection
 from gorgo.core.features import RequestError, extract_features
+from gorgo.core.fleet import FleetSpec
 from gorgo.core.router import Router
 
 log = logging.getLogger("gorgo.extproc")
@@ -49,14 +50,15 @@ class _Stream:
 
     __slots__ = ("answered", "chunks", "decided_at", "decision", "duplex", "fallback", "headers",
                  "path", "served", "size", "trace")
+    # The replicas are kept by name: a fleet reload may re-index them mid-stream.
 
     def __init__(self) -> None:
         self.headers: dict[str, str] = {}
         self.path = "/"
         self.decision: Decision | None = None
         self.decided_at = 0.0  # perf_counter() when decided
-        self.served = 0  # the replica that answered: the decision's, or the retry's
-        self.fallback: int | None = None  # the replica Envoy retries on, if any
+        self.served = ""  # the replica that answered: the decision's, or the retry's
+        self.fallback: str | None = None  # the replica Envoy retries on, if any
         # (trace id, span id) of Envoy's ext_proc span, when decision spans are exported
         self.trace: tuple[bytes, bytes] | None = None
         # FULL_DUPLEX_STREAMED only: the body so far, and whether the request is answered.
@@ -64,6 +66,16 @@ class _Stream:
         self.chunks: list[bytes] = []
         self.size = 0
         self.answered = False
+
+
+MODELS_PATH = "/v1/models"
+
+
+def models_body(spec: FleetSpec) -> dict[str, Any]:
+    """`GET /v1/models` answered from the fleet: the models its replicas serve, in OpenAI's list
+    format (aliases are names a model also answers to, not models of their own)."""
+    return {"object": "list", "data": [
+        {"id": m, "object": "model", "created": 0, "owned_by": spec.name} for m in spec.models]}
 
 
 def next_best(d: Decision) -> int | None:
@@ -81,13 +93,18 @@ class ExtProcService(ExternalProcessorServicer):
         self.router = router
         self.metrics = metrics
         self.clock = clock
-        spec = router.spec
+        # The precise cache view tokenizes the rest of each prompt off the request path.
+        self._warm = PromptWarmer(router.state.precise) if router.state.precise else None
+        self.reloaded()
+
+    def reloaded(self) -> None:
+        """Take on the router's fleet (at start, and after each reload)."""
+        spec = self.router.spec
         self.max_body = spec.limits.max_body_bytes
         self.limits = spec.limits
         self.picker = spec.endpoint_picker
         self.retries = spec.retries.enabled
-        # The precise cache view tokenizes the rest of each prompt off the request path.
-        self._warm = PromptWarmer(router.state.precise) if router.state.precise else None
+        self._models = models_body(spec) if spec.models else None
 
     async def Process(
         self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: Any
@@ -120,14 +137,20 @@ class ExtProcService(ExternalProcessorServicer):
         finally:
             if st.decision is not None:
                 self.router.complete(st.decision.id)
-                self.metrics.request_seconds.labels(*self.metrics.replica(st.served)).observe(
-                    time.perf_counter() - st.decided_at)
+                served = self.router.state.index.get(st.served)
+                if served is not None:  # else removed: its label sets are gone
+                    self.metrics.request_seconds.labels(*self.metrics.replica(served)).observe(
+                        time.perf_counter() - st.decided_at)
 
     # --- message handlers ---------------------------------------------------------------------
 
     def _on_request_headers(self, st: _Stream, msg: pb.HttpHeaders) -> pb.ProcessingResponse:
         st.headers = messages.header_dict(msg)
         st.path = st.headers.get(":path", "/")
+        # Envoy forwards no :method (ROUTER_READS): any method of /v1/models gets the list.
+        if (self._models is not None and st.headers.get(":method", "GET") == "GET"
+                and st.path.split("?", 1)[0] == MODELS_PATH):
+            return messages.immediate(200, self._models, "gorgo_models")
         length = st.headers.get("content-length", "")
         if length.isdigit() and int(length) > self.max_body:
             return self._reject(RequestError(
@@ -183,22 +206,27 @@ class ExtProcService(ExternalProcessorServicer):
             return messages.CONTINUE_RESPONSE_HEADERS
         headers = messages.header_dict(msg)
         status = headers.get(":status", "")
-        served = d.replica
+        s = self.router.state
+        chosen = s.index.get(st.served)  # None: removed by a reload since the decision
         attempts = headers.get(ATTEMPT_COUNT_HEADER, "1")
         if st.fallback is not None and attempts.isdigit() and int(attempts) > 1:
             # Envoy retried on the next-best replica: the chosen one failed before answering.
-            self.router.state.record_failed_response(d.replica, self.clock())
-            served = st.fallback
-            self.router.reassign(d.id, served)
-            self.metrics.retried.labels(*self.metrics.replica(d.replica)).inc()
-        st.served = served
-        replica = self.router.state.names[served]
-        self.metrics.upstream_status.labels(*self.metrics.replica(served), f"{status[:1]}xx").inc()
-        if status in ("500", "502", "503", "504"):
-            self.router.state.record_failed_response(served, self.clock())
-        elif status[:1] in ("2", "4"):
-            self.router.state.record_success(served)
-        return messages.tag_response(replica, d.id)
+            if chosen is not None:
+                s.record_failed_response(chosen, self.clock())
+                self.metrics.retried.labels(*self.metrics.replica(chosen)).inc()
+            st.served = st.fallback
+            fallback = s.index.get(st.fallback)
+            if fallback is not None:
+                self.router.reassign(d.id, fallback)
+        served = s.index.get(st.served)
+        if served is not None:
+            self.metrics.upstream_status.labels(*self.metrics.replica(served),
+                                                f"{status[:1]}xx").inc()
+            if status in ("500", "502", "503", "504"):
+                s.record_failed_response(served, self.clock())
+            elif status[:1] in ("2", "4"):
+                s.record_success(served)
+        return messages.tag_response(st.served, d.id)
 
     # --- decisions ------------------------------------------------------------------------------
 
@@ -223,19 +251,20 @@ class ExtProcService(ExternalProcessorServicer):
             self._span(st, t0, wall0, {OUTCOME_ATTR: d.reason, ROUTER_STATUS_ATTR: d.status})
             return self._refuse(d)
         st.decision = d
-        st.served = d.replica
+        s = self.router.state
+        st.served = s.names[d.replica]
         if self._warm is not None:
             self._warm.submit(f)
-        s = self.router.state
         replica, region = self.metrics.replica(d.replica)
         fields = {**decision_fields(d, replica, region),
                   **request_fields(f, s.spec.replicas[d.replica].engine)}
         endpoint = s.spec.replicas[d.replica].address if self.picker else None
-        st.fallback = next_best(d) if self.retries else None
+        fallback = next_best(d) if self.retries else None
+        st.fallback = None if fallback is None else s.names[fallback]
         # Only with a routable next-best replica: a one-address list would leave the retry to
         # Envoy's fallback round robin, which may pick the failed or an ejected replica.
-        endpoints = None if st.fallback is None else [
-            s.spec.replicas[d.replica].address, s.spec.replicas[st.fallback].address]
+        endpoints = None if fallback is None else [
+            s.spec.replicas[d.replica].address, s.spec.replicas[fallback].address]
         answer = (messages.route_on_headers if on_headers else messages.route_on_body)(
             s.clusters[d.replica], fields, endpoint, endpoints)
         self.metrics.decisions.labels(d.policy, replica, region, self.metrics.model(f.model)).inc()
@@ -267,8 +296,10 @@ class ExtProcService(ExternalProcessorServicer):
         else:
             self.metrics.rejected.labels(str(r.status)).inc()
             kind = "server_error" if r.status >= 500 else "invalid_request_error"
-            err = RequestError(r.status, r.message, type=kind, code=r.reason)
-        retry = {} if r.status == 400 else {"retry-after": f"{r.retry_after_s:.0f}"}
+            err = RequestError(r.status, r.message, type=kind, code=r.reason,
+                               param="model" if r.reason == UNKNOWN_MODEL else None)
+        # Retry-After only where waiting can help: an overload or an outage, never a bad request.
+        retry = {"retry-after": f"{r.retry_after_s:.0f}"} if r.status in (429, 503) else {}
         return messages.immediate(r.status, err.to_body(), f"gorgo_{r.reason}", retry)
 
     def _too_large(self) -> pb.ProcessingResponse:

@@ -81,7 +81,6 @@ class Signals:
         self.router = router
         self.metrics = metrics
         self.clock = clock
-        self.spec = router.spec
         self._tasks: list[asyncio.Task] = []  # on the router's loop: the tick, its lag
         self._session: aiohttp.ClientSession | None = None
         self.last_tick: float | None = None
@@ -90,6 +89,14 @@ class Signals:
         self._thread = LoopThread("gorgo-signals")
         self._thread_tasks: list[asyncio.Task] = []  # on the signal thread: probes, scrapes, lag
         self.lag = LoopLag()  # of the signal thread's loop
+
+    @property
+    def spec(self):
+        return self.router.spec
+
+    def reloaded(self) -> None:
+        """The router took on a new fleet: health changes are logged against it from now on."""
+        self._healthy = self.router.state.healthy.copy()
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -135,10 +142,15 @@ class Signals:
         """Run ``coro`` on the signal thread's loop and wait for it on the router's."""
         await self._thread.run(coro)
 
-    def _apply(self, fn: Callable[..., None], *args: Any) -> None:
-        """Run a state update on the router's loop, after what it is doing now."""
+    def _apply(self, generation: int, fn: Callable[..., None], *args: Any) -> None:
+        """Run a state update on the router's loop, after what it is doing now, unless the fleet
+        was reloaded since it was measured (replica indices are then another fleet's)."""
         assert self._loop is not None
-        self._loop.call_soon_threadsafe(fn, *args)
+        self._loop.call_soon_threadsafe(self._if_current, generation, fn, *args)
+
+    def _if_current(self, generation: int, fn: Callable[..., None], *args: Any) -> None:
+        if generation == self.router.generation:
+            fn(*args)
 
     async def _every(self, interval: float, fn) -> None:
         while True:
@@ -166,6 +178,8 @@ class Signals:
         """One structured line per ejection and re-admission, whichever path decided it (a probe,
         or a failed response on the request path): compared once a tick."""
         s = self.router.state
+        if s.healthy.shape != self._healthy.shape:  # reloaded by a caller that did not say
+            self.reloaded()
         changed = np.flatnonzero(s.healthy != self._healthy)
         if not changed.size:
             return
@@ -188,11 +202,20 @@ class Signals:
         await self._on_thread(self._probe_all())
 
     async def _probe_all(self) -> None:
-        due = self.router.state.probe_due(self.clock())
-        await asyncio.gather(*(self.probe(i) for i in range(self.router.state.n) if due[i]))
-
-    async def probe(self, i: int, warm: bool = False) -> None:
+        generation = self.router.generation
         s = self.router.state
+        due = s.probe_due(self.clock())
+        await asyncio.gather(*(self.probe(i, generation=generation) for i in range(s.n)
+                               if due[i]))
+
+    async def probe(self, i: int, warm: bool = False, generation: int | None = None) -> None:
+        """Probe replica ``i`` of the fleet of ``generation`` (read before the state and spec it
+        indexes; default: the current one)."""
+        if generation is None:
+            generation = self.router.generation
+        s = self.router.state
+        if generation != self.router.generation:
+            return  # reloaded since this round began: the index names another fleet's replica
         replica = self.spec.replicas[i]
         ctx = SimpleNamespace(new_connection=False)
         started = time.monotonic()
@@ -210,16 +233,17 @@ class Signals:
         late = self.lag.worst_since(started)
         if ok:
             stalled = late > max(RTT_LATE_S, RTT_LATE_SHARE * rtt_ms / 1000)
-            self._apply(self.apply_probe, i, None if ctx.new_connection or stalled else rtt_ms)
+            self._apply(generation, self.apply_probe, i,
+                        None if ctx.new_connection or stalled else rtt_ms)
             if ctx.new_connection and not warm and s.rtt_samples[i] == 0:
-                await self.probe(i, warm=True)  # the connection is open now: sample at once
+                await self.probe(i, warm=True, generation=generation)  # sample at once
         elif timed_out and late > LATE_SHARE_OF_TIMEOUT * self.spec.timeouts.probe_ms / 1000:
             self.metrics.probe_inconclusive.labels(*self.metrics.replica(i)).inc()
             log.debug("probe of %s timed out while the signal loop was %.3f s late: not counted",
                       replica.name, late)
         else:
             self.metrics.probe_errors.labels(*self.metrics.replica(i)).inc()
-            self._apply(self.apply_failed_probe, i)
+            self._apply(generation, self.apply_failed_probe, i)
 
     def apply_probe(self, i: int, rtt_ms: float | None) -> None:
         """A probe answered: the replica is healthy, and ``rtt_ms`` (if a sample) updates its RTT.
@@ -245,9 +269,14 @@ class Signals:
         await self._on_thread(self._scrape_all())
 
     async def _scrape_all(self) -> None:
-        await asyncio.gather(*(self.scrape(i) for i in range(self.router.state.n)))
+        generation = self.router.generation
+        await asyncio.gather(*(self.scrape(i, generation) for i in range(self.router.state.n)))
 
-    async def scrape(self, i: int) -> None:
+    async def scrape(self, i: int, generation: int | None = None) -> None:
+        if generation is None:
+            generation = self.router.generation
+        elif generation != self.router.generation:
+            return
         replica = self.spec.replicas[i]
         try:
             async with self._session.get(replica.metrics_url) as resp:
@@ -259,7 +288,7 @@ class Signals:
             self.metrics.scrape_errors.labels(*self.metrics.replica(i)).inc()
             log.debug("scrape of %s failed: %s", replica.name, exc)
             return
-        self._apply(self.apply_scrape, i, load)
+        self._apply(generation, self.apply_scrape, i, load)
 
 
 async def _mark_new_connection(session, trace_ctx, params) -> None:

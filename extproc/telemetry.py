@@ -164,7 +164,27 @@ class RouterMetrics:
             "gorgo_trace_spans", "Decision spans by outcome (exported, dropped: queue full, "
             "failed: the export failed)", ["result"], registry=r,
         ))
-        r.register(_StateCollector(state, open_requests))
+        self._collector = _StateCollector(state, open_requests)
+        r.register(self._collector)
+        self.fleet_reloads = Counter(
+            "gorgo_fleet_reloads", "Fleet reloads by outcome (applied, unchanged, error: the old "
+            "fleet stays)", ["result"], registry=r,
+        )
+
+    def rebind(self, state: FleetState, removed: list[str]) -> None:
+        """Read the fleet state the router now has; a removed replica's series all go (what a
+        dashboard would otherwise show as a replica frozen at its last values)."""
+        self.state = self._collector.state = state
+        gone = set(removed)
+        for metric in vars(self).values():
+            # prometheus_client has no public accessor for a metric's label names.
+            names = getattr(metric, "_labelnames", ())
+            if not isinstance(metric, Counter | Histogram) or "replica" not in names:
+                continue
+            for labels in {tuple(x.labels[n] for n in names)
+                           for fam in metric.collect() for x in fam.samples
+                           if x.labels.get("replica") in gone}:
+                metric.remove(*labels)
 
     def replica(self, i: int) -> tuple[str, str]:
         """The replica and region labels of replica index ``i``."""

@@ -1,18 +1,18 @@
 """`gorgo envoy-config`: render a complete Envoy bootstrap for a fleet file.
 
-The bootstrap is plain data built from the fleet spec (no typed envoy-data-plane classes: they
-would add a heavy dependency to produce a dict that `envoy --mode validate` checks anyway, and the
-tests run that validation on every rendered shape). Request path: listener (a client's routing
-headers are removed, so it cannot pick a cluster, and its control headers too unless the fleet
-trusts its address) -> ext_proc (gets only the headers the router reads; sets x-gorgo-cluster,
-clears the route cache, publishes the decision as dynamic metadata) -> router. Only the inference
-API, the health path and the fleet's extra paths are routed; any other path is Envoy's 404. If
-the ext_proc server is down or slow, the filter fails open and the fallback route sends the request
-to the default cluster. With retries on, ext_proc also names the chosen and the next-best replica
-in x-gorgo-endpoints; that route goes to one cluster of every replica whose override-host policy
-sends the first attempt to the first address and the one retry to the second (see
-docs/reliability.md). Span path: Envoy's OpenTelemetry tracer puts the first byte's time and every
-gorgo.* decision and request field on the request's span (docs/observability.md); the fleet's
+The bootstrap is plain data built from the fleet spec; `render_yaml` converts it through
+envoy-data-plane's typed classes (gorgo/envoy_typed.py), so a wrong field or type fails here with
+its path, and the tests still run `envoy --mode validate` on every rendered shape. Request path:
+listener (a client's routing headers are removed, so it cannot pick a cluster, and its control
+headers too unless the fleet trusts its address) -> ext_proc (gets only the headers the router
+reads; sets x-gorgo-cluster, clears the route cache, publishes the decision as dynamic metadata) ->
+router. Only the inference API, the health path and the fleet's extra paths are routed; any other
+path is Envoy's 404. If the ext_proc server is down or slow, the filter fails open and the fallback
+route sends the request to the default cluster. With retries on, ext_proc also names the chosen and
+the next-best replica in x-gorgo-endpoints; that route goes to one cluster of every replica whose
+override-host policy sends the first attempt to the first address and the one retry to the second
+(see docs/reliability.md). Span path: Envoy's OpenTelemetry tracer puts the first byte's time and
+every gorgo.* decision and request field on the request's span (docs/observability.md); the fleet's
 observability.access_log adds one JSON access-log line per request. With ``--body-mode
 full-duplex`` the body streams to the router; Envoy then applies no per-message timeout, and fails
 open only once a health check has marked the router down (see EXTPROC_HEALTH_INTERVAL).
@@ -35,16 +35,24 @@ from gorgo.core.contract import (
     CLUSTER_HEADER,
     CONTROL_HEADERS,
     DECISION_FIELDS,
+    DECISION_HEADER,
     ENDPOINTS_HEADER,
     HEALTH_PATH,
+    LOG_END,
+    LOG_PERIODIC,
+    LOG_TYPE_ATTR,
     METADATA_NAMESPACE,
     PICKER_HEADER,
+    REPLICA_HEADER,
     REQUEST_FIELDS,
     ROUTER_READS,
     SPAN_PREFIX,
+    STATUS_ATTR,
     TTFT_ATTR,
+    TTFT_LOG_NAME,
 )
 from gorgo.core.fleet import FleetSpec, load_fleet
+from gorgo.envoy_typed import check_bootstrap
 from gorgo.errors import UserError
 
 _T = "type.googleapis.com/"
@@ -99,6 +107,20 @@ BODY_MODES = {"buffered": "BUFFERED", "full-duplex": "FULL_DUPLEX_STREAMED"}
 # failure_mode_allow once a body chunk is sent: a dead router fails requests instead. A connect-only
 # health check takes a dead router out first (panic routing off), and Envoy then skips ext_proc.
 EXTPROC_HEALTH_INTERVAL = "1s"
+# With the response-headers round trip skipped (fleet extproc.response_headers: skip), Envoy tags
+# the response from the decision's metadata (an unrouted answer has none and gets no header), and
+# outlier detection ejects a replica after consecutive 5xx; the router reads each replica's errors
+# and ejections from the admin API (extproc/envoy_admin.py). In a one-replica cluster an ejection
+# only marks the host (panic routing keeps it): the router is what moves traffic away.
+TAG_FROM_METADATA = [
+    {"header": {"key": header, "value": f"%DYNAMIC_METADATA({METADATA_NAMESPACE}:{field})%"},
+     "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}
+    for header, field in ((REPLICA_HEADER, "replica"), (DECISION_HEADER, "decision_id"))
+]
+OUTLIER_DETECTION = {
+    "consecutive_5xx": 5, "interval": "1s", "base_ejection_time": "10s",
+    "max_ejection_percent": 100,
+}
 # Envoy's own 503s for a failed upstream (connect failure, no host, reset, retries exhausted);
 # the router's immediate 503 (no_healthy_replica) carries none of these flags and keeps its body.
 UPSTREAM_FAILURE_FLAGS = ("UF", "UH", "UR", "UC", "URX")
@@ -109,9 +131,12 @@ def _hostport(value: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def _cluster(name: str, host: str, port: int, connect_ms: int, http2: bool = False) -> dict:
+def _cluster(name: str, addresses: list[tuple[str, int]], connect_ms: int,
+             http2: bool = False) -> dict:
+    """A round-robin cluster of ``addresses`` (one replica; or every `gorgo extproc` worker)."""
     try:
-        ipaddress.ip_address(host)
+        for host, _ in addresses:
+            ipaddress.ip_address(host)
         kind = "STATIC"
     except ValueError:
         kind = "STRICT_DNS"  # resolved by name; IPv4 first, as most container networks are
@@ -124,7 +149,8 @@ def _cluster(name: str, host: str, port: int, connect_ms: int, http2: bool = Fal
         "load_assignment": {
             "cluster_name": name,
             "endpoints": [{"lb_endpoints": [{"endpoint": {"address": {
-                "socket_address": {"address": host, "port_value": port}}}}]}],
+                "socket_address": {"address": host, "port_value": port}}}}
+                for host, port in addresses]}],
         },
         "circuit_breakers": {"thresholds": [{
             "max_connections": 100000, "max_pending_requests": 100000,
@@ -229,9 +255,18 @@ def _routes(spec: FleetSpec, picker: bool) -> list[dict]:
     return routes
 
 
+def _otlp_service(token: str | None) -> dict:
+    """The gRPC service of every OTLP export (spans and the TTFT log); ``token``: the tuner's
+    OTLP bearer token, sent as initial metadata with every export (the tuner counts nothing
+    without it)."""
+    return {
+        "envoy_grpc": {"cluster_name": OTLP_CLUSTER}, "timeout": "1s",
+        **({"initial_metadata": [{"key": "authorization", "value": f"Bearer {token}"}]}
+           if token else {}),
+    }
+
+
 def _tracing(otlp: str | None, service_name: str, token: str | None) -> dict | None:
-    """``token``: the tuner's OTLP bearer token, sent as gRPC initial metadata with every export
-    (the tuner counts no span without it)."""
     if otlp is None:
         return None
     tags = [{"tag": TTFT_ATTR, "value": TTFT_FORMAT}]
@@ -243,11 +278,7 @@ def _tracing(otlp: str | None, service_name: str, token: str | None) -> dict | N
             "name": "envoy.tracers.opentelemetry",
             "typed_config": {
                 "@type": _T + "envoy.config.trace.v3.OpenTelemetryConfig",
-                "grpc_service": {
-                    "envoy_grpc": {"cluster_name": OTLP_CLUSTER}, "timeout": "1s",
-                    **({"initial_metadata": [{"key": "authorization", "value": f"Bearer {token}"}]}
-                       if token else {}),
-                },
+                "grpc_service": _otlp_service(token),
                 "service_name": service_name,
             },
         },
@@ -255,9 +286,47 @@ def _tracing(otlp: str | None, service_name: str, token: str | None) -> dict | N
     }
 
 
+def _log_type_filter(*types: str, exclude: bool = False) -> dict:
+    return {"log_type_filter": {"types": list(types), **({"exclude": True} if exclude else {})}}
+
+
+def _ttft_log(token: str | None) -> dict:
+    """The first-token time of open streams, to the tuner over OTLP logs: the periodic entries
+    (``access_log_flush_interval``) and the end entry, only once the response has started (a
+    status is set; its first body byte follows at once for a stream) and only for a decision.
+    Envoy cannot tell whether an earlier entry of the stream already carried the TTFT, so each
+    open stream sends one entry per interval; the tuner counts its decision's TTFT once."""
+    attrs = {TTFT_ATTR: TTFT_FORMAT, STATUS_ATTR: "%RESPONSE_CODE%",
+             LOG_TYPE_ATTR: "%ACCESS_LOG_TYPE%",
+             **{f"{SPAN_PREFIX}{k}": f"%DYNAMIC_METADATA({METADATA_NAMESPACE}:{k})%"
+                for k in DECISION_FIELDS}}
+    return {
+        "name": "envoy.access_loggers.open_telemetry",
+        "filter": {"and_filter": {"filters": [
+            _log_type_filter(LOG_PERIODIC, LOG_END),
+            {"status_code_filter": {"comparison": {
+                "op": "GE", "value": {"default_value": 100, "runtime_key": "gorgo.ttft_log"}}}},
+            {"metadata_filter": {"matcher": {
+                "filter": METADATA_NAMESPACE, "path": [{"key": "decision_id"}],
+                "value": {"present_match": True}}}},
+        ]}},
+        "typed_config": {
+            "@type": _T + "envoy.extensions.access_loggers.open_telemetry.v3."
+            "OpenTelemetryAccessLogConfig",
+            "grpc_service": _otlp_service(token),
+            "log_name": TTFT_LOG_NAME,
+            "body": {"string_value": TTFT_LOG_NAME},
+            "attributes": {"values": [{"key": k, "value": {"string_value": v}}
+                                      for k, v in attrs.items()]},
+        },
+    }
+
+
 def _access_log(path: str) -> dict:
+    """One line per request: never the periodic entries of the TTFT log's flush interval."""
     return {
         "name": "envoy.access_loggers.file",
+        "filter": _log_type_filter(LOG_PERIODIC, exclude=True),
         "typed_config": {
             "@type": _T + "envoy.extensions.access_loggers.file.v3.FileAccessLog",
             "path": path,
@@ -281,14 +350,18 @@ def render_bootstrap(
     picker: bool = False,
     service_name: str = "gorgo-envoy",
     body_mode: str = "buffered",
+    cds: str | None = None,
 ) -> dict[str, Any]:
     """The bootstrap as a dict; ``picker`` (or the fleet's ``endpoint_picker``) adds the
     endpoint-picker route to an ORIGINAL_DST cluster, the fleet's ``retries`` the retried route
     to the override-host cluster of every replica. ``body_mode`` "full-duplex" streams request
-    bodies to the router (FULL_DUPLEX_STREAMED, as an InferencePool's picker is run)."""
+    bodies to the router (FULL_DUPLEX_STREAMED, as an InferencePool's picker is run). With
+    ``cds`` (a file path) the replicas' clusters are not in the bootstrap: Envoy loads them from
+    that file (`render_cds`) and follows every atomic rewrite of it, without a restart."""
     if body_mode not in BODY_MODES:
         raise ValueError(f"body_mode must be one of {sorted(BODY_MODES)}, not {body_mode!r}")
     duplex = body_mode == "full-duplex"
+    skip = spec.extproc.skip_response_headers
     picker = picker or spec.endpoint_picker
     lhost, lport = _hostport(listen)
     ahost, aport = _hostport(admin)
@@ -307,7 +380,7 @@ def render_bootstrap(
                 {"exact": h} for h in ROUTER_READS]}},
             "processing_mode": {
                 "request_header_mode": "SEND", "request_body_mode": BODY_MODES[body_mode],
-                "response_header_mode": "SEND", "response_body_mode": "NONE",
+                "response_header_mode": "SKIP" if skip else "SEND", "response_body_mode": "NONE",
                 # Envoy requires trailers to be sent in full-duplex mode.
                 "request_trailer_mode": "SEND" if duplex else "SKIP",
                 "response_trailer_mode": "SKIP",
@@ -343,9 +416,12 @@ def render_bootstrap(
         "route_config": {
             "name": "gorgo_routes",
             "internal_only_headers": list(CONTROL_HEADERS),
+            # The replicas' clusters come from the CDS file, after the routes are loaded.
+            **({"validate_clusters": False} if cds else {}),
             # x-envoy-attempt-count on the response tells ext_proc that the retry served it.
             "virtual_hosts": [{"name": "llm", "domains": ["*"], "routes": _routes(spec, picker),
-                               "include_attempt_count_in_response": True}],
+                               "include_attempt_count_in_response": True,
+                               **({"response_headers_to_add": TAG_FROM_METADATA} if skip else {})}],
         },
         "http_filters": [ext_proc, {
             "name": "envoy.filters.http.router",
@@ -385,16 +461,21 @@ def render_bootstrap(
     tracing = _tracing(otlp, service_name, otlp_token)
     if tracing is not None:
         hcm["tracing"] = tracing
+    logs = []
     if spec.observability.access_log:
-        hcm["access_log"] = [_access_log(spec.observability.access_log_path)]
-    clusters = [
-        _cluster(r.cluster, r.host, r.port, t.connect_ms) for r in spec.replicas
-    ]
-    if spec.retries.enabled:
-        clusters.append(_fleet_cluster(spec))
-    ehost, eport = _hostport(extproc)
-    clusters.append(_cluster(EXTPROC_CLUSTER, ehost, eport, t.connect_ms, http2=True))
-    if duplex:
+        logs.append(_access_log(spec.observability.access_log_path))
+    interval = spec.observability.ttft_log_interval_s
+    if otlp is not None and interval > 0:
+        logs.append(_ttft_log(otlp_token))
+        hcm["access_log_options"] = {"access_log_flush_interval": f"{interval:g}s"}
+    if logs:
+        hcm["access_log"] = logs
+    clusters = [] if cds else replica_clusters(spec)
+    workers = [_hostport(a.strip()) for a in extproc.split(",")]
+    clusters.append(_cluster(EXTPROC_CLUSTER, workers, t.connect_ms, http2=True))
+    # Several workers: a dead one (until its supervisor restarts it) leaves the round robin at
+    # the next health check, so its share of requests is routed by the others, not failed open.
+    if duplex or len(workers) > 1:
         clusters[-1]["health_checks"] = [{
             "timeout": f"{t.connect_ms / 1000:g}s", "interval": EXTPROC_HEALTH_INTERVAL,
             "no_traffic_interval": EXTPROC_HEALTH_INTERVAL, "unhealthy_threshold": 1,
@@ -402,8 +483,7 @@ def render_bootstrap(
         }]
         clusters[-1]["common_lb_config"] = {"healthy_panic_threshold": {"value": 0}}
     if otlp is not None:
-        ohost, oport = _hostport(otlp)
-        clusters.append(_cluster(OTLP_CLUSTER, ohost, oport, t.connect_ms, http2=True))
+        clusters.append(_cluster(OTLP_CLUSTER, [_hostport(otlp)], t.connect_ms, http2=True))
     if picker:
         clusters.append({
             "name": PICKER_CLUSTER,
@@ -414,6 +494,12 @@ def render_bootstrap(
         })
     return {
         "admin": {"address": {"socket_address": {"address": ahost, "port_value": aport}}},
+        # Dynamic resources need a node identity, even from a file.
+        **({"node": {"id": service_name, "cluster": spec.name}} if cds else {}),
+        **({"dynamic_resources": {"cds_config": {
+            "resource_api_version": "V3",
+            "path_config_source": {"path": cds, "watched_directory": {
+                "path": os.path.dirname(os.path.abspath(cds))}}}}} if cds else {}),
         "static_resources": {
             "listeners": [{
                 "name": "gorgo_ingress",
@@ -433,15 +519,47 @@ def render_bootstrap(
     }
 
 
+def replica_clusters(spec: FleetSpec) -> list[dict]:
+    """One cluster per replica, and with retries the override-host cluster of them all: what
+    changes with the fleet's membership."""
+    t = spec.timeouts
+    clusters = [_cluster(r.cluster, [(r.host, r.port)], t.connect_ms) for r in spec.replicas]
+    if spec.retries.enabled:
+        clusters.append(_fleet_cluster(spec))
+    if spec.extproc.skip_response_headers:
+        for c in clusters:
+            c["outlier_detection"] = OUTLIER_DETECTION
+    return clusters
+
+
+def render_cds(spec: FleetSpec) -> dict[str, Any]:
+    """The replicas' clusters as a filesystem CDS file (a DiscoveryResponse)."""
+    return {"resources": [{"@type": _T + "envoy.config.cluster.v3.Cluster", **c}
+                          for c in replica_clusters(spec)]}
+
+
+def write_cds(spec: FleetSpec, path: str | os.PathLike[str]) -> None:
+    """Write the CDS file atomically (a temporary file in its directory, renamed over it): Envoy
+    watches for the rename and never reads half a file."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(yaml.safe_dump(render_cds(spec), sort_keys=False, width=100))
+    os.replace(tmp, path)
+
+
 def render_yaml(spec: FleetSpec, **kwargs: Any) -> str:
     header = f"# Rendered by `gorgo envoy-config` for fleet {spec.name!r}; do not edit by hand.\n"
-    return header + yaml.safe_dump(render_bootstrap(spec, **kwargs), sort_keys=False, width=100)
+    boot = render_bootstrap(spec, **kwargs)
+    check_bootstrap(boot)  # an EnvoyConfigError (a UserError) names the field at fault
+    return header + yaml.safe_dump(boot, sort_keys=False, width=100)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("fleet", help="fleet YAML file")
     p.add_argument("--listen", default="0.0.0.0:10000", help="Envoy listener HOST:PORT")
-    p.add_argument("--extproc", default="127.0.0.1:50051", help="gorgo extproc HOST:PORT")
+    p.add_argument("--extproc", default="127.0.0.1:50051",
+                   help="gorgo extproc HOST:PORT; several, comma-separated, for the ports of "
+                        "`gorgo extproc --workers N` (PORT..PORT+N-1) or several routers")
     p.add_argument("--otlp", default=None, help="OTLP/gRPC collector HOST:PORT (enables tracing)")
     p.add_argument("--otlp-token-file", default=None,
                    help="the tuner's OTLP bearer token, sent with every export (the rendered "
@@ -452,6 +570,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--body-mode", choices=sorted(BODY_MODES), default="buffered",
                    help="request body mode of the ext_proc filter: buffered (default) or "
                         "full-duplex (FULL_DUPLEX_STREAMED, the endpoint-picker protocol's)")
+    p.add_argument("--cds-file", default=None,
+                   help="cluster mode with membership changes: write the replicas' clusters to "
+                        "this file, which Envoy watches (filesystem CDS); `gorgo extproc "
+                        "--cds-file` rewrites it on every fleet reload")
     p.add_argument("-o", "--output", default="-", help="output file (default stdout)")
 
 
@@ -475,9 +597,15 @@ def main(args: argparse.Namespace) -> int:
     try:
         text = render_yaml(spec, listen=args.listen, extproc=args.extproc, otlp=args.otlp,
                            otlp_token=token, admin=args.admin, picker=args.picker,
-                           body_mode=args.body_mode)
+                           body_mode=args.body_mode,
+                           cds=args.cds_file and os.path.abspath(args.cds_file))
     except ValueError as exc:  # int() of a port: the only user input left unchecked here
         raise UserError(f"{exc}; --listen, --extproc, --otlp and --admin take HOST:PORT") from None
+    if args.cds_file:
+        try:
+            write_cds(spec, args.cds_file)
+        except OSError as exc:
+            raise UserError(f"cannot write {args.cds_file}: {exc.strerror}") from None
     if args.output == "-":
         sys.stdout.write(text)
         return 0

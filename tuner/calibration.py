@@ -38,11 +38,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from gorgo.core.terms import prefill, queue, rtt
+from gorgo.core.terms import admission, prefill, queue, rtt
 from tuner.samples import Sample
 
 # The terms this fit is about, by name (`Sample.terms`): the rate prices prefill and queue alike.
 RTT, QUEUE, PREFILL = rtt.TERM.name, queue.TERM.name, prefill.TERM.name
+ADMISSION = admission.TERM.name
 
 _TOKENS_PER_UNIT = 1000.0  # the slope is fitted per 1k tokens, for a well-conditioned system
 _IRLS_ITERATIONS = 100
@@ -159,7 +160,9 @@ class PrefillCalibrator:
         rate_used = self._rate_used.get(s.replica)
         work = float("nan") if rate_used is None else (
             (queue_ms + prefill_ms) * rate_used / 1000.0)
-        clean = queue_ms <= cfg.max_queue_share * prefill_ms
+        # A request that waited for a running slot (the admission term) did not run at once.
+        clean = (queue_ms <= cfg.max_queue_share * prefill_ms
+                 and s.terms.get(ADMISSION, 0.0) <= cfg.max_queue_share * prefill_ms)
         rows.append((float(s.uncached_tokens), s.ttft_ms - rtt_ms, clean, work, s.source))
 
     def _slope(self, u: np.ndarray, y: np.ndarray) -> tuple[float, float] | None:

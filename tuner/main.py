@@ -8,8 +8,9 @@ process: if it dies, the routers keep the last weights they accepted.
 
 Config (YAML; relative paths are relative to the config file)::
 
-    listen: 127.0.0.1:4317            # OTLP/gRPC TraceService
+    listen: 127.0.0.1:4317            # OTLP/gRPC TraceService and LogsService (the TTFT log)
     token_file: otlp-token            # required: spans count only with `authorization: Bearer ...`
+    fleet: fleet.yaml                 # optional: its objective, slo.ttft_ms and timeouts.request_s
     request_timeout_s: 600            # the fleet's timeouts.request_s: no longer TTFT/E2E is real
     max_export_spans: 5000            # spans parsed per export; the rest are rejected
     max_spans_per_s: 2000             # spans parsed per second, over all exports
@@ -25,6 +26,7 @@ Config (YAML; relative paths are relative to the config file)::
     tick_s: 0.5
     log_every_s: 30
     optimizer: {window_samples: 40, fpr: 0.05, ...}      # tuner/optimizer.py OptimizerConfig
+                                                         # (objective: ttft | e2e | slo)
     calibration: {min_samples: 50, ...}                  # tuner/calibration.py CalibrationConfig
 """
 
@@ -48,18 +50,24 @@ from prometheus_client.registry import Collector
 
 from gorgo import shutdown
 from gorgo.core.contract import WEIGHT_BOUNDS
-from gorgo.core.fleet import Timeouts
+from gorgo.core.fleet import Timeouts, load_fleet
 from gorgo.errors import UserError, check_port
 from tuner.calibration import CalibrationConfig
-from tuner.optimizer import KEYS, OptimizerConfig, Tuner, config_from_mapping
+from tuner.join import DUPLICATE, END, FIRST, Join
+from tuner.optimizer import OptimizerConfig, Tuner, config_from_mapping
 from tuner.publisher import Publisher, RouterTarget
-from tuner.receiver import REJECTED, ExportLimits, TraceReceiver
+from tuner.receiver import LOG_PREFIX, REJECTED, ExportLimits, TraceReceiver
 from tuner.samples import DROP_REASONS, Sample
 from tuner.state_store import StateError, load_state, save_state
 
 log = logging.getLogger("gorgo.tuner")
 MAX_RENUMBERS_PER_TICK = 3
 UNKNOWN_REPLICA = "unknown_replica"  # samples naming a replica no router reported
+# How the join counted each known decision's samples: its TTFT first from the TTFT log (early)
+# or from its span (late), a span ending an early one, or a repeat that counted for nothing.
+EARLY_TTFT, LATE_TTFT, ENDS_JOINED, DUPLICATES = ("early_ttft", "late_ttft", "ends_joined",
+                                                  "duplicates")
+JOIN_SLACK_S = 30.0  # beyond the request timeout: Envoy's export buffering and retries
 
 
 class ConfigError(UserError, ValueError):
@@ -120,7 +128,7 @@ def parse_config(raw: Any, base: Path) -> TunerConfig:
     allowed = {"listen", "token_file", "tls_cert_file", "tls_key_file", "status_listen",
                "state_file", "routers", "initial_weights", "seed", "tick_s", "log_every_s",
                "publish_timeout_s", "optimizer", "calibration", "request_timeout_s",
-               "max_export_spans", "max_spans_per_s"}
+               "max_export_spans", "max_spans_per_s", "fleet"}
     for key in raw:
         if key not in allowed:
             raise ConfigError(f"{key}: unknown field (allowed: {', '.join(sorted(allowed))})")
@@ -147,11 +155,12 @@ def parse_config(raw: Any, base: Path) -> TunerConfig:
                           "with its spans; without it anyone who can reach the port steers the "
                           "weights")
     otlp_token = _read_secret(base, raw["token_file"], "token_file")
+    fleet = _fleet_settings(base, raw.get("fleet"))
     max_spans = raw.get("max_export_spans", 5000)
     if isinstance(max_spans, bool) or not isinstance(max_spans, int) or max_spans < 1:
         raise ConfigError(f"max_export_spans: expected a positive integer, got {max_spans!r}")
-    limits = ExportLimits(max_ms=1000.0 * _positive(raw, "request_timeout_s",
-                                                    Timeouts().request_s),
+    timeout_s = fleet.pop("request_timeout_s", Timeouts().request_s)
+    limits = ExportLimits(max_ms=1000.0 * _positive(raw, "request_timeout_s", timeout_s),
                           max_spans=max_spans,
                           spans_per_s=_positive(raw, "max_spans_per_s", 2000.0))
     cert, key = raw.get("tls_cert_file"), raw.get("tls_key_file")
@@ -166,19 +175,27 @@ def parse_config(raw: Any, base: Path) -> TunerConfig:
     state_file = raw.get("state_file", "gorgo-tuner-state.json")
     if not isinstance(state_file, str) or not state_file:
         raise ConfigError("state_file: expected a file path")
-    initial = raw.get("initial_weights")
-    if initial is not None:
-        if not isinstance(initial, Mapping) or set(initial) != set(KEYS):
-            raise ConfigError(f"initial_weights: expected {{{', '.join(KEYS)}}}")
-        # clipped to the optimiser's bounds, as any start is
-        initial = {k: _positive(initial, k, 1.0) for k in KEYS}
     seed = raw.get("seed", 0)
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ConfigError(f"seed: expected an integer, got {seed!r}")
+    opt_raw = raw.get("optimizer") or {}
+    if not isinstance(opt_raw, Mapping):
+        raise ConfigError("optimizer: expected a mapping")
+    for key, value in fleet.items():  # what the fleet file says, unless the config says it too
+        if key in opt_raw and opt_raw[key] != value:
+            raise ConfigError(f"optimizer.{key}: {opt_raw[key]!r} contradicts the fleet file's "
+                              f"{value!r}")
     try:
-        optimizer = config_from_mapping(dict(raw.get("optimizer") or {}))
+        optimizer = config_from_mapping({**fleet, **opt_raw})
     except (ValueError, TypeError) as exc:
         raise ConfigError(str(exc)) from None
+    keys = optimizer.keys
+    initial = raw.get("initial_weights")
+    if initial is not None:
+        if not isinstance(initial, Mapping) or set(initial) != set(keys):
+            raise ConfigError(f"initial_weights: expected {{{', '.join(keys)}}}")
+        # clipped to the optimiser's bounds, as any start is
+        initial = {k: _positive(initial, k, 1.0) for k in keys}
     for k, (lo, hi) in optimizer.bounds.items():
         rlo, rhi = WEIGHT_BOUNDS[k]
         if lo < rlo or hi > rhi:
@@ -194,6 +211,18 @@ def parse_config(raw: Any, base: Path) -> TunerConfig:
         publish_timeout_s=_positive(raw, "publish_timeout_s", 2.0),
         optimizer=optimizer, calibration=calibration,
     )
+
+
+def _fleet_settings(base: Path, value: Any) -> dict[str, Any]:
+    """What the tuner takes from the fleet file (``fleet:``): the objective it optimises, the
+    SLO's TTFT target and the request timeout; nothing without one."""
+    if value is None:
+        return {}
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"fleet: expected a file path, got {value!r}")
+    spec = load_fleet(base / value)  # a FleetError names the file and the field
+    return {"objective": spec.objective, "slo_ttft_ms": spec.slo.ttft_ms,
+            "request_timeout_s": spec.timeouts.request_s}
 
 
 def _calibration(raw: Any) -> CalibrationConfig:
@@ -240,6 +269,16 @@ class _StatusCollector(Collector):
         for result in ("samples", *DROP_REASONS, REJECTED, UNKNOWN_REPLICA):
             spans.add_metric([result], counts.get(result, 0))
         yield spans
+        records = CounterMetricFamily("gorgo_tuner_log_records", "TTFT log records by outcome",
+                                      labels=["result"])
+        for result in ("samples", *DROP_REASONS, REJECTED):
+            records.add_metric([result], counts.get(LOG_PREFIX + result, 0))
+        yield records
+        joined = CounterMetricFamily("gorgo_tuner_decisions", "Known decisions' samples by how "
+                                     "the join counted them", labels=["result"])
+        for result in (EARLY_TTFT, LATE_TTFT, ENDS_JOINED, DUPLICATES):
+            joined.add_metric([result], counts.get(result, 0))
+        yield joined
         unauth = CounterMetricFamily("gorgo_tuner_unauthenticated_exports",
                                      "Exports refused for a missing or wrong token")
         unauth.add_metric([], counts.get("unauthenticated", 0))
@@ -270,11 +309,11 @@ def _fmt(weights: Mapping[str, float]) -> str:
     return " ".join(f"{k}={v:.4g}" for k, v in weights.items())
 
 
-def _live_weights(doc: Mapping[str, Any]) -> dict[str, float]:
-    """A router's weights from its GET /admin/weights; a key it lacks (a router older than the
-    term) is left to the term's default."""
+def _live_weights(doc: Mapping[str, Any], keys: tuple[str, ...]) -> dict[str, float]:
+    """A router's weights (of ``keys``) from its GET /admin/weights; a key it lacks (a router
+    older than the term) is left to the term's default."""
     out = {}
-    for k in KEYS:
+    for k in keys:
         v = doc.get(k)
         if isinstance(v, int | float) and not isinstance(v, bool) and v > 0:
             out[k] = float(v)
@@ -302,6 +341,7 @@ class TunerService:
         self.publisher = Publisher(list(cfg.routers), cfg.publish_timeout_s)
         self.tuner: Tuner = Tuner(cfg.optimizer, calibration=cfg.calibration, seed=cfg.seed)
         self.receiver = TraceReceiver(self._on_samples, cfg.otlp_token, cfg.limits)
+        self.join = Join(cfg.limits.max_ms / 1000.0 + JOIN_SLACK_S)
         self.otlp_port = 0
         self.status_port = 0
         self.max_version_seen = -1
@@ -316,11 +356,21 @@ class TunerService:
         """Samples of the replicas the routers reported (none until one has): a name a span
         makes up gets no buffer and no rate."""
         known = self.publisher.replicas()
+        counts = self.receiver.counts
         for s in samples:
             if known is None or s.replica not in known:
-                self.receiver.counts[UNKNOWN_REPLICA] += 1
+                counts[UNKNOWN_REPLICA] += 1
                 continue
-            self.tuner.observe(s)
+            kind = self.join.admit(s)
+            if kind == FIRST:
+                counts[EARLY_TTFT if s.early else LATE_TTFT] += 1
+                self.tuner.observe(s)
+            elif kind == END:
+                counts[ENDS_JOINED] += 1
+                self.tuner.observe_end(s)
+            else:
+                assert kind == DUPLICATE
+                counts[DUPLICATES] += 1
             self.max_version_seen = max(self.max_version_seen, s.weights_version)
 
     async def _initial_tuner(self) -> Tuner:
@@ -343,7 +393,7 @@ class TunerService:
             initial = cfg.initial_weights
             if initial is None:
                 live = next((c for c in current if isinstance(c, dict)), None)
-                initial = _live_weights(live) if live else {}
+                initial = _live_weights(live, cfg.optimizer.keys) if live else {}
             tuner = Tuner(cfg.optimizer, initial, seed=cfg.seed, calibration=cfg.calibration,
                           hints=hints)
             log.info("starting fresh from %s", _fmt(tuner.incumbent))
@@ -396,7 +446,8 @@ class TunerService:
 
     def status(self) -> dict[str, Any]:
         return {"tuner": self.tuner.status(), "ticks": self.ticks,
-                "receiver": {**self.receiver.counts, "max_version_seen": self.max_version_seen},
+                "receiver": {**self.receiver.counts, "max_version_seen": self.max_version_seen,
+                             "join_ids": len(self.join)},
                 "routers": self.publisher.status()}
 
     async def follow_routers(self) -> None:

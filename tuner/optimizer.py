@@ -1,10 +1,11 @@
-"""(1+1) evolution strategy over the cost weights, scored on live p95 TTFT.
+"""(1+1) evolution strategy over the cost weights, scored on the fleet's objective (live p95
+TTFT by default; p95 E2E, or the SLO's miss rate: `OptimizerConfig.objective`).
 
-The search space is the registry's weighted terms (`gorgo.core.terms.WEIGHTED`, in that order:
-today ``rtt`` and ``queue``), each inside the contract's bounds (``WEIGHT_BOUNDS`` of
-`gorgo.core.contract`) intersected with the configured ``bounds``. Points of the search (incumbents,
-candidates, the fitted weights) are mappings weight key -> factor; a `Proposal` carries them as
-`Weights` with a fresh version.
+The search space is the registry's weighted terms that the objective counts
+(`gorgo.core.terms.weight_keys`, in registry order: ``rtt`` and ``queue`` for TTFT), each inside
+the contract's bounds (``WEIGHT_BOUNDS`` of `gorgo.core.contract`) intersected with the
+configured ``bounds``. Points of the search (incumbents, candidates, the fitted weights) are
+mappings weight key -> factor; a `Proposal` carries them as `Weights` with a fresh version.
 
 Pure and single-threaded: the caller feeds samples (`Tuner.observe`) and asks, with its own clock,
 whether new weights should go live (`Tuner.next_weights(now)`). The live tuner drives it from OTLP
@@ -46,7 +47,7 @@ from typing import Any
 import numpy as np
 
 from gorgo.core.contract import WEIGHT_BOUNDS
-from gorgo.core.terms import TTFT, WEIGHTED, weight_keys
+from gorgo.core.terms import E2E, OBJECTIVES, SLO, TTFT, WEIGHTED, weight_keys
 from gorgo.core.weights import Weights
 from tuner.calibration import CalibrationConfig, PrefillCalibrator
 from tuner.samples import Sample
@@ -56,19 +57,22 @@ INCUMBENT, CANDIDATE, MONITOR, BRIDGE = "incumbent", "candidate", "monitor", "br
 STEP, MODEL = "step", "model"  # a candidate from a random step, or from the weight fit
 UNFINISHED_MS = 1e12  # stands in for a request that has not reported back, in the worst case
 EVALUATING, CONVERGED = "evaluating", "converged"
-STATE_FORMAT = 2  # 2: weights are {key: factor}; 1 (still read): [rtt, queue] lists
+STATE_FORMAT = 3  # 3: + the objective; 2 (still read, as ttft): weights are {key: factor};
+# 1 (still read): [rtt, queue] lists
 LEGACY_KEYS = ("rtt", "queue")  # what a format-1 list holds, in order
-# The search space's dimensions, in registry order: the weights that matter for TTFT, the
-# objective the tuner scores (a weight only the e2e objective counts would be searched blindly).
+# The search space's dimensions under the default objective, in registry order: the weights that
+# matter for TTFT. A tuner for another objective searches `weight_keys(objective)`
+# (`OptimizerConfig.keys`): a weight its objective does not count would be searched blindly.
 KEYS: tuple[str, ...] = weight_keys(TTFT)
 
 Point = dict[str, float]  # weight key -> factor, one entry per KEYS
 Bounds = dict[str, tuple[float, float]]
 
 
-def normalize_bounds(value: Any) -> Bounds:
+def normalize_bounds(value: Any, keys: Sequence[str] = KEYS) -> Bounds:
     """``[low, high]`` for every weight, or ``{key: [low, high]}`` for some (the others keep the
-    contract's bounds): as one (low, high) per weight key, in KEYS order."""
+    contract's bounds): as one (low, high) per weight key of ``keys``, in their order. A weight
+    of the registry outside ``keys`` is dropped (another objective's bound)."""
     def pair(v: Any, where: str) -> tuple[float, float]:
         if (not isinstance(v, list | tuple) or len(v) != 2
                 or not all(isinstance(x, int | float) and not isinstance(x, bool) for x in v)):
@@ -76,14 +80,14 @@ def normalize_bounds(value: Any) -> Bounds:
         return float(v[0]), float(v[1])
 
     if isinstance(value, Mapping):
-        unknown = sorted(set(value) - set(KEYS))
+        unknown = sorted(set(value) - set(WEIGHTED))
         if unknown:
-            raise ValueError(f"bounds.{unknown[0]}: unknown weight (known: {', '.join(KEYS)})")
+            raise ValueError(f"bounds.{unknown[0]}: unknown weight (known: {', '.join(keys)})")
         return {k: pair(value[k], f"bounds.{k}") if k in value else WEIGHT_BOUNDS[k]
-                for k in KEYS}
+                for k in keys}
     if not isinstance(value, list | tuple):
         raise ValueError(f"bounds: expected [low, high] or {{weight: [low, high]}}, got {value!r}")
-    return dict.fromkeys(KEYS, pair(value, "bounds"))
+    return dict.fromkeys(keys, pair(value, "bounds"))
 
 
 def _default_bounds() -> Bounds:
@@ -125,9 +129,25 @@ class OptimizerConfig:
     history: int = 500  # evaluation records kept in the state file
     policy: str = "gorgo"  # only requests this policy routed depend on the weights
     max_source_share: float = 0.5  # of a window's samples that one export may supply
+    # What is minimised (the fleet's `objective`): p95 TTFT, p95 E2E, or the share of requests
+    # missing the fleet's TTFT target `slo_ttft_ms` (slo); the search space is its weights.
+    objective: str = TTFT
+    slo_ttft_ms: float = 0.0
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "bounds", normalize_bounds(self.bounds))
+        if self.objective in OBJECTIVES:  # else validate() names it
+            object.__setattr__(self, "bounds", normalize_bounds(self.bounds, self.keys))
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        """The weights searched: those the objective counts, in registry order."""
+        return weight_keys(self.objective)
+
+    @property
+    def needs_end(self) -> bool:
+        """Whether a request counts only once its stream ended (its E2E is the score); TTFT and
+        the SLO's TTFT target are scored on the early samples of the TTFT log."""
+        return self.objective == E2E
 
     def search_bounds(self) -> Bounds:
         """The configured bounds intersected with the contract's, per weight key: what the
@@ -139,6 +159,12 @@ class OptimizerConfig:
         return out
 
     def validate(self) -> None:
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"optimizer: objective: must be one of {', '.join(OBJECTIVES)}, "
+                             f"got {self.objective!r}")
+        if self.objective == SLO and not self.slo_ttft_ms > 0:
+            raise ValueError("optimizer: slo_ttft_ms: the slo objective needs a TTFT target > 0 "
+                             "(the fleet's slo.ttft_ms)")
         for k, (lo, hi) in self.bounds.items():
             if not 0 < lo < hi:
                 raise ValueError(f"optimizer: bounds.{k}: need 0 < low < high")
@@ -188,11 +214,12 @@ class Proposal:
     weights: Weights
     prefill_rate: dict[str, float]
     arm: str
+    keys: tuple[str, ...] = KEYS  # the searched weights (OptimizerConfig.keys)
 
     @property
     def point(self) -> Point:
-        """The searched weights (KEYS) of the proposal; the others stay at their defaults."""
-        return {k: self.weights[k] for k in KEYS}
+        """The searched weights of the proposal; the others stay at their defaults."""
+        return {k: self.weights[k] for k in self.keys}
 
     def body(self) -> dict[str, Any]:
         """The JSON body of the router's PUT /admin/weights: only the searched weights, so a
@@ -221,25 +248,38 @@ class Window:
     routed_by: dict[int, int] = field(default_factory=dict)  # version -> decisions routers report
     closed_at: float | None = None  # when it stopped routing
     sources: Counter[int] = field(default_factory=Counter)  # samples received per export
+    needs_end: bool = False  # a request counts once its E2E is in (the e2e objective)
+    e2e_arrival: list[float] = field(default_factory=list)  # of the E2E values, as ``arrival``
 
     def add(self, s: Sample) -> None:
+        """A decision's first sample: its TTFT (an early one: the stream is still open), and its
+        E2E too unless early (`end` adds it then)."""
         if s.source is not None:
             self.sources[s.source] += 1
         if s.ok:
             self.ttft.append(s.ttft_ms)
-            self.e2e.append(s.e2e_ms)
-            if s.end_unix_s > 0:  # 0: the span's end time is unknown; arrival order is lost
-                self.arrival.append(s.end_unix_s - s.e2e_ms / 1000.0)
+            if s.arrival_s > 0:  # 0: the start is unknown; arrival order is lost
+                self.arrival.append(s.arrival_s)
+            if not s.early:
+                self.end(s)
         else:
             self.errors += 1
 
+    def end(self, s: Sample) -> None:
+        """The E2E of a decision whose TTFT this window already holds (or holds now)."""
+        if s.ok:
+            self.e2e.append(s.e2e_ms)
+            if s.arrival_s > 0:
+                self.e2e_arrival.append(s.arrival_s)
+
     @property
     def n(self) -> int:
-        return len(self.ttft)
+        """Requests scored so far: with a TTFT (with an E2E, if the objective needs one)."""
+        return len(self.e2e) if self.needs_end else len(self.ttft)
 
     @property
     def received(self) -> int:
-        return len(self.ttft) + self.errors
+        return self.n + self.errors
 
     @property
     def routed(self) -> int:
@@ -263,8 +303,9 @@ class Window:
     def values(self, attr: str, fill: float | None) -> np.ndarray:
         """Values in arrival order; each missing request appended as ``fill`` (None: left out)."""
         v = np.asarray(getattr(self, attr), dtype=float)
-        if len(self.arrival) == v.size:
-            v = v[np.argsort(np.asarray(self.arrival), kind="stable")]
+        arrival = self.e2e_arrival if attr == "e2e" else self.arrival
+        if len(arrival) == v.size:
+            v = v[np.argsort(np.asarray(arrival), kind="stable")]
         if fill is not None and self.missing:
             v = np.concatenate([v, np.full(self.missing, fill)])
         return v
@@ -315,8 +356,25 @@ def _error_rate(windows: Sequence[Window]) -> float:
     return errors / total if total else 0.0
 
 
+def score_values(w: Window, cfg: OptimizerConfig, fill: float | None) -> np.ndarray:
+    """What the objective scores of each request of ``w``, in arrival order (a request still
+    missing as ``fill``, a latency in ms; None: left out): its TTFT, its E2E, or (slo) 1 where it
+    missed the TTFT target and 0 where it met it."""
+    if cfg.objective == E2E:
+        return w.values("e2e", fill)
+    v = w.values("ttft", fill)
+    return (v > cfg.slo_ttft_ms).astype(float) if cfg.objective == SLO else v
+
+
+def statistic(v: np.ndarray, cfg: OptimizerConfig) -> float:
+    """The objective's score of some requests' values (lower is better): the p95 of a latency,
+    the miss rate of the SLO."""
+    return float(np.mean(v)) if cfg.objective == SLO else float(np.quantile(v, cfg.quantile))
+
+
 def _bootstrap_quantile(
-    parts: Sequence[np.ndarray], q: float, reps: int, block: int, rng: np.random.Generator
+    parts: Sequence[np.ndarray], q: float | None, reps: int, block: int,
+    rng: np.random.Generator,
 ) -> np.ndarray:
     """Quantile of ``reps`` resamples; each window is resampled within itself (stratified) in
     circular blocks of consecutive arrivals, so a burst that queued together stays together and
@@ -331,7 +389,8 @@ def _bootstrap_quantile(
         starts = rng.integers(0, n, size=(reps, k))
         idx = ((starts[:, :, None] + np.arange(length)) % n).reshape(reps, k * length)[:, :n]
         cols.append(v[idx])
-    return _row_quantile(np.concatenate(cols, axis=1), q)
+    rows = np.concatenate(cols, axis=1)
+    return rows.mean(axis=1) if q is None else _row_quantile(rows, q)
 
 
 def _row_quantile(a: np.ndarray, q: float) -> np.ndarray:
@@ -357,8 +416,8 @@ def compare(
     back yet; None leaves them out.
     """
     fi, fc = fill if fill is not None else (None, None)
-    ti_parts = [w.values("ttft", fi) for w in incumbent]
-    tc_parts = [w.values("ttft", fc) for w in candidate]
+    ti_parts = [score_values(w, cfg, fi) for w in incumbent]
+    tc_parts = [score_values(w, cfg, fc) for w in candidate]
     ti, tc = _concat(ti_parts), _concat(tc_parts)
     ei = _concat([w.values("e2e", fi) for w in incumbent])
     ec = _concat([w.values("e2e", fc) for w in candidate])
@@ -368,18 +427,19 @@ def compare(
         return Verdict(False, "no_samples", nan, nan, nan, nan, nan, nan, erri, errc,
                        int(ti.size), int(tc.size))
     q = cfg.quantile
-    p95_i, p95_c = float(np.quantile(ti, q)), float(np.quantile(tc, q))
-    e2e_i, e2e_c = float(np.quantile(ei, q)), float(np.quantile(ec, q))
-    diff = (_bootstrap_quantile(tc_parts, q, cfg.bootstrap, cfg.block, rng)
-            - _bootstrap_quantile(ti_parts, q, cfg.bootstrap, cfg.block, rng))
+    p95_i, p95_c = statistic(ti, cfg), statistic(tc, cfg)
+    e2e_i, e2e_c = _quantile_or_nan(ei, q), _quantile_or_nan(ec, q)
+    bq = None if cfg.objective == SLO else q
+    diff = (_bootstrap_quantile(tc_parts, bq, cfg.bootstrap, cfg.block, rng)
+            - _bootstrap_quantile(ti_parts, bq, cfg.bootstrap, cfg.block, rng))
     upper = float(np.quantile(diff, 1.0 - cfg.fpr))
     # The margin scales with what the incumbent measured, never with a filled-in stand-in: the
     # test must only get easier to pass as the incumbent's unknown requests get slower.
-    known = ti if fi is None else _concat([w.values("ttft", None) for w in incumbent])
-    margin = cfg.margin * float(np.quantile(known, q)) if known.size else 0.0
+    known = ti if fi is None else _concat([score_values(w, cfg, None) for w in incumbent])
+    margin = cfg.margin * statistic(known, cfg) if known.size else 0.0
     if not upper < -margin:
         reason = "not_better"
-    elif e2e_c > e2e_i * (1.0 + cfg.e2e_margin):
+    elif e2e_c > e2e_i * (1.0 + cfg.e2e_margin):  # NaN (no stream of an arm ended): no guard
         reason = "e2e_worse"
     elif errc - erri > cfg.max_error_increase:
         reason = "more_errors"
@@ -406,6 +466,11 @@ def decide(ev: Evaluation, cfg: OptimizerConfig, rng: np.random.Generator,
     return worst if worst.accepted else None
 
 
+def _quantile_or_nan(v: np.ndarray, q: float) -> float:
+    """An arm's E2E p95; NaN while none of its streams has ended (early TTFT samples only)."""
+    return float(np.quantile(v, q)) if v.size else math.nan
+
+
 def _concat(parts: Sequence[np.ndarray]) -> np.ndarray:
     return np.concatenate(parts) if parts else np.empty(0)
 
@@ -420,13 +485,13 @@ def _finite_or_none(x: float | None) -> float | None:
     return None if x is None or not math.isfinite(x) else float(x)
 
 
-def _vec(p: Mapping[str, float]) -> np.ndarray:
-    """A point as a vector, in KEYS order."""
-    return np.array([p[k] for k in KEYS], dtype=float)
+def _vec(p: Mapping[str, float], keys: Sequence[str]) -> np.ndarray:
+    """A point as a vector, in ``keys`` order."""
+    return np.array([p[k] for k in keys], dtype=float)
 
 
-def _from_vec(x: Sequence[float] | np.ndarray) -> Point:
-    return {k: float(v) for k, v in zip(KEYS, x, strict=True)}
+def _from_vec(x: Sequence[float] | np.ndarray, keys: Sequence[str]) -> Point:
+    return {k: float(v) for k, v in zip(keys, x, strict=True)}
 
 
 class Tuner:
@@ -448,6 +513,7 @@ class Tuner:
         # hints: the fleet file's prefill rates (GET /admin/weights "prefill_rate_hint")
         self.calibrator = PrefillCalibrator(calibration, hints) if config.calibrate else None
         self.bounds = config.search_bounds()
+        self.keys = config.keys
         # initial: weight key -> factor; a weight it does not name starts at the term's default
         self.incumbent: Point = self._clip(initial or {})
         self.incumbent_p95: float | None = None
@@ -492,6 +558,15 @@ class Tuner:
             self.ignored += 1
             return
         w.add(s)
+
+    def observe_end(self, s: Sample) -> None:
+        """The span that ends a decision `observe` already had the early TTFT of: its E2E, for
+        the window that holds the TTFT (calibration and the weight fit had the request then)."""
+        if s.policy != self.cfg.policy:
+            return
+        w = self._windows.get(s.weights_version)
+        if w is not None:
+            w.end(s)
 
     def follow(self, replicas: Collection[str], hints: Mapping[str, float]) -> None:
         """The replicas the routers know and their fleet-file rates: a calibrated rate, and the
@@ -557,16 +632,16 @@ class Tuner:
             self._windows[v] = self._open
             self._open.version = v
         self.active = Proposal(self.active.weights.replace(version=v), self.active.prefill_rate,
-                               self.active.arm)
+                               self.active.arm, self.keys)
         return self.active
 
     # --- evaluation ---------------------------------------------------------------------------
 
     def _clip(self, w: Mapping[str, float]) -> Point:
         """Every weight key, inside the search bounds (missing: the term's default)."""
-        unknown = sorted(set(w) - set(KEYS))
+        unknown = sorted(set(w) - set(self.keys))
         if unknown:
-            raise ValueError(f"unknown weight {unknown[0]!r} (known: {', '.join(KEYS)})")
+            raise ValueError(f"unknown weight {unknown[0]!r} (known: {', '.join(self.keys)})")
         return {k: min(max(float(w.get(k, WEIGHTED[k].default)), lo), hi)
                 for k, (lo, hi) in self.bounds.items()}
 
@@ -577,10 +652,11 @@ class Tuner:
         return v
 
     def _sample_candidate(self) -> Point:
-        lo = np.log([self.bounds[k][0] for k in KEYS])
-        hi = np.log([self.bounds[k][1] for k in KEYS])
-        x = np.log(_vec(self.incumbent)) + self.sigma * self.rng.standard_normal(len(KEYS))
-        return self._clip(_from_vec(np.exp(_reflect(x, lo, hi))))
+        keys = self.keys
+        lo = np.log([self.bounds[k][0] for k in keys])
+        hi = np.log([self.bounds[k][1] for k in keys])
+        x = np.log(_vec(self.incumbent, keys)) + self.sigma * self.rng.standard_normal(len(keys))
+        return self._clip(_from_vec(np.exp(_reflect(x, lo, hi)), keys))
 
     def _warming_up(self) -> bool:
         """The first evaluation waits, with the incumbent bridged under an unscored version,
@@ -603,7 +679,8 @@ class Tuner:
         point = self._clip({**self.incumbent, **fitted})
 
         def far(other: Point) -> bool:
-            return math.dist(np.log(_vec(point)), np.log(_vec(other))) > self.cfg.model_retry
+            return math.dist(np.log(_vec(point, self.keys)),
+                             np.log(_vec(other, self.keys))) > self.cfg.model_retry
 
         if far(self.incumbent) and (self.model_tried is None or far(self.model_tried)):
             return point
@@ -637,19 +714,19 @@ class Tuner:
             else:
                 ev.candidate = self._sample_candidate()
         v = self._take_version()
-        w = Window(arm, v, now)
+        w = Window(arm, v, now, needs_end=self.cfg.needs_end)
         self._windows[v] = w
         ev.windows.append(w)
         self._open = w
         point = ev.candidate if arm == CANDIDATE and ev.candidate else ev.incumbent
-        self.active = Proposal(Weights(point, v), dict(self.rates), arm)
+        self.active = Proposal(Weights(point, v), dict(self.rates), arm, self.keys)
         return self.active
 
     def _bridge(self, now: float) -> Proposal:
         """The incumbent under a version no window scores, until a pending verdict is in."""
         self._open = None
         self.active = Proposal(Weights(self.incumbent, self._take_version()), dict(self.rates),
-                               BRIDGE)
+                               BRIDGE, self.keys)
         return self.active
 
     def _abandon(self) -> None:
@@ -760,8 +837,7 @@ class Tuner:
         inc = ev.arm(INCUMBENT)
         candidate = ev.candidate or ev.incumbent
         self.evaluations += 1
-        p95_i = float(np.quantile(_concat([w.values("ttft", None) for w in inc]),
-                                  self.cfg.quantile))
+        p95_i = statistic(_concat([score_values(w, self.cfg, None) for w in inc]), self.cfg)
         if self._regressed(p95_i):
             self._rollback(p95_i, now)
             return True
@@ -813,10 +889,10 @@ class Tuner:
         self._abandon()
         self._refresh_rates()
         v = self._take_version()
-        w = Window(MONITOR, v, now)
+        w = Window(MONITOR, v, now, needs_end=self.cfg.needs_end)
         self._windows[v] = w
         self._open = w
-        self.active = Proposal(Weights(self.incumbent, v), dict(self.rates), MONITOR)
+        self.active = Proposal(Weights(self.incumbent, v), dict(self.rates), MONITOR, self.keys)
         return self.active
 
     def _restart(self, reason: str, p95: float, now: float) -> Proposal:
@@ -831,7 +907,7 @@ class Tuner:
     def _end_monitor_window(self, now: float) -> Proposal | None:
         w = self._open
         assert w is not None
-        p95 = float(np.quantile(w.ttft, self.cfg.quantile))
+        p95 = statistic(score_values(w, self.cfg, None), self.cfg)
         if self._regressed(p95):
             self._rollback(p95, now)
             return self._restart("rollback", p95, now)
@@ -847,7 +923,7 @@ class Tuner:
                 return self._restart("drift", p95, now)
         else:
             self._drift_run = 0
-        fresh = Window(MONITOR, w.version, now)
+        fresh = Window(MONITOR, w.version, now, needs_end=self.cfg.needs_end)
         for version, win in list(self._windows.items()):
             if win is w:
                 self._windows[version] = fresh
@@ -899,6 +975,7 @@ class Tuner:
         """Everything needed to resume; an evaluation in progress restarts (samples are gone)."""
         return {
             "format": STATE_FORMAT,
+            "objective": self.cfg.objective,
             "config": asdict(self.cfg),
             "incumbent": dict(self.incumbent),
             "incumbent_p95": _finite_or_none(self.incumbent_p95),
@@ -930,11 +1007,12 @@ class Tuner:
         live tuner's `load_state` checks every field); ValueError if it is incomplete."""
         try:
             fmt = state["format"]
-            t = cls(config, point_from_state(state["incumbent"], fmt), calibration=calibration,
-                    hints=hints, next_version=int(state["next_version"]))
+            keys = config.keys
+            t = cls(config, point_from_state(state["incumbent"], fmt, keys),
+                    calibration=calibration, hints=hints, next_version=int(state["next_version"]))
             t.incumbent_p95 = _opt_float(state.get("incumbent_p95"))
             last_good = state.get("last_good")
-            t.last_good = None if last_good is None else point_from_state(last_good, fmt)
+            t.last_good = None if last_good is None else point_from_state(last_good, fmt, keys)
             t.last_good_p95 = _opt_float(state.get("last_good_p95"))
             t.sigma = min(float(state["sigma"]), config.max_sigma)
             t.failures = int(state["failures"])
@@ -943,30 +1021,45 @@ class Tuner:
             t.phase = str(state["phase"])
             t.baseline_p95 = _opt_float(state.get("baseline_p95"))
             tried = state.get("model_tried")
-            t.model_tried = None if tried is None else point_from_state(tried, fmt)
+            t.model_tried = None if tried is None else point_from_state(tried, fmt, keys)
             t.rates = {str(k): float(v) for k, v in dict(state.get("prefill_rate") or {}).items()}
             t.history = list(state.get("history") or [])[-config.history:] if config.history else []
             if state.get("rng") is not None:
                 t.rng.bit_generator.state = state["rng"]
         except (KeyError, TypeError, AttributeError) as exc:
             raise ValueError(f"incomplete tuner state: {exc!r}") from None
+        if state.get("objective", TTFT) != config.objective:
+            t._new_objective(str(state.get("objective", TTFT)))
         return t
 
+    def _new_objective(self, old: str) -> None:
+        """Resumed under another objective: the weights carry over (projected onto the new
+        search space), but no score of the old one means anything now, so the search starts
+        again from them."""
+        self._record({"event": "objective", "from": old, "to": self.cfg.objective}, 0.0)
+        self.incumbent_p95 = self.last_good_p95 = self.baseline_p95 = None
+        self.last_good = None
+        self.phase = EVALUATING
+        self.sigma = max(self.sigma, self.cfg.restart_sigma)
+        self.failures = 0
 
-def point_from_state(v: Any, fmt: int) -> Point:
-    """Weights from a state file: ``{key: factor}`` (format 1: an ``[rtt, queue]`` list). A
-    weight the registry gained since the file was written takes its term's default."""
+
+def point_from_state(v: Any, fmt: int, keys: Sequence[str] = KEYS) -> Point:
+    """Weights over ``keys`` from a state file: ``{key: factor}`` (format 1: an ``[rtt, queue]``
+    list). A weight the registry gained since the file was written, or one the file's objective
+    did not search, takes its term's default; one ``keys`` lack (another objective's) is
+    dropped."""
     if fmt == 1 and isinstance(v, list | tuple):
         if len(v) != len(LEGACY_KEYS):
             raise ValueError(f"expected [{', '.join(LEGACY_KEYS)}], got {v!r}")
         v = dict(zip(LEGACY_KEYS, v, strict=True))
     if not isinstance(v, Mapping):
-        raise ValueError(f"expected {{{', '.join(KEYS)}}}, got {v!r}")
-    unknown = sorted(set(v) - set(KEYS))
+        raise ValueError(f"expected {{{', '.join(keys)}}}, got {v!r}")
+    unknown = sorted(set(v) - set(WEIGHTED))
     if unknown:
-        raise ValueError(f"unknown weight {unknown[0]!r} (known: {', '.join(KEYS)})")
+        raise ValueError(f"unknown weight {unknown[0]!r} (known: {', '.join(WEIGHTED)})")
     out = {}
-    for k in KEYS:
+    for k in keys:
         x = v.get(k, WEIGHTED[k].default)
         if isinstance(x, bool) or not isinstance(x, int | float) or not (
                 math.isfinite(x) and x > 0):

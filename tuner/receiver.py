@@ -1,4 +1,5 @@
-"""OTLP/gRPC trace receiver: the standard TraceService/Export, so a Collector can fan spans out.
+"""OTLP/gRPC receiver: the standard TraceService/Export, so a Collector can fan spans out, and
+LogsService/Export on the same server for Envoy's TTFT access log (tuner/samples.py parse_record).
 
 Envoy (directly, or an OpenTelemetry Collector in between) exports request spans here; each export
 is parsed into samples (tuner/samples.py) and handed to a callback on the event loop. Spans that are
@@ -11,8 +12,9 @@ loopback.
 What one sender can cost is bounded: an export is parsed on the tuner's only event loop, so at most
 ``max_spans`` of its spans are parsed and at most ``spans_per_s`` per second over all exports (a
 token bucket holding one export's worth); the spans beyond are rejected with OTLP's partial success,
-which senders do not retry. Each export gets a number that its samples carry (``Sample.source``), so
-that no single export can fill a window or a calibration fit on its own.
+which senders do not retry. Log records get the same limits in a bucket of their own, and their
+counters carry the prefix ``log_``. Each export gets a number that its samples carry
+(``Sample.source``), so that no single export can fill a window or a calibration fit on its own.
 """
 
 from __future__ import annotations
@@ -23,15 +25,18 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
+from opentelemetry.proto.collector.logs.v1 import logs_service_pb2, logs_service_pb2_grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
-from tuner.samples import Sample, count_spans, parse_export
+from tuner.samples import Sample, count_records, count_spans, parse_export
 
 log = logging.getLogger("gorgo.tuner.receiver")
 MAX_MESSAGE_BYTES = 8 * 1024 * 1024  # an Envoy span is ~1 KB: room for max_spans and more
 REJECTED = "rejected"  # spans over the per-export or per-second limit, never parsed
+LOG_PREFIX = "log_"  # the TTFT log's counters: log_exports, log_records, log_samples, ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +50,36 @@ class ExportLimits:
             raise ValueError("export limits: need max_ms > 0, max_spans >= 1, spans_per_s > 0")
 
 
+class _Bucket:
+    """Items parsed per second over all exports: a token bucket one export deep."""
+
+    def __init__(self, limits: ExportLimits, now: float) -> None:
+        self.limits = limits
+        self.allowance = float(limits.max_spans)
+        self.refilled_at = now
+
+    def take(self, items: int, now: float) -> int:
+        """How many of an export's ``items`` to parse now."""
+        lim = self.limits
+        self.allowance = min(float(lim.max_spans),
+                             self.allowance + (now - self.refilled_at) * lim.spans_per_s)
+        self.refilled_at = now
+        take = min(items, int(self.allowance))
+        self.allowance -= take
+        return take
+
+
+class _LogsServicer(logs_service_pb2_grpc.LogsServiceServicer):
+    def __init__(self, receiver: TraceReceiver) -> None:
+        self.receiver = receiver
+
+    async def Export(
+        self, request: logs_service_pb2.ExportLogsServiceRequest,
+        context: grpc.aio.ServicerContext,
+    ) -> logs_service_pb2.ExportLogsServiceResponse:
+        return await self.receiver.export_logs(request, context)
+
+
 class TraceReceiver(trace_service_pb2_grpc.TraceServiceServicer):
     def __init__(self, on_samples: Callable[[list[Sample]], None], token: str | None,
                  limits: ExportLimits, clock: Callable[[], float] = time.monotonic) -> None:
@@ -53,8 +88,8 @@ class TraceReceiver(trace_service_pb2_grpc.TraceServiceServicer):
         self._token = token.encode() if token else None
         self.limits = limits
         self._clock = clock
-        self._allowance = float(limits.max_spans)  # the token bucket, in spans
-        self._refilled_at = clock()
+        self._spans = _Bucket(limits, clock())
+        self._records = _Bucket(limits, clock())
         self._exports = 0  # numbers the exports: Sample.source
         self.counts: Counter[str] = Counter()
         self.port = 0
@@ -76,42 +111,54 @@ class TraceReceiver(trace_service_pb2_grpc.TraceServiceServicer):
         self, request: trace_service_pb2.ExportTraceServiceRequest,
         context: grpc.aio.ServicerContext,
     ) -> trace_service_pb2.ExportTraceServiceResponse:
+        rejected = await self._export(request, count_spans(request), self._spans, context, "")
+        if rejected:
+            return trace_service_pb2.ExportTraceServiceResponse(
+                partial_success=trace_service_pb2.ExportTracePartialSuccess(
+                    rejected_spans=rejected, error_message=self._over_limit("spans")))
+        return trace_service_pb2.ExportTraceServiceResponse()
+
+    async def export_logs(
+        self, request: logs_service_pb2.ExportLogsServiceRequest,
+        context: grpc.aio.ServicerContext,
+    ) -> logs_service_pb2.ExportLogsServiceResponse:
+        """LogsService/Export: Envoy's TTFT log, under the same token and limits as spans (a
+        bucket of its own, so open streams' periodic entries never crowd out the spans)."""
+        rejected = await self._export(request, count_records(request), self._records, context,
+                                      LOG_PREFIX)
+        if rejected:
+            return logs_service_pb2.ExportLogsServiceResponse(
+                partial_success=logs_service_pb2.ExportLogsPartialSuccess(
+                    rejected_log_records=rejected, error_message=self._over_limit("records")))
+        return logs_service_pb2.ExportLogsServiceResponse()
+
+    def _over_limit(self, what: str) -> str:
+        return (f"over the limit of {self.limits.max_spans} {what} per export and "
+                f"{self.limits.spans_per_s:g} per second")
+
+    async def _export(self, request: Any, total: int, bucket: _Bucket,
+                      context: grpc.aio.ServicerContext, prefix: str) -> int:
+        """Parse what the limits allow of one export and hand its samples on; how many of its
+        ``total`` items were rejected. Counters of the log input carry ``prefix``."""
         if not self._authorized(context):
             self.counts["unauthenticated"] += 1
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
-        total = count_spans(request)
-        take = self._take(total)
+        take = bucket.take(total, self._clock())
         self._exports += 1
         samples, dropped = parse_export(request, self.limits.max_ms, self._exports, take)
-        self.counts["exports"] += 1
-        self.counts["spans"] += len(samples) + sum(dropped.values())
-        self.counts[REJECTED] += total - take
-        self.counts["samples"] += len(samples)
-        self.counts.update(dropped)
+        c = self.counts
+        c[prefix + "exports"] += 1
+        c[prefix + ("records" if prefix else "spans")] += len(samples) + sum(dropped.values())
+        c[prefix + REJECTED] += total - take
+        c[prefix + "samples"] += len(samples)
+        c.update({prefix + k: v for k, v in dropped.items()})
         if samples:
             try:
                 self.on_samples(samples)
             except Exception:  # a tuner bug must not turn into export retries
-                self.counts["callback_errors"] += 1
+                c["callback_errors"] += 1
                 log.exception("sample callback failed")
-        if total > take:
-            return trace_service_pb2.ExportTraceServiceResponse(
-                partial_success=trace_service_pb2.ExportTracePartialSuccess(
-                    rejected_spans=total - take,
-                    error_message=f"over the limit of {self.limits.max_spans} spans per export "
-                                  f"and {self.limits.spans_per_s:g} per second"))
-        return trace_service_pb2.ExportTraceServiceResponse()
-
-    def _take(self, spans: int) -> int:
-        """How many of an export's ``spans`` to parse now (token bucket)."""
-        now = self._clock()
-        lim = self.limits
-        self._allowance = min(float(lim.max_spans),
-                              self._allowance + (now - self._refilled_at) * lim.spans_per_s)
-        self._refilled_at = now
-        take = min(spans, int(self._allowance))
-        self._allowance -= take
-        return take
+        return total - take
 
     async def start(
         self, host: str = "127.0.0.1", port: int = 4317,
@@ -123,6 +170,7 @@ class TraceReceiver(trace_service_pb2_grpc.TraceServiceServicer):
             ("grpc.so_reuseport", 0),  # a port in use fails instead of being shared
         ])
         trace_service_pb2_grpc.add_TraceServiceServicer_to_server(self, self._server)
+        logs_service_pb2_grpc.add_LogsServiceServicer_to_server(_LogsServicer(self), self._server)
         address = f"{host}:{port}"
         if tls is None:
             self.port = self._server.add_insecure_port(address)

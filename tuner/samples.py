@@ -20,10 +20,21 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceRequest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.proto.logs.v1.logs_pb2 import LogRecord
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
-from gorgo.core.contract import SPAN_PREFIX, STATUS_ATTR, TERM_FIELDS, TTFT_ATTR, VERSION_MAX
+from gorgo.core.contract import (
+    LOG_END,
+    LOG_PERIODIC,
+    LOG_TYPE_ATTR,
+    SPAN_PREFIX,
+    STATUS_ATTR,
+    TERM_FIELDS,
+    TTFT_ATTR,
+    VERSION_MAX,
+)
 from gorgo.core.terms import TERMS, TTFT
 
 # (term name, span tag) for every term of the registry: each decision carries each of them.
@@ -74,10 +85,23 @@ class Sample:
     decision_id: str = ""
     end_unix_s: float = 0.0
     source: int | None = None  # the export it came in (the receiver numbers them); None: offline
+    start_unix_s: float = 0.0  # 0: unknown (then end_unix_s - e2e_ms)
 
     @property
     def ok(self) -> bool:
         return 200 <= self.status < 300
+
+    @property
+    def early(self) -> bool:
+        """The TTFT of a stream still open (a TTFT log entry): its E2E is not known yet."""
+        return math.isnan(self.e2e_ms)
+
+    @property
+    def arrival_s(self) -> float:
+        """When the request started (Unix s), 0 if unknown: the order windows keep bursts in."""
+        if self.start_unix_s > 0:
+            return self.start_unix_s
+        return self.end_unix_s - self.e2e_ms / 1000.0 if self.end_unix_s > 0 else 0.0
 
 
 def _value(v: Any) -> Any:
@@ -87,8 +111,8 @@ def _value(v: Any) -> Any:
     return None
 
 
-def span_attributes(span: Span) -> dict[str, Any]:
-    return {a.key: _value(a.value) for a in span.attributes}
+def span_attributes(item: Span | LogRecord) -> dict[str, Any]:
+    return {a.key: _value(a.value) for a in item.attributes}
 
 
 def _present(attrs: dict[str, Any], key: str) -> bool:
@@ -125,20 +149,39 @@ def _text(attrs: dict[str, Any], key: str) -> str:
 def parse_span(span: Span, max_ms: float, source: int | None = None) -> Sample:
     """The span as a Sample, or SpanDropped saying why it is not one; ``max_ms`` is the fleet's
     request timeout, the longest TTFT or E2E a real request can have."""
-    attrs = span_attributes(span)
+    start, end = span.start_time_unix_nano, span.end_time_unix_nano
+    if start <= 0 or end < start:
+        raise SpanDropped(MALFORMED, f"span times {start}..{end}")
+    return parse_attributes(span_attributes(span), start, end, max_ms, source)
+
+
+def parse_record(record: LogRecord, max_ms: float, source: int | None = None) -> Sample:
+    """An entry of Envoy's TTFT access log (`gorgo.envoy_config`) as an *early* Sample: the TTFT
+    of a stream still open, its E2E unknown (NaN) until the span ends. Its time is the request's
+    start (Envoy's OpenTelemetry access logger sets it so)."""
+    attrs = span_attributes(record)
+    if attrs.get(LOG_TYPE_ATTR) not in (LOG_PERIODIC, LOG_END):
+        raise SpanDropped(FOREIGN, f"{LOG_TYPE_ATTR} is not {LOG_PERIODIC} or {LOG_END}")
+    start = record.time_unix_nano
+    if start <= 0:
+        raise SpanDropped(MALFORMED, f"record time {start}")
+    return parse_attributes(attrs, start, None, max_ms, source)
+
+
+def parse_attributes(attrs: dict[str, Any], start: int, end: int | None, max_ms: float,
+                     source: int | None = None) -> Sample:
+    """A Sample from the contract's attributes, started at ``start`` and ended at ``end``
+    (Unix ns; None: still open, its E2E unknown)."""
     if not _present(attrs, SPAN_PREFIX + "decision_id"):
         raise SpanDropped(FOREIGN, "no gorgo.decision_id")
     if not _present(attrs, TTFT_ATTR):
         raise SpanDropped(NO_TTFT, "no first byte from upstream")
-    start, end = span.start_time_unix_nano, span.end_time_unix_nano
-    if start <= 0 or end < start:
-        raise SpanDropped(MALFORMED, f"span times {start}..{end}")
     status = _integer(attrs, STATUS_ATTR)
     if not 100 <= status <= 599:
         raise SpanDropped(MALFORMED, f"{STATUS_ATTR}={status}")
     s = Sample(
         ttft_ms=_number(attrs, TTFT_ATTR) / 1000.0,
-        e2e_ms=(end - start) / 1e6,
+        e2e_ms=math.nan if end is None else (end - start) / 1e6,
         status=status,
         replica=_text(attrs, SPAN_PREFIX + "replica"),
         region=_text(attrs, SPAN_PREFIX + "region"),
@@ -150,16 +193,27 @@ def parse_span(span: Span, max_ms: float, source: int | None = None) -> Sample:
         uncached_tokens=_integer(attrs, SPAN_PREFIX + "uncached_tokens"),
         prompt_tokens=_integer(attrs, SPAN_PREFIX + "prompt_tokens"),
         decision_id=str(attrs[SPAN_PREFIX + "decision_id"]),
-        end_unix_s=end / 1e9,
+        end_unix_s=0.0 if end is None else end / 1e9,
         source=source,
+        start_unix_s=start / 1e9,
     )
-    if max(s.ttft_ms, s.e2e_ms) > max_ms:
+    if s.ttft_ms > max_ms or s.e2e_ms > max_ms:  # NaN (still open) is no violation
         raise SpanDropped(OUT_OF_RANGE, f"TTFT {s.ttft_ms:g} ms, E2E {s.e2e_ms:g} ms > {max_ms:g}")
     if max(s.predicted_ttft_ms, *s.terms.values()) > TERM_SLACK * max_ms:
         raise SpanDropped(OUT_OF_RANGE, f"a cost term above {TERM_SLACK * max_ms:g} ms")
     if s.uncached_tokens > s.prompt_tokens or s.weights_version > VERSION_MAX:
         raise SpanDropped(MALFORMED, "uncached tokens above the prompt's, or version above int64")
     return s
+
+
+def iter_records(request: ExportLogsServiceRequest) -> Iterable[LogRecord]:
+    for rl in request.resource_logs:
+        for sl in rl.scope_logs:
+            yield from sl.log_records
+
+
+def count_records(request: ExportLogsServiceRequest) -> int:
+    return sum(len(sl.log_records) for rl in request.resource_logs for sl in rl.scope_logs)
 
 
 def iter_spans(request: ExportTraceServiceRequest) -> Iterable[Span]:
@@ -172,15 +226,21 @@ def count_spans(request: ExportTraceServiceRequest) -> int:
     return sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
 
 
-def parse_export(request: ExportTraceServiceRequest, max_ms: float, source: int | None = None,
+def parse_export(request: ExportTraceServiceRequest | ExportLogsServiceRequest, max_ms: float,
+                 source: int | None = None,
                  limit: int | None = None) -> tuple[list[Sample], Counter[str]]:
-    """The usable samples among the first ``limit`` spans of one OTLP export (None: all), and how
-    many spans were dropped for each reason."""
+    """The usable samples among the first ``limit`` spans (or TTFT log records) of one OTLP
+    export (None: all), and how many were dropped for each reason."""
     samples: list[Sample] = []
     dropped: Counter[str] = Counter()
-    for span in itertools.islice(iter_spans(request), limit):
+    if isinstance(request, ExportLogsServiceRequest):
+        items: Iterable[Any] = iter_records(request)
+        parse: Any = parse_record
+    else:
+        items, parse = iter_spans(request), parse_span
+    for item in itertools.islice(items, limit):
         try:
-            samples.append(parse_span(span, max_ms, source))
+            samples.append(parse(item, max_ms, source))
         except SpanDropped as exc:
             dropped[exc.reason] += 1
         except (ValueError, TypeError, OverflowError):  # whatever else a hostile span holds

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from gorgo.core.contract import PREFILL_RATE_BOUNDS, VERSION_MAX, WEIGHT_BOUNDS
+from gorgo.core.terms import OBJECTIVES, TTFT, weight_keys
 from gorgo.errors import UserError
 from tuner.optimizer import CONVERGED, EVALUATING, STATE_FORMAT, point_from_state
 
@@ -101,12 +102,13 @@ def _short(v: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def _weights(state: Mapping[str, Any], key: str, fmt: int, required: bool) -> None:
+def _weights(state: Mapping[str, Any], key: str, fmt: int, required: bool,
+             keys: tuple[str, ...]) -> None:
     v = state.get(key)
     if v is None and not required:
         return
     try:
-        point = point_from_state(v, fmt)
+        point = point_from_state(v, fmt, keys)
     except ValueError as exc:
         raise ValueError(f"{key}: {str(exc)[:120]}") from None
     for k, x in point.items():
@@ -116,11 +118,16 @@ def _weights(state: Mapping[str, Any], key: str, fmt: int, required: bool) -> No
 def check_state(state: Mapping[str, Any], max_ms: float) -> None:
     """Every field `Tuner.restore` reads, or ValueError naming the first it cannot trust."""
     fmt = state.get("format")
-    if fmt not in (1, STATE_FORMAT) or isinstance(fmt, bool):
-        raise ValueError(f"format: expected 1 or {STATE_FORMAT}, got {_short(fmt)}")
-    _weights(state, "incumbent", fmt, required=True)
+    if fmt not in range(1, STATE_FORMAT + 1) or isinstance(fmt, bool):
+        raise ValueError(f"format: expected 1 to {STATE_FORMAT}, got {_short(fmt)}")
+    objective = state.get("objective", TTFT)  # before format 3, every tuner's
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective: expected one of {', '.join(OBJECTIVES)}, got "
+                         f"{_short(objective)}")
+    keys = weight_keys(objective)
+    _weights(state, "incumbent", fmt, required=True, keys=keys)
     for key in ("last_good", "model_tried"):
-        _weights(state, key, fmt, required=False)
+        _weights(state, key, fmt, required=False, keys=keys)
     _integer(state, "next_version", 1)
     evaluations = _integer(state, "evaluations", 0)
     _integer(state, "accepted", 0, evaluations)

@@ -17,9 +17,10 @@ from gorgo.harness.envoy_proc import EnvoyProcess
 
 from .run import Stack
 from .stats import Dist, cpu_s, machine_busy_s, metric_values, self_cpu
-from .workload import CHAT_PATH, Plan
+from .workload import CHAT_PATH, ROUTED_PATHS, Plan
 
-PROCESSORS = {"noop": "no-op ext_proc", "routed": "gorgo extproc"}
+PROCESSORS = {"noop": "no-op ext_proc", "routed": "gorgo extproc",
+              "workers2": "gorgo extproc (supervisor + 2 workers)", "skip": "gorgo extproc"}
 
 
 @dataclass
@@ -136,8 +137,8 @@ async def _aiohttp_load(url: str, bodies: list[bytes], conns: int, seconds: floa
     return Load("", len(times), took, errors, d.p50, d.p99)
 
 
-def _decisions(st: Stack) -> int:
-    return int(sum(metric_values(st.metrics_port, "gorgo_decisions_total")))
+def _decisions(st: Stack, path: str) -> int:
+    return int(sum(metric_values(st.metrics_ports[path], "gorgo_decisions_total")))
 
 
 def _fail_open(envoy: EnvoyProcess) -> int:
@@ -150,14 +151,15 @@ def run_load(st: Stack, path: str, bodies: list[bytes], plan: Plan, tmp: Path,
              use_wrk: bool) -> Load:
     url = f"http://127.0.0.1:{st.ports[path]}"
     front = st.fronts[path]
-    pids = {"front Envoy": front.proc.pid, "upstream Envoy": st.upstream.proc.pid}
-    processor = st.processor_pid(path)
-    if processor is not None:
-        pids[PROCESSORS[path]] = processor
-    cpu0 = {k: cpu_s(p) for k, p in pids.items()}
+    pids = {"front Envoy": [front.proc.pid], "upstream Envoy": [st.upstream.proc.pid]}
+    processors = st.processor_pids(path)
+    if processors:
+        pids[PROCESSORS[path]] = processors
+    routed = path in ROUTED_PATHS
+    cpu0 = {k: sum(map(cpu_s, ps)) for k, ps in pids.items()}
     busy0 = machine_busy_s()
     self0 = self_cpu()
-    dec0, fo0 = _decisions(st), _fail_open(front)
+    dec0, fo0 = _decisions(st, path) if routed else 0, _fail_open(front)
     if use_wrk:
         script = tmp / "post.lua"
         script.write_text(_lua_script(bodies))
@@ -169,10 +171,11 @@ def run_load(st: Stack, path: str, bodies: list[bytes], plan: Plan, tmp: Path,
         gen_name = "load generator (aiohttp)"
     load.path = path
     load.machine_cores = (machine_busy_s() - busy0) / load.seconds
-    load.cpu_cores = {k: (cpu_s(p) - cpu0[k]) / load.seconds for k, p in pids.items()}
+    load.cpu_cores = {k: (sum(map(cpu_s, ps)) - cpu0[k]) / load.seconds
+                      for k, ps in pids.items()}
     load.cpu_cores[gen_name] = gen_cpu / load.seconds
     if path != "alone":
         load.fail_open = _fail_open(front) - fo0
-    if path == "routed":
-        load.decisions = _decisions(st) - dec0
+    if routed:
+        load.decisions = _decisions(st, path) - dec0
     return load

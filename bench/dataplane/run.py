@@ -46,7 +46,9 @@ from .workload import (
     N_REPLICAS,
     PATHS,
     RESPONSE_HEADERS,
+    ROUTED_PATHS,
     SIZES,
+    WORKERS,
     Workload,
     bench_fleet,
     body_msg,
@@ -254,18 +256,26 @@ class NoopProcess:
 
 @dataclass
 class Stack:
-    """Upstream Envoy, `gorgo extproc`, the no-op ext_proc, and one front Envoy per path."""
+    """Upstream Envoy, the routers (`gorgo extproc` per routed path), the no-op ext_proc, and one
+    front Envoy per path."""
 
     upstream: EnvoyProcess
-    extproc: GorgoProcess
+    extprocs: dict[str, GorgoProcess]  # routed path -> its router (a supervisor with workers)
     noop: NoopProcess
     fronts: dict[str, EnvoyProcess]
     ports: dict[str, int]
-    grpc_port: int
-    metrics_port: int
+    grpc_port: int  # the one-worker router's, for the gRPC decision bench
+    metrics_ports: dict[str, int]
 
-    def processor_pid(self, path: str) -> int | None:
-        return {"routed": self.extproc.p.pid, "noop": self.noop.p.pid}.get(path)
+    def processor_pids(self, path: str) -> list[int]:
+        """The processes that serve ``path``'s ext_proc: a router and its workers, or the no-op."""
+        if path == "noop":
+            return [self.noop.p.pid]
+        if path not in self.extprocs:
+            return []
+        pid = self.extprocs[path].p.pid
+        children = Path(f"/proc/{pid}/task/{pid}/children")
+        return [pid, *(int(c) for c in children.read_text().split())]
 
 
 def start_stack(stack: contextlib.ExitStack, tmp: Path) -> Stack:
@@ -274,36 +284,51 @@ def start_stack(stack: contextlib.ExitStack, tmp: Path) -> Stack:
                             concurrency=UPSTREAM_CONCURRENCY)
     stack.callback(upstream.stop)
     upstream.start()
-    fleet_path = tmp / "fleet.yaml"
-    fleet_path.write_text(yaml.safe_dump(
-        bench_fleet([f"127.0.0.1:{p}" for p in engine_ports], probe_s=1.0)))
-    grpc_port, noop_port = free_port(), free_port()
+    addresses = [f"127.0.0.1:{p}" for p in engine_ports]
+    ports = {path: free_port() for path in PATHS}
+    admins = {path: free_port() for path in PATHS}
+    noop_port = free_port()
+    extprocs: dict[str, GorgoProcess] = {}
+    fleets: dict[str, Path] = {}
+    for path in ROUTED_PATHS:
+        fleets[path] = tmp / f"fleet-{path}.yaml"
+        fleets[path].write_text(yaml.safe_dump(
+            bench_fleet(addresses, probe_s=1.0, skip=path == "skip")))
     with _signals_deferred():  # the processes exist before their handles: register them first
-        ext = GorgoProcess(["extproc", "--fleet", str(fleet_path), "--port", str(grpc_port),
-                            "--metrics-port", "0", "--log-level", "WARNING"])
-        stack.callback(ext.stop)
+        for path in ROUTED_PATHS:
+            args = ["extproc", "--fleet", str(fleets[path]), "--port", "0",
+                    "--metrics-port", "0", "--log-level", "WARNING",
+                    "--workers", str(WORKERS[path])]
+            if path == "skip":
+                args += ["--envoy-admin", f"127.0.0.1:{admins[path]}"]
+            extprocs[path] = GorgoProcess(args, timeout=60)
+            stack.callback(extprocs[path].stop)
         noop = NoopProcess(noop_port)
         stack.callback(noop.stop)
-    metrics_port = int(ext.field("metrics"))
-    spec = load_fleet(fleet_path)
-    ports = {path: free_port() for path in PATHS}
+    metrics_ports = {path: int(p.field("metrics")) for path, p in extprocs.items()}
+    grpc = {path: p.field("grpc") for path, p in extprocs.items()}
     fronts = {}
     for path, port in ports.items():
+        spec = load_fleet(fleets.get(path, fleets["routed"]))
+        workers = grpc[path].split(",") if path in grpc else [str(noop_port)]
         boot = render_bootstrap(
-            spec, listen=f"127.0.0.1:{port}", admin=f"127.0.0.1:{free_port()}",
-            extproc=f"127.0.0.1:{noop_port if path == 'noop' else grpc_port}")
+            spec, listen=f"127.0.0.1:{port}", admin=f"127.0.0.1:{admins[path]}",
+            extproc=",".join(f"127.0.0.1:{w}" for w in workers))
         fronts[path] = EnvoyProcess(boot if path != "alone" else without_ext_proc(boot),
                                     concurrency=FRONT_CONCURRENCY)
         stack.callback(fronts[path].stop)
         fronts[path].start()
 
     def rtt_known() -> bool:
-        vals = metric_values(metrics_port, "gorgo_rtt_seconds")
-        return len(vals) == N_REPLICAS and all(v == v for v in vals)
+        for path, port in metrics_ports.items():
+            vals = metric_values(port, "gorgo_rtt_seconds")
+            if len(vals) != N_REPLICAS * WORKERS[path] or not all(v == v for v in vals):
+                return False
+        return True
 
-    if not wait_for(rtt_known, 15):
-        raise RuntimeError("gorgo extproc never measured every replica's RTT")
-    return Stack(upstream, ext, noop, fronts, ports, grpc_port, metrics_port)
+    if not wait_for(rtt_known, 30):
+        raise RuntimeError("a gorgo extproc never measured every replica's RTT")
+    return Stack(upstream, extprocs, noop, fronts, ports, int(grpc["routed"]), metrics_ports)
 
 
 # --- 1b. decision latency over gRPC -------------------------------------------------------------
@@ -378,7 +403,7 @@ def run_over_grpc(st: Stack, wl: Workload, iterations: int) -> OverGrpc:
 @dataclass
 class Added:
     dists: dict[str, Dist]
-    unrouted: int  # routed-path answers without the router's replica header (fail-open)
+    unrouted: int  # routed-paths' answers without the router's replica header (fail-open)
 
     def added(self, path: str, pct: str) -> float:
         return getattr(self.dists[path], pct) - getattr(self.dists["alone"], pct)
@@ -408,7 +433,7 @@ def run_added(st: Stack, bodies: list[bytes], rounds: int) -> Added:
                 if k < warmup:  # connections, pools, caches
                     continue
                 times[path].append(dt)
-                if path == "routed" and resp.getheader(REPLICA_HEADER) is None:
+                if path in ROUTED_PATHS and resp.getheader(REPLICA_HEADER) is None:
                     unrouted += 1
     finally:
         for c in conns.values():

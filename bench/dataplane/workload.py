@@ -17,8 +17,12 @@ E2E_SIZE = 8 * KB
 REGIONS = ("us-east", "eu-frankfurt", "ap-seoul")
 N_REPLICAS = 6
 CHAT_PATH = "/v1/chat/completions"
-# The three front Envoys, measured side by side: no ext_proc, a do-nothing one, the router.
-PATHS = ("alone", "noop", "routed")
+# The front Envoys, measured side by side: no ext_proc, a do-nothing one, the router (one worker),
+# the router with two workers (`--workers 2`), and one worker with the response-headers round trip
+# skipped (fleet extproc.response_headers: skip).
+PATHS = ("alone", "noop", "routed", "workers2", "skip")
+ROUTED_PATHS = ("routed", "workers2", "skip")
+WORKERS = {"routed": 1, "workers2": 2, "skip": 1}
 _PROSE = (
     "the router sends each request to the replica with the lowest predicted time to first "
     "token which adds network round trip queue wait and prefill of the uncached prompt prefix "
@@ -128,9 +132,11 @@ def cached_share(answer: pb.ProcessingResponse) -> float:
     return 1.0 - fields["uncached_tokens"].number_value / prompt if prompt else 0.0
 
 
-def bench_fleet(addresses: list[str], probe_s: float = 2.0) -> dict[str, Any]:
-    """Six replicas, two per region, with the regions' preset link RTTs."""
+def bench_fleet(addresses: list[str], probe_s: float = 2.0, skip: bool = False) -> dict[str, Any]:
+    """Six replicas, two per region, with the regions' preset link RTTs; ``skip``: Envoy skips
+    the response-headers round trip."""
     return {
+        **({"extproc": {"response_headers": "skip"}} if skip else {}),
         "name": "dataplane-bench",
         "regions": {r: {"sim": {"link": r}} for r in REGIONS},
         "replicas": [{"name": f"r{k}", "region": REGIONS[k // 2], "address": a,

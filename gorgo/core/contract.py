@@ -20,6 +20,14 @@ SPAN_PREFIX = "gorgo."
 # and the request fields (gorgo.core.otel). The tuner reads it as the request's TTFT.
 TTFT_ATTR = "gorgo.first_byte_us"
 STATUS_ATTR = "http.status_code"
+# Envoy -> tuner, over OTLP logs: the HTTP connection manager's periodic access log sends an open
+# stream's first-token time before the stream ends. Each record carries the span's attribute names
+# (TTFT_ATTR, STATUS_ATTR, gorgo.<decision field>) plus the entry's %ACCESS_LOG_TYPE%; only these
+# types are sent, and the tuner counts a decision's TTFT once (tuner/join.py).
+TTFT_LOG_NAME = "gorgo.ttft"
+LOG_TYPE_ATTR = "gorgo.log_type"
+LOG_PERIODIC = "DownstreamPeriodic"
+LOG_END = "DownstreamEnd"
 # OpenTelemetry GenAI semantic-convention attributes, typed: made by the Collector's transform
 # processor (deploy/otel-collector.yaml) or gorgo.core.otel from the string tags.
 GENAI_OPERATION_ATTR = "gen_ai.operation.name"

@@ -10,6 +10,7 @@ import numpy as np
 NO_REPLICA = "no_healthy_replica"
 SHED = "shed"
 TOO_LARGE = "context_length_exceeded"  # OpenAI's code: the request fits no replica
+UNKNOWN_MODEL = "model_not_found"  # OpenAI's code: no replica serves the requested model
 
 
 class NoReplicaAvailable(Exception):
@@ -44,7 +45,7 @@ class Rejection:
     """
 
     status: int
-    reason: str  # NO_REPLICA, SHED or TOO_LARGE
+    reason: str  # NO_REPLICA, SHED, TOO_LARGE or UNKNOWN_MODEL
     retry_after_s: float
     message: str
     priority: int | None = None

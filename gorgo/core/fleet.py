@@ -19,7 +19,7 @@ import yaml
 
 from gorgo.core.block_hashes import DEFAULT_SEED
 from gorgo.core.contract import API_PATHS, HEALTH_PATH, WEIGHT_BOUNDS
-from gorgo.core.terms import OBJECTIVES, TTFT
+from gorgo.core.terms import BY_NAME, OBJECTIVES, TTFT
 from gorgo.core.weights import Weights
 from gorgo.errors import UserError
 
@@ -92,6 +92,19 @@ class ReplicaSpec:
     sim: SimEngineSpec | None = None
     cache: str = APPROXIMATE  # the router's view of its KV cache (gorgo.core.precise)
     precise: PreciseSpec | None = None  # set exactly when cache is precise
+    # The model names it serves (empty: whatever is asked); aliases are further names its engine
+    # answers to (vLLM's several --served-model-name), selecting the same replicas.
+    models: tuple[str, ...] = ()
+    aliases: tuple[tuple[str, str], ...] = ()  # (alias, model)
+    drain: bool = False  # routable for no new request; its open streams finish
+    # Cost-term constants for this replica's engine, (term, param, value), e.g. ("admission",
+    # "max_running", 64.0); the rest stay at the term's defaults (FleetState.params).
+    params: tuple[tuple[str, str, float], ...] = ()
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        """Every name a request may ask this replica for: its models, then their aliases."""
+        return (*self.models, *(a for a, _ in self.aliases))
 
     @property
     def host(self) -> str:
@@ -184,6 +197,9 @@ class Observability:
 
     access_log: bool = False
     access_log_path: str = "/dev/stdout"
+    # With a tuner (OTLP), Envoy's periodic access log sends each open stream's first-token time
+    # this often, so the tuner need not wait for the stream's end; 0 turns it off.
+    ttft_log_interval_s: float = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,6 +217,24 @@ class ControlHeaders:
     (contract.CONTROL_HEADERS) Envoy keeps; from every other client it strips them."""
 
     trusted_peers: tuple[str, ...] = ()
+
+
+RESPONSE_HEADER_MODES = ("send", "skip")
+
+
+@dataclass(frozen=True, slots=True)
+class ExtProcMode:
+    """How Envoy talks to the router. ``response_headers: send`` (the default) sends every
+    response's headers back to the router, which reads the status (penalties, retries) and tags
+    the response; ``skip`` saves that round trip: Envoy tags the response from the decision's
+    metadata, ejects failing replicas by outlier detection, and the router reads each replica's
+    errors and ejections from Envoy's admin API instead (`gorgo extproc --envoy-admin`)."""
+
+    response_headers: str = "send"
+
+    @property
+    def skip_response_headers(self) -> bool:
+        return self.response_headers == "skip"
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,6 +259,7 @@ class FleetSpec:
     observability: Observability = field(default_factory=Observability)
     routes: Routes = field(default_factory=Routes)
     control_headers: ControlHeaders = field(default_factory=ControlHeaders)
+    extproc: ExtProcMode = field(default_factory=ExtProcMode)
     name: str = "fleet"
     # Also answer with the Gateway API Inference Extension's endpoint-picker header/metadata.
     endpoint_picker: bool = False
@@ -232,6 +267,12 @@ class FleetSpec:
     @property
     def region_names(self) -> list[str]:
         return [r.name for r in self.regions]
+
+    @property
+    def models(self) -> tuple[str, ...]:
+        """The models the fleet serves (the union, in file order); empty when no replica lists
+        any, and every replica serves whatever is asked."""
+        return tuple(dict.fromkeys(m for r in self.replicas for m in r.models))
 
     def replica(self, name: str) -> ReplicaSpec:
         for r in self.replicas:
@@ -328,7 +369,8 @@ def _replica(raw: Any, path: str, regions: set[str]) -> ReplicaSpec:
     _check_keys(
         raw,
         {"name", "region", "cluster", "address", "engine", "health_url", "metrics_url",
-         "prefill_rate", "kv_capacity_tokens", "sim", "cache", *PRECISE_FIELDS},
+         "prefill_rate", "kv_capacity_tokens", "sim", "cache", "models", "drain", "params",
+         *PRECISE_FIELDS},
         path,
     )
     name = _str(raw, "name", path)
@@ -369,7 +411,67 @@ def _replica(raw: Any, path: str, regions: set[str]) -> ReplicaSpec:
         sim=sim,
         cache=PRECISE if precise else APPROXIMATE,
         precise=precise,
+        drain=_bool(raw, "drain", path),
+        params=_term_params(raw, path),
+        **_models(raw, path),
     )
+
+
+def _term_params(raw: Mapping[str, Any], path: str) -> tuple[tuple[str, str, float], ...]:
+    """A replica's ``params:``: ``{term: {param: value > 0}}`` over the registry's term params."""
+    path = f"{path}.params"
+    out = []
+    for term, values in _mapping(raw.get("params") or {}, path).items():
+        known = BY_NAME.get(term)
+        if known is None or not known.params:
+            with_params = sorted(n for n, t in BY_NAME.items() if t.params)
+            raise FleetError(f"{path}: {term!r} is not a term with parameters "
+                             f"(known: {with_params})")
+        values = _mapping(values, f"{path}.{term}")
+        _check_keys(values, set(known.params), f"{path}.{term}")
+        out += [(term, key, _num(values, key, f"{path}.{term}", 0.0, strict=True))
+                for key in values]
+    return tuple(out)
+
+
+def _models(raw: Mapping[str, Any], path: str) -> dict[str, tuple]:
+    """A replica's ``models:``: each a name, or ``{name, aliases: [...]}``."""
+    models: list[str] = []
+    aliases: list[tuple[str, str]] = []
+    for i, entry in enumerate(_list(raw, "models", path)):
+        where = f"{path}.models[{i}]"
+        if isinstance(entry, str):
+            entry = {"name": entry}
+        entry = _mapping(entry, where)
+        _check_keys(entry, {"name", "aliases"}, where)
+        name = _str(entry, "name", where)
+        for j, alias in enumerate(_list(entry, "aliases", where)):
+            if not isinstance(alias, str) or not alias:
+                raise FleetError(f"{where}.aliases[{j}]: expected a non-empty string, "
+                                 f"got {alias!r}")
+            aliases.append((alias, name))
+        models.append(name)
+    names = [*models, *(a for a, _ in aliases)]
+    for name in names:
+        if names.count(name) > 1:
+            raise FleetError(f"{path}.models: {name!r} is listed twice")
+    return {"models": tuple(models), "aliases": tuple(aliases)}
+
+
+def _check_models(replicas: tuple[ReplicaSpec, ...], source: str) -> None:
+    """Either every replica lists its models or none does (then each serves whatever is asked),
+    and a name means one model fleet-wide: an alias is never another replica's model."""
+    listed = [bool(r.models) for r in replicas]
+    if any(listed) and not all(listed):
+        i = listed.index(False)
+        raise FleetError(f"{source}.replicas[{i}].models: required once any replica lists its "
+                         "models (a replica without them would be asked for every model)")
+    meaning: dict[str, str] = {m: m for r in replicas for m in r.models}
+    for i, r in enumerate(replicas):
+        for alias, model in r.aliases:
+            if meaning.setdefault(alias, model) != model:
+                raise FleetError(f"{source}.replicas[{i}].models: alias {alias!r} of {model!r} "
+                                 f"already names {meaning[alias]!r}")
 
 
 PRECISE_FIELDS = ("tokenizer", "hash_seed", "kv_events")
@@ -522,7 +624,19 @@ def _observability(raw: Mapping[str, Any], path: str) -> Observability:
     oraw = _mapping(raw.get("observability") or {}, path)
     _check_keys(oraw, set(Observability.__dataclass_fields__), path)
     return Observability(access_log=_bool(oraw, "access_log", path),
-                         access_log_path=_str(oraw, "access_log_path", path, "/dev/stdout"))
+                         access_log_path=_str(oraw, "access_log_path", path, "/dev/stdout"),
+                         ttft_log_interval_s=_num(oraw, "ttft_log_interval_s", path,
+                                                  Observability().ttft_log_interval_s))
+
+
+def _extproc(raw: Mapping[str, Any], path: str) -> ExtProcMode:
+    eraw = _mapping(raw.get("extproc") or {}, path)
+    _check_keys(eraw, set(ExtProcMode.__dataclass_fields__), path)
+    mode = _str(eraw, "response_headers", path, "send")
+    if mode not in RESPONSE_HEADER_MODES:
+        raise FleetError(f"{path}.response_headers: must be one of "
+                         f"{', '.join(RESPONSE_HEADER_MODES)}, got {mode!r}")
+    return ExtProcMode(response_headers=mode)
 
 
 def _policy(raw: Mapping[str, Any], source: str) -> str:
@@ -558,7 +672,7 @@ def parse_fleet(raw: Any, source: str = "fleet") -> FleetSpec:
          "allow_policy_override",
          "weights", "block_tokens", "chars_per_token", "default_cluster", "timeouts", "signals",
          "limits", "endpoint_picker", "shedding", "slo", "penalties", "retries", "routes",
-         "control_headers", "observability"},
+         "control_headers", "observability", "extproc"},
         source,
     )
     regions_raw = _mapping(raw.get("regions"), f"{source}.regions")
@@ -579,6 +693,7 @@ def parse_fleet(raw: Any, source: str = "fleet") -> FleetSpec:
             if value in seen:
                 raise FleetError(f"{source}.replicas[{i}].{attr}: duplicate {value!r}")
             seen.add(value)
+    _check_models(replicas, source)
     proxy_region = _str(raw, "proxy_region", source, regions[0].name)
     if proxy_region not in region_names:
         raise FleetError(f"{source}.proxy_region: unknown region {proxy_region!r}")
@@ -617,16 +732,24 @@ def parse_fleet(raw: Any, source: str = "fleet") -> FleetSpec:
         observability=_observability(raw, f"{source}.observability"),
         routes=_routes(raw, f"{source}.routes"),
         control_headers=_control_headers(raw, f"{source}.control_headers"),
+        extproc=_extproc(raw, f"{source}.extproc"),
     )
 
 
-def load_fleet(path: str | Path) -> FleetSpec:
-    """Read and validate a fleet YAML file."""
+def read_fleet(path: str | Path) -> Any:
+    """The decoded YAML document of a fleet file (not yet validated)."""
     path = Path(path)
     try:
-        raw = yaml.safe_load(path.read_text())
+        return yaml.safe_load(path.read_text())
     except OSError as exc:
         raise FleetError(f"{path}: cannot read fleet file: {exc.strerror}") from None
     except yaml.YAMLError as exc:
         raise FleetError(f"{path}: not valid YAML: {exc}") from None
-    return parse_fleet(raw, source=path.name)
+
+
+def load_fleet(path: str | Path) -> FleetSpec:
+    """Read and validate a fleet YAML file; a ``discover:`` entry stands unresolved, as the one
+    replica at its DNS name (gorgo.core.discovery; the router resolves it)."""
+    from gorgo.core.discovery import parse_discovered  # it builds on this module
+
+    return parse_discovered(read_fleet(path), None, source=Path(path).name)

@@ -60,6 +60,22 @@ class PrefixIndex:
             alive ^= low
         return depth
 
+    def reindexed(self, rows: list[int | None], capacity: list[int] | None) -> PrefixIndex:
+        """A new index whose replica j holds old replica ``rows[j]``'s blocks (None: none), with
+        that replica's capacity where it had one (its engine may have said); ``capacity``
+        bounds the rest. Its blocks move, so this index is not to be used afterwards."""
+        new = PrefixIndex(len(rows), capacity)
+        for j, i in enumerate(rows):
+            if i is None:
+                continue
+            new._lru[j] = self._lru[i]
+            if new.capacity is not None and self.capacity is not None:
+                new.capacity[j] = self.capacity[i]
+            bit = 1 << j
+            for h in new._lru[j]:
+                new._holders[h] = new._holders.get(h, 0) | bit
+        return new
+
     def insert(self, replica: int, hashes: np.ndarray | list[int]) -> None:
         """Record that ``replica`` now caches these blocks, evicting its LRU blocks if full."""
         lru = self._lru[replica]

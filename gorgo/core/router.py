@@ -20,12 +20,14 @@ from gorgo.core.decision import (
     NO_REPLICA,
     SHED,
     TOO_LARGE,
+    UNKNOWN_MODEL,
     Decision,
     NoReplicaAvailable,
     Rejection,
 )
 from gorgo.core.features import RequestFeatures
 from gorgo.core.fleet import FleetError, FleetSpec
+from gorgo.core.membership import FleetDiff, check_reloadable, diff_fleets
 from gorgo.core.policies import REGISTRY, make_policy
 from gorgo.core.policies.base import Policy
 from gorgo.core.state import FleetState
@@ -63,19 +65,72 @@ class Router:
         default_cls = (extra_policies or {}).get(spec.policy) or REGISTRY.get(spec.policy)
         unbounded_prefix = unbounded_prefix or bool(getattr(default_cls, "unbounded_prefix", False))
         self.state = FleetState(spec, unbounded_prefix=unbounded_prefix)
-        self.policies: dict[str, Policy] = {n: make_policy(n, spec) for n in REGISTRY}
-        self.policies.update(extra_policies or {})
-        self.default_policy = spec.policy
+        self._extra_policies = dict(extra_policies or {})
+        self._use(spec)
         self._ids = itertools.count(1)
         self._id_prefix = id_prefix
         self._open: dict[str, _Open] = {}
+        self.shed_count = 0
+        # Bumped by every reload: signal results measured on an older fleet are dropped.
+        self.generation = 0
+
+    def _use(self, spec: FleetSpec) -> None:
+        """Everything derived from the fleet spec but the state."""
+        self.spec = spec
+        self.policies: dict[str, Policy] = {n: make_policy(n, spec) for n in REGISTRY}
+        self.policies.update(self._extra_policies)
+        self.default_policy = spec.policy
         # The most tokens (prompt plus output) any replica can hold: a longer request fits nowhere.
         self.max_request_tokens = max(r.kv_capacity_tokens for r in spec.replicas)
-        self.shed_count = 0
         self._refresh_due: dict[str, float] = {}
         # weights version -> policy -> decisions: the tuner scores a version on every request it
         # routed, so it must know how many there were (its spans arrive only as they complete).
         self.routed: dict[int, dict[str, int]] = {}
+
+    def reload(self, spec: FleetSpec) -> FleetDiff:
+        """Take on a new fleet: unchanged replicas keep their state (`FleetState.reindexed`) and
+        their open requests, which are re-indexed; a removed replica's open requests are
+        forgotten (its streams still finish; their `complete` finds nothing to release). Raises
+        FleetError, changing nothing, for what a running router cannot take on."""
+        if spec.policy not in self.policies:
+            raise FleetError(
+                f"policy: unknown policy {spec.policy!r} (known: {', '.join(REGISTRY)})")
+        check_reloadable(self.spec, spec)
+        diff = diff_fleets(self.spec, spec)
+        state = self.state.reindexed(spec, {n: n for n in diff.kept})
+        for key, entry in list(self._open.items()):
+            j = state.index.get(self.state.names[entry.replica])
+            if j is None or self.state.names[entry.replica] not in diff.kept:
+                del self._open[key]
+            else:
+                entry.replica = j
+        self.state = state
+        self._use(spec)
+        self.generation += 1
+        return diff
+
+    def replica_of(self, decision_id: str) -> int | None:
+        """The replica an open request is booked on, as of the current fleet (None: closed, or
+        its replica was removed)."""
+        entry = self._open.get(decision_id)
+        return None if entry is None else entry.replica
+
+    def candidates(self, f: RequestFeatures) -> np.ndarray | Rejection | None:
+        """The replicas serving the request's model (None: every replica serves every model),
+        or the 404 naming the fleet's models."""
+        masks = self.state.model_masks
+        if not masks:
+            return None
+        known = self.spec.models
+        if f.model is None and len(known) == 1:
+            return masks[known[0]]
+        mask = masks.get(f.model) if f.model is not None else None
+        if mask is None:
+            asked = "No model was named" if f.model is None else f"The model {f.model!r} does " \
+                "not exist"
+            return Rejection(404, UNKNOWN_MODEL, 0.0,
+                             f"{asked}; this fleet serves: {', '.join(known)}.")
+        return mask
 
     def policy_for(self, f: RequestFeatures) -> Policy:
         """The requested policy when the fleet allows overrides and knows it, else the default."""
@@ -110,15 +165,22 @@ class Router:
                 f"This request needs {wanted} tokens ({f.prompt_tokens} in the prompt, "
                 f"{f.max_tokens or 0} for the completion); the largest replica holds "
                 f"{self.max_request_tokens}.")
+        mask = self.candidates(f)
+        if isinstance(mask, Rejection):
+            return mask
         terms = cost_terms(f, s)
         total = terms.total(s.weights)  # predicted TTFT: what the span reports
-        shed = self._admit(f, terms.total(s.weights, latency_only=True))
-        if shed is not None:
-            return shed
+        # The model's replicas only, for admission and every policy (FleetState.routable).
+        s.candidates = mask
         try:
+            shed = self._admit(f, terms.total(s.weights, latency_only=True))
+            if shed is not None:
+                return shed
             d = self.policy_for(f).choose(f, s)
         except NoReplicaAvailable as exc:
             return Rejection(503, NO_REPLICA, exc.retry_after_s, "No healthy replica is available.")
+        finally:
+            s.candidates = None
         i = d.replica
         d.terms = terms.at(i)
         d.predicted_ms = float(total[i])

@@ -25,6 +25,9 @@ FAILURES_TO_EJECT = 3
 BACKOFF_BASE_S = 1.0
 BACKOFF_MAX_S = 30.0
 DEMAND_TAU_S = 10.0  # time constant of the demand estimate (request rate, prompt size)
+# Per-replica arrays that follow the new fleet file, never the old state (`reindexed`): where a
+# replica is, what it is configured to be, and per-request memos.
+_PER_SPEC = frozenset({"region_idx", "prefill_rate", "draining", "_match"})
 
 
 class FleetState:
@@ -35,6 +38,7 @@ class FleetState:
         self.tok = Tokenization(spec.chars_per_token, spec.block_tokens)
         n = self.n = len(spec.replicas)
         self.names = [r.name for r in spec.replicas]
+        self.index = {name: i for i, name in enumerate(self.names)}
         self.clusters = [r.cluster for r in spec.replicas]
         self.regions = spec.region_names
         self.region_idx = np.array([self.regions.index(r.region) for r in spec.replicas])
@@ -45,9 +49,12 @@ class FleetState:
         self.rtt_samples = np.zeros(n, dtype=np.int64)
         # Capacity model: prefill tokens/s per replica (fleet hint, refined by the tuner).
         self.prefill_rate = np.array([r.prefill_rate for r in spec.replicas], dtype=float)
-        # Each term's per-replica constants (CostTerm.params), at their defaults.
+        # Each term's per-replica constants (CostTerm.params): the fleet file's, else defaults.
         self.params: dict[str, dict[str, np.ndarray]] = {
             t.name: {k: np.full(n, float(v)) for k, v in t.params.items()} for t in TERMS}
+        for i, r in enumerate(spec.replicas):
+            for term, key, value in r.params:
+                self.params[term][key][i] = value
         # This router's own accounting of what it has sent.
         self.inflight_reqs = np.zeros(n, dtype=np.int64)
         self.inflight_prompt_tokens = np.zeros(n, dtype=np.int64)
@@ -70,6 +77,14 @@ class FleetState:
         self.healthy = np.ones(n, dtype=bool)
         self.failures = np.zeros(n, dtype=np.int64)
         self.retry_at = np.zeros(n)
+        # Membership: a draining replica takes no new request (its open streams finish).
+        self.draining = np.array([r.drain for r in spec.replicas], dtype=bool)
+        # Which replicas serve each model name (aliases included); empty when the fleet lists no
+        # models. `Router.route` sets ``candidates`` to the request's mask while it is scored.
+        self.model_masks = {m: np.array([m in r.model_names for r in spec.replicas], dtype=bool)
+                            for m in dict.fromkeys(m for r in spec.replicas
+                                                   for m in r.model_names)}
+        self.candidates: np.ndarray | None = None
         blocks = [max(1, r.kv_capacity_tokens // spec.block_tokens) for r in spec.replicas]
         self.prefix = PrefixIndex(n, None if unbounded_prefix else blocks)
         # The engines' own block sets, for `cache: precise` replicas (None when there is none).
@@ -134,7 +149,48 @@ class FleetState:
         return self.penalty_ms * np.exp2(-age / half_life)
 
     def routable(self) -> np.ndarray:
-        return self.healthy
+        """Healthy, not draining and, while a request is scored, serving its model."""
+        ok = self.healthy & ~self.draining
+        return ok if self.candidates is None else ok & self.candidates
+
+    # --- membership ----------------------------------------------------------------------------
+
+    def reindexed(self, spec: FleetSpec, carried: dict[str, str]) -> FleetState:
+        """A state for ``spec`` in which each replica named in ``carried`` (new name -> old name)
+        keeps its row of every per-replica array (RTT, scrapes, health, backlog, penalty,
+        calibrated prefill rate), its prefix-index entries and its KV capacity; the others
+        start fresh, unroutable until probed. Draining and the term params (configured, not
+        learned) follow ``spec``. The weights
+        and the demand estimate carry over whole."""
+        new = FleetState(spec, unbounded_prefix=self.prefix.capacity is None)
+        pairs = [(j, self.index[carried[name]]) for j, name in enumerate(new.names)
+                 if name in carried]
+        dst = np.array([j for j, _ in pairs], dtype=np.int64)
+        src = np.array([i for _, i in pairs], dtype=np.int64)
+        fresh = set(vars(new))
+        for attr, old in vars(self).items():
+            if (attr in _PER_SPEC or attr not in fresh or not isinstance(old, np.ndarray)
+                    or old.shape[:1] != (self.n,)):
+                continue
+            getattr(new, attr)[dst] = old[src]
+        # A rate still at the old file's hint follows the new hint; a calibrated one stays.
+        for j, i in pairs:
+            if self.prefill_rate[i] != self.spec.replicas[i].prefill_rate:
+                new.prefill_rate[j] = self.prefill_rate[i]
+        # An added replica takes requests once its first probe answers: by then Envoy has loaded
+        # its cluster too (filesystem CDS), and it has an RTT of its own.
+        added = np.ones(new.n, dtype=bool)
+        added[dst] = False
+        new.healthy[added] = False
+        new.prefix = self.prefix.reindexed(
+            [self.index[carried[name]] if name in carried else None for name in new.names],
+            new.prefix.capacity)
+        new.weights = self.weights
+        new.now = self.now
+        new._arrivals, new._arrival_tokens = self._arrivals, self._arrival_tokens
+        new._arrivals_at, new._first_arrival = self._arrivals_at, self._first_arrival
+        new.version = self.version + 1
+        return new
 
     def demand(self) -> tuple[float, float]:
         """(requests/s, mean prompt tokens) arriving at this router, as of ``self.now``.

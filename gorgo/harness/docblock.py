@@ -6,7 +6,9 @@ and only the block between the bench's own markers changes.
 
 from __future__ import annotations
 
+import os
 import re
+import shlex
 import signal
 from collections.abc import Sequence
 from pathlib import Path
@@ -30,6 +32,14 @@ def write_block(doc: Path, section: str, begin: str, end: str, block: str, title
         text = text.rstrip("\n") + f"\n\n{section}\n\n{generated}"
     doc.parent.mkdir(parents=True, exist_ok=True)
     doc.write_text(text)
+
+
+def command_lines(script: str, argv: Sequence[str], wall_s: float | None) -> tuple[list[str], str]:
+    """A bench's docs block head: its command line as a code block, and `` in N min on C CPUs``
+    (empty when the wall time is unknown) for the sentence that says how the cells were made."""
+    command = " ".join(shlex.quote(a) for a in [".venv/bin/python", script, *argv])
+    took = "" if wall_s is None else f" in {wall_s / 60:.1f} min on {os.cpu_count()} CPUs"
+    return ["```", command, "```", ""], took
 
 
 def public_args(argv: Sequence[str]) -> list[str]:

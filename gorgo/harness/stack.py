@@ -42,6 +42,12 @@ class StackOptions:
     speed: float = 1.0
     seed: int = 0
     envoy_concurrency: int = 1
+    # Cluster mode with membership changes: Envoy loads the replicas' clusters from a CDS file
+    # that the router rewrites on every fleet reload.
+    cds: bool = False
+    # The router's fleet starts with only these replicas (the simulated fleet runs them all), so
+    # a test can add the others without a restart; None: all of them.
+    router_replicas: tuple[str, ...] | None = None
 
 
 class LiveStack:
@@ -56,6 +62,13 @@ class LiveStack:
         self.fleet_path = self.workdir / "fleet.yaml"
         self.fleet_path.write_text(yaml.safe_dump(doc, sort_keys=False))
         self.spec: FleetSpec = load_fleet(self.fleet_path)
+        self.router_fleet_path = self.fleet_path
+        if opts.router_replicas is not None:
+            self.router_fleet_path = self.workdir / "router-fleet.yaml"
+            self.router_fleet_path.write_text(yaml.safe_dump(dict(doc, replicas=[
+                r for r in doc["replicas"] if r["name"] in opts.router_replicas]),
+                sort_keys=False))
+        self.cds_path = self.workdir / "cds.yaml" if opts.cds else None
         self.token = secrets.token_hex(16)
         self.token_path = self.workdir / "admin-token"
         self.token_path.write_text(self.token)
@@ -91,8 +104,9 @@ class LiveStack:
         self.control_url = f"http://127.0.0.1:{fleet.field('control')}"
         grpc_port, metrics_port, otlp_port, status_port, listen, admin = free_ports(6)
         self.procs["extproc"] = GorgoProcess([
-            "extproc", "--fleet", str(self.fleet_path), "--port", str(grpc_port),
+            "extproc", "--fleet", str(self.router_fleet_path), "--port", str(grpc_port),
             "--metrics-port", str(metrics_port), "--admin-token-file", str(self.token_path),
+            *(["--cds-file", str(self.cds_path)] if self.cds_path else []),
             "--log-level", "WARNING"])
         self.metrics_url = f"http://127.0.0.1:{metrics_port}"
         otlp = None
@@ -100,7 +114,7 @@ class LiveStack:
             cfg = {
                 "listen": f"127.0.0.1:{otlp_port}",
                 "token_file": str(self.otlp_token_path),
-                "request_timeout_s": self.spec.timeouts.request_s,
+                "fleet": str(self.fleet_path),  # its objective, SLO target and request timeout
                 "status_listen": f"127.0.0.1:{status_port}",
                 "state_file": str(self.workdir / "tuner-state.json"),
                 "routers": [{"url": self.metrics_url, "token_file": str(self.token_path)}],
@@ -115,9 +129,11 @@ class LiveStack:
                                                 "--log-level", "WARNING"])
             self.tuner_status_url = f"http://127.0.0.1:{status_port}"
             otlp = f"127.0.0.1:{otlp_port}"
-        boot = render_bootstrap(self.spec, listen=f"127.0.0.1:{listen}",
+        router_spec = load_fleet(self.router_fleet_path)
+        boot = render_bootstrap(router_spec, listen=f"127.0.0.1:{listen}",
                                 extproc=f"127.0.0.1:{grpc_port}", otlp=otlp,
-                                otlp_token=self.otlp_token, admin=f"127.0.0.1:{admin}")
+                                otlp_token=self.otlp_token, admin=f"127.0.0.1:{admin}",
+                                cds=str(self.cds_path) if self.cds_path else None)
         self.envoy = EnvoyProcess(boot, concurrency=o.envoy_concurrency).start()
         self.url = f"http://127.0.0.1:{listen}"
         if not wait_for(self.rtt_known, ready_timeout, 0.2):
@@ -159,6 +175,10 @@ class LiveStack:
                 labels, _, value = line.rpartition(" ")
                 out[labels[len(name):]] = float(value)
         return out
+
+    def fleet(self, method: str = "GET", path: str = "", body: Any = None) -> Any:
+        """The router's membership admin API (`/admin/fleet...`)."""
+        return self._http(method, self.metrics_url + "/admin/fleet" + path, body, token=True)
 
     def rtt_known(self) -> bool:
         try:

@@ -51,6 +51,7 @@ from gorgo.sim.capacity import Capacity, cache_key, cached_capacity, find_capaci
 from gorgo.sim.offline import SimResult
 from gorgo.sim.presets import PRESETS, resolve_fleet
 from gorgo.sim.profiles import get_profile
+from gorgo.sim.routers import PLACEMENTS, SAME
 from gorgo.sim.stats import jsonable, percentile
 from gorgo.sim.traces import TraceRequest, load_trace, parse_spec
 from gorgo.sim.workload import (
@@ -452,11 +453,12 @@ def _run_job(job: tuple[str, int, int, float, float]) -> dict[str, Any]:
     policy, spec = policy_setup(name, _CTX["spec"])
     workload: Workload = _CTX["workloads"][window]
     t0 = time.perf_counter()
-    res = simulate(spec, policy, workload, scale, seed)
+    res = simulate(spec, policy, workload, scale, seed, *_CTX["routers"])
     wall = time.perf_counter() - t0
     metrics, ttft = run_metrics(res, spec)
     return {
         "policy": name, "window": window, "seed": seed, "load": load, "time_scale": scale,
+        "routers": _CTX["routers"][0], "placement": _CTX["routers"][1],
         "wall_s": wall, "events": res.events, "sim_time_s": res.sim_time_s,
         "leaked_inflight": res.leaked_inflight, "metrics": metrics,
         "ttft_ms": ttft.astype(np.float32),
@@ -532,6 +534,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(default: results/bench-sim)")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, metavar="J",
                         help="worker processes (default: CPU count)")
+    parser.add_argument("--routers", type=int, default=1, metavar="K",
+                        help="K independent routers, each with its own state and share of the "
+                        "arrivals, in front of the same engines (default: 1; see sim.routers)")
+    parser.add_argument("--router-placement", choices=PLACEMENTS, default=SAME,
+                        help="same: every router in the fleet's proxy region; spread: routers "
+                        "round-robin over the regions, each request at a router in its client's "
+                        "region (default: same)")
     parser.add_argument("--write-docs", type=Path, default=None, metavar="FILE.md",
                         help="also put the table and plots into FILE.md (between markers named "
                         "after --out) and its img/ folder")
@@ -570,8 +579,13 @@ def main(args: argparse.Namespace) -> int:
         spec = resolve_fleet(args.fleet)
         policies = parse_policies(args.policies, spec.objective)
         loads = parse_loads(args.load)
-        if args.seeds < 1 or args.jobs < 1 or args.windows < 1:
-            raise ValueError("--seeds, --windows and --jobs must be >= 1")
+        if args.seeds < 1 or args.jobs < 1 or args.windows < 1 or args.routers < 1:
+            raise ValueError("--seeds, --windows, --jobs and --routers must be >= 1")
+        if args.routers > 1 and args.policies.strip() == "all":
+            policies.remove(ORACLE)
+        if args.routers > 1 and ORACLE in policies:
+            raise ValueError(f"--routers {args.routers}: {ORACLE} is a bound with the whole "
+                             "fleet's view, one router only; leave it out of --policies")
     except ValueError as exc:
         raise UserError(str(exc)) from None
     if args.report_only:
@@ -583,7 +597,8 @@ def main(args: argparse.Namespace) -> int:
     t_start = time.monotonic()
     workloads = load_windows("bench sim", args.trace, spec, args.requests, args.windows, log)
     heads = [w.head(min(args.capacity_requests or w.n, w.n)) for w in workloads]
-    _CTX.update(spec=spec, workloads=workloads, capacity_workloads=heads)
+    _CTX.update(spec=spec, workloads=workloads, capacity_workloads=heads,
+                routers=(args.routers, args.router_placement))
     log(f"bench sim: {len(workloads)} window(s) of {workloads[0].n} requests, features in "
         f"{time.monotonic() - t_start:.1f} s")
     ctx = mp.get_context("fork")
@@ -753,6 +768,8 @@ def reproduce_command(args: argparse.Namespace) -> str:
         parts += ["--capacity-requests", str(args.capacity_requests)]
     if args.capacity is not None:
         parts += ["--capacity", str(args.capacity)]
+    if args.routers != 1:
+        parts += ["--routers", str(args.routers), "--router-placement", args.router_placement]
     parts += ["--out", str(args.out), "--jobs", str(args.jobs)]
     if args.write_docs is not None:
         parts += ["--write-docs", str(args.write_docs)]
@@ -823,7 +840,7 @@ def write_outputs(
               f"{_capacity_text(w.capacity)}" for w in windows),
             f"- fleet: `{args.fleet}` ({len(spec.replicas)} replicas in "
             f"{', '.join(regions)}; proxy in {spec.proxy_region}; objective "
-            f"{spec.objective})",
+            f"{spec.objective}; {_routers_text(args)})",
             "- loads (x each window's capacity): " + ", ".join(f"{x:g}" for x in loads),
             f"- seeds: {len(doc['seeds'])} per (policy, window, load); cells are {CI_NOTE}; "
             "failed requests count as infinitely slow (∞: the percentile falls among them)",
@@ -849,6 +866,14 @@ def _capacity_text(cap: Capacity) -> str:
         return f"{cap.rate_rps:.3f} req/s (given on the command line)"
     return (f"{cap.rate_rps:.3f} req/s (searched: round-robin stable up to it, unstable at "
             f"{cap.unstable_rps:.3f} req/s on the window's first {cap.requests} requests)")
+
+
+def _routers_text(args: argparse.Namespace) -> str:
+    if args.routers == 1:
+        return "one router"
+    where = ("all in the proxy region" if args.router_placement == SAME else
+             "round-robin over the regions, each request at its client's region")
+    return f"{args.routers} independent routers, {where}"
 
 
 def _one(v: float | None) -> str:

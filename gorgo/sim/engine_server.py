@@ -228,8 +228,11 @@ class EngineServer:
         name: str | None = None,
         default_max_tokens: int = DEFAULT_MAX_TOKENS,
         kv_events: KVEventPublisher | None = None,
+        served: tuple[str, ...] = (),
     ) -> None:
-        """With ``kv_events`` (an engine built with ``kv_events=True``) the engine keys its cache
+        """``served``: every model name it answers to (vLLM's --served-model-name; the first is
+        ``model_name``); empty: it answers whatever is asked. With ``kv_events`` (an engine
+        built with ``kv_events=True``) the engine keys its cache
         on vLLM's block hashes and publishes its KV events, as ``--kv-events-config`` does."""
         if flavor not in FLAVORS:
             raise ValueError(f"flavor must be one of {FLAVORS}")
@@ -238,6 +241,7 @@ class EngineServer:
         self.engine = engine
         self.tok = tokenization
         self.model_name = model_name
+        self.served = served
         self.flavor = flavor
         self.stream_interval = stream_interval
         self.default_max_tokens = default_max_tokens
@@ -400,15 +404,15 @@ class EngineServer:
         return web.Response(text="ok")
 
     async def _handle_models(self, request: web.Request) -> web.Response:
-        card = {
-            "id": self.model_name,
+        cards = [{
+            "id": name,
             "object": "model",
             "created": self.created,
             "owned_by": self.flavor,
             "root": self.model_name,
             "max_model_len": self.engine.cache.capacity_tokens,
-        }
-        return web.json_response({"object": "list", "data": [card]})
+        } for name in self.served or (self.model_name,)]
+        return web.json_response({"object": "list", "data": cards})
 
     async def _handle_kv_event_sources(self, request: web.Request) -> web.Response:
         assert self.kv_events is not None
@@ -507,6 +511,9 @@ class EngineServer:
                 raise RequestError(400, "'previous_response_id' is not supported: this engine "
                                    "stores no responses; send the whole conversation as "
                                    "'input'.", param="previous_response_id")
+            if self.served and body.get("model") not in self.served:
+                raise RequestError(404, f"The model {body.get('model')!r} does not exist.",
+                                   param="model", code="model_not_found")
         except RequestError as exc:
             return web.json_response(exc.to_body(), status=exc.status)
 

@@ -80,8 +80,11 @@ class SimFleet:
         events = self._events(r)
         engine = Engine(profile, self.tok, speed=self.speed * r.sim.speed,
                         kv_events=events is not None)
-        return EngineServer(engine, self.tok, self.model or profile.name, flavor=r.sim.flavor,
-                            stream_interval=self.stream_interval, name=r.name, kv_events=events)
+        # The fleet's models when it lists them (the engine then refuses any other name).
+        model = r.models[0] if r.models else self.model or profile.name
+        return EngineServer(engine, self.tok, model, flavor=r.sim.flavor,
+                            stream_interval=self.stream_interval, name=r.name, kv_events=events,
+                            served=r.model_names)
 
     async def start(self) -> None:
         # Links first: their addresses are fixed by the fleet file, while the engines take any

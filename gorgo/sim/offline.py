@@ -17,6 +17,11 @@ called when a routed request's last byte is back at the router (when its span wo
 record and the decision that routed it, in simulated time order; ``call_at`` runs a function at a
 simulated time, after everything else due at that instant. Neither draws from the simulation's RNG,
 so a run without hooks is exactly the run it always was, and a run with them is as deterministic.
+
+Several routers (``routers=K``, `sim.routers`): K independent `Router`s, each with its own state,
+links, intake, probe and scrape timers and share of the arrivals, all in front of the same
+engines. Router 0 is the single router of K = 1, whose run is exactly the one-router run; it is
+also ``self.router``, for the callers that read one router's state.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from gorgo.core.router import TICK_INTERVAL_S, Router
 from gorgo.sim.engine import Engine, EngineRejected, EngineRequest, StepResult
 from gorgo.sim.kv_publish import HASH_ALGO, SimHashing
 from gorgo.sim.profiles import replica_profile
+from gorgo.sim.routers import SAME, assign_routers, router_regions, view_from
 
 # Event kinds, in tie-break order at equal times (completions before new arrivals; hooks last).
 (STEP_END, CLOSE, PROBE_DONE, SCRAPE_DONE, KV_EVENTS, SCRAPE_AT, SUBMIT, ARRIVE, PROBE, TICK,
@@ -105,6 +111,20 @@ class Network:
         return self.half * 2000.0
 
 
+@dataclass
+class RouterSide:
+    """One simulated router process and what the simulation keeps for it: its region and links,
+    its open decisions, when its intake is next free, and when its latest KV-event batch from
+    each replica lands."""
+
+    region: str
+    router: Router
+    net: Network
+    kv_at: list[float]
+    decisions: dict[int, Decision] = field(default_factory=dict)
+    free_at: float = 0.0  # when it has taken every request that arrived so far (see INTAKE_*)
+
+
 def build_engines(spec: FleetSpec, speed: float = 1.0) -> list[Engine]:
     from gorgo.core.tokens import Tokenization
 
@@ -120,7 +140,7 @@ def build_engines(spec: FleetSpec, speed: float = 1.0) -> list[Engine]:
 
 
 class Simulation:
-    """One run: a fleet, a policy, a trace (as prebuilt features) and a seed."""
+    """One run: a fleet, a policy, a trace (as prebuilt features), a seed and K routers."""
 
     def __init__(
         self,
@@ -133,15 +153,27 @@ class Simulation:
         policy_factory: Callable[[Simulation], Policy] | None = None,
         on_complete: Callable[[RequestRecord, Decision], None] | None = None,
         intake: tuple[float, float] = (INTAKE_BASE_S, INTAKE_PER_TOKEN_S),
+        routers: int = 1,
+        placement: str = SAME,
     ) -> None:
         self.spec = spec
         self.seed = seed
         self.rng = np.random.default_rng(seed)
+        self.placement = placement
+        regions = router_regions(spec, routers, placement)
+        if policy_factory is not None and routers > 1:
+            raise ValueError("a policy factory (the oracle) sees the whole fleet: one router only")
         self.net = Network(spec, self.rng)
         self.engines = build_engines(spec, speed)
         extra = {policy: policy_factory(self)} if policy_factory else None
         self.router = Router(replace(spec, policy=policy), id_prefix=f"s{seed}",
                              extra_policies=extra)
+        self.sides = [RouterSide(regions[0], self.router, self.net, [0.0] * len(self.engines))]
+        for j, region in enumerate(regions[1:], 1):
+            # Its own name too: policies seed their generators from it, and peers draw apart.
+            view = replace(view_from(spec, region), name=f"{spec.name}/router{j}", policy=policy)
+            self.sides.append(RouterSide(region, Router(view, id_prefix=f"s{seed}r{j}"),
+                                         Network(view, self.rng), [0.0] * len(self.engines)))
         self.policy = self.router.policies[policy]
         self.fold = fold
         self._heap: list[tuple[float, int, int, object]] = []
@@ -151,23 +183,22 @@ class Simulation:
         self._seq = itertools.count()
         self.now = 0.0
         self._busy = [False] * len(self.engines)
-        self._decisions: dict[int, Decision] = {}
         self.on_complete = on_complete
         self.intake = intake  # (seconds per request, seconds per prompt token); see INTAKE_*
-        self._router_free = 0.0  # when the router has taken every request that arrived so far
-        # `cache: precise` replicas: the simulated vLLM's hashing, and when its last KV-event batch
-        # reaches the router (one-way delay, in order as over TCP; no draw from the RNG).
+        # `cache: precise` replicas: the simulated vLLM's hashing; each KV-event batch reaches
+        # every router one way-delay later (in order as over TCP; no draw from the RNG).
         tok = self.router.state.tok
         self._hashing = {i: SimHashing(tok, r.precise.hash_seed)
                          for i, r in enumerate(spec.replicas) if r.precise is not None}
-        self._kv_at = [0.0] * len(self.engines)
-        for i, r in enumerate(spec.replicas):
-            if r.sim is not None and r.sim.flavor == "vllm":  # its cache_config_info, scraped
-                bt = spec.block_tokens
-                self.router.state.observe_cache_config(
-                    i, bt, self.engines[i].cache.capacity_tokens // bt, HASH_ALGO)
-            if r.precise is not None:  # subscribed; the replay of an empty history answered
-                self.router.state.set_kv_synced(i, True)
+        for side in self.sides:
+            state = side.router.state
+            for i, r in enumerate(spec.replicas):
+                if r.sim is not None and r.sim.flavor == "vllm":  # its cache_config_info, scraped
+                    bt = spec.block_tokens
+                    state.observe_cache_config(
+                        i, bt, self.engines[i].cache.capacity_tokens // bt, HASH_ALGO)
+                if r.precise is not None:  # subscribed; the replay of an empty history answered
+                    state.set_kv_synced(i, True)
 
     def call_at(self, t: float, fn: Callable[[], None]) -> None:
         """Run ``fn()`` at simulated time ``t`` (not before now); the run still ends with its last
@@ -192,6 +223,8 @@ class Simulation:
             for k in range(n)
         ]
         self.features = features
+        self.home = assign_routers(features, [s.region for s in self.sides], self.placement,
+                                   self.seed)  # the router each request arrives at
         # Requests that arrive at the same instant (Mooncake quantises its timestamps to ~3 s, up
         # to 28 per value) reach the router shortest body first, as they do live: Envoy reads all
         # the bodies at once and the router sees each when its body is complete. Arrival order
@@ -200,13 +233,15 @@ class Simulation:
         for k in sorted(range(n), key=lambda k: (arrivals[k], features[k].prompt_tokens)):
             self._push(arrivals[k], ARRIVE, k)
         sig = self.spec.signals
-        state = self.router.state
-        for i in range(len(self.engines)):
-            # The router has been up a while: one RTT sample is known; timers are staggered.
-            state.observe_rtt(i, (self.net.one_way(i) + self.net.one_way(i)) * 1000.0)
-            self._push(self.rng.uniform(0, sig.probe_interval_s), PROBE, i)
-            self._push(self.rng.uniform(0, sig.scrape_interval_s), SCRAPE_AT, i)
-        self._push(0.0, TICK, None)
+        for j, side in enumerate(self.sides):
+            state, net = side.router.state, side.net
+            for i in range(len(self.engines)):
+                # The router has been up a while: one RTT sample is known; timers are staggered.
+                state.observe_rtt(i, (net.one_way(i) + net.one_way(i)) * 1000.0)
+                self._push(self.rng.uniform(0, sig.probe_interval_s), PROBE, (j, i))
+                self._push(self.rng.uniform(0, sig.scrape_interval_s), SCRAPE_AT, (j, i))
+        for j in range(len(self.sides)):
+            self._push(0.0, TICK, j)
         self._progress = progress
         events = 0
         heap = self._heap
@@ -223,18 +258,20 @@ class Simulation:
             events += 1
             handlers[kind](payload)
         s = self.router.state
+        routers = [side.router for side in self.sides]
         return SimResult(
             policy=self.policy.name, seed=self.seed, records=self.records,
             regions=s.regions, replica_region=s.region_idx.tolist(), sim_time_s=self.now,
-            events=events, leaked_inflight=int(s.inflight_reqs.sum()),
-            extra={"shed": self.router.shed_count},
+            events=events, leaked_inflight=sum(int(r.state.inflight_reqs.sum()) for r in routers),
+            extra={"shed": sum(r.shed_count for r in routers)},
         )
 
     # --- request path --------------------------------------------------------------------------
 
     def _arrive(self, k: int) -> None:
         rec = self.records[k]
-        d = self.router.route(self.features[k], self.now)
+        side = self.sides[self.home[k]]
+        d = side.router.route(self.features[k], self.now)
         if isinstance(d, Rejection):
             # Refused by the router (no replica, or shed): a failed request, as live.
             rec.status = d.status
@@ -243,11 +280,11 @@ class Simulation:
             return
         rec.replica = d.replica
         rec.predicted_ms = d.predicted_ms
-        self._decisions[k] = d
+        side.decisions[k] = d
         base, per_token = self.intake
-        sent = max(self.now, self._router_free) + base + per_token * self.features[k].prompt_tokens
-        self._router_free = sent
-        self._push(sent + self.net.one_way(d.replica), SUBMIT, k)
+        sent = max(self.now, side.free_at) + base + per_token * self.features[k].prompt_tokens
+        side.free_at = sent
+        self._push(sent + side.net.one_way(d.replica), SUBMIT, k)
 
     def _done(self) -> None:
         self._open -= 1
@@ -258,7 +295,7 @@ class Simulation:
         rec = self.records[k]
         i = rec.replica
         f = self.features[k]
-        rec.back_delay = self.net.one_way(i)
+        rec.back_delay = self.sides[self.home[k]].net.one_way(i)
         hashing = self._hashing.get(i)
         if hashing is None or f.endpoint is None or f.body is None:
             req = EngineRequest(k, f.prompt_tokens, f.block_hashes, rec.output_tokens, self.now)
@@ -305,16 +342,18 @@ class Simulation:
         if i in self._hashing:
             events = self.engines[i].take_kv_events()
             if events:
-                self._kv_at[i] = max(self.now + self.net.half[i], self._kv_at[i])
-                self._push(self._kv_at[i], KV_EVENTS, (i, events))
+                for j, side in enumerate(self.sides):  # every router subscribes
+                    side.kv_at[i] = max(self.now + side.net.half[i], side.kv_at[i])
+                    self._push(side.kv_at[i], KV_EVENTS, (j, i, events))
         if self.engines[i].has_work():
             self._start_step(i)
         else:
             self._busy[i] = False
 
     def _close(self, k: int) -> None:
-        d = self._decisions.pop(k)
-        self.router.complete(d.id)
+        side = self.sides[self.home[k]]
+        d = side.decisions.pop(k)
+        side.router.complete(d.id)
         if self.on_complete is not None:
             self.on_complete(self.records[k], d)
         self._done()
@@ -324,32 +363,38 @@ class Simulation:
 
     # --- signals -------------------------------------------------------------------------------
 
-    def _probe(self, i: int) -> None:
-        rtt = self.net.one_way(i) + self.net.one_way(i)
-        self._push(self.now + rtt, PROBE_DONE, (i, rtt * 1000.0))
-        self._push(self.now + self.spec.signals.probe_interval_s, PROBE, i)
+    # Each carries (router, replica, ...): router j's own probe, scrape and subscription.
 
-    def _probe_done(self, payload: tuple[int, float]) -> None:
-        i, rtt_ms = payload
-        self.router.state.observe_rtt(i, rtt_ms)
-        self.router.state.record_success(i)
+    def _probe(self, payload: tuple[int, int]) -> None:
+        j, i = payload
+        net = self.sides[j].net
+        rtt = net.one_way(i) + net.one_way(i)
+        self._push(self.now + rtt, PROBE_DONE, (j, i, rtt * 1000.0))
+        self._push(self.now + self.spec.signals.probe_interval_s, PROBE, payload)
 
-    def _scrape_at(self, i: int) -> None:
+    def _probe_done(self, payload: tuple[int, int, float]) -> None:
+        j, i, rtt_ms = payload
+        state = self.sides[j].router.state
+        state.observe_rtt(i, rtt_ms)
+        state.record_success(i)
+
+    def _scrape_at(self, payload: tuple[int, int]) -> None:
+        j, i = payload
         m = self.engines[i].metrics()
-        back = self.net.one_way(i)
+        back = self.sides[j].net.one_way(i)
         self._push(self.now + back, SCRAPE_DONE,
-                   (i, m.num_waiting, m.num_running, m.kv_usage))
-        self._push(self.now + self.spec.signals.scrape_interval_s, SCRAPE_AT, i)
+                   (j, i, m.num_waiting, m.num_running, m.kv_usage))
+        self._push(self.now + self.spec.signals.scrape_interval_s, SCRAPE_AT, payload)
 
     def _scrape_done(self, payload: tuple) -> None:
-        i, *load = payload
-        self.router.state.observe_engine(i, self.now, *load)
+        j, i, *load = payload
+        self.sides[j].router.state.observe_engine(i, self.now, *load)
 
-    def _kv_events(self, payload: tuple[int, list]) -> None:
-        i, events = payload
-        self.router.state.apply_kv_events(i, events)
+    def _kv_events(self, payload: tuple[int, int, list]) -> None:
+        j, i, events = payload
+        self.sides[j].router.state.apply_kv_events(i, events)
 
-    def _tick(self, _: object) -> None:
-        self.router.tick(self.now)
-        self._push(self.now + TICK_INTERVAL_S, TICK, None)
+    def _tick(self, j: int) -> None:
+        self.sides[j].router.tick(self.now)
+        self._push(self.now + TICK_INTERVAL_S, TICK, j)
 

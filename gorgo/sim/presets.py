@@ -50,25 +50,32 @@ def fleet_document(
             sim: dict[str, Any] = {"profile": profile}
             if s != 1.0:
                 sim["speed"] = s
-            precise = {"cache": cache, "tokenizer": "sim"} if cache == "precise" else {}
-            if precise:
-                sim["flavor"] = "vllm"
-            reps.append({
-                **precise,
+            reps.append(with_cache({
                 "name": f"{region}-{k}",
                 "engine": "sim",
                 "region": region,
                 "address": f"127.0.0.1:{BASE_PORT + len(reps)}",
                 "prefill_rate": s * 1000.0 / prof.c_prefill_ms_per_token,
                 "kv_capacity_tokens": prof.kv_capacity_tokens,
+                # The engine's concurrency limit, as an operator states it for a real engine.
+                "params": {"admission": {"max_running": prof.max_running}},
                 "sim": sim,
-            })
+            }, cache))
     return {
         "name": name,
         "proxy_region": proxy_region or next(iter(replicas)),
         "regions": regions,
         "replicas": reps,
     }
+
+
+def with_cache(replica: dict[str, Any], cache: str) -> dict[str, Any]:
+    """A replica document with the router's cache view ``cache``: ``precise`` makes it a
+    simulated vLLM that publishes KV events, followed with the simulator's tokenizer."""
+    if cache != "precise":
+        return replica
+    return {**replica, "cache": cache, "tokenizer": "sim",
+            "sim": {**replica["sim"], "flavor": "vllm"}}
 
 
 PRESETS: dict[str, dict[str, Any]] = {

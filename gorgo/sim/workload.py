@@ -19,6 +19,7 @@ from gorgo.core.fleet import FleetSpec
 from gorgo.core.tokens import Tokenization
 from gorgo.sim.offline import SimResult, Simulation
 from gorgo.sim.oracle import oracle_factory
+from gorgo.sim.routers import SAME
 from gorgo.sim.traces import TraceRequest, load_trace
 
 ORACLE = "oracle"
@@ -94,14 +95,17 @@ def tokenization(spec: FleetSpec) -> Tokenization:
 
 
 def simulate(
-    spec: FleetSpec, policy: str, workload: Workload, scale: float, seed: int
+    spec: FleetSpec, policy: str, workload: Workload, scale: float, seed: int,
+    routers: int = 1, placement: str = SAME,
 ) -> SimResult:
-    """One offline run with the arrivals multiplied by ``scale``.
+    """One offline run with the arrivals multiplied by ``scale``, behind ``routers`` routers
+    placed as ``placement`` says (`sim.routers`).
 
     The fleet is renamed per seed because policies seed their own generators from the fleet name
     (random does): the seed then changes the link jitter and every policy RNG together.
     """
     spec = replace(spec, name=f"{spec.name}/seed{seed}")
     factory = oracle_factory if policy == ORACLE else None
-    sim = Simulation(spec, policy, seed=seed, policy_factory=factory)
+    sim = Simulation(spec, policy, seed=seed, policy_factory=factory, routers=routers,
+                     placement=placement)
     return sim.run((workload.arrivals * scale).tolist(), workload.features, workload.output_tokens)

@@ -93,7 +93,8 @@ def test_memoised_per_request_and_invalidated_by_writes() -> None:
 def test_total_is_weighted_sum() -> None:
     t = CostTerms(
         values={"rtt": np.array([1.0, 2.0]), "queue": np.array([10.0, 20.0]),
-                "prefill": np.array([100.0, 200.0]), "penalty": np.array([0.0, 1000.0])},
+                "admission": np.array([0.0, 50.0]), "prefill": np.array([100.0, 200.0]),
+                "penalty": np.array([0.0, 1000.0])},
         uncached_tokens=np.array([1, 2]),
     )
-    np.testing.assert_allclose(t.total(Weights({"rtt": 3.0, "queue": 0.1})), [104.0, 1208.0])
+    np.testing.assert_allclose(t.total(Weights({"rtt": 3.0, "queue": 0.1})), [104.0, 1258.0])

@@ -52,8 +52,8 @@ def test_decision_carries_terms() -> None:
     assert d.replica == 0
     assert d.policy == "gorgo"
     ttft_terms = {k: v for k, v in d.terms.items() if k not in ("decode", "interference")}
-    assert ttft_terms == pytest.approx({"rtt": 10.0, "queue": 100.0, "prefill": 20.0,
-                                        "penalty": 0.0})
+    assert ttft_terms == pytest.approx({"rtt": 10.0, "queue": 100.0, "admission": 0.0,
+                                        "prefill": 20.0, "penalty": 0.0})
     assert d.terms["decode"] > 0  # reported, though the ttft objective does not count it
     assert d.predicted_ms == pytest.approx(130.0)
     assert d.uncached_tokens == 20 and d.prompt_tokens == 20

@@ -164,3 +164,54 @@ def test_slo_headers_are_bounded(value: str) -> None:
     with pytest.raises(RequestError) as info:
         _slo_req(r, **{"x-slo-ttft-ms": value})
     assert info.value.status == 400 and info.value.code == "invalid_slo"
+
+
+def _slots_spec(max_running: float = 4):
+    doc = {
+        "regions": {"near": {}},
+        "chars_per_token": 1.0,
+        "replicas": [
+            {"name": n, "engine": "sim", "region": "near", "address": f"h:{k}",
+             "prefill_rate": 10000, "params": {"admission": {"max_running": max_running}}}
+            for k, n in enumerate("ab", 1)],
+    }
+    return parse_fleet(doc)
+
+
+def test_admission_waits_only_where_the_running_slots_are_full() -> None:
+    s = FleetState(_slots_spec(max_running=4))
+    s.inflight_reqs[:] = [2, 4]  # a has room; b's four slots are taken
+    f = _req(s)
+    wait = BY_NAME["admission"].compute(f, s)
+    assert wait[0] == 0.0 and wait[1] > 0.0
+    s.inflight_reqs[:] = [2, 6]  # three must finish before b admits it
+    assert BY_NAME["admission"].compute(f, s)[1] == pytest.approx(3 * wait[1], rel=0.2)
+
+
+def test_admission_counts_in_every_objective_and_steers_away_from_full_replicas() -> None:
+    assert BY_NAME["admission"].objectives == frozenset(OBJECTIVES)
+    r = Router(_slots_spec(max_running=4))
+    r.state.rtt_ms[:] = 1.0
+    r.state.inflight_reqs[:] = [8, 0]
+    r.state.backlog_tokens[:] = [0.0, 500.0]  # b has prefill queued, a only full slots
+    d = r.route(_req(r.state), now=0.0)
+    assert d.replica == 1 and d.terms["admission"] == 0.0
+
+
+@pytest.mark.parametrize(("params", "message"), [
+    ({"admission": {"max_running": 0}}, r"params\.admission\.max_running: must be > 0"),
+    ({"admission": {"slots": 4}}, r"params\.admission\.slots: unknown field"),
+    ({"rtt": {"x": 1}}, r"params: 'rtt' is not a term with parameters"),
+])
+def test_term_params_in_the_fleet_file_are_validated(params, message) -> None:
+    doc = {"regions": {"near": {}}, "replicas": [
+        {"name": "a", "engine": "sim", "region": "near", "address": "h:1", "params": params}]}
+    with pytest.raises(FleetError, match=message):
+        parse_fleet(doc)
+
+
+def test_term_params_from_the_fleet_file_reach_the_state() -> None:
+    s = FleetState(_slots_spec(max_running=64))
+    assert s.params["admission"]["max_running"].tolist() == [64.0, 64.0]
+    default = BY_NAME["decode"].params["itl_base_ms"]
+    assert s.params["decode"]["itl_base_ms"].tolist() == [default, default]

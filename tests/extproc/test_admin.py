@@ -44,11 +44,15 @@ def make_router() -> Router:
 Call = Callable[..., Awaitable[tuple[int, Any]]]
 
 
-def with_admin(router: Router, token: str | None, body: Callable[[Call], Awaitable[None]]) -> None:
-    """Serve the router's HTTP app on a free port and run ``body`` with a request helper."""
+def with_admin(router: Router, token: str | None, body: Callable[[Call], Awaitable[None]],
+               app: web.Application | None = None) -> None:
+    """Serve the router's HTTP app (or ``app``) on a free port and run ``body`` with a request
+    helper."""
 
     async def go() -> None:
-        app = make_app(RouterMetrics(router.state, lambda: 0), router, token)
+        nonlocal app
+        if app is None:
+            app = make_app(RouterMetrics(router.state, lambda: 0), router, token)
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
         await web.TCPSite(runner, "127.0.0.1", 0).start()

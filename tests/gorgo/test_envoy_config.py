@@ -16,14 +16,17 @@ from gorgo.core.contract import (
     CLUSTER_HEADER,
     CONTROL_HEADERS,
     DECISION_FIELDS,
+    DECISION_HEADER,
     ENDPOINTS_HEADER,
     HEALTH_PATH,
     PICKER_HEADER,
+    REPLICA_HEADER,
     ROUTER_READS,
 )
 from gorgo.core.contract import TTFT_ATTR as TTFT_TAG
 from gorgo.core.fleet import load_fleet, parse_fleet
 from gorgo.envoy_config import (
+    EXTPROC_CLUSTER,
     FLEET_CLUSTER,
     PICKER_CLUSTER,
     TTFT_FORMAT,
@@ -202,3 +205,81 @@ def test_otlp_token_file_errors_are_one_line(tmp_path: Path, capsys) -> None:
     assert main(["envoy-config", str(EXAMPLE), "--otlp", "127.0.0.1:4317",
                  "--otlp-token-file", str(tmp_path / "missing")]) == 2
     assert "cannot read the OTLP token" in capsys.readouterr().err
+
+
+def _skip_spec():
+    doc = yaml.safe_load(EXAMPLE.read_text())
+    return parse_fleet({**doc, "extproc": {"response_headers": "skip"}})
+
+
+def test_skip_mode_renders_skip_outlier_detection_and_metadata_tags() -> None:
+    boot = render_bootstrap(_skip_spec())
+    hcm = boot["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0][
+        "typed_config"]
+    mode = hcm["http_filters"][0]["typed_config"]["processing_mode"]
+    assert mode["response_header_mode"] == "SKIP"
+    tags = {h["header"]["key"]: h["header"]["value"]
+            for h in hcm["route_config"]["virtual_hosts"][0]["response_headers_to_add"]}
+    assert tags == {REPLICA_HEADER: "%DYNAMIC_METADATA(gorgo:replica)%",
+                    DECISION_HEADER: "%DYNAMIC_METADATA(gorgo:decision_id)%"}
+    clusters = {c["name"]: c for c in boot["static_resources"]["clusters"]}
+    spec = _skip_spec()
+    for name in [r.cluster for r in spec.replicas] + [FLEET_CLUSTER]:
+        assert clusters[name]["outlier_detection"]["consecutive_5xx"] > 0, name
+    assert "outlier_detection" not in clusters[EXTPROC_CLUSTER]
+    # The default keeps the round trip: the router reads the status and tags the response.
+    default = render_bootstrap(load_fleet(EXAMPLE))
+    assert '"response_header_mode": "SEND"' in json.dumps(default["static_resources"])
+    assert "outlier_detection" not in json.dumps(default["static_resources"]["clusters"])
+
+
+def test_several_extproc_workers_are_endpoints_with_health_checks() -> None:
+    boot = render_bootstrap(load_fleet(EXAMPLE), extproc="127.0.0.1:50051, 127.0.0.1:50052")
+    c = {c["name"]: c for c in boot["static_resources"]["clusters"]}[EXTPROC_CLUSTER]
+    eps = [e["endpoint"]["address"]["socket_address"]
+           for e in c["load_assignment"]["endpoints"][0]["lb_endpoints"]]
+    assert [(a["address"], a["port_value"]) for a in eps] == [("127.0.0.1", 50051),
+                                                              ("127.0.0.1", 50052)]
+    assert c["lb_policy"] == "ROUND_ROBIN" and c["health_checks"]
+
+
+def test_unknown_response_header_mode_names_the_field() -> None:
+    doc = yaml.safe_load(EXAMPLE.read_text())
+    with pytest.raises(ValueError, match=r"extproc\.response_headers"):
+        parse_fleet({**doc, "extproc": {"response_headers": "drop"}})
+
+
+# Runs `envoy --mode validate`.
+@pytest.mark.envoy
+def test_skip_mode_with_workers_passes_envoy_validate(tmp_path: Path) -> None:
+    _validate(tmp_path, render_yaml(_skip_spec(), extproc="127.0.0.1:50051,127.0.0.1:50052"))
+
+
+# Runs `envoy --mode validate`.
+@pytest.mark.envoy
+def test_the_ttft_log_goes_to_the_tuner_with_the_token(tmp_path: Path) -> None:
+    """Issue 18: with a tuner, open streams' first-token times go over OTLP logs, authenticated
+    like the spans, flushed at the fleet's interval; the file access log keeps one line a
+    request; interval 0 turns the TTFT log off."""
+    from gorgo.core.contract import LOG_TYPE_ATTR, TTFT_ATTR, TTFT_LOG_NAME
+
+    doc = yaml.safe_load(EXAMPLE.read_text())
+    doc["observability"] = {"access_log": True, "ttft_log_interval_s": 0.25}
+    spec = parse_fleet(doc)
+    hcm = _hcm(render_bootstrap(spec, otlp="127.0.0.1:4317", otlp_token="s3cret"))
+    assert hcm["access_log_options"] == {"access_log_flush_interval": "0.25s"}
+    file_log, ttft_log = hcm["access_log"]
+    assert file_log["filter"]["log_type_filter"]["exclude"] is True
+    cfg = ttft_log["typed_config"]
+    assert cfg["log_name"] == TTFT_LOG_NAME
+    assert cfg["grpc_service"] == hcm["tracing"]["provider"]["typed_config"]["grpc_service"]
+    assert {"key": "authorization", "value": "Bearer s3cret"} in (
+        cfg["grpc_service"]["initial_metadata"])
+    keys = {a["key"] for a in cfg["attributes"]["values"]}
+    assert {TTFT_ATTR, LOG_TYPE_ATTR, "gorgo.decision_id", "gorgo.weights_version",
+            "gorgo.replica", "gorgo.policy"} <= keys
+    _validate(tmp_path, render_yaml(spec, otlp="127.0.0.1:4317", otlp_token="s3cret"))
+    doc["observability"] = {"ttft_log_interval_s": 0}
+    off = _hcm(render_bootstrap(parse_fleet(doc), otlp="127.0.0.1:4317"))
+    assert "access_log" not in off and "access_log_options" not in off
+    assert len(_hcm(render_bootstrap(spec))["access_log"]) == 1  # no tuner, no TTFT log

@@ -10,6 +10,7 @@ time; every process is the stack's, stopped by it.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import subprocess
 import time
@@ -35,6 +36,7 @@ pytestmark = [pytest.mark.envoy, pytest.mark.slow]
 LINKS = {"near": {"rtt_ms": 2.0, "jitter_ms": 0.2}, "far": {"rtt_ms": 20.0, "jitter_ms": 1.0}}
 REQUEST_S = 60
 TICK_S = 0.5  # LiveStack's tuner ticks at the default
+_FORGED = itertools.count()
 
 
 @pytest.fixture(scope="module")
@@ -105,8 +107,9 @@ def forged(n: int, version: int, replica: str = "near-0", ttft_us: int = 1000,
            **over: Any) -> list:
     """Spans shaped like Envoy's, for a decision that never happened: a cheap request on
     ``replica`` priced at 20,000 tok/s that took long (a 150 tok/s engine) unless ``ttft_us``."""
+    first = next(_FORGED)  # every forged decision new: the tuner counts a decision id once
     return [make_span(envoy_attrs(**{
-        "gorgo__decision_id": f"forged-{k}", "gorgo__replica": replica,
+        "gorgo__decision_id": f"forged-{first}-{k}", "gorgo__replica": replica,
         "gorgo__weights_version": str(version), TTFT_ATTR: str(ttft_us),
         "gorgo__uncached_tokens": str(1000 + 30 * k), "gorgo__prompt_tokens": str(1000 + 30 * k),
         "gorgo__prefill_ms": str((1000 + 30 * k) / 20.0), "gorgo__queue_ms": "0",

@@ -33,6 +33,7 @@ class Upstream:
     name: str
     port: int = 0
     healthy: bool = True
+    failing: bool = False  # answer every chat completion with a 500
     served: list[str] = field(default_factory=list)
     runner: web.AppRunner | None = None
 
@@ -41,6 +42,8 @@ class Upstream:
             raw = await req.read()
             body = json.loads(raw)
             self.served.append(req.path)
+            if self.failing:
+                return web.json_response({"error": {"message": "down"}}, status=500)
             # The body as it arrived, so tests can check that the proxy path kept it intact.
             resp = web.StreamResponse(headers={"content-type": "text/event-stream",
                                                "x-served-by": self.name,
@@ -166,8 +169,10 @@ def write_fleet(tmp: Path, ports: list[int], **extra) -> Path:
 
 
 def start_stack(tmp: Path, n: int = 3, body_mode: str = "buffered", router_spans: bool = False,
-                **extra) -> Stack:
-    """``router_spans``: the router exports its decision spans to the same sink as Envoy."""
+                workers: int = 1, extproc_args: tuple[str, ...] = (), **extra) -> Stack:
+    """``router_spans``: the router exports its decision spans to the same sink as Envoy;
+    ``workers``: `gorgo extproc --workers`, every worker an endpoint of Envoy's ext_proc cluster;
+    a fleet that skips the response headers gets the router reading Envoy's admin API."""
     lt = LoopThread()
     ups = [Upstream(f"r{i}") for i in range(n)]
     for u in ups:
@@ -175,14 +180,20 @@ def start_stack(tmp: Path, n: int = 3, body_mode: str = "buffered", router_spans
     sink = SpanSink()
     lt.run(sink.start())
     fleet_path = write_fleet(tmp, [u.port for u in ups], **extra)
-    grpc_port = free_port()
-    ext = GorgoProcess(["extproc", "--fleet", str(fleet_path), "--port", str(grpc_port),
-                        "--metrics-port", "0",
-                        *(["--otlp", f"127.0.0.1:{sink.port}"] if router_spans else [])])
+    spec = load_fleet(fleet_path)
+    admin = free_port()
+    ext = GorgoProcess(["extproc", "--fleet", str(fleet_path), "--port", "0",
+                        "--metrics-port", "0", "--workers", str(workers), *extproc_args,
+                        *(["--envoy-admin", f"127.0.0.1:{admin}"]
+                          if spec.extproc.skip_response_headers else []),
+                        *(["--otlp", f"127.0.0.1:{sink.port}"] if router_spans else [])],
+                       timeout=60)
     listen = free_port()
-    boot = render_bootstrap(load_fleet(fleet_path), listen=f"127.0.0.1:{listen}",
-                            extproc=f"127.0.0.1:{grpc_port}", otlp=f"127.0.0.1:{sink.port}",
-                            admin=f"127.0.0.1:{free_port()}", body_mode=body_mode)
+    boot = render_bootstrap(spec, listen=f"127.0.0.1:{listen}",
+                            extproc=",".join(f"127.0.0.1:{p}"
+                                             for p in ext.field("grpc").split(",")),
+                            otlp=f"127.0.0.1:{sink.port}",
+                            admin=f"127.0.0.1:{admin}", body_mode=body_mode)
     envoy = EnvoyProcess(boot).start()
     stack = Stack(ups, sink, ext, envoy, f"http://127.0.0.1:{listen}", fleet_path, lt)
     # Wait until the router has probed every replica (RTT known), so decisions are informed.

@@ -6,11 +6,13 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceRequest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
+from opentelemetry.proto.logs.v1.logs_pb2 import LogRecord
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
-from gorgo.core.contract import STATUS_ATTR, TTFT_ATTR
+from gorgo.core.contract import LOG_PERIODIC, LOG_TYPE_ATTR, STATUS_ATTR, TTFT_ATTR
 
 T0_NS = 1_700_000_000 * 10**9
 
@@ -22,6 +24,7 @@ def envoy_attrs(**over: Any) -> dict[str, Any]:
         "gorgo.replica": "r0", "gorgo.region": "near", "gorgo.policy": "gorgo",
         "gorgo.weights_version": "3", "gorgo.predicted_ttft_ms": "101.5",
         "gorgo.rtt_ms": "40.25", "gorgo.queue_ms": "10", "gorgo.prefill_ms": "51.25",
+        "gorgo.admission_ms": "0",
         "gorgo.penalty_ms": "0", "gorgo.uncached_tokens": "512", "gorgo.prompt_tokens": "1024",
         "upstream_cluster": "r0", "component": "proxy",
     }
@@ -34,9 +37,7 @@ def envoy_attrs(**over: Any) -> dict[str, Any]:
     return attrs
 
 
-def make_span(attrs: dict[str, Any], duration_ms: float = 800.0, start_ns: int = T0_NS) -> Span:
-    span = Span(name="ingress", start_time_unix_nano=start_ns,
-                end_time_unix_nano=start_ns + int(duration_ms * 1e6))
+def _set_attrs(item: Span | LogRecord, attrs: dict[str, Any]) -> None:
     for k, v in attrs.items():
         if isinstance(v, bool):
             value = AnyValue(bool_value=v)
@@ -46,8 +47,28 @@ def make_span(attrs: dict[str, Any], duration_ms: float = 800.0, start_ns: int =
             value = AnyValue(double_value=v)
         else:
             value = AnyValue(string_value=str(v))
-        span.attributes.append(KeyValue(key=k, value=value))
+        item.attributes.append(KeyValue(key=k, value=value))
+
+
+def make_span(attrs: dict[str, Any], duration_ms: float = 800.0, start_ns: int = T0_NS) -> Span:
+    span = Span(name="ingress", start_time_unix_nano=start_ns,
+                end_time_unix_nano=start_ns + int(duration_ms * 1e6))
+    _set_attrs(span, attrs)
     return span
+
+
+def make_record(attrs: dict[str, Any], log_type: str = LOG_PERIODIC,
+                start_ns: int = T0_NS) -> LogRecord:
+    """An entry of Envoy's TTFT log: the span's attributes plus the entry's type."""
+    record = LogRecord(time_unix_nano=start_ns)
+    _set_attrs(record, {**attrs, LOG_TYPE_ATTR: log_type})
+    return record
+
+
+def make_log_export(records: list[LogRecord]) -> ExportLogsServiceRequest:
+    req = ExportLogsServiceRequest()
+    req.resource_logs.add().scope_logs.add().log_records.extend(records)
+    return req
 
 
 def make_export(spans: list[Span]) -> ExportTraceServiceRequest:

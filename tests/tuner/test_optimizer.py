@@ -441,7 +441,8 @@ def test_snapshot_keys_every_weight_by_name() -> None:
     t = Tuner(es_config(window_samples=10, max_failures=100), W(2.0, 0.5), seed=3)
     drive(t, bowl, 300, np.random.default_rng(3))
     snap = t.snapshot()
-    assert snap["format"] == 2 and set(snap["incumbent"]) == {"rtt", "queue"}
+    assert snap["format"] == 3 and snap["objective"] == "ttft"
+    assert set(snap["incumbent"]) == {"rtt", "queue"}
     assert snap["config"]["bounds"] == {"rtt": (0.05, 20.0), "queue": (0.05, 20.0)}
     assert all(set(h["candidate"]) == {"rtt", "queue"} for h in snap["history"]
                if h["event"] == "evaluation")
@@ -677,3 +678,69 @@ def test_a_promising_but_inconclusive_fitted_candidate_gets_more_windows() -> No
     h = t.history[-1]
     assert h["event"] == "evaluation" and h["kind"] == "model" and not h["accepted"]
     assert (h["n_incumbent"], h["n_candidate"], len(h["versions"])) == (20, 20, 4)
+
+
+# --- objectives and early samples -----------------------------------------------------------
+
+
+def test_the_search_space_is_the_objectives_weights() -> None:
+    from gorgo.core.terms import E2E, SLO, TTFT, weight_keys
+
+    for objective in (TTFT, E2E):
+        cfg = es_config(objective=objective, window_samples=5, pairs=1)
+        t = Tuner(cfg, seed=1)
+        p = t.next_weights(0.0)
+        assert cfg.keys == weight_keys(objective) == tuple(t.incumbent) == tuple(p.point)
+        assert set(p.body()) - {"version"} == set(weight_keys(objective))
+    assert "decode" in weight_keys(E2E) and "decode" not in weight_keys(TTFT)
+    with pytest.raises(ValueError, match="slo_ttft_ms"):
+        es_config(objective=SLO).validate()
+    with pytest.raises(ValueError, match="objective"):
+        config_from_mapping({"objective": "fastest"})
+
+
+def test_the_score_is_what_the_objective_says() -> None:
+    """Same TTFT, candidate's E2E half: only the e2e objective sees it. An SLO of 250 ms that the
+    incumbent misses with half its requests and the candidate with none: only slo sees it."""
+    rng = np.random.default_rng(0)
+    ttft = [np.linspace(100.0, 400.0, 40)] * 2
+    inc = windows(INCUMBENT, ttft, e2e_extra=4000.0)
+    cand = windows(CANDIDATE, ttft, e2e_extra=1000.0)
+    assert not compare(inc, cand, es_config(), rng).accepted
+    v = compare(inc, cand, es_config(objective="e2e"), rng)
+    assert v.accepted and v.p95_candidate < v.p95_incumbent
+    cand = windows(CANDIDATE, [np.full(40, 240.0)] * 2, e2e_extra=4000.0)
+    slo = compare(inc, cand, es_config(objective="slo", slo_ttft_ms=250.0), rng)
+    assert slo.accepted and slo.p95_candidate == 0.0 and slo.p95_incumbent == 0.5
+
+
+def early_mk(ttft: float, version: int, decision: str) -> Sample:
+    return replace(mk(ttft, version), e2e_ms=math.nan, decision_id=decision)
+
+
+def test_ttft_windows_count_early_samples_and_e2e_windows_wait_for_the_ends() -> None:
+    for objective, counted_early in (("ttft", True), ("e2e", False)):
+        t = Tuner(es_config(objective=objective, window_samples=5, pairs=1), seed=1)
+        v = t.next_weights(0.0).weights.version
+        t.routed(v, 5)
+        for k in range(5):
+            t.observe(early_mk(100.0 + k, v, f"d{k}"))
+        w = t.window_for(v)
+        assert w.received == (5 if counted_early else 0) and w.missing == (0 if counted_early
+                                                                            else 5)
+        for k in range(5):
+            t.observe_end(replace(mk(100.0 + k, v), decision_id=f"d{k}"))
+        assert w.received == 5 and len(w.ttft) == len(w.e2e) == 5  # each request once
+
+
+def test_a_state_of_another_objective_keeps_its_weights_and_drops_its_scores() -> None:
+    t = Tuner(es_config(window_samples=5), W(2.0, 0.5), seed=1)
+    t.incumbent_p95 = 123.0
+    state = json.loads(json.dumps(t.snapshot()))
+    old = {**state, "format": 2}
+    del old["objective"]
+    assert Tuner.restore(es_config(), old).incumbent_p95 == 123.0  # format 2 is ttft's
+    r = Tuner.restore(es_config(objective="e2e"), state)
+    assert r.incumbent["rtt"] == 2.0 and r.incumbent["queue"] == 0.5
+    assert set(r.incumbent) == set(es_config(objective="e2e").keys)
+    assert r.incumbent_p95 is None and r.history[-1]["event"] == "objective"

@@ -32,7 +32,8 @@ def test_envoy_span_becomes_a_sample(span_builders) -> None:
     assert (s.replica, s.region, s.policy, s.decision_id) == ("r0", "near", "gorgo", "ab-1")
     assert s.weights_version == 3
     assert s.predicted_ttft_ms == 101.5
-    assert s.terms == {"rtt": 40.25, "queue": 10.0, "prefill": 51.25, "penalty": 0.0}
+    assert s.terms == {"rtt": 40.25, "queue": 10.0, "admission": 0.0, "prefill": 51.25,
+                       "penalty": 0.0}
     assert (s.uncached_tokens, s.prompt_tokens) == (512, 1024)
     assert s.end_unix_s == pytest.approx(1_700_000_000.8125)
 

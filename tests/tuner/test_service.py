@@ -113,7 +113,7 @@ async def two_routers(tmp_path: Path) -> AsyncIterator[tuple[TunerService, Route
 
 async def export_samples(port: int, version: int, n: int, ttft_us: int, span_builders) -> None:
     attrs, span, export = span_builders
-    spans = [span(attrs(gorgo__weights_version=str(version), gorgo__decision_id=f"x{k}",
+    spans = [span(attrs(gorgo__weights_version=str(version), gorgo__decision_id=f"x{version}-{k}",
                         **{"gorgo.first_byte_us": str(ttft_us)}))
              for k in range(n)]
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
@@ -351,3 +351,18 @@ def test_initial_weights_and_bounds_are_keyed_by_weight(tmp_path: Path) -> None:
     cfg = load_config(path)
     assert cfg.initial_weights == W(2.0, 0.5)
     assert cfg.optimizer.bounds == {"rtt": (0.05, 20.0), "queue": (0.1, 10.0)}
+
+
+def test_the_fleet_file_sets_the_objective_target_and_timeout(tmp_path: Path) -> None:
+    """Issue 18: the tuner optimises what the fleet's objective says, over its weights."""
+    doc = yaml.safe_load((Path(__file__).parents[2] / "envoy" / "fleet.example.yaml").read_text())
+    doc.update(objective="slo", slo={"ttft_ms": 800}, timeouts={"request_s": 90})
+    (tmp_path / "fleet.yaml").write_text(yaml.safe_dump(doc))
+    router = RouterApp()
+    router.url = "http://127.0.0.1:9"  # never started: the config is only parsed
+    cfg = load_config(write_config(tmp_path, [router], fleet="fleet.yaml"))
+    assert (cfg.optimizer.objective, cfg.optimizer.slo_ttft_ms) == ("slo", 800.0)
+    assert "decode" in cfg.optimizer.keys and cfg.limits.max_ms == 90_000.0
+    path = write_config(tmp_path, [router], fleet="fleet.yaml", optimizer={"objective": "ttft"})
+    with pytest.raises(ConfigError, match="contradicts the fleet file"):
+        load_config(path)

@@ -7,7 +7,7 @@ explain, the tuner's samples, search space and fit) iterates over this tuple.
 
 from __future__ import annotations
 
-from gorgo.core.terms import decode, interference, penalty, prefill, queue, rtt
+from gorgo.core.terms import admission, decode, interference, penalty, prefill, queue, rtt
 from gorgo.core.terms.base import (
     ANCHOR,
     E2E,
@@ -21,7 +21,8 @@ from gorgo.core.terms.base import (
 )
 
 TERMS: tuple[CostTerm, ...] = (
-    rtt.TERM, queue.TERM, prefill.TERM, penalty.TERM, decode.TERM, interference.TERM)
+    rtt.TERM, queue.TERM, admission.TERM, prefill.TERM, penalty.TERM, decode.TERM,
+    interference.TERM)
 BY_NAME: dict[str, CostTerm] = {t.name: t for t in TERMS}
 # Terms that carry a weight, keyed by weight name (what Weights holds).
 WEIGHTED: dict[str, CostTerm] = {t.weight: t for t in TERMS if t.weight is not None}

@@ -1,0 +1,95 @@
+"""DNS discovery's I/O half: resolve each ``discover:`` name (every A/AAAA record) and re-resolve
+it on its interval, turning each changed answer into a new FleetSpec (gorgo.core.discovery).
+
+Resolution uses the system resolver (`socket.getaddrinfo`, in a thread: it blocks), as the pods'
+own lookups do, so a headless Service answers with its ready pods. A failed or empty answer keeps
+the last set: a resolver blip must not empty the fleet. Each change goes to ``on_change`` with the
+new spec and the added and removed replica names, on the loop that runs `DnsDiscovery`; the
+router's membership reload takes it from there (until it is wired, the change is logged).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from extproc.telemetry import log_event
+from gorgo.core.discovery import DnsSource, dns_sources, parse_discovered
+from gorgo.core.fleet import FleetSpec, read_fleet
+
+log = logging.getLogger("gorgo.discovery")
+Resolver = Callable[[str, int], Sequence[str]]
+OnChange = Callable[[FleetSpec, list[str], list[str]], None]
+
+
+def system_resolve(name: str, port: int) -> list[str]:
+    """Every address ``name`` resolves to (A and AAAA), in the resolver's order, once each."""
+    infos = socket.getaddrinfo(name, port, type=socket.SOCK_STREAM)
+    return list(dict.fromkeys(str(info[4][0]) for info in infos))
+
+
+def resolve_sources(sources: Sequence[DnsSource], resolve: Resolver) -> dict[str, list[str]]:
+    """Each source's addresses, sorted (an unresolvable name: none)."""
+    answers: dict[str, list[str]] = {}
+    for s in sources:
+        try:
+            answers[s.dns] = sorted(set(resolve(s.dns, s.port)))
+        except OSError as exc:
+            log_event(log, "dns_resolve_failed", logging.WARNING, name=s.dns, error=str(exc))
+            answers[s.dns] = []
+    return answers
+
+
+def log_change(spec: FleetSpec, added: list[str], removed: list[str]) -> None:
+    log_event(log, "fleet_membership_changed", replicas=len(spec.replicas), added=added,
+              removed=removed)
+
+
+class DnsDiscovery:
+    """Re-resolves the fleet file's ``discover:`` names, each on its own interval."""
+
+    def __init__(self, path: str | Path, on_change: OnChange = log_change,
+                 resolve: Resolver = system_resolve) -> None:
+        """Reads the fleet file and resolves its names once: ``spec`` is the fleet to start with."""
+        self.raw: Any = read_fleet(path)
+        self.source = Path(path).name
+        self.sources = dns_sources(self.raw, self.source)
+        self.on_change = on_change
+        self.resolve = resolve
+        self.answers = resolve_sources(self.sources, resolve)
+        self.spec: FleetSpec = parse_discovered(self.raw, self.answers, self.source)
+        self._tasks: list[asyncio.Task] = []
+
+    def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._every(s)) for s in self.sources]
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _every(self, s: DnsSource) -> None:
+        while True:
+            await asyncio.sleep(s.interval_s)
+            try:
+                await self.refresh(s)
+            except Exception:  # a discovery bug must not stop the re-resolve loop
+                log.exception("dns refresh of %s failed", s.dns)
+
+    async def refresh(self, s: DnsSource) -> bool:
+        """Resolve ``s`` once; True when the fleet changed (and ``on_change`` was called)."""
+        found = await asyncio.to_thread(resolve_sources, [s], self.resolve)
+        addresses = found[s.dns]
+        if not addresses or addresses == self.answers[s.dns]:
+            return False
+        answers: Mapping[str, Sequence[str]] = {**self.answers, s.dns: addresses}
+        spec = parse_discovered(self.raw, answers, self.source)
+        before = {r.name for r in self.spec.replicas}
+        after = {r.name for r in spec.replicas}
+        self.answers, self.spec = dict(answers), spec
+        self.on_change(spec, sorted(after - before), sorted(before - after))
+        return True

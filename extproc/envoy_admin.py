@@ -1,0 +1,111 @@
+"""What the router learns from Envoy's admin API when Envoy skips the response-headers round trip.
+
+With the fleet's ``extproc: {response_headers: skip}`` no response status reaches the router, so
+the per-response failure signal (penalty, ejection) would be lost. Envoy still counts every
+answer per upstream host (``rq_error``: 5xx and failed attempts; ``rq_success``: the rest) and
+flags a host its outlier detection ejected (``failed_outlier_check``). This poller reads
+``/clusters?format=json`` every scrape interval and applies the increments to the router's state
+exactly as the response-headers handler would have applied each status: a failure is a
+`record_failed_response`, a success window a `record_success`. A new ejection by Envoy counts as
+one failure more. The signal arrives up to one scrape interval late instead of with the response.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import aiohttp
+
+from extproc.telemetry import log_event
+from gorgo.core.router import Router
+
+log = logging.getLogger("gorgo.envoy_admin")
+
+
+class EnvoyOutcomes:
+    """Polls one Envoy's admin API and feeds each replica's new errors and successes to the
+    router's state. Runs on the router's loop, where every other state writer runs."""
+
+    def __init__(self, router: Router, admin: str, clock=time.monotonic) -> None:
+        self.router = router
+        self.clock = clock
+        base = admin if "://" in admin else f"http://{admin}"
+        self.url = base.rstrip("/") + "/clusters?format=json"
+        replicas = router.spec.replicas
+        self._by_cluster = {r.cluster: i for i, r in enumerate(replicas)}
+        self._by_host = {(r.host.removeprefix("[").removesuffix("]"), r.port): i
+                         for i, r in enumerate(replicas)}
+        # (cluster, host:port) -> (rq_error, rq_success, ejected) at the last poll
+        self._last: dict[tuple[str, str], tuple[int, int, bool]] = {}
+        self._task: asyncio.Task | None = None
+        self._session: aiohttp.ClientSession | None = None
+        self.polls = 0  # successful polls, for tests and readiness of the signal
+
+    async def start(self) -> None:
+        timeout = aiohttp.ClientTimeout(total=self.router.spec.timeouts.probe_ms / 1000)
+        self._session = aiohttp.ClientSession(timeout=timeout)
+        self._task = asyncio.create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        if self._session is not None:
+            await self._session.close()
+
+    async def _run(self) -> None:
+        interval = self.router.spec.signals.scrape_interval_s
+        while True:
+            with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError, ValueError):
+                await self.poll()
+            await asyncio.sleep(interval)
+
+    async def poll(self) -> None:
+        assert self._session is not None
+        async with self._session.get(self.url) as resp:
+            resp.raise_for_status()
+            data = await resp.json(content_type=None)
+        self.apply(data, self.clock())
+        self.polls += 1
+
+    def _replica(self, cluster: str, address: Mapping[str, Any]) -> int | None:
+        """A replica's own cluster, else a replica's address in a shared one (the retries'
+        fleet cluster, the endpoint picker's original-destination cluster)."""
+        i = self._by_cluster.get(cluster)
+        if i is None:
+            i = self._by_host.get((address.get("address"), address.get("port_value")))
+        return i
+
+    def apply(self, data: Mapping[str, Any], now: float) -> None:
+        """Apply one /clusters?format=json answer; the first sight of a host (or a counter that
+        went back, Envoy restarted) only sets the baseline."""
+        s = self.router.state
+        for cluster in data.get("cluster_statuses", ()):
+            name = cluster.get("name", "")
+            for host in cluster.get("host_statuses", ()):
+                address = host.get("address", {}).get("socket_address", {})
+                i = self._replica(name, address)
+                if i is None:
+                    continue
+                stats = {st.get("name"): int(st.get("value", 0)) for st in host.get("stats", ())}
+                errors, ok = stats.get("rq_error", 0), stats.get("rq_success", 0)
+                ejected = bool(host.get("health_status", {}).get("failed_outlier_check"))
+                key = (name, f"{address.get('address')}:{address.get('port_value')}")
+                prev = self._last.get(key)
+                self._last[key] = (errors, ok, ejected)
+                if prev is None or errors < prev[0] or ok < prev[1]:
+                    continue
+                new_errors, new_ok = errors - prev[0], ok - prev[1]
+                if new_ok and not new_errors:
+                    s.record_success(i)
+                for _ in range(new_errors):
+                    s.record_failed_response(i, now)
+                if ejected and not prev[2]:
+                    s.record_failed_response(i, now)
+                    log_event(log, "envoy_ejected_replica", logging.WARNING,
+                              replica=s.names[i], cluster=name)

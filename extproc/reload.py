@@ -1,0 +1,145 @@
+"""Fleet membership without a restart: reload the fleet file on SIGHUP or when it changes, and
+apply the admin API's add, remove and drain.
+
+Every change is a new fleet document, validated whole by the fleet schema, then taken on by
+`Router.reload` (unchanged replicas keep their state) and the router's shell (`ExtProcServer.
+apply_fleet`: metrics, signals, the CDS file Envoy watches). A document that fails keeps the old
+fleet routing: the reason is logged, counted (``gorgo_fleet_reloads_total{result="error"}``) and
+returned to an admin caller. The file is watched by polling its inode, mtime and size on the
+router's loop (an atomic rename is a new inode), so no watcher dependency is needed. The file is
+the source of truth: an admin change lasts until the file itself changes (or SIGHUP).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from extproc.telemetry import RouterMetrics, log_event
+from gorgo.core.discovery import parse_discovered
+from gorgo.core.fleet import FleetError, FleetSpec, read_fleet
+from gorgo.core.membership import FleetDiff
+from gorgo.core.router import Router
+
+log = logging.getLogger("gorgo.reload")
+POLL_INTERVAL_S = 1.0  # how often the fleet file's identity is checked
+
+
+def parse_document(doc: Any, source: str) -> FleetSpec:
+    """A fleet document as `load_fleet` reads it (a ``discover:`` entry unresolved)."""
+    return parse_discovered(doc, None, source=source)
+
+
+def _stamp(path: Path) -> tuple[int, int, int] | None:
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns, st.st_size
+
+
+class FleetReloader:
+    """Owns the fleet document the router runs; ``apply`` takes a validated spec on."""
+
+    def __init__(self, router: Router, metrics: RouterMetrics,
+                 apply: Callable[[FleetSpec], FleetDiff], path: str | os.PathLike[str] | None,
+                 parse: Callable[[Any, str], FleetSpec] = parse_document) -> None:
+        self.router = router
+        self.metrics = metrics
+        self._apply = apply
+        self._parse = parse
+        self.path = None if path is None else Path(path)
+        self.doc: Any = read_fleet(self.path) if self.path is not None else None
+        self._stamp = _stamp(self.path) if self.path is not None else None
+        self.last_error: str | None = None
+        self.reloads = 0
+
+    def status(self) -> dict[str, Any]:
+        s = self.router.state
+        replicas = [{
+            "name": r.name, "address": r.address, "region": r.region, "cluster": r.cluster,
+            "models": list(r.models), "draining": bool(s.draining[i]),
+            "healthy": bool(s.healthy[i]), "inflight": int(s.inflight_reqs[i]),
+            "rtt_ms": None if s.rtt_ms[i] != s.rtt_ms[i] else float(s.rtt_ms[i]),
+            "rtt_samples": int(s.rtt_samples[i]), "prefix_blocks": s.prefix.blocks_held(i),
+        } for i, r in enumerate(self.router.spec.replicas)]
+        return {"fleet": self.router.spec.name, "file": str(self.path) if self.path else None,
+                "generation": self.router.generation, "reloads": self.reloads,
+                "last_error": self.last_error, "models": list(self.router.spec.models),
+                "replicas": replicas}
+
+    def apply_doc(self, doc: Any, reason: str) -> FleetDiff:
+        """Validate and take on ``doc``; a FleetError leaves the running fleet as it was."""
+        source = self.path.name if self.path is not None else "fleet"
+        try:
+            spec = self._parse(doc, source)
+            diff = self._apply(spec)
+        except FleetError as exc:
+            self.last_error = str(exc)
+            self.metrics.fleet_reloads.labels("error").inc()
+            log_event(log, "fleet_reload_failed", logging.ERROR, reason=reason, error=str(exc))
+            raise
+        self.doc, self.last_error = doc, None
+        self.reloads += 1
+        self.metrics.fleet_reloads.labels("applied" if diff.changed else "unchanged").inc()
+        log_event(log, "fleet_reloaded", reason=reason, replicas=len(spec.replicas),
+                  added=",".join(diff.added), removed=",".join(diff.removed),
+                  generation=self.router.generation)
+        return diff
+
+    def reload_file(self, reason: str) -> FleetDiff:
+        """Read the fleet file again and take it on (SIGHUP, a change, the admin API)."""
+        if self.path is None:
+            raise FleetError("fleet: this router has no fleet file to reload")
+        self._stamp = _stamp(self.path)
+        try:
+            doc = read_fleet(self.path)
+        except FleetError as exc:
+            self.last_error = str(exc)
+            self.metrics.fleet_reloads.labels("error").inc()
+            log_event(log, "fleet_reload_failed", logging.ERROR, reason=reason, error=str(exc))
+            raise
+        return self.apply_doc(doc, reason)
+
+    def poll(self) -> None:
+        """Reload when the file is another file (inode: an atomic rename) or was rewritten."""
+        if self.path is None:
+            return
+        stamp = _stamp(self.path)
+        if stamp is not None and stamp != self._stamp:
+            with contextlib.suppress(FleetError):  # logged and counted; the old fleet stays
+                self.reload_file("file changed")
+
+    # --- admin changes: each is a new document, validated whole ---------------------------------
+
+    def _replicas(self) -> tuple[dict[str, Any], list[Any]]:
+        if self.doc is None:
+            raise FleetError("fleet: this router has no fleet file to change")
+        doc = copy.deepcopy(self.doc)
+        return doc, doc["replicas"]
+
+    def _find(self, replicas: list[Any], name: str) -> int:
+        for i, raw in enumerate(replicas):
+            if isinstance(raw, dict) and raw.get("name") == name:
+                return i
+        raise KeyError(name)
+
+    def add(self, raw: Any) -> FleetDiff:
+        doc, replicas = self._replicas()
+        replicas.append(raw)
+        return self.apply_doc(doc, "admin add")
+
+    def remove(self, name: str) -> FleetDiff:
+        doc, replicas = self._replicas()
+        del replicas[self._find(replicas, name)]
+        return self.apply_doc(doc, "admin remove")
+
+    def drain(self, name: str, drain: bool) -> FleetDiff:
+        doc, replicas = self._replicas()
+        replicas[self._find(replicas, name)]["drain"] = drain
+        return self.apply_doc(doc, "admin drain" if drain else "admin undrain")

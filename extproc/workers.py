@@ -1,0 +1,418 @@
+"""`gorgo extproc --workers N`: N router processes, one per core, under one supervisor.
+
+One Python router process is held to one core by the GIL. N workers, each a complete
+`gorgo extproc` with its own gRPC port (PORT, PORT+1, ...), its own state and its own probes,
+scrapes and (with skip mode) Envoy-admin reads, serve one Envoy's ext_proc cluster, which lists
+every worker's port and round-robins streams over them (`gorgo envoy-config --extproc
+H:P1,H:P2`). Separate ports rather than one SO_REUSEPORT port: the kernel spreads *connections*
+by hash, and Envoy opens only one HTTP/2 connection per Envoy worker thread to an ext_proc host,
+so two connections land on the same process half of the time (docs/benchmarks.md). Workers agree
+the way separate routers do: through the engines' signals, which every worker reads itself.
+
+The supervisor owns the HTTP port:
+
+- ``PUT /admin/weights`` goes to every worker (each checks the token and the body itself); the
+  answer is theirs when they agree, 502 naming each worker's status when not. The weights the
+  workers then run are kept and replayed to a restarted worker before it counts as up, so every
+  running worker has the same weights version.
+- ``GET /admin/weights`` is the first worker's answer with ``routed`` summed over all workers;
+  ``POST /admin/explain`` and any other admin read are answered by the first worker that is up,
+  any other admin change goes to every worker like a weights update (but is not replayed).
+- ``/metrics`` is every worker's metrics with a ``worker`` label, plus the supervisor's own
+  (`gorgo_workers_up`, `gorgo_worker_restarts_total`); ``/readyz`` is ready when every worker is.
+
+A worker that exits is started again on its port (backoff while it keeps failing); SIGTERM stops
+every worker by its pid, then the supervisor. Workers die with the supervisor (PR_SET_PDEATHSIG).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import ctypes
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from collections import Counter as Tally
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    generate_latest,
+)
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
+
+from extproc.admin import WEIGHTS_MAX_BYTES
+from extproc.telemetry import log_event
+from gorgo import shutdown
+from gorgo.core.contract import WEIGHT_BOUNDS
+from gorgo.errors import UserError, bind_error, check_port
+
+log = logging.getLogger("gorgo.workers")
+READY_TIMEOUT_S = 60.0  # a worker imports, loads the fleet and binds within this
+STOP_GRACE_S = 10.0
+BACKOFF_BASE_S = 0.5
+BACKOFF_MAX_S = 10.0
+STABLE_S = 10.0  # a worker that ran this long resets the restart backoff
+_PR_SET_PDEATHSIG = 1
+_FORWARDED = ("authorization", "content-type")  # the request headers a worker gets
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM it when the supervisor dies, even by SIGKILL."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+@dataclass
+class Worker:
+    index: int
+    port: int  # gRPC; 0 until the first start picked one
+    metrics_port: int = 0
+    proc: asyncio.subprocess.Process | None = None
+    up: bool = False  # started, READY, weights replayed
+    started_at: float = 0.0
+    failures: int = 0  # consecutive short-lived runs, for the backoff
+    tasks: list[asyncio.Task] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.metrics_port}"
+
+
+class _Merged:
+    """Every worker's metric families with a ``worker`` label, and the supervisor's own."""
+
+    def __init__(self, texts: dict[int, str], own: CollectorRegistry) -> None:
+        self.texts = texts
+        self.own = own
+
+    def collect(self) -> list[Metric]:
+        families: dict[str, Metric] = {}
+        for k, text in sorted(self.texts.items()):
+            for fam in text_string_to_metric_families(text):
+                m = families.get(fam.name)
+                if m is None:
+                    m = families[fam.name] = Metric(fam.name, fam.documentation, fam.type,
+                                                    fam.unit)
+                for s in fam.samples:
+                    m.add_sample(s.name, {**s.labels, "worker": str(k)}, s.value, s.timestamp,
+                                 s.exemplar)
+        return [*families.values(), *self.own.collect()]
+
+
+class Supervisor:
+    def __init__(self, args: argparse.Namespace, n: int, token: str | None) -> None:
+        self.args = args
+        self.token = token
+        base = args.port
+        self.workers = [Worker(k, base + k if base > 0 else 0) for k in range(n)]
+        self.replay: bytes | None = None  # the weights every worker runs, once one was PUT
+        self.stopping = False
+        self.metrics_port = 0
+        self.registry = CollectorRegistry()
+        self.up_gauge = Gauge("gorgo_workers_up", "router worker processes serving",
+                              registry=self.registry)
+        self.restarts = Counter("gorgo_worker_restarts", "router workers started again after "
+                                "they exited", ["worker"], registry=self.registry)
+        self._http: web.AppRunner | None = None
+        self._session: aiohttp.ClientSession | None = None
+        self._lock = asyncio.Lock()  # one weights update at a time, replays included
+        self._background: set[asyncio.Task] = set()
+
+    # --- lifecycle ------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        a = self.args
+        what = f"the metrics endpoint on {a.metrics_host}:{a.metrics_port}"
+        hint = "free it or pick another --metrics-port (0 = any free port, -1 = off)"
+        if a.metrics_port > 0:
+            check_port(a.metrics_host, a.metrics_port, what, hint)
+        for w in self.workers:
+            if w.port:
+                check_port(a.host, w.port, f"worker {w.index}'s gRPC server on {a.host}:{w.port}",
+                           "free it or pick another --port (workers use PORT..PORT+N-1)")
+        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30))
+        for w in self.workers:  # one after another: a bad fleet fails once, not N times
+            await self._spawn(w)
+        if a.metrics_port >= 0:
+            self._http = web.AppRunner(self._app(), access_log=None)
+            await self._http.setup()
+            try:
+                await web.TCPSite(self._http, a.metrics_host, a.metrics_port).start()
+            except OSError as exc:
+                raise bind_error(exc, what, hint) from None
+            self.metrics_port = self._http.addresses[-1][1]
+
+    def _command(self, w: Worker) -> list[str]:
+        a = self.args
+        cmd = [sys.executable, "-m", "gorgo.cli", "extproc", "--fleet", a.fleet, "--host", a.host,
+               "--port", str(w.port), "--metrics-host", "127.0.0.1", "--metrics-port", "0",
+               "--log-level", a.log_level, "--workers", "1"]
+        if a.otlp:
+            cmd += ["--otlp", a.otlp]
+        if a.envoy_admin:
+            cmd += ["--envoy-admin", a.envoy_admin]
+        return cmd
+
+    async def _spawn(self, w: Worker) -> None:
+        """Start worker ``w`` and wait for its READY line; a failure is a UserError."""
+        env = {k: v for k, v in os.environ.items() if k != "GORGO_ADMIN_TOKEN"}
+        if self.token:  # the workers check the same token (never on a command line)
+            env["GORGO_ADMIN_TOKEN"] = self.token
+        w.proc = await asyncio.create_subprocess_exec(
+            *self._command(w), stdout=asyncio.subprocess.PIPE, env=env,
+            preexec_fn=_die_with_parent)
+        w.started_at = time.monotonic()
+        lines: list[str] = []
+        ready: dict[str, str] | None = None
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(READY_TIMEOUT_S):
+                while ready is None:
+                    raw = await w.proc.stdout.readline()
+                    if not raw:
+                        break
+                    line = raw.decode(errors="replace").strip()
+                    lines.append(line)
+                    if line.startswith("READY"):
+                        ready = dict(kv.split("=", 1) for kv in line.split()[1:])
+        if ready is None:
+            await self._reap(w)
+            said = " | ".join(lines[-3:]) or "no output"
+            raise UserError(f"worker {w.index} did not start: {said}")
+        w.port, w.metrics_port = int(ready["grpc"]), int(ready["metrics"])
+        w.tasks = [asyncio.create_task(self._drain(w.proc)), asyncio.create_task(self._watch(w))]
+        async with self._lock:
+            if self.replay is not None:
+                await self._send(w, "PUT", "/admin/weights", self.replay, self._auth())
+            w.up = True
+        self._count_up()
+        log_event(log, "worker_started", worker=w.index, pid=w.proc.pid, grpc=w.port)
+
+    async def _drain(self, proc: asyncio.subprocess.Process) -> None:
+        while raw := await proc.stdout.readline():
+            sys.stdout.write(raw.decode(errors="replace"))
+
+    async def _watch(self, w: Worker) -> None:
+        """Start ``w`` again whenever it exits, until the supervisor stops."""
+        while True:
+            assert w.proc is not None
+            code = await w.proc.wait()
+            w.up = False
+            self._count_up()
+            if self._stopping():
+                return
+            lived = time.monotonic() - w.started_at
+            w.failures = 0 if lived >= STABLE_S else w.failures + 1
+            delay = min(BACKOFF_MAX_S, BACKOFF_BASE_S * 2.0 ** max(0, w.failures - 1))
+            log_event(log, "worker_exited", logging.WARNING, worker=w.index, pid=w.proc.pid,
+                      code=code, restart_in_s=delay)
+            self.restarts.labels(str(w.index)).inc()
+            await asyncio.sleep(delay)
+            if self._stopping():
+                return
+            try:
+                await self._spawn(w)
+            except UserError as exc:
+                log.error("worker %d failed to start again: %s", w.index, exc)
+                continue
+            return  # the new run has its own watcher
+
+    def _stopping(self) -> bool:
+        """Stopping, or about to: a SIGTERM sent to the whole process group reaches the workers
+        too, and one may exit before the supervisor's own handler has run."""
+        return self.stopping or shutdown.received is not None
+
+    async def _reap(self, w: Worker) -> None:
+        if w.proc is not None and w.proc.returncode is None:
+            w.proc.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(w.proc.wait(), STOP_GRACE_S)
+            except TimeoutError:
+                w.proc.kill()
+                await w.proc.wait()
+
+    async def stop(self) -> None:
+        """SIGTERM every worker by its pid (SIGKILL after the grace), then close the port."""
+        self.stopping = True
+        await asyncio.gather(*(self._reap(w) for w in self.workers))
+        for w in self.workers:
+            for t in w.tasks:
+                t.cancel()
+            await asyncio.gather(*w.tasks, return_exceptions=True)
+        if self._http is not None:
+            await self._http.cleanup()
+        if self._session is not None:
+            await self._session.close()
+
+    def _count_up(self) -> None:
+        self.up_gauge.set(sum(w.up for w in self.workers))
+
+    # --- fan-out --------------------------------------------------------------------------------
+
+    def _auth(self) -> dict[str, str]:
+        return {"authorization": f"Bearer {self.token}"} if self.token else {}
+
+    async def _send(self, w: Worker, method: str, path: str, body: bytes | None = None,
+                    headers: dict[str, str] | None = None) -> tuple[int, bytes]:
+        """One worker's answer (status, body); 503 when it cannot be reached."""
+        assert self._session is not None
+        try:
+            async with self._session.request(method, w.url + path, data=body,
+                                             headers=headers or {}) as r:
+                return r.status, await r.read()
+        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+            return 503, json.dumps({"error": {"message": f"worker {w.index}: {exc}"}}).encode()
+
+    def _live(self) -> list[Worker]:
+        return [w for w in self.workers if w.up]
+
+    @staticmethod
+    def _pass(status: int, body: bytes) -> web.Response:
+        return web.Response(status=status, body=body, content_type="application/json")
+
+    async def _fan_out(self, request: web.Request) -> tuple[web.Response, list[tuple[int, bytes]]]:
+        """``request`` sent to every worker that is up: their answer when they agree, else a 502
+        naming each worker's status; and the answers themselves."""
+        body = await request.read()
+        headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARDED}
+        live = self._live()
+        if not live:
+            return web.json_response({"error": {"message": "no worker is up"}}, status=503), []
+        answers = await asyncio.gather(*(self._send(w, request.method, request.path_qs, body,
+                                                    headers) for w in live))
+        if len({status for status, _ in answers}) == 1:
+            return self._pass(*answers[0]), answers
+        return web.json_response({"error": {
+            "message": "workers answered differently",
+            "workers": [{"worker": w.index, "status": s}
+                        for w, (s, _) in zip(live, answers, strict=True)]}}, status=502), answers
+
+    async def put_weights(self, request: web.Request) -> web.Response:
+        if (request.content_length or 0) > WEIGHTS_MAX_BYTES:
+            return web.json_response({"error": {"message": f"body is over {WEIGHTS_MAX_BYTES}"
+                                                           " bytes", "field": None}}, status=413)
+        async with self._lock:
+            response, answers = await self._fan_out(request)
+            applied = [b for status, b in answers if status == 200]
+            if applied:  # what a restarted worker, or one left behind, is brought to
+                self.replay = _replay_body(json.loads(applied[0]))
+            if response.status == 502:
+                self._resync_later()
+            return response
+
+    def _resync_later(self) -> None:
+        """After a split answer, bring the workers left behind to the replay weights (a worker
+        already there refuses the same version: versions only go up)."""
+        async def resync() -> None:
+            async with self._lock:
+                if self.replay is not None:
+                    for w in self._live():
+                        await self._send(w, "PUT", "/admin/weights", self.replay, self._auth())
+        task = asyncio.get_running_loop().create_task(resync())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def admin_other(self, request: web.Request) -> web.Response:
+        """Any other admin call: a read from the first worker that is up, a change to all."""
+        if request.method == "GET" or request.path == "/admin/explain":
+            live = self._live()
+            if not live:
+                return web.json_response({"error": {"message": "no worker is up"}}, status=503)
+            headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARDED}
+            return self._pass(*await self._send(live[0], request.method, request.path_qs,
+                                                await request.read(), headers))
+        return (await self._fan_out(request))[0]
+
+    async def get_weights(self, request: web.Request) -> web.Response:
+        live = self._live()
+        if not live:
+            return web.json_response({"error": {"message": "no worker is up"}}, status=503)
+        headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARDED}
+        answers = await asyncio.gather(*(self._send(w, "GET", "/admin/weights", None, headers)
+                                         for w in live))
+        status, raw = answers[0]
+        if status != 200:
+            return self._pass(status, raw)
+        merged = json.loads(raw)
+        routed: dict[str, Tally] = {}
+        versions = []
+        for w, (s, b) in zip(live, answers, strict=True):
+            if s != 200:
+                continue
+            doc = json.loads(b)
+            versions.append({"worker": w.index, "version": doc["version"]})
+            for version, counts in doc.get("routed", {}).items():
+                routed.setdefault(version, Tally()).update(counts)
+        merged["routed"] = {v: dict(c) for v, c in routed.items()}
+        merged["workers"] = versions
+        return web.json_response(merged)
+
+    async def metrics(self, _: web.Request) -> web.Response:
+        live = self._live()
+        answers = await asyncio.gather(*(self._send(w, "GET", "/metrics") for w in live))
+        texts = {w.index: b.decode() for w, (s, b) in zip(live, answers, strict=True) if s == 200}
+        return web.Response(body=generate_latest(_Merged(texts, self.registry)),
+                            headers={"content-type": CONTENT_TYPE_LATEST})
+
+    async def readyz(self, _: web.Request) -> web.Response:
+        answers = await asyncio.gather(*(self._send(w, "GET", "/readyz") if w.up
+                                         else _down() for w in self.workers))
+        checks = {f"worker{w.index}": s == 200 for w, (s, _) in zip(self.workers, answers,
+                                                                      strict=True)}
+        ok = all(checks.values())
+        return web.json_response({"ready": ok, "checks": checks}, status=200 if ok else 503)
+
+    async def healthz(self, _: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    def _app(self) -> web.Application:
+        app = web.Application(client_max_size=2 * WEIGHTS_MAX_BYTES)
+        app.router.add_get("/metrics", self.metrics)
+        app.router.add_get("/healthz", self.healthz)
+        app.router.add_get("/readyz", self.readyz)
+        app.router.add_get("/admin/weights", self.get_weights)
+        app.router.add_put("/admin/weights", self.put_weights)
+        app.router.add_route("*", "/admin/{tail:.*}", self.admin_other)
+        return app
+
+
+async def _down() -> tuple[int, bytes]:
+    return 503, b""
+
+
+def _replay_body(current: dict[str, Any]) -> bytes:
+    """A PUT body that sets a fresh worker to exactly what ``current`` (a GET answer) holds."""
+    return json.dumps({**{k: current[k] for k in WEIGHT_BOUNDS if k in current},
+                       "version": current["version"],
+                       "prefill_rate": current.get("prefill_rate") or {}}).encode()
+
+
+async def supervise(args: argparse.Namespace, n: int, token: str | None) -> int:
+    """Run ``n`` workers until SIGTERM/SIGINT; prints ``READY grpc=P1,P2,... metrics=M``."""
+    stop = asyncio.Event()
+    shutdown.on_stop(stop.set)
+    sup = Supervisor(args, n, token)
+    try:
+        await sup.start()
+    except BaseException:
+        await sup.stop()
+        raise
+    ports = ",".join(str(w.port) for w in sup.workers)
+    log_event(log, "supervisor_started", workers=n, grpc=ports,
+              metrics=f"{args.metrics_host}:{sup.metrics_port}")
+    print(f"READY grpc={ports} metrics={sup.metrics_port}", flush=True)
+    await stop.wait()
+    await sup.stop()
+    return 0

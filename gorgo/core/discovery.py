@@ -1,0 +1,169 @@
+"""Replicas from DNS: a fleet file's replica entry with ``discover:`` stands for every A/AAAA
+record of a name (a Kubernetes headless Service), so a rollout needs no fleet edit.
+
+```yaml
+replicas:
+  - name: vllm                  # the prefix: replicas are vllm-10-0-0-5, vllm-10-0-0-6, ...
+    region: local
+    engine: vllm
+    cluster: vllm               # Envoy's cluster over the whole name (STRICT_DNS): fail-open
+    discover: {dns: vllm-headless.llm.svc.cluster.local, port: 8000, interval_s: 10}
+```
+
+Pure: the I/O shell (`extproc/discovery.py`) resolves the names and hands the answers in. The
+entry expands in one of two forms, both then checked by `parse_fleet` like any other replica:
+
+- **resolved** (the router): one replica per address, named from the address (``vllm-10-0-0-5``,
+  ``vllm-fd00--5``), so the same pod keeps its name, state and metrics labels across refreshes;
+  health and metrics URLs are ``http://<address>/health`` and ``/metrics``.
+- **unresolved** (the renderer, `gorgo explain`): one replica at ``<dns>:<port>`` with the entry's
+  ``cluster``, which Envoy renders as a STRICT_DNS cluster it resolves itself: the fail-open
+  default. The pods' own clusters cannot be static, so such a fleet runs in endpoint-picker mode
+  (``endpoint_picker: true``): Envoy reaches a picked pod by the IP:port the router names.
+
+Retries stay off (their cluster lists the replicas' addresses statically).
+"""
+
+from __future__ import annotations
+
+import copy
+import ipaddress
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from gorgo.core.fleet import FleetError, FleetSpec, parse_fleet
+
+DISCOVER = "discover"
+DEFAULT_INTERVAL_S = 10.0
+# Derived from each address, so a template may not set them.
+DERIVED_FIELDS = ("address", "health_url", "metrics_url")
+_DNS_NAME = re.compile(r"(?=.{1,253}$)([A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?\.?)+")
+
+
+@dataclass(frozen=True, slots=True)
+class DnsSource:
+    """One ``discover:`` entry: its position in ``replicas``, the name prefix and what to ask."""
+
+    index: int
+    prefix: str
+    dns: str
+    port: int
+    interval_s: float
+
+
+def _fail(path: str, what: str) -> FleetError:
+    return FleetError(f"{path}: {what}")
+
+
+def dns_sources(raw: Any, source: str = "fleet") -> tuple[DnsSource, ...]:
+    """The fleet document's ``discover:`` entries, checked (errors name the field)."""
+    if not isinstance(raw, Mapping) or not isinstance(raw.get("replicas"), list):
+        return ()  # parse_fleet names what is wrong with the document
+    out = []
+    for i, entry in enumerate(raw["replicas"]):
+        if not isinstance(entry, Mapping) or DISCOVER not in entry:
+            continue
+        path = f"{source}.replicas[{i}]"
+        for key in DERIVED_FIELDS:
+            if key in entry:
+                raise _fail(f"{path}.{key}", "derived from each discovered address: remove it")
+        if not raw.get("endpoint_picker"):
+            raise _fail(f"{path}.{DISCOVER}", "needs endpoint_picker: true (Envoy reaches a "
+                        "discovered replica by the address the router names)")
+        if (raw.get("retries") or {}).get("enabled"):
+            raise _fail(f"{source}.retries.enabled", "retries list the replicas statically: "
+                        "they cannot follow discovered replicas")
+        d = entry[DISCOVER]
+        where = f"{path}.{DISCOVER}"
+        if not isinstance(d, Mapping):
+            raise _fail(where, f"expected a mapping, got {type(d).__name__}")
+        unknown = sorted(map(str, set(d) - {"dns", "port", "interval_s"}))
+        if unknown:
+            raise _fail(f"{where}.{unknown[0]}", "unknown field (allowed: dns, interval_s, port)")
+        dns = d.get("dns")
+        if not isinstance(dns, str) or not _DNS_NAME.fullmatch(dns) or _is_ip(dns):
+            raise _fail(f"{where}.dns", f"expected a DNS name, got {dns!r}")
+        port = d.get("port")
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+            raise _fail(f"{where}.port", f"expected a port 1-65535, got {port!r}")
+        interval = d.get("interval_s", DEFAULT_INTERVAL_S)
+        if isinstance(interval, bool) or not isinstance(interval, int | float) or interval <= 0:
+            raise _fail(f"{where}.interval_s", f"must be > 0, got {interval!r}")
+        prefix = entry.get("name")
+        if not isinstance(prefix, str) or not prefix:
+            raise _fail(f"{path}.name", "required (the prefix of the discovered replicas' names)")
+        out.append(DnsSource(i, prefix, dns, port, float(interval)))
+    return tuple(out)
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+def replica_name(prefix: str, ip: str) -> str:
+    """The discovered replica's name: the prefix and its address (``vllm-10-0-0-5``)."""
+    return f"{prefix}-{re.sub(r'[.:%]', '-', ip)}"
+
+
+def _address(ip: str, port: int) -> str:
+    return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
+
+
+def expand(raw: Mapping[str, Any], sources: Sequence[DnsSource],
+           answers: Mapping[str, Sequence[str]] | None) -> tuple[dict[str, Any], list[int]]:
+    """The document with each ``discover:`` entry replaced, and for each replica of the result the
+    index of the entry it came from. ``answers`` (dns name -> addresses) gives the resolved form;
+    None the unresolved one."""
+    doc = copy.deepcopy(dict(raw))
+    by_index = {s.index: s for s in sources}
+    replicas: list[Any] = []
+    origin: list[int] = []
+    for i, entry in enumerate(doc["replicas"]):
+        s = by_index.get(i)
+        if s is None:
+            replicas.append(entry)
+            origin.append(i)
+            continue
+        template = {k: v for k, v in entry.items() if k != DISCOVER}
+        if answers is None:
+            replicas.append({**template, "address": f"{s.dns}:{s.port}"})
+            origin.append(i)
+            continue
+        template.pop("cluster", None)
+        for ip in sorted(set(answers.get(s.dns, ()))):
+            name = replica_name(s.prefix, ip)
+            replicas.append({**template, "name": name, "cluster": name,
+                             "address": _address(ip, s.port)})
+            origin.append(i)
+    doc["replicas"] = replicas
+    doc["retries"] = {**(doc.get("retries") or {}), "enabled": False}
+    if answers is not None:
+        doc.pop("default_cluster", None)  # the renderer's (unresolved) cluster; the router's none
+    return doc, origin
+
+
+def parse_discovered(raw: Any, answers: Mapping[str, Sequence[str]] | None = None,
+                     source: str = "fleet") -> FleetSpec:
+    """`parse_fleet` of the document with its ``discover:`` entries expanded (see `expand`);
+    an error in an expanded replica names the entry it came from."""
+    sources = dns_sources(raw, source)
+    if not sources:
+        return parse_fleet(raw, source)
+    doc, origin = expand(raw, sources, answers)
+    if not doc["replicas"]:
+        s = sources[0]
+        raise _fail(f"{source}.replicas[{s.index}].{DISCOVER}.dns",
+                    f"{s.dns!r} resolved to no address, and the fleet lists no other replica")
+    try:
+        return parse_fleet(doc, source)
+    except FleetError as exc:
+        m = re.match(rf"{re.escape(source)}\.replicas\[(\d+)\](.*)", str(exc), re.DOTALL)
+        if m is None:
+            raise
+        raise FleetError(f"{source}.replicas[{origin[int(m.group(1))]}]{m.group(2)}") from None

@@ -1,0 +1,50 @@
+"""Membership changes without a restart: which replicas of two fleet specs are the same one.
+
+A replica is the same across a reload when its name, address, region and engine are unchanged: it
+keeps its state (`FleetState.reindexed`). A name that now points elsewhere is a new replica with
+a fresh row, since what was learned of the old address says nothing of the new one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gorgo.core.fleet import FleetError, FleetSpec, ReplicaSpec
+
+
+@dataclass(frozen=True, slots=True)
+class FleetDiff:
+    kept: tuple[str, ...]  # carried over with their state
+    added: tuple[str, ...]  # new names, and names whose replica changed identity
+    removed: tuple[str, ...]  # gone (or replaced: a changed name is in added and removed)
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.added or self.removed)
+
+    def to_dict(self) -> dict[str, list[str]]:
+        return {"kept": list(self.kept), "added": list(self.added), "removed": list(self.removed)}
+
+
+def _identity(r: ReplicaSpec) -> tuple[str, str, str, str]:
+    return r.name, r.address, r.region, r.engine
+
+
+def diff_fleets(old: FleetSpec, new: FleetSpec) -> FleetDiff:
+    """Replicas kept, added and removed from ``old`` to ``new`` (by name and identity)."""
+    before = {r.name: _identity(r) for r in old.replicas}
+    after = {r.name: _identity(r) for r in new.replicas}
+    kept = tuple(n for n in after if before.get(n) == after[n])
+    return FleetDiff(kept=kept,
+                     added=tuple(n for n in after if n not in kept),
+                     removed=tuple(n for n in before if n not in kept))
+
+
+def check_reloadable(old: FleetSpec, new: FleetSpec) -> None:
+    """What a running router cannot take on without a restart is a config error on reload."""
+    if any(r.precise for r in (*old.replicas, *new.replicas)):
+        raise FleetError("replicas: a fleet with cache: precise replicas is not reloaded (its KV "
+                         "event subscriptions are set up at start); restart the router")
+    if new.limits.max_body_bytes > old.limits.max_body_bytes:
+        raise FleetError("limits.max_body_bytes: cannot grow on reload (the gRPC message limit "
+                         "is set at start); restart the router")

@@ -1,0 +1,85 @@
+"""DNS discovery, pure half: a discover: entry expands to one replica per address, named from the
+address, or (unresolved) to the one replica at its DNS name; errors name the field."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from gorgo.core.discovery import dns_sources, parse_discovered, replica_name
+from gorgo.core.fleet import FleetError
+
+DNS = "vllm-headless.llm.svc.cluster.local"
+
+
+def _doc(**discover: Any) -> dict[str, Any]:
+    return {
+        "regions": {"local": None},
+        "endpoint_picker": True,
+        "default_cluster": "vllm",
+        "replicas": [
+            {"name": "static-0", "region": "local", "engine": "sglang",
+             "address": "10.9.0.1:30000"},
+            {"name": "vllm", "region": "local", "engine": "vllm", "cluster": "vllm",
+             "prefill_rate": 20000,
+             "discover": {"dns": DNS, "port": 8000, "interval_s": 5, **discover}},
+        ],
+    }
+
+
+def test_resolved_form_names_replicas_from_their_addresses() -> None:
+    spec = parse_discovered(_doc(), {DNS: ["10.0.0.6", "10.0.0.5", "fd00::5"]})
+    names = [r.name for r in spec.replicas]
+    assert names == ["static-0", "vllm-10-0-0-5", "vllm-10-0-0-6", "vllm-fd00--5"]
+    r = spec.replica("vllm-fd00--5")
+    assert (r.address, r.cluster, r.engine, r.prefill_rate) == (
+        "[fd00::5]:8000", "vllm-fd00--5", "vllm", 20000)
+    assert r.health_url == "http://[fd00::5]:8000/health"
+    assert not spec.retries.enabled
+    # The same pod keeps its name whatever else comes and goes.
+    again = parse_discovered(_doc(), {DNS: ["10.0.0.7", "10.0.0.6"]})
+    assert "vllm-10-0-0-6" in [r.name for r in again.replicas]
+    assert replica_name("vllm", "10.0.0.6") == "vllm-10-0-0-6"
+
+
+def test_unresolved_form_is_one_replica_at_the_dns_name() -> None:
+    spec = parse_discovered(_doc(), None)
+    r = spec.replicas[1]
+    assert (r.name, r.cluster, r.address) == ("vllm", "vllm", f"{DNS}:8000")
+    assert spec.default_cluster == "vllm"
+    (s,) = dns_sources(_doc())
+    assert (s.index, s.prefix, s.dns, s.port, s.interval_s) == (1, "vllm", DNS, 8000, 5.0)
+
+
+def test_no_address_at_all_is_an_error_naming_the_entry() -> None:
+    doc = _doc()
+    del doc["replicas"][0]
+    with pytest.raises(FleetError, match=r"^fleet\.replicas\[0\]\.discover\.dns: .* no address"):
+        parse_discovered(doc, {DNS: []})
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    ({"discover": {"dns": DNS}}, r"replicas\[1\]\.discover\.port: expected a port"),
+    ({"discover": {"dns": "10.0.0.1", "port": 80}}, r"replicas\[1\]\.discover\.dns: expected"),
+    ({"discover": {"dns": DNS, "port": 80, "ttl": 3}}, r"replicas\[1\]\.discover\.ttl: unknown"),
+    ({"discover": {"dns": DNS, "port": 80, "interval_s": 0}}, r"discover\.interval_s: must be"),
+    ({"address": "10.0.0.1:80"}, r"replicas\[1\]\.address: derived from each"),
+    ({"engine": "tgi"}, r"^fleet\.replicas\[1\]\.engine: must be one of"),
+])
+def test_bad_entries_name_the_field(edit: dict[str, Any], message: str) -> None:
+    doc = _doc()
+    doc["replicas"][1].update(edit)
+    with pytest.raises(FleetError, match=message):
+        parse_discovered(doc, {DNS: ["10.0.0.5", "10.0.0.6"]})
+
+
+def test_discovery_needs_picker_mode_and_no_retries() -> None:
+    doc = _doc()
+    doc["endpoint_picker"] = False
+    with pytest.raises(FleetError, match=r"replicas\[1\]\.discover: needs endpoint_picker"):
+        parse_discovered(doc, None)
+    doc = _doc()
+    doc["retries"] = {"enabled": True}
+    with pytest.raises(FleetError, match=r"^fleet\.retries\.enabled: "):
+        parse_discovered(doc, None)

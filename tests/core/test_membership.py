@@ -1,0 +1,185 @@
+"""Models per replica (schema, masks, 404) and membership changes that keep unchanged replicas'
+state (gorgo.core.membership, FleetState.reindexed, Router.reload)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+import pytest
+
+from gorgo.core.decision import UNKNOWN_MODEL, Decision, Rejection
+from gorgo.core.features import extract_features
+from gorgo.core.fleet import FleetError, parse_fleet
+from gorgo.core.membership import diff_fleets
+from gorgo.core.router import Router
+
+
+def _replica(name: str, port: int, models: list[Any] | None = None, **extra: Any) -> dict:
+    r = {"name": name, "region": "near", "address": f"10.0.0.1:{port}", "engine": "sglang",
+         **extra}
+    if models is not None:
+        r["models"] = models
+    return r
+
+
+def _doc(*replicas: dict, **extra: Any) -> dict:
+    return {"regions": {"near": {}}, "replicas": list(replicas), **extra}
+
+
+TWO_MODELS = _doc(_replica("a1", 1, ["alpha"]),
+                  _replica("a2", 2, [{"name": "alpha", "aliases": ["alpha-latest"]}]),
+                  _replica("b1", 3, ["beta"]))
+
+
+def _features(router: Router, model: str | None, content: str = "hello there") -> Any:
+    body: dict[str, Any] = {"messages": [{"role": "user", "content": content}]}
+    if model is not None:
+        body["model"] = model
+    return extract_features("/v1/chat/completions", {}, json.dumps(body).encode(),
+                            router.state.tok, policies=router.policies)
+
+
+# --- schema ---------------------------------------------------------------------------------
+
+
+def test_models_and_aliases_parse_and_the_fleet_lists_the_union_in_file_order() -> None:
+    spec = parse_fleet(TWO_MODELS)
+    assert spec.models == ("alpha", "beta")
+    assert spec.replica("a2").model_names == ("alpha", "alpha-latest")
+    assert parse_fleet(_doc(_replica("x", 1))).models == ()  # no field: serves whatever is asked
+
+
+@pytest.mark.parametrize(("replicas", "where"), [
+    ([_replica("a", 1, ["m"]), _replica("b", 2)], "replicas[1].models: required"),
+    ([_replica("a", 1, [""])], "replicas[0].models[0].name"),
+    ([_replica("a", 1, [{"name": "m", "alias": ["x"]}])], "replicas[0].models[0].alias"),
+    ([_replica("a", 1, ["m", "m"])], "replicas[0].models: 'm' is listed twice"),
+    ([_replica("a", 1, ["m"]), _replica("b", 2, [{"name": "n", "aliases": ["m"]}])],
+     "replicas[1].models: alias 'm' of 'n' already names 'm'"),
+    ([_replica("a", 1, "m")], "replicas[0].models: expected a list"),
+    ([_replica("a", 1, ["m"], drain="yes")], "replicas[0].drain: expected true or false"),
+])
+def test_bad_models_name_the_field(replicas: list[dict], where: str) -> None:
+    with pytest.raises(FleetError, match=f"^fleet.{where}".replace("[", r"\[").replace("]", r"\]")):
+        parse_fleet(_doc(*replicas))
+
+
+# --- models route -----------------------------------------------------------------------------
+
+
+def test_each_model_routes_only_to_its_replicas_aliases_included() -> None:
+    router = Router(parse_fleet(TWO_MODELS))
+    seen: dict[str, set[str]] = {"alpha": set(), "alpha-latest": set(), "beta": set()}
+    for k in range(30):
+        for model in seen:
+            d = router.route(_features(router, model, f"prompt {k}"), float(k))
+            assert isinstance(d, Decision)
+            seen[model].add(router.state.names[d.replica])
+    assert seen == {"alpha": {"a1", "a2"}, "alpha-latest": {"a2"}, "beta": {"b1"}}
+
+
+def test_unknown_or_missing_model_is_a_404_naming_the_known_models() -> None:
+    router = Router(parse_fleet(TWO_MODELS))
+    for model in ("gamma", None):
+        r = router.route(_features(router, model), 0.0)
+        assert isinstance(r, Rejection) and (r.status, r.reason) == (404, UNKNOWN_MODEL)
+        assert "alpha, beta" in r.message
+    assert router.open_requests == 0
+    one = Router(parse_fleet(_doc(_replica("a", 1, ["solo"]), _replica("b", 2, ["solo"]))))
+    assert isinstance(one.route(_features(one, None), 0.0), Decision)  # the one model it serves
+
+
+def test_a_model_whose_replicas_are_all_down_is_503_not_another_models_replica() -> None:
+    router = Router(parse_fleet(TWO_MODELS))
+    router.state.healthy[router.state.index["b1"]] = False
+    r = router.route(_features(router, "beta"), 0.0)
+    assert isinstance(r, Rejection) and r.status == 503
+    assert router.state.candidates is None  # the request's mask never outlives it
+
+
+def test_a_draining_replica_gets_no_new_request() -> None:
+    doc = _doc(_replica("a", 1), _replica("b", 2, drain=True))
+    router = Router(parse_fleet(doc))
+    names = {router.state.names[router.route(_features(router, None, f"p{k}"), 0.0).replica]
+             for k in range(20)}
+    assert names == {"a"}
+
+
+# --- membership -----------------------------------------------------------------------------
+
+
+def test_diff_keeps_by_name_and_identity() -> None:
+    old = parse_fleet(_doc(_replica("a", 1), _replica("b", 2), _replica("c", 3)))
+    new = parse_fleet(_doc(_replica("a", 1, prefill_rate=5.0), _replica("c", 9),
+                           _replica("d", 4)))
+    d = diff_fleets(old, new)
+    assert (d.kept, d.added, d.removed) == (("a",), ("c", "d"), ("b", "c"))
+
+
+def _warm(router: Router) -> list[Decision]:
+    """Some traffic and signals on every replica: RTT, scrapes, prefixes, a calibrated rate."""
+    s = router.state
+    for i in range(s.n):
+        s.observe_rtt(i, 10.0 * (i + 1))
+        s.observe_engine(i, 0.0, 2.0, 1.0, 0.5)
+    s.set_weights(s.weights, {"a": 777.0})
+    out = []
+    for k in range(12):
+        d = router.route(_features(router, None, f"shared prefix {k % 3} " * 40), 1.0)
+        assert isinstance(d, Decision)
+        out.append(d)
+    return out
+
+
+def test_reload_keeps_unchanged_rows_and_their_prefix_entries_and_open_requests() -> None:
+    router = Router(parse_fleet(_doc(_replica("a", 1), _replica("b", 2), _replica("c", 3))))
+    decisions = _warm(router)
+    old = router.state
+    before = {n: (old.rtt_ms[i], old.rtt_samples[i], old.eng_queue_reqs[i],
+                  old.inflight_reqs[i], old.prefix.blocks_held(i))
+              for n, i in old.index.items()}
+    probe = _features(router, None, "shared prefix 1 " * 40)
+    matched = dict(zip(old.names, old.prefix.match(probe.block_hashes), strict=True))
+    diff = router.reload(parse_fleet(_doc(_replica("d", 4), _replica("c", 3), _replica("a", 1))))
+    assert (diff.kept, diff.added, diff.removed) == (("c", "a"), ("d",), ("b",))
+    s = router.state
+    assert s is not old and s.names == ["d", "c", "a"] and router.generation == 1
+    for n in ("a", "c"):
+        i = s.index[n]
+        assert (s.rtt_ms[i], s.rtt_samples[i], s.eng_queue_reqs[i], s.inflight_reqs[i],
+                s.prefix.blocks_held(i)) == before[n]
+        assert s.prefix.match(probe.block_hashes)[i] == matched[n]
+    assert s.prefill_rate[s.index["a"]] == 777.0  # calibrated: kept
+    d = s.index["d"]
+    assert np.isnan(s.rtt_ms[d]) and s.prefix.blocks_held(d) == 0
+    assert not s.healthy[d]  # routable once its first probe answers
+    # Open requests follow their replica's new index; the removed replica's are forgotten.
+    for dec in decisions:
+        name = old.names[dec.replica]
+        j = router.replica_of(dec.id)
+        assert (j is None) == (name == "b") and (j is None or s.names[j] == name)
+        assert router.complete(dec.id) == (name != "b")
+    assert s.inflight_reqs.sum() == 0
+
+
+def test_a_failed_reload_changes_nothing() -> None:
+    router = Router(parse_fleet(_doc(_replica("a", 1), _replica("b", 2))))
+    _warm(router)
+    state, spec = router.state, router.spec
+    bad = parse_fleet(_doc(_replica("a", 1), policy="gorgo", limits={"max_body_bytes": 1 << 30}))
+    with pytest.raises(FleetError, match="max_body_bytes: cannot grow"):
+        router.reload(bad)
+    assert router.state is state and router.spec is spec and router.generation == 0
+
+
+def test_reload_takes_on_the_new_models_and_drains() -> None:
+    router = Router(parse_fleet(TWO_MODELS))
+    router.reload(parse_fleet(_doc(_replica("a1", 1, ["alpha"], drain=True),
+                                   _replica("a2", 2, ["alpha"]), _replica("b1", 3, ["gamma"]))))
+    assert router.spec.models == ("alpha", "gamma")
+    d = router.route(_features(router, "alpha"), 0.0)
+    assert isinstance(d, Decision) and router.state.names[d.replica] == "a2"
+    r = router.route(_features(router, "beta"), 0.0)
+    assert isinstance(r, Rejection) and r.status == 404

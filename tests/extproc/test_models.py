@@ -1,0 +1,156 @@
+"""Models and membership in the router's shell, without Envoy: the 404 for an unknown model and
+`/v1/models` as immediate responses, and fleet reloads (file, admin API) that keep the old fleet
+on a bad document."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from extproc.http_api import make_app
+from extproc.main import ExtProcServer
+from extproc.service import ExtProcService
+from extproc.telemetry import RouterMetrics
+from gorgo._xds.envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue
+from gorgo._xds.envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from gorgo.core.fleet import load_fleet, parse_fleet
+from gorgo.core.router import Router
+from tests.extproc.test_admin import AUTH, TOKEN, Call, with_admin
+
+DOC = {
+    "name": "two-models",
+    "regions": {"near": {}},
+    "replicas": [
+        {"name": "a1", "region": "near", "address": "10.0.0.1:8000", "engine": "sglang",
+         "models": ["alpha"]},
+        {"name": "b1", "region": "near", "address": "10.0.0.2:8000", "engine": "sglang",
+         "models": ["beta"]},
+    ],
+}
+
+
+def _process(router: Router, path: str, method: str, body: bytes | None) -> list[Any]:
+    service = ExtProcService(router, RouterMetrics(router.state, lambda: router.open_requests))
+    headers = pb.HttpHeaders(end_of_stream=body is None, headers=HeaderMap(headers=[
+        HeaderValue(key=k, raw_value=v.encode())
+        for k, v in {":path": path, ":method": method}.items()]))
+    reqs = [pb.ProcessingRequest(request_headers=headers)]
+    if body is not None:
+        reqs.append(pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=True)))
+
+    async def go() -> list[Any]:
+        async def it():
+            for r in reqs:
+                yield r
+        return [a async for a in service.Process(it(), None)]
+
+    return asyncio.run(go())
+
+
+def _immediate(answers: list[Any]) -> tuple[int, dict[str, str], Any]:
+    imm = answers[-1].immediate_response
+    headers = {h.header.key: h.header.raw_value.decode() for h in imm.headers.set_headers}
+    return imm.status.code, headers, json.loads(imm.body)
+
+
+def test_unknown_model_is_an_openai_404_naming_the_known_models_without_retry_after() -> None:
+    body = json.dumps({"model": "gamma", "messages": [{"role": "user", "content": "hi"}]})
+    status, headers, err = _immediate(_process(Router(parse_fleet(DOC)), "/v1/chat/completions",
+                                               "POST", body.encode()))
+    assert status == 404 and "retry-after" not in headers
+    assert err["error"]["code"] == "model_not_found" and err["error"]["param"] == "model"
+    assert err["error"]["type"] == "invalid_request_error"
+    assert "'gamma'" in err["error"]["message"] and "alpha, beta" in err["error"]["message"]
+
+
+def test_models_list_is_answered_from_the_fleet() -> None:
+    status, headers, listing = _immediate(_process(Router(parse_fleet(DOC)), "/v1/models?x=1",
+                                                   "GET", None))
+    assert status == 200 and headers["content-type"] == "application/json"
+    assert listing["object"] == "list"
+    assert [(m["id"], m["object"], m["owned_by"]) for m in listing["data"]] == [
+        ("alpha", "model", "two-models"), ("beta", "model", "two-models")]
+
+
+def test_a_fleet_without_models_passes_models_through_to_an_engine() -> None:
+    doc = json.loads(json.dumps(DOC))
+    for r in doc["replicas"]:
+        del r["models"]
+    answers = _process(Router(parse_fleet(doc)), "/v1/models", "GET", None)
+    assert not answers[-1].HasField("immediate_response")
+
+
+def _write(path: Path, doc: Any) -> None:
+    """Atomically, as an operator's tooling (or a ConfigMap) replaces a file."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(doc if isinstance(doc, str) else yaml.safe_dump(doc))
+    os.replace(tmp, path)
+
+
+def _server(tmp_path: Path) -> ExtProcServer:
+    path = tmp_path / "fleet.yaml"
+    _write(path, DOC)
+    return ExtProcServer(Router(load_fleet(path)), admin_token=TOKEN, fleet_path=str(path),
+                         cds_file=str(tmp_path / "cds.yaml"))
+
+
+def _reloads(server: ExtProcServer, result: str) -> float:
+    return sum(s.value for m in server.metrics.registry.collect() for s in m.samples
+               if s.name == "gorgo_fleet_reloads_total" and s.labels == {"result": result})
+
+
+def test_a_changed_file_reloads_and_a_broken_one_keeps_the_old_fleet(tmp_path: Path) -> None:
+    server = _server(tmp_path)
+    r = server.reloader
+    r.poll()
+    assert _reloads(server, "applied") == 0  # unchanged file: nothing to do
+    doc = json.loads(json.dumps(DOC))
+    doc["replicas"].append({"name": "a2", "region": "near", "address": "10.0.0.3:8000",
+                            "engine": "sglang", "models": ["alpha"]})
+    _write(r.path, doc)
+    r.poll()
+    assert server.router.state.names == ["a1", "b1", "a2"] and _reloads(server, "applied") == 1
+    assert "a2" in (tmp_path / "cds.yaml").read_text()  # Envoy's clusters follow
+    state = server.router.state
+    for broken in ("replicas: [", {**doc, "policy": "nope"}):
+        _write(r.path, broken)
+        r.poll()
+        assert server.router.state is state
+    assert _reloads(server, "error") == 2
+    assert "policy: unknown policy 'nope'" in (r.last_error or "")
+
+
+def test_admin_adds_drains_and_removes_a_replica_and_its_series(tmp_path: Path) -> None:
+    server = _server(tmp_path)
+    router = server.router
+
+    async def body(call: Call) -> None:
+        status, _ = await call("GET", "/admin/fleet")
+        assert status == 401
+        status, out = await call("POST", "/admin/fleet/replicas", headers=AUTH, data={
+            "name": "a2", "region": "near", "address": "10.0.0.3:8000", "engine": "sglang",
+            "models": ["alpha"]})
+        assert status == 200 and out["added"] == ["a2"], out
+        router.state.healthy[:] = True  # as its first probe would
+        status, out = await call("POST", "/admin/fleet/replicas/a1/drain", headers=AUTH)
+        assert status == 200 and [r["draining"] for r in out["replicas"]] == [True, False, False]
+        server.metrics.decisions.labels("gorgo", "a1", "near", "alpha").inc()
+        status, out = await call("DELETE", "/admin/fleet/replicas/a1", headers=AUTH)
+        assert status == 200 and out["removed"] == ["a1"]
+        assert all(s.labels.get("replica") != "a1" for m in server.metrics.registry.collect()
+                   for s in m.samples)
+        status, out = await call("DELETE", "/admin/fleet/replicas/zz", headers=AUTH)
+        assert status == 404
+        status, out = await call("POST", "/admin/fleet/replicas", headers=AUTH,
+                                 data={"name": "bad", "region": "mars", "address": "x:1",
+                                       "engine": "sglang", "models": ["alpha"]})
+        assert status == 400 and "replicas[2].region: unknown region" in out["error"]["message"]
+        assert router.state.names == ["b1", "a2"]
+
+    app = make_app(server.metrics, router, TOKEN, None, server.reloader)
+    with_admin(router, TOKEN, body, app)

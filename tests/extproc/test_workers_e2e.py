@@ -1,0 +1,126 @@
+"""`gorgo extproc --workers 2` behind real Envoy: both workers route, the supervisor fans weights
+out to every worker, and a killed worker is restarted with the same weights, no request lost."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from gorgo.core.contract import REPLICA_HEADER
+from gorgo.harness.procs import wait_for
+from tests.support.e2e import Stack, post, start_stack, stop_stack
+
+pytestmark = pytest.mark.envoy
+TOKEN = "workers-test-token"
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    tmp = tmp_path_factory.mktemp("workers")
+    token = tmp / "token"
+    token.write_text(TOKEN)
+    st = start_stack(tmp, n=2, workers=2, extproc_args=("--admin-token-file", str(token)))
+    yield st
+    stop_stack(st)
+
+
+def _http(st: Stack, method: str, path: str, body: dict | None = None) -> tuple[int, dict | str]:
+    url = f"http://127.0.0.1:{st.extproc.field('metrics')}{path}"
+    req = urllib.request.Request(url, method=method,
+                                 data=None if body is None else json.dumps(body).encode(),
+                                 headers={"authorization": f"Bearer {TOKEN}"})
+    try:
+        with urllib.request.urlopen(req, timeout=5) as r:
+            raw = r.read().decode()
+            status = r.status
+    except urllib.error.HTTPError as err:
+        raw, status = err.read().decode(), err.code
+    return status, json.loads(raw) if raw.startswith("{") else raw
+
+
+def _metric(st: Stack, name: str) -> dict[str, float]:
+    _, text = _http(st, "GET", "/metrics")
+    out: dict[str, float] = {}
+    for line in str(text).splitlines():
+        if line.startswith((name + "{", name + " ")):
+            labels, _, value = line.rpartition(" ")
+            out[labels[len(name):]] = out.get(labels[len(name):], 0.0) + float(value)
+    return out
+
+
+def _per_worker(st: Stack, name: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for labels, v in _metric(st, name).items():
+        worker = labels.split('worker="', 1)[1].split('"', 1)[0]
+        out[worker] = out.get(worker, 0.0) + v
+    return out
+
+
+def _burst(st: Stack, n: int) -> list[tuple[int, dict]]:
+    body = {"model": "m", "messages": [{"role": "user", "content": "hello workers"}]}
+
+    async def go() -> list[tuple[int, dict]]:
+        answers = await asyncio.gather(*(post(st.url + "/v1/chat/completions",
+                                              {**body, "user": str(k)}, {}) for k in range(n)))
+        return [(status, headers) for status, headers, _, _ in answers]
+    return st.lt.run(go(), timeout=60)
+
+
+def _workers(st: Stack) -> list[int]:
+    pid = st.extproc.p.pid
+    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def test_both_workers_serve_and_route(stack: Stack) -> None:
+    before = _per_worker(stack, "gorgo_decisions_total")
+    answers = _burst(stack, 24)
+    assert [s for s, _ in answers] == [200] * 24
+    assert all(REPLICA_HEADER in h for _, h in answers)  # routed, not failed open
+    after = _per_worker(stack, "gorgo_decisions_total")
+    routed = {w: after.get(w, 0) - before.get(w, 0) for w in ("0", "1")}
+    assert sum(routed.values()) == 24
+    assert min(routed.values()) >= 6, routed  # Envoy's round robin spreads the streams
+    status, ready = _http(stack, "GET", "/readyz")
+    assert status == 200 and ready["checks"] == {"worker0": True, "worker1": True}
+
+
+def test_weights_reach_every_worker_and_a_killed_worker_comes_back_with_them(
+        stack: Stack) -> None:
+    status, body = _http(stack, "PUT", "/admin/weights", {"rtt": 2.5, "version": 7})
+    assert status == 200 and body["rtt"] == 2.5
+    _, got = _http(stack, "GET", "/admin/weights")
+    assert got["workers"] == [{"worker": 0, "version": 7}, {"worker": 1, "version": 7}]
+    assert _metric(stack, "gorgo_weights_version") == {'{worker="0"}': 7.0, '{worker="1"}': 7.0}
+    # A stale version is refused by every worker alike: the supervisor passes their answer on.
+    status, _ = _http(stack, "PUT", "/admin/weights", {"rtt": 1.0, "version": 3})
+    assert status == 409
+
+    victim = _workers(stack)[0]
+    os.kill(victim, signal.SIGKILL)
+    answers = _burst(stack, 16)  # while worker 0 is down: Envoy fails open or the other routes
+    assert [s for s, _ in answers] == [200] * 16
+    assert wait_for(lambda: _metric(stack, "gorgo_workers_up").get("", 0) == 2, 60, 0.2)
+    assert _metric(stack, "gorgo_worker_restarts_total") == {'{worker="0"}': 1.0}
+    assert victim not in _workers(stack) and len(_workers(stack)) == 2
+    _, got = _http(stack, "GET", "/admin/weights")
+    assert got["workers"] == [{"worker": 0, "version": 7}, {"worker": 1, "version": 7}]
+    assert got["rtt"] == 2.5
+    # Envoy routes to the restarted worker again once its health check passes.
+    assert wait_for(lambda: all(REPLICA_HEADER in h for _, h in _burst(stack, 8)), 20, 0.5)
+
+
+def test_sigterm_stops_every_worker(stack: Stack) -> None:
+    """Last in this module: it stops the module's router."""
+    pids = _workers(stack)
+    assert len(pids) == 2
+    os.kill(stack.extproc.p.pid, signal.SIGTERM)  # the supervisor alone, not its group
+    stack.extproc.p.wait(30)
+    assert stack.extproc.p.returncode == 0
+    assert wait_for(lambda: not any(Path(f"/proc/{p}").exists() for p in pids), 15)

@@ -1,0 +1,170 @@
+"""Several independent routers in the offline simulation (gorgo/sim/routers.py)."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import astuple, replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from gorgo.cli import main as cli_main
+from gorgo.core.decision import Decision
+from gorgo.core.fleet import FleetSpec, parse_fleet
+from gorgo.sim.offline import RequestRecord, SimResult, Simulation
+from gorgo.sim.presets import fleet_document
+from gorgo.sim.routers import SAME, SPREAD, assign_routers, link_from, router_regions, view_from
+from gorgo.sim.traces import chat_trace
+from gorgo.sim.workload import Workload, simulate, tokenization, workload_from_requests
+
+PROFILE = "h100-llama3-8b"
+LINKS = {"home": {"rtt_ms": 10.0, "jitter_ms": 1.0}, "mid": {"rtt_ms": 200.0, "jitter_ms": 20.0},
+         "far": {"rtt_ms": 400.0, "jitter_ms": 40.0}}
+
+
+def _fleet(cache: str = "approximate") -> FleetSpec:
+    return parse_fleet(fleet_document({"home": 2, "mid": 1, "far": 1}, profile=PROFILE,
+                                      links=LINKS, cache=cache))
+
+
+@pytest.fixture(scope="module")
+def fleet() -> FleetSpec:
+    return _fleet()
+
+
+@pytest.fixture(scope="module")
+def chat(fleet: FleetSpec) -> Workload:
+    reqs = chat_trace(seed=5, users=20, rate=10.0, limit=200)
+    return workload_from_requests("chat", reqs, tokenization(fleet))
+
+
+def _rows(res: SimResult) -> list[str]:
+    return [repr(astuple(r)) for r in res.records]
+
+
+@pytest.mark.parametrize("cache", ["approximate", "precise"])
+def test_one_router_is_the_one_router_run(chat: Workload, cache: str) -> None:
+    # K = 1 (either placement) makes the very draws and decisions of the path every caller uses.
+    spec = _fleet(cache)
+    head = chat.head(80)
+    plain = simulate(spec, "gorgo", head, 1.0, seed=2)
+    for placement in (SAME, SPREAD):
+        res = simulate(spec, "gorgo", head, 1.0, seed=2, routers=1, placement=placement)
+        assert _rows(res) == _rows(plain)
+        assert res.events == plain.events and res.extra == plain.extra
+
+
+def test_placement_regions(fleet: FleetSpec) -> None:
+    assert router_regions(fleet, 3, SAME) == ["home"] * 3
+    assert router_regions(fleet, 5, SPREAD) == ["home", "mid", "far", "home", "mid"]
+    with pytest.raises(ValueError, match="routers must be >= 1"):
+        router_regions(fleet, 0, SAME)
+    with pytest.raises(ValueError, match="placement"):
+        router_regions(fleet, 2, "everywhere")
+
+
+def test_same_region_arrivals_split_evenly_and_follow_the_seed(chat: Workload) -> None:
+    f = chat.features
+    a = assign_routers(f, ["home"] * 4, SAME, seed=1)
+    assert a.tolist() == assign_routers(f, ["home"] * 4, SAME, seed=1).tolist()
+    assert a.tolist() != assign_routers(f, ["home"] * 4, SAME, seed=2).tolist()
+    counts = Counter(a.tolist())
+    assert set(counts) == {0, 1, 2, 3}
+    assert max(counts.values()) < 2 * min(counts.values())
+
+
+def test_spread_arrivals_come_from_each_region_and_keep_sessions(chat: Workload) -> None:
+    regions = ["home", "mid", "far", "home", "mid"]
+    a = assign_routers(chat.features, regions, SPREAD, seed=3)
+    assert a.tolist() == assign_routers(chat.features, regions, SPREAD, seed=3).tolist()
+    region = [regions[j] for j in a]
+    # A session's requests all come from one region (one client) ...
+    of_session: dict[str | None, set[str]] = {}
+    for f, r in zip(chat.features, region, strict=True):
+        of_session.setdefault(f.session_key, set()).add(r)
+    assert None not in of_session and len(of_session) == 20
+    assert all(len(v) == 1 for v in of_session.values())
+    # ... and the clients are spread evenly over the regions.
+    clients = Counter(next(iter(v)) for v in of_session.values())
+    assert set(clients) == {"home", "mid", "far"}
+    assert max(clients.values()) - min(clients.values()) <= 1
+    # Both routers of a region get its clients' requests.
+    assert {int(j) for j in a if regions[j] == "home"} == {0, 3}
+
+
+def test_each_router_sees_only_its_own_decisions(fleet: FleetSpec, chat: Workload) -> None:
+    done: list[tuple[RequestRecord, Decision]] = []
+    sim = Simulation(replace(fleet, name="t"), "gorgo", seed=4, routers=3, placement=SAME,
+                     on_complete=lambda rec, d: done.append((rec, d)))
+    res = sim.run(chat.arrivals.tolist(), chat.features, chat.output_tokens)
+    home = sim.home
+    assert len(done) == chat.n and all(r.status == 200 for r in res.records)
+    for rec, d in done:  # every decision was made by the router its request arrived at
+        j = int(home[rec.index])
+        assert d.id.startswith("s4-" if j == 0 else f"s4r{j}-")
+    for j, side in enumerate(sim.sides):
+        state = side.router.state
+        mine = int((home == j).sum())
+        assert sum(side.router.routed[state.weights.version].values()) == mine > 0
+        assert side.router.open_requests == 0 and int(state.inflight_reqs.sum()) == 0
+        # Its prefix index holds no block only the other routers sent.
+        own = {int(h) for k in np.flatnonzero(home == j) for h in chat.features[k].block_hashes}
+        others = {int(h) for k in np.flatnonzero(home != j)
+                  for h in chat.features[k].block_hashes} - own
+        assert others
+        assert not any(state.prefix.match(np.array([h], dtype=np.uint64)).any() for h in others)
+    assert res.leaked_inflight == 0
+
+
+def test_links_seen_from_another_region(fleet: FleetSpec) -> None:
+    assert link_from(fleet, "home", "far") == (400.0, 40.0)
+    assert link_from(fleet, "far", "far") == (10.0, 1.0)  # in-region: the proxy region's own
+    assert link_from(fleet, "far", "home") == (400.0, 40.0)
+    assert link_from(fleet, "mid", "far") == (400.0, 40.0)  # the longer leg from home
+    assert view_from(fleet, "home") is fleet
+    far = view_from(fleet, "far")
+    assert far.proxy_region == "far"
+    assert {r.name: r.rtt_ms for r in far.regions} == {"home": 400.0, "mid": 400.0, "far": 10.0}
+
+
+def test_spread_routers_measure_and_use_their_own_region_rtts(
+    fleet: FleetSpec, chat: Workload
+) -> None:
+    sim = Simulation(replace(fleet, name="t"), "gorgo", seed=1, routers=3, placement=SPREAD)
+    res = sim.run(chat.arrivals.tolist(), chat.features, chat.output_tokens)
+    region_of = [r.region for r in fleet.replicas]
+    for side in sim.sides:
+        expected = np.array([link_from(fleet, side.region, g)[0] for g in region_of])
+        rtt = side.router.state.rtt_ms
+        assert np.all(np.abs(rtt - expected) < 0.35 * expected + 5.0), (side.region, rtt)
+    # Each region's router keeps most of its requests in its own region.
+    local = Counter()
+    total = Counter()
+    for r in res.records:
+        j = int(sim.home[r.index])
+        total[j] += 1
+        local[j] += region_of[r.replica] == sim.sides[j].region
+    assert all(local[j] > 0.5 * total[j] for j in range(3))
+
+
+def test_bench_sim_runs_k_routers(tmp_path: Path) -> None:
+    out = tmp_path / "bench"
+    argv = ["bench", "sim", "--trace", "chat:seed=1", "--requests", "40", "--fleet", "paper",
+            "--policies", "gorgo", "--seeds", "1", "--load", "0.8", "--capacity", "5",
+            "--out", str(out), "--jobs", "1", "--routers", "2", "--router-placement", "spread"]
+    assert cli_main(argv) == 0
+    doc = json.loads((out / "results.json").read_text())
+    assert [(r["routers"], r["placement"]) for r in doc["runs"]] == [(2, SPREAD)]
+    assert "--routers 2 --router-placement spread" in doc["command"]
+    assert "2 independent routers" in (out / "results.md").read_text()
+
+
+@pytest.mark.parametrize("extra", [["--routers", "0"], ["--routers", "2", "--policies", "oracle"]])
+def test_bench_sim_refuses_bad_router_options(tmp_path: Path, extra: list[str],
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["bench", "sim", "--trace", "chat:seed=1", "--requests", "50", "--out",
+            str(tmp_path), "--jobs", "1", *extra]
+    assert cli_main(argv) == 2
+    assert "routers" in capsys.readouterr().err
