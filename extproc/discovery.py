@@ -4,8 +4,11 @@ it on its interval, turning each changed answer into a new FleetSpec (gorgo.core
 Resolution uses the system resolver (`socket.getaddrinfo`, in a thread: it blocks), as the pods'
 own lookups do, so a headless Service answers with its ready pods. A failed or empty answer keeps
 the last set: a resolver blip must not empty the fleet. Each change goes to ``on_change`` with the
-new spec and the added and removed replica names, on the loop that runs `DnsDiscovery`; the
-router's membership reload takes it from there (until it is wired, the change is logged).
+new spec and the added and removed replica names, on the loop that runs `DnsDiscovery`: the
+router's membership reload (`ExtProcServer`) takes it on, and a change it refuses (FleetError) is
+not committed, so the next interval tries again. The router's fleet reloads parse through
+`parse` (its names resolved, never the unresolved name) and hand the document they took on back
+through `follow`, so a changed ``discover:`` entry is re-resolved on its own interval.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from typing import Any
 
 from extproc.telemetry import log_event
 from gorgo.core.discovery import DnsSource, dns_sources, parse_discovered
-from gorgo.core.fleet import FleetSpec, read_fleet
+from gorgo.core.fleet import FleetError, FleetSpec, read_fleet
 
 log = logging.getLogger("gorgo.discovery")
 Resolver = Callable[[str, int], Sequence[str]]
@@ -50,24 +53,51 @@ def log_change(spec: FleetSpec, added: list[str], removed: list[str]) -> None:
 
 
 class DnsDiscovery:
-    """Re-resolves the fleet file's ``discover:`` names, each on its own interval."""
+    """Re-resolves the running fleet document's ``discover:`` names, each on its own interval."""
 
     def __init__(self, path: str | Path, on_change: OnChange = log_change,
                  resolve: Resolver = system_resolve) -> None:
         """Reads the fleet file and resolves its names once: ``spec`` is the fleet to start with."""
+        self.path = Path(path)
         self.raw: Any = read_fleet(path)
-        self.source = Path(path).name
+        self.source = self.path.name
         self.sources = dns_sources(self.raw, self.source)
         self.on_change = on_change
         self.resolve = resolve
         self.answers = resolve_sources(self.sources, resolve)
         self.spec: FleetSpec = parse_discovered(self.raw, self.answers, self.source)
         self._tasks: list[asyncio.Task] = []
+        self._running = False
+
+    def parse(self, doc: Any, source: str) -> FleetSpec:
+        """``doc`` with its ``discover:`` entries resolved, for a fleet reload: a name already
+        resolved keeps its last answer (the interval refreshes it); a new one, or one that never
+        answered, is resolved now (blocking, as at start: a changed entry is rare)."""
+        sources = dns_sources(doc, source)
+        missing = [s for s in sources if not self.answers.get(s.dns)]
+        if missing:
+            self.answers.update(resolve_sources(missing, self.resolve))
+        return parse_discovered(doc, self.answers, source)
+
+    def follow(self, doc: Any, spec: FleetSpec) -> None:
+        """The router took on ``doc`` (as ``spec``): re-resolve its names from now on."""
+        sources = dns_sources(doc, self.source)
+        self.raw, self.spec = doc, spec
+        if sources == self.sources:
+            return
+        self.sources = sources
+        self.answers = {s.dns: self.answers.get(s.dns, []) for s in sources}
+        if self._running:
+            for t in self._tasks:
+                t.cancel()
+            self._tasks = [asyncio.create_task(self._every(s)) for s in sources]
 
     def start(self) -> None:
+        self._running = True
         self._tasks = [asyncio.create_task(self._every(s)) for s in self.sources]
 
     async def stop(self) -> None:
+        self._running = False
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -81,15 +111,19 @@ class DnsDiscovery:
                 log.exception("dns refresh of %s failed", s.dns)
 
     async def refresh(self, s: DnsSource) -> bool:
-        """Resolve ``s`` once; True when the fleet changed (and ``on_change`` was called)."""
+        """Resolve ``s`` once; True when the fleet changed and ``on_change`` took it on."""
         found = await asyncio.to_thread(resolve_sources, [s], self.resolve)
         addresses = found[s.dns]
-        if not addresses or addresses == self.answers[s.dns]:
+        if s not in self.sources or not addresses or addresses == self.answers[s.dns]:
             return False
         answers: Mapping[str, Sequence[str]] = {**self.answers, s.dns: addresses}
-        spec = parse_discovered(self.raw, answers, self.source)
-        before = {r.name for r in self.spec.replicas}
-        after = {r.name for r in spec.replicas}
+        try:
+            spec = parse_discovered(self.raw, answers, self.source)
+            before = {r.name for r in self.spec.replicas}
+            after = {r.name for r in spec.replicas}
+            self.on_change(spec, sorted(after - before), sorted(before - after))
+        except FleetError as exc:  # the old fleet routes on; the next interval tries again
+            log_event(log, "dns_change_refused", logging.ERROR, name=s.dns, error=str(exc))
+            return False
         self.answers, self.spec = dict(answers), spec
-        self.on_change(spec, sorted(after - before), sorted(before - after))
         return True

@@ -29,7 +29,7 @@ from gorgo._xds.envoy.service.ext_proc.v3 import external_processor_pb2
 from gorgo._xds.envoy.service.ext_proc.v3.external_processor_pb2_grpc import (
     add_ExternalProcessorServicer_to_server,
 )
-from gorgo.core.fleet import FleetError, FleetSpec
+from gorgo.core.fleet import FleetError, FleetSpec, parse_fleet
 from gorgo.core.membership import FleetDiff
 from gorgo.core.router import Router
 from gorgo.envoy_config import write_cds
@@ -79,10 +79,12 @@ class ExtProcServer:
     def __init__(
         self, router: Router, admin_token: str | None = None, otlp: str | None = None,
         envoy_admin: str | None = None, fleet_path: str | None = None,
-        cds_file: str | None = None,
+        cds_file: str | None = None, discovery: DnsDiscovery | None = None,
     ) -> None:
         """``fleet_path``: the fleet file, reloaded on SIGHUP, on change and through the admin
-        API; ``cds_file``: the clusters file Envoy watches, rewritten on every reload."""
+        API; ``cds_file``: the clusters file Envoy watches, rewritten on every reload;
+        ``discovery``: the file's DNS names as resolved for ``router`` (default: resolved here),
+        whose changed answers are applied as reloads."""
         self.router = router
         self.admin_token = admin_token
         self.metrics = RouterMetrics(router.state, lambda: router.open_requests, otlp)
@@ -92,7 +94,15 @@ class ExtProcServer:
                           if router.state.precise is not None else None)
         self.outcomes = EnvoyOutcomes(router, envoy_admin) if envoy_admin else None
         self.cds_file = cds_file
-        self.reloader = FleetReloader(router, self.metrics, self.apply_fleet, fleet_path)
+        if discovery is None and fleet_path is not None:
+            discovery = DnsDiscovery(fleet_path)
+        self.discovery = discovery
+        if discovery is None:
+            self.reloader = FleetReloader(router, self.metrics, self.apply_fleet, None, parse_fleet)
+        else:
+            discovery.on_change = self._dns_changed
+            self.reloader = FleetReloader(router, self.metrics, self.apply_fleet, discovery.path,
+                                          discovery.parse, discovery.follow)
         self._watch_task: asyncio.Task | None = None
         self.health = health.aio.HealthServicer()
         self._health_task: asyncio.Task | None = None
@@ -143,6 +153,13 @@ class ExtProcServer:
         self._health_task = asyncio.create_task(self._serve_health())
         if self.reloader.path is not None:
             self._watch_task = asyncio.create_task(self._watch_fleet())
+        if self.discovery is not None:
+            self.discovery.start()  # re-resolves the fleet's discover: names
+
+    def _dns_changed(self, spec: FleetSpec, added: list[str], removed: list[str]) -> None:
+        """A DNS answer changed: the running document with the new answers, as a reload (an
+        added replica routable after its first probe, every other one keeping its state)."""
+        self.reloader.apply_spec(self.reloader.doc, spec, "dns")
 
     def apply_fleet(self, spec: FleetSpec) -> FleetDiff:
         """Take on a new fleet (FleetError: nothing changed): the router first, then what reads
@@ -179,6 +196,8 @@ class ExtProcServer:
             await asyncio.sleep(HEALTH_INTERVAL_S)
 
     async def stop(self, grace: float = 1.0) -> None:
+        if self.discovery is not None:
+            await self.discovery.stop()
         if self._watch_task is not None:
             self._watch_task.cancel()
             await asyncio.gather(self._watch_task, return_exceptions=True)
@@ -205,7 +224,7 @@ async def serve(args: argparse.Namespace, spec: FleetSpec, token: str | None,
     router = Router(spec, id_prefix=os.urandom(3).hex())
     server = ExtProcServer(router, admin_token=token, otlp=args.otlp,
                            envoy_admin=args.envoy_admin, fleet_path=args.fleet,
-                           cds_file=args.cds_file)
+                           cds_file=args.cds_file, discovery=discovery)
     if args.cds_file:
         write_cds(spec, args.cds_file)
     loop = asyncio.get_running_loop()
@@ -223,11 +242,7 @@ async def serve(args: argparse.Namespace, spec: FleetSpec, token: str | None,
         log.warning("admin API reachable on %s: keep its token secret and the port firewalled",
                     args.metrics_host)
     print(f"READY grpc={server.grpc_port} metrics={server.metrics_port}", flush=True)
-    if discovery is not None:
-        discovery.start()  # re-resolves the fleet's discover: names (extproc/discovery.py)
     await stop.wait()
-    if discovery is not None:
-        await discovery.stop()
     loop.remove_signal_handler(signal.SIGHUP)
     await server.stop()
     return 0

@@ -5,7 +5,9 @@ Every change is a new fleet document, validated whole by the fleet schema, then 
 `Router.reload` (unchanged replicas keep their state) and the router's shell (`ExtProcServer.
 apply_fleet`: metrics, signals, the CDS file Envoy watches). A document that fails keeps the old
 fleet routing: the reason is logged, counted (``gorgo_fleet_reloads_total{result="error"}``) and
-returned to an admin caller. The file is watched by polling its inode, mtime and size on the
+returned to an admin caller. A document's ``discover:`` entries are parsed resolved (``parse``: DNS
+discovery's current answers), and a changed DNS answer comes in as a new spec of the same document
+(`apply_spec`). The file is watched by polling its inode, mtime and size on the
 router's loop (an atomic rename is a new inode), so no watcher dependency is needed. The file is
 the source of truth: an admin change lasts until the file itself changes (or SIGHUP).
 """
@@ -21,18 +23,12 @@ from pathlib import Path
 from typing import Any
 
 from extproc.telemetry import RouterMetrics, log_event
-from gorgo.core.discovery import parse_discovered
 from gorgo.core.fleet import FleetError, FleetSpec, read_fleet
 from gorgo.core.membership import FleetDiff
 from gorgo.core.router import Router
 
 log = logging.getLogger("gorgo.reload")
 POLL_INTERVAL_S = 1.0  # how often the fleet file's identity is checked
-
-
-def parse_document(doc: Any, source: str) -> FleetSpec:
-    """A fleet document as `load_fleet` reads it (a ``discover:`` entry unresolved)."""
-    return parse_discovered(doc, None, source=source)
 
 
 def _stamp(path: Path) -> tuple[int, int, int] | None:
@@ -48,11 +44,15 @@ class FleetReloader:
 
     def __init__(self, router: Router, metrics: RouterMetrics,
                  apply: Callable[[FleetSpec], FleetDiff], path: str | os.PathLike[str] | None,
-                 parse: Callable[[Any, str], FleetSpec] = parse_document) -> None:
+                 parse: Callable[[Any, str], FleetSpec],
+                 adopted: Callable[[Any, FleetSpec], None] | None = None) -> None:
+        """``parse`` validates a document (resolving its ``discover:`` entries); ``adopted`` is
+        told of each document taken on (DNS discovery re-resolves its names)."""
         self.router = router
         self.metrics = metrics
         self._apply = apply
         self._parse = parse
+        self._adopted = adopted
         self.path = None if path is None else Path(path)
         self.doc: Any = read_fleet(self.path) if self.path is not None else None
         self._stamp = _stamp(self.path) if self.path is not None else None
@@ -73,18 +73,32 @@ class FleetReloader:
                 "last_error": self.last_error, "models": list(self.router.spec.models),
                 "replicas": replicas}
 
+    def _failed(self, reason: str, exc: FleetError) -> None:
+        self.last_error = str(exc)
+        self.metrics.fleet_reloads.labels("error").inc()
+        log_event(log, "fleet_reload_failed", logging.ERROR, reason=reason, error=str(exc))
+
     def apply_doc(self, doc: Any, reason: str) -> FleetDiff:
         """Validate and take on ``doc``; a FleetError leaves the running fleet as it was."""
         source = self.path.name if self.path is not None else "fleet"
         try:
             spec = self._parse(doc, source)
+        except FleetError as exc:
+            self._failed(reason, exc)
+            raise
+        return self.apply_spec(doc, spec, reason)
+
+    def apply_spec(self, doc: Any, spec: FleetSpec, reason: str) -> FleetDiff:
+        """Take on ``spec``, parsed from ``doc`` (a DNS answer changed: the running document
+        with new answers); a FleetError leaves the running fleet as it was."""
+        try:
             diff = self._apply(spec)
         except FleetError as exc:
-            self.last_error = str(exc)
-            self.metrics.fleet_reloads.labels("error").inc()
-            log_event(log, "fleet_reload_failed", logging.ERROR, reason=reason, error=str(exc))
+            self._failed(reason, exc)
             raise
         self.doc, self.last_error = doc, None
+        if self._adopted is not None:
+            self._adopted(doc, spec)
         self.reloads += 1
         self.metrics.fleet_reloads.labels("applied" if diff.changed else "unchanged").inc()
         log_event(log, "fleet_reloaded", reason=reason, replicas=len(spec.replicas),
@@ -100,9 +114,7 @@ class FleetReloader:
         try:
             doc = read_fleet(self.path)
         except FleetError as exc:
-            self.last_error = str(exc)
-            self.metrics.fleet_reloads.labels("error").inc()
-            log_event(log, "fleet_reload_failed", logging.ERROR, reason=reason, error=str(exc))
+            self._failed(reason, exc)
             raise
         return self.apply_doc(doc, reason)
 
@@ -127,6 +139,11 @@ class FleetReloader:
         for i, raw in enumerate(replicas):
             if isinstance(raw, dict) and raw.get("name") == name:
                 return i
+        if any(r.name == name for r in self.router.spec.replicas):
+            raise FleetError(f"{name}: discovered from a DNS name, not listed in the fleet file: "
+                             "drain or remove its discover: entry by that entry's name, or take "
+                             "the pod out of the DNS answer (a pod that is not ready leaves a "
+                             "headless Service's)")
         raise KeyError(name)
 
     def add(self, raw: Any) -> FleetDiff:

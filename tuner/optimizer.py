@@ -570,13 +570,18 @@ class Tuner:
 
     def follow(self, replicas: Collection[str], hints: Mapping[str, float]) -> None:
         """The replicas the routers know and their fleet-file rates: a calibrated rate, and the
-        calibration rows, of a replica no router knows any more are forgotten."""
+        calibration rows, of a replica no router knows any more are forgotten, and so is its
+        rate in the live proposal (what /status shows and a restarted router is sent)."""
         if self.calibrator is not None:
             self.calibrator.follow(replicas, hints)
         kept = {k: v for k, v in self.rates.items() if k in replicas}
         if kept != self.rates:
             self.rates = kept
             self.revision += 1
+        a = self.active
+        if a is not None and set(a.prefill_rate) - set(replicas):
+            self.active = Proposal(a.weights, {k: v for k, v in a.prefill_rate.items()
+                                               if k in replicas}, a.arm, a.keys)
 
     def counting(self) -> list[int]:
         """Versions whose decision counts (`routed`) the caller should report."""

@@ -7,9 +7,11 @@ Three measurements, all in one run on one machine so they share its noise:
    servicer's body handler exactly (plus, separately, the protobuf decode/encode gRPC does around
    it); over gRPC a client plays Envoy against a real `gorgo extproc` process.
 2. Added end-to-end latency at concurrency 1: Envoy alone, Envoy + a no-op Python ext_proc, and
-   Envoy + `gorgo extproc`, in front of the same upstreams, requests rotated between them so drift
-   hits all alike. The no-op path separates the cost of any Python ext_proc from the router's.
-3. Saturated throughput through each of the three, with the CPU every process (and the whole
+   Envoy + `gorgo extproc` (one worker; two workers, `--workers 2`; one worker with the fleet's
+   `extproc: {response_headers: skip}`), in front of the same upstreams, requests rotated between
+   them so drift hits all alike. The no-op path separates the cost of any Python ext_proc from the
+   router's.
+3. Saturated throughput through each of them, with the CPU every process (and the whole
    machine) used, so the saturated one is named rather than guessed.
 
 Upstreams are an Envoy answering with direct responses (after buffering the request body, as an

@@ -238,6 +238,19 @@ class ExtProcMode:
 
 
 @dataclass(frozen=True, slots=True)
+class ModelSettings:
+    """The fleet file's ``models.<name>``: what requests for that model route by instead of the
+    fleet's ``policy``, ``objective`` and ``weights`` (None: the fleet's). A model with its own
+    weights or objective is routed on fixed weights (the fleet file's ``weights``, overridden key
+    by key), outside the tuner: the tuner learns the fleet's weights for the fleet's objective."""
+
+    name: str
+    policy: str | None = None
+    objective: str | None = None
+    weights: Weights | None = None  # set whenever the model has its own weights or objective
+
+
+@dataclass(frozen=True, slots=True)
 class FleetSpec:
     replicas: tuple[ReplicaSpec, ...]
     regions: tuple[RegionSpec, ...]
@@ -263,6 +276,12 @@ class FleetSpec:
     name: str = "fleet"
     # Also answer with the Gateway API Inference Extension's endpoint-picker header/metadata.
     endpoint_picker: bool = False
+    model_settings: tuple[ModelSettings, ...] = ()  # ``models:``, per model name
+
+    def settings_for(self, model: str) -> ModelSettings | None:
+        """The settings requests for ``model`` (a model or one of its aliases) route by."""
+        model = next((m for r in self.replicas for a, m in r.aliases if a == model), model)
+        return next((m for m in self.model_settings if m.name == model), None)
 
     @property
     def region_names(self) -> list[str]:
@@ -639,28 +658,70 @@ def _extproc(raw: Mapping[str, Any], path: str) -> ExtProcMode:
     return ExtProcMode(response_headers=mode)
 
 
-def _policy(raw: Mapping[str, Any], source: str) -> str:
+def _policy(raw: Mapping[str, Any], source: str, default: str = "gorgo") -> str:
     # Imported here: the policies import this module for FleetSpec.
     from gorgo.core.policies import REGISTRY
 
-    policy = _str(raw, "policy", source, "gorgo")
+    policy = _str(raw, "policy", source, default)
     if policy not in REGISTRY:
         raise FleetError(
             f"{source}.policy: unknown policy {policy!r} (known: {', '.join(REGISTRY)})")
     return policy
 
 
-def _weights(raw: Mapping[str, Any], path: str) -> Weights:
-    """The cost weights, one per weighted term of the registry, inside the contract's bounds."""
+def _objective(raw: Mapping[str, Any], path: str, default: str = TTFT) -> str:
+    objective = _str(raw, "objective", path, default)
+    if objective not in OBJECTIVES:
+        raise FleetError(f"{path}.objective: must be one of {', '.join(OBJECTIVES)}, "
+                         f"got {objective!r}")
+    return objective
+
+
+def _weights(raw: Mapping[str, Any], path: str, base: Weights | None = None) -> Weights:
+    """The cost weights, one per weighted term of the registry, inside the contract's bounds; a
+    key not given is ``base``'s (default: the term's default)."""
+    base = base or Weights()
     wraw = _mapping(raw.get("weights") or {}, path)
     _check_keys(wraw, set(WEIGHT_BOUNDS), path)
     values = {}
     for key, (lo, hi) in WEIGHT_BOUNDS.items():
-        value = _num(wraw, key, path, Weights()[key], minimum=lo)
+        value = _num(wraw, key, path, base[key], minimum=lo)
         if value > hi:
             raise FleetError(f"{path}.{key}: must be <= {hi:g}, got {value!r}")
         values[key] = value
     return Weights(values)
+
+
+MODEL_SETTINGS = ("objective", "policy", "weights")
+
+
+def _model_settings(raw: Mapping[str, Any], replicas: tuple[ReplicaSpec, ...], weights: Weights,
+                    source: str) -> tuple[ModelSettings, ...]:
+    """``models:``: a mapping of model name to its own ``policy``, ``objective`` and ``weights``."""
+    path = f"{source}.models"
+    doc = _mapping(raw.get("models") or {}, path)
+    served = list(dict.fromkeys(m for r in replicas for m in r.models))
+    aliases = {a: m for r in replicas for a, m in r.aliases}
+    out = []
+    for name, entry in doc.items():
+        where = f"{path}.{name}"
+        if name in aliases:
+            raise FleetError(f"{where}: an alias of {aliases[name]!r}: set its settings there")
+        if name not in served:
+            known = ", ".join(served) or "none: list each replica's models"
+            raise FleetError(f"{where}: no replica serves this model (served: {known})")
+        entry = _mapping(entry, where)
+        _check_keys(entry, set(MODEL_SETTINGS), where)
+        if not entry:
+            raise FleetError(f"{where}: set at least one of {', '.join(MODEL_SETTINGS)}")
+        own = "weights" in entry or "objective" in entry
+        out.append(ModelSettings(
+            name=str(name),
+            policy=_policy(entry, where) if "policy" in entry else None,
+            objective=_objective(entry, where) if "objective" in entry else None,
+            weights=_weights(entry, f"{where}.weights", weights) if own else None,
+        ))
+    return tuple(out)
 
 
 def parse_fleet(raw: Any, source: str = "fleet") -> FleetSpec:
@@ -669,7 +730,7 @@ def parse_fleet(raw: Any, source: str = "fleet") -> FleetSpec:
     _check_keys(
         raw,
         {"name", "proxy_region", "regions", "replicas", "policy", "objective",
-         "allow_policy_override",
+         "allow_policy_override", "models",
          "weights", "block_tokens", "chars_per_token", "default_cluster", "timeouts", "signals",
          "limits", "endpoint_picker", "shedding", "slo", "penalties", "retries", "routes",
          "control_headers", "observability", "extproc"},
@@ -698,10 +759,7 @@ def parse_fleet(raw: Any, source: str = "fleet") -> FleetSpec:
     if proxy_region not in region_names:
         raise FleetError(f"{source}.proxy_region: unknown region {proxy_region!r}")
     policy = _policy(raw, source)
-    objective = _str(raw, "objective", source, TTFT)
-    if objective not in OBJECTIVES:
-        raise FleetError(f"{source}.objective: must be one of {', '.join(OBJECTIVES)}, "
-                         f"got {objective!r}")
+    objective = _objective(raw, source)
     weights = _weights(raw, f"{source}.weights")
     allow = _bool(raw, "allow_policy_override", source)
     picker = _bool(raw, "endpoint_picker", source)
@@ -733,6 +791,7 @@ def parse_fleet(raw: Any, source: str = "fleet") -> FleetSpec:
         routes=_routes(raw, f"{source}.routes"),
         control_headers=_control_headers(raw, f"{source}.control_headers"),
         extproc=_extproc(raw, f"{source}.extproc"),
+        model_settings=_model_settings(raw, replicas, weights, source),
     )
 
 

@@ -26,7 +26,7 @@ from gorgo.core.decision import (
     Rejection,
 )
 from gorgo.core.features import RequestFeatures
-from gorgo.core.fleet import FleetError, FleetSpec
+from gorgo.core.fleet import FleetError, FleetSpec, ModelSettings
 from gorgo.core.membership import FleetDiff, check_reloadable, diff_fleets
 from gorgo.core.policies import REGISTRY, make_policy
 from gorgo.core.policies.base import Policy
@@ -80,6 +80,9 @@ class Router:
         self.policies: dict[str, Policy] = {n: make_policy(n, spec) for n in REGISTRY}
         self.policies.update(self._extra_policies)
         self.default_policy = spec.policy
+        # Each name a request may ask for (aliases too) -> its model's settings (`models:`).
+        self._settings = {n: m for r in spec.replicas for n in r.model_names
+                          if (m := spec.settings_for(n)) is not None}
         # The most tokens (prompt plus output) any replica can hold: a longer request fits nowhere.
         self.max_request_tokens = max(r.kv_capacity_tokens for r in spec.replicas)
         self._refresh_due: dict[str, float] = {}
@@ -132,21 +135,31 @@ class Router:
                              f"{asked}; this fleet serves: {', '.join(known)}.")
         return mask
 
+    def settings_for(self, f: RequestFeatures) -> ModelSettings | None:
+        """The fleet file's settings for the request's model (the fleet's one model when it
+        names none), or None."""
+        known = self.spec.models
+        model = f.model if f.model is not None or len(known) != 1 else known[0]
+        return None if model is None else self._settings.get(model)
+
     def policy_for(self, f: RequestFeatures) -> Policy:
-        """The requested policy when the fleet allows overrides and knows it, else the default."""
+        """The requested policy when the fleet allows overrides and knows it, else the model's
+        (``models.<name>.policy``), else the fleet's default."""
         if f.policy and self.spec.allow_policy_override and f.policy in self.policies:
             return self.policies[f.policy]
-        return self.policies[self.default_policy]
+        m = self.settings_for(f)
+        return self.policies[m.policy if m is not None and m.policy else self.default_policy]
 
     def tick(self, now: float) -> None:
         """Run every policy duty that is due at ``now`` (a refresh each ``refresh_interval_s``).
 
-        Only the policies this router can route with are refreshed: the default, and all of them
-        when the fleet allows per-request overrides.
+        Only the policies this router can route with are refreshed: the default and the models'
+        own, and all of them when the fleet allows per-request overrides.
         """
         s = self.state
         s.now = now
-        names = self.policies if self.spec.allow_policy_override else (self.default_policy,)
+        names = self.policies if self.spec.allow_policy_override else dict.fromkeys(
+            [self.default_policy, *(m.policy for m in self.spec.model_settings if m.policy)])
         for name in names:
             policy = self.policies[name]
             interval = policy.refresh_interval_s
@@ -169,24 +182,26 @@ class Router:
         if isinstance(mask, Rejection):
             return mask
         terms = cost_terms(f, s)
-        total = terms.total(s.weights)  # predicted TTFT: what the span reports
-        # The model's replicas only, for admission and every policy (FleetState.routable).
-        s.candidates = mask
+        # The model's replicas only, for admission and every policy (FleetState.routable), and
+        # its own weights and objective where the fleet file sets them (FleetState.scoring).
+        s.candidates, s.model_settings = mask, self.settings_for(f)
+        weights, _ = s.scoring()
+        total = terms.total(weights)  # predicted TTFT: what the span reports
         try:
-            shed = self._admit(f, terms.total(s.weights, latency_only=True))
+            shed = self._admit(f, terms.total(weights, latency_only=True))
             if shed is not None:
                 return shed
             d = self.policy_for(f).choose(f, s)
         except NoReplicaAvailable as exc:
             return Rejection(503, NO_REPLICA, exc.retry_after_s, "No healthy replica is available.")
         finally:
-            s.candidates = None
+            s.candidates = s.model_settings = None
         i = d.replica
         d.terms = terms.at(i)
         d.predicted_ms = float(total[i])
         d.uncached_tokens = int(terms.uncached_tokens[i])
         d.prompt_tokens = f.prompt_tokens
-        d.weights_version = s.weights.version
+        d.weights_version = weights.version  # 0 for a model's fixed weights: not the tuner's
         d.id = f"{self._id_prefix}-{next(self._ids)}"
         self._count(d.weights_version, d.policy)
         s.record_sent(i, f, d.uncached_tokens)

@@ -13,7 +13,7 @@ import math
 import numpy as np
 
 from gorgo.core.features import RequestFeatures
-from gorgo.core.fleet import FleetSpec
+from gorgo.core.fleet import FleetSpec, ModelSettings
 from gorgo.core.kv_events import KVEvent
 from gorgo.core.precise import PreciseCache
 from gorgo.core.prefix_index import PrefixIndex
@@ -85,6 +85,9 @@ class FleetState:
                             for m in dict.fromkeys(m for r in spec.replicas
                                                    for m in r.model_names)}
         self.candidates: np.ndarray | None = None
+        # Also while a request is scored: its model's settings from the fleet file's ``models:``
+        # (None: the fleet's), read through `scoring`.
+        self.model_settings: ModelSettings | None = None
         blocks = [max(1, r.kv_capacity_tokens // spec.block_tokens) for r in spec.replicas]
         self.prefix = PrefixIndex(n, None if unbounded_prefix else blocks)
         # The engines' own block sets, for `cache: precise` replicas (None when there is none).
@@ -147,6 +150,14 @@ class FleetState:
         half_life = self.spec.penalties.half_life_s
         age = np.maximum(self.now - self.penalty_at, 0.0)
         return self.penalty_ms * np.exp2(-age / half_life)
+
+    def scoring(self) -> tuple[Weights, str]:
+        """The weights and objective the request being scored routes by: its model's fixed ones
+        where the fleet file sets them, else the live (tuned) weights and the fleet's objective."""
+        m = self.model_settings
+        if m is None or m.weights is None:
+            return self.weights, self.spec.objective
+        return m.weights, m.objective or self.spec.objective
 
     def routable(self) -> np.ndarray:
         """Healthy, not draining and, while a request is scored, serving its model."""

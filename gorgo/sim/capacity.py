@@ -57,7 +57,8 @@ BASELINE = "round-robin"
 SEED = 0
 MAX_ROUNDS = 40
 # Simulator modules whose code decides a probe's outcome (with all of gorgo/core).
-SIM_MODULES = ("offline", "engine", "kv_cache", "profiles", "traces", "workload", "capacity")
+SIM_MODULES = ("offline", "engine", "kv_cache", "profiles", "traces", "workload", "capacity",
+               "routers")
 
 
 @dataclass(frozen=True)

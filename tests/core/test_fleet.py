@@ -352,3 +352,49 @@ def test_unknown_keys_of_mixed_types_are_reported() -> None:
 
     with pytest.raises(FleetError, match="unknown field"):
         parse_fleet({1: "a", "foo": "b"})
+
+
+# --- per-model settings (models:) ------------------------------------------------------------
+
+
+def _with_models(**models: Any) -> dict[str, Any]:
+    raw = doc()
+    raw["replicas"][0]["models"] = [{"name": "alpha", "aliases": ["a"]}]
+    raw["replicas"][1]["models"] = ["beta"]
+    raw["weights"] = {"rtt": 2.0}
+    raw["models"] = models
+    return raw
+
+
+def test_model_settings_override_the_fleets_key_by_key() -> None:
+    spec = parse_fleet(_with_models(alpha={"weights": {"queue": 3.0}, "policy": "least-request"},
+                                    beta={"objective": "e2e"}))
+    alpha, beta = spec.model_settings
+    assert (alpha.policy, alpha.objective) == ("least-request", None)
+    assert alpha.weights == Weights({"rtt": 2.0, "queue": 3.0})  # the fleet's rtt, its queue
+    assert (beta.policy, beta.objective, beta.weights) == (None, "e2e", Weights({"rtt": 2.0}))
+    assert spec.settings_for("a") is alpha and spec.settings_for("gamma") is None
+    assert parse_fleet(_with_models(alpha={"policy": "round-robin"})).model_settings[0].weights \
+        is None  # a policy alone keeps the live (tuned) weights
+
+
+@pytest.mark.parametrize(("models", "message"), [
+    ({"gamma": {"policy": "gorgo"}},
+     r"^fleet\.models\.gamma: no replica serves this model \(served: alpha, beta\)"),
+    ({"a": {"policy": "gorgo"}}, r"^fleet\.models\.a: an alias of 'alpha'"),
+    ({"alpha": {"policy": "nope"}}, r"^fleet\.models\.alpha\.policy: unknown policy 'nope'"),
+    ({"alpha": {"objective": "speed"}}, r"^fleet\.models\.alpha\.objective: must be one of"),
+    ({"alpha": {"weights": {"rtt": 1e9}}}, r"^fleet\.models\.alpha\.weights\.rtt: must be <="),
+    ({"alpha": {"weights": {"typo": 1}}}, r"^fleet\.models\.alpha\.weights\.typo: unknown"),
+    ({"alpha": {"prefix": True}}, r"^fleet\.models\.alpha\.prefix: unknown field"),
+    ({"alpha": {}}, r"^fleet\.models\.alpha: set at least one of objective, policy, weights"),
+    ({"alpha": "gorgo"}, r"^fleet\.models\.alpha: expected a mapping"),
+])
+def test_model_settings_errors_name_the_field(models: dict[str, Any], message: str) -> None:
+    with pytest.raises(FleetError, match=message):
+        parse_fleet(_with_models(**models))
+
+
+def test_model_settings_need_replicas_that_list_their_models() -> None:
+    assert re.match(r"fleet\.models\.alpha: no replica serves this model \(served: none",
+                    bad(lambda r: r.update(models={"alpha": {"policy": "gorgo"}})))

@@ -227,3 +227,85 @@ def test_decisions_are_counted_per_weights_version_and_policy() -> None:
         r.state.set_weights(Weights({"rtt": 1.0, "queue": 1.0}, v))
         r.route(req("d"), now=0.0)
     assert len(r.routed) == ROUTED_VERSIONS and 0 not in r.routed and 7 not in r.routed
+
+
+# --- per-model settings (the fleet file's models:) ---------------------------------------------
+
+
+def two_models(**models: object) -> FleetSpec:
+    """alpha on a1 (near, busy) and a2 (far, idle); beta (alias b) on b1."""
+    return parse_fleet({
+        "regions": {"local": {}},
+        "block_tokens": 4,
+        "chars_per_token": 1.0,
+        "replicas": [
+            {"name": "a1", "engine": "sim", "region": "local", "address": "h:1",
+             "models": ["alpha"]},
+            {"name": "a2", "engine": "sim", "region": "local", "address": "h:2",
+             "models": ["alpha"]},
+            {"name": "b1", "engine": "sim", "region": "local", "address": "h:3",
+             "models": [{"name": "beta", "aliases": ["b"]}]},
+        ],
+        "models": models,
+    })
+
+
+def model_req(model: str, text: str = "x" * 8) -> RequestFeatures:
+    tok = FleetState(spec()).tok
+    body = json.dumps({"model": model, "prompt": text}).encode()
+    return extract_features("/v1/completions", {}, body, tok)
+
+
+def _busy_near(r: Router) -> None:
+    r.state.observe_rtt(0, 10.0)  # a1: 10 ms away, 100 ms of queue
+    r.state.observe_rtt(1, 60.0)  # a2: 60 ms away, idle
+    r.state.observe_rtt(2, 10.0)
+    r.state.add_inflight(0, 1000, 1000)
+    r.state.set_weights(Weights({"rtt": 1.0, "queue": 1.0}, version=5))
+
+
+def test_a_models_own_weights_route_its_requests_outside_the_tuner() -> None:
+    plain = Router(two_models())
+    _busy_near(plain)
+    d = plain.route(model_req("alpha"), now=0.0)
+    assert (plain.state.names[d.replica], d.weights_version) == ("a2", 5)
+    r = Router(two_models(alpha={"weights": {"rtt": 20.0}}))
+    _busy_near(r)
+    d = r.route(model_req("alpha"), now=0.0)
+    # rtt x 20: a1 costs 200 ms + its queue, a2 1200 ms; version 0: the tuner scores none.
+    assert r.state.names[d.replica] == "a1" and d.weights_version == 0
+    assert d.predicted_ms == pytest.approx(20 * 10.0 + d.terms["queue"] + d.terms["prefill"])
+    assert r.route(model_req("beta"), now=0.0).weights_version == 5  # the tuned weights
+    assert r.state.model_settings is None  # only while a request is scored
+
+
+def test_a_models_policy_and_objective_apply_to_its_requests_and_aliases() -> None:
+    r = Router(two_models(beta={"policy": "round-robin", "objective": "e2e"},
+                          alpha={"objective": "e2e"}))
+    seen: list[tuple[Weights, str]] = []
+
+    class Recorder(PolicyBase):
+        name = "gorgo"
+
+        def choose(self, f: RequestFeatures, s: FleetState) -> Decision:
+            seen.append(s.scoring())
+            return r.policies["least-request"].choose(f, s)
+
+    r.policies["gorgo"] = Recorder(r.spec)
+    r.state.set_weights(Weights({"rtt": 2.0, "queue": 1.0}, version=5))
+    for model in ("beta", "b"):
+        d = r.route(model_req(model), now=0.0)
+        assert (d.policy, r.state.names[d.replica]) == ("round-robin", "b1")
+    r.route(model_req("alpha"), now=0.0)
+    weights, objective = seen[-1]
+    # An objective of its own routes on the fleet file's (fixed) weights, for that objective.
+    assert objective == "e2e" and weights == Weights() and weights.version == 0
+    assert r.settings_for(model_req("b")).name == "beta"
+    r.tick(0.0)  # the models' own policies are refreshed with the default
+
+
+def test_a_fleet_of_one_model_applies_its_settings_to_requests_naming_none() -> None:
+    doc = {"regions": {"local": {}}, "models": {"alpha": {"policy": "least-request"}},
+           "replicas": [{"name": "a1", "engine": "sim", "region": "local", "address": "h:1",
+                         "models": ["alpha"]}]}
+    assert Router(parse_fleet(doc)).route(req("x"), now=0.0).policy == "least-request"

@@ -1,5 +1,6 @@
 """DNS discovery, I/O half: names resolved at start and re-resolved, with an injected resolver
-(and the system one on localhost); a failed or empty answer keeps the last set."""
+(and the system one on localhost); a failed or empty answer keeps the last set; a changed answer
+and a file reload reach the running router, which keeps every other replica's state."""
 
 from __future__ import annotations
 
@@ -7,10 +8,13 @@ import asyncio
 import socket
 from pathlib import Path
 
+import pytest
 import yaml
 
 from extproc.discovery import DnsDiscovery, system_resolve
-from gorgo.core.fleet import FleetSpec
+from extproc.main import ExtProcServer
+from gorgo.core.fleet import FleetError, FleetSpec
+from gorgo.core.router import Router
 
 DNS = "vllm-headless.llm.svc.cluster.local"
 
@@ -85,3 +89,106 @@ def test_the_loop_re_resolves_on_its_interval(tmp_path: Path) -> None:
 
     asyncio.run(asyncio.wait_for(run(), 30))
     assert seen[:2] == [["vllm-10-0-0-2"], ["vllm-10-0-0-3"]]
+
+
+# --- changes applied live (ExtProcServer: the membership reload) ----------------------------
+
+
+def _mixed_fleet(tmp_path: Path, **extra: object) -> Path:
+    """A listed replica and a discover: entry."""
+    path = tmp_path / "fleet.yaml"
+    doc = {
+        "regions": {"local": None}, "endpoint_picker": True,
+        "replicas": [
+            {"name": "static-0", "region": "local", "engine": "sglang",
+             "address": "10.9.0.1:30000"},
+            {"name": "vllm", "region": "local", "engine": "vllm",
+             "discover": {"dns": DNS, "port": 8000, "interval_s": 0.01}},
+        ],
+        **extra,
+    }
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(yaml.safe_dump(doc))
+    tmp.replace(path)  # atomically, as a ConfigMap swap
+    return path
+
+
+def _server(tmp_path: Path, answer: list[list[str]]) -> tuple[ExtProcServer, DnsDiscovery]:
+    d = DnsDiscovery(_mixed_fleet(tmp_path), resolve=lambda name, port: answer[0])
+    return ExtProcServer(Router(d.spec), fleet_path=str(d.path), discovery=d), d
+
+
+def test_a_changed_answer_adds_and_removes_replicas_keeping_the_others_state(
+        tmp_path: Path) -> None:
+    answer = [["10.0.0.5", "10.0.0.6"]]
+    server, d = _server(tmp_path, answer)
+    s = server.router.state
+    assert s.names == ["static-0", "vllm-10-0-0-5", "vllm-10-0-0-6"]
+    for name, rtt in (("static-0", 12.0), ("vllm-10-0-0-6", 3.0)):
+        s.rtt_ms[s.index[name]], s.rtt_samples[s.index[name]] = rtt, 7
+    answer[0] = ["10.0.0.6", "10.0.0.7"]
+    (source,) = d.sources
+    assert asyncio.run(d.refresh(source))
+    s = server.router.state
+    assert s.names == ["static-0", "vllm-10-0-0-6", "vllm-10-0-0-7"]
+    assert [float(s.rtt_ms[s.index[n]]) for n in ("static-0", "vllm-10-0-0-6")] == [12.0, 3.0]
+    assert int(s.rtt_samples[s.index["vllm-10-0-0-6"]]) == 7
+    # The new pod is unroutable until its first probe answers.
+    assert not s.healthy[s.index["vllm-10-0-0-7"]] and s.healthy[s.index["vllm-10-0-0-6"]]
+    assert server.router.spec.replica("vllm-10-0-0-7").address == "10.0.0.7:8000"
+    assert server.reloader.status()["last_error"] is None
+
+
+def test_a_file_reload_resolves_discover_entries_and_follows_a_changed_name(
+        tmp_path: Path) -> None:
+    answer = [["10.0.0.5"]]
+    asked: list[str] = []
+
+    def resolve(name: str, port: int) -> list[str]:
+        asked.append(name)
+        return ["10.1.0.1"] if name == "other.llm.svc" else answer[0]
+
+    d = DnsDiscovery(_mixed_fleet(tmp_path), resolve=resolve)
+    server = ExtProcServer(Router(d.spec), fleet_path=str(d.path), discovery=d)
+    s = server.router.state
+    s.rtt_ms[s.index["vllm-10-0-0-5"]] = 4.0
+    _mixed_fleet(tmp_path, name="renamed")  # another document, the same DNS entry
+    server.reloader.poll()
+    s = server.router.state
+    assert server.router.spec.name == "renamed"
+    assert s.names == ["static-0", "vllm-10-0-0-5"]  # resolved: never the DNS name itself
+    assert float(s.rtt_ms[s.index["vllm-10-0-0-5"]]) == 4.0 and asked == [DNS]
+    # A changed name is resolved on the reload and re-resolved from then on.
+    doc = yaml.safe_load(d.path.read_text())
+    doc["replicas"][1]["discover"]["dns"] = "other.llm.svc"
+    d.path.with_suffix(".tmp").write_text(yaml.safe_dump(doc))
+    d.path.with_suffix(".tmp").replace(d.path)
+    server.reloader.poll()
+    assert server.router.state.names == ["static-0", "vllm-10-1-0-1"]
+    assert [src.dns for src in d.sources] == ["other.llm.svc"]
+
+
+def test_discovered_replicas_are_drained_by_their_entry_and_named_in_the_error(
+        tmp_path: Path) -> None:
+    server, _ = _server(tmp_path, [["10.0.0.5", "10.0.0.6"]])
+    with pytest.raises(FleetError, match=r"^vllm-10-0-0-5: discovered from a DNS name"):
+        server.reloader.drain("vllm-10-0-0-5", True)
+    server.reloader.drain("vllm", True)
+    assert server.router.state.draining.tolist() == [False, True, True]
+
+
+def test_a_change_the_router_refuses_is_not_committed(tmp_path: Path) -> None:
+    answer = [["10.0.0.5"]]
+    refuse = [True]
+
+    def on_change(spec: FleetSpec, added: list[str], removed: list[str]) -> None:
+        if refuse[0]:
+            raise FleetError("refused")
+
+    d = DnsDiscovery(_fleet(tmp_path), on_change, lambda name, port: answer[0])
+    (s,) = d.sources
+    answer[0] = ["10.0.0.6"]
+    assert not asyncio.run(d.refresh(s))
+    assert d.answers[DNS] == ["10.0.0.5"]  # so the next interval tries again
+    refuse[0] = False
+    assert asyncio.run(d.refresh(s)) and d.answers[DNS] == ["10.0.0.6"]

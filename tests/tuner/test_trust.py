@@ -5,6 +5,7 @@ the routers, not the spans, say which replicas exist and which weights version i
 from __future__ import annotations
 
 import dataclasses
+from collections import deque
 from typing import Any
 
 import numpy as np
@@ -224,6 +225,45 @@ def test_a_restarted_router_is_republished_to_within_two_ticks(tmp_path) -> None
                     break
             assert a.weights.version >= live.version
             assert dict(a.weights) == dict(live)
+        finally:
+            await svc.stop()
+            await a.stop()
+
+    asyncio.run(body())
+
+
+def test_a_replica_removed_by_a_router_reload_leaves_the_tuner_within_one_tick(
+        tmp_path, span_builders) -> None:
+    """Issue 15: a replica the router's fleet reload removed must not keep a rate, calibration
+    rows or a place in the live proposal, and its late spans are no samples."""
+    import asyncio
+
+    from gorgo.core.fleet import parse_fleet
+    from tests.tuner.test_service import RouterApp, export_samples, write_config
+    from tuner.main import UNKNOWN_REPLICA, TunerService, load_config
+
+    async def body() -> None:
+        a = RouterApp()
+        await a.start()
+        svc = TunerService(load_config(write_config(tmp_path, [a])))
+        await svc.start()
+        try:
+            svc.tuner.rates = {"r0": 9000.0, "r1": 5000.0}
+            svc.tuner.calibrator._rows["r1"] = deque()
+            await svc.tick(0.0)
+            version = a.weights.version
+            assert float(a.router.state.prefill_rate[1]) == 5000.0
+            a.router.reload(parse_fleet({"regions": {"local": {}}, "replicas": [
+                {"name": "r0", "engine": "sim", "region": "local", "address": "127.0.0.1:1"}]}))
+            await svc.tick(0.5)  # one tick: the router's GET /admin/weights names only r0
+            assert svc.tuner.rates == {"r0": 9000.0}
+            assert "r1" not in svc.tuner.calibrator._rows
+            assert svc.status()["tuner"]["active"]["prefill_rate"] == {"r0": 9000.0}
+            attrs, span, export = span_builders
+            await export_samples(svc.otlp_port, version, 3, 100_000,
+                                 (lambda **kw: attrs(gorgo__replica="r1", **kw), span, export))
+            assert svc.receiver.counts[UNKNOWN_REPLICA] == 3
+            assert "r1" not in svc.tuner.calibrator._rows
         finally:
             await svc.stop()
             await a.stop()

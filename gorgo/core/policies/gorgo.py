@@ -32,10 +32,10 @@ class Gorgo(PolicyBase):
 
     def choose(self, f: RequestFeatures, s: FleetState) -> Decision:
         terms = cost_terms(f, s)
-        objective = s.spec.objective
-        cost = terms.total(s.weights, objective)
+        weights, objective = s.scoring()  # the request's model's, where the fleet sets them
+        cost = terms.total(weights, objective)
         if objective == SLO:
-            cost = self._slo_scores(f, s, terms.total(s.weights, TTFT), cost)
+            cost = self._slo_scores(f, s, terms.total(weights, TTFT), cost)
         return self.pick_lowest(cost, s)
 
     def _slo_scores(self, f: RequestFeatures, s: FleetState, ttft: np.ndarray,
