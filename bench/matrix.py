@@ -66,7 +66,7 @@ def run_pair(trace: str, fleet: str, pols: list[str], args: argparse.Namespace) 
             "--windows", str(args.windows), "--seeds", str(args.seeds),
             "--requests", str(args.requests), "--load", ",".join(map(str, LOADS)),
             "--capacity-cache", str(args.out / "capacity.json"), "--out", str(out),
-            "--jobs", str(args.jobs)]))
+            "--jobs", str(args.jobs), *(["--rerun", args.rerun] if args.rerun else [])]))
     return out
 
 
@@ -149,10 +149,20 @@ def summary(table: list[Row], args: argparse.Namespace, run: dict[str, Any]) -> 
         f"TTFT <= {ttft:g}x and E2E p95 <= {e2e:g}x, each ratio's interval wholly below 1; the "
         f"goal column names the parts missed. Per-cell tables: "
         f"`{args.out}/<trace>-<fleet>/results.md`. One process ran every cell with the code "
-        f"it loaded at its start ({run['code']}).", "",
+        f"it loaded at its start ({run['code']}).{_rerun_note(run)}", "",
         "| trace | fleet | load | " + " | ".join(heads) + " |",
         "|---|---|---:|" + "---:|" * len(heads),
         *(r.line() for r in table), "", *tally(table), ""])
+
+
+def _rerun_note(run: dict[str, Any]) -> str:
+    """What a --rerun run re-simulated and where the other runs come from."""
+    r = run.get("rerun")
+    if not r:
+        return ""
+    return (f" Only {r['policies']} were re-simulated; every other policy's runs (and each "
+            f"window's capacity) are kept from the previous full run ({r['kept_from']}), whose "
+            "code those policies share with this one.")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -166,6 +176,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--write-docs", type=Path, default=None, metavar="FILE.md")
     p.add_argument("--report-only", action="store_true",
                    help="rebuild the summary from the results already in --out")
+    p.add_argument("--rerun", default=None, metavar="POLICIES",
+                   help="re-simulate only these policies in every cell, keeping the other "
+                   "policies' runs (see `gorgo bench sim --rerun`)")
     args = p.parse_args(argv)
     stop_on_signals()
     t0 = time.monotonic()
@@ -180,6 +193,10 @@ def main(argv: list[str] | None = None) -> int:
         run = {"argv": public_args(argv), "policies": policies(),
                "code": f"router and simulator digest {code_digest()}, as `sim.capacity` "
                        "computes it"}
+        if args.rerun:
+            previous = json.loads(meta.read_text()) if meta.exists() else {}
+            run["rerun"] = {"policies": args.rerun, "kept_from": previous.get("code"),
+                            "kept_argv": previous.get("argv")}
     table: list[Row] = []
     for trace in TRACES:
         for fleet in PRESETS:

@@ -547,6 +547,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--report-only", action="store_true",
                         help="rewrite results.md and the plots from --out's results.json and "
                         "ttft_ms.npz without simulating")
+    parser.add_argument("--rerun", default=None, metavar="POLICIES",
+                        help="simulate only these of --policies (comma-separated) and keep the "
+                        "other policies' runs and each window's capacity from --out's "
+                        "results.json (same trace, windows, loads and seeds): for a change "
+                        "that touches only these policies' code")
 
 
 def parse_policies(arg: str, objective: str) -> list[str]:
@@ -590,6 +595,7 @@ def main(args: argparse.Namespace) -> int:
         raise UserError(str(exc)) from None
     if args.report_only:
         return report_only(args, spec)
+    rerun = _rerun_policies(args, policies)
     log = _logger()
     machine: dict[str, Any] = {"cpus": os.cpu_count(), "loadavg_start": os.getloadavg()[0]}
     out: Path = args.out
@@ -601,26 +607,34 @@ def main(args: argparse.Namespace) -> int:
                 routers=(args.routers, args.router_placement))
     log(f"bench sim: {len(workloads)} window(s) of {workloads[0].n} requests, features in "
         f"{time.monotonic() - t_start:.1f} s")
+    kept: list[dict[str, Any]] = []
+    if rerun is not None:
+        windows, kept = _kept_runs(args, workloads, policies, rerun, loads)
+        log(f"bench sim: re-simulating {', '.join(rerun)}; {len(kept)} runs of the other "
+            f"policies and the windows' capacities kept from {args.out / 'results.json'}")
     ctx = mp.get_context("fork")
     with ctx.Pool(args.jobs) as pool:
-        windows = []
-        for k, w in enumerate(workloads):
-            cap = _capacity(args, spec, k, heads[k], pool, log)
-            log(f"bench sim: {w.trace}: {w.mean_rate_rps:.3f} req/s at scale 1, capacity "
-                f"{cap.rate_rps:.3f} req/s ({cap.key})")
-            windows.append(WindowInfo(w.trace, w.n, w.mean_rate_rps, cap))
+        if rerun is None:
+            windows = []
+            for k, w in enumerate(workloads):
+                cap = _capacity(args, spec, k, heads[k], pool, log)
+                log(f"bench sim: {w.trace}: {w.mean_rate_rps:.3f} req/s at scale 1, capacity "
+                    f"{cap.rate_rps:.3f} req/s ({cap.key})")
+                windows.append(WindowInfo(w.trace, w.n, w.mean_rate_rps, cap))
         jobs = [(p, k, seed, load, w.scale_for_rate(load * windows[k].capacity.rate_rps))
-                for load in sorted(loads, reverse=True) for p in policies
+                for load in sorted(loads, reverse=True) for p in (rerun or policies)
                 for k, w in enumerate(workloads) for seed in range(1, args.seeds + 1)]
-        runs = []
+        runs = list(kept)
         bar = Progress(len(jobs), "bench sim")
         for r in pool.imap_unordered(_run_job, jobs):
             runs.append(r)
             bar.step(f"{r['policy']} window {r['window']} seed {r['seed']} load "
                      f"{r['load']:g}: {r['wall_s']:.1f} s")
     machine["loadavg_end"] = os.getloadavg()[0]
+    if rerun is not None:
+        machine["kept_runs"] = len(kept)
     write_outputs(out, args, spec, windows, policies, loads, runs, machine)
-    log(f"bench sim: {len(runs)} runs in {time.monotonic() - t_start:.0f} s; wrote "
+    log(f"bench sim: {len(runs) - len(kept)} runs in {time.monotonic() - t_start:.0f} s; wrote "
         f"{out / 'results.md'}, results.json and plots")
     return 0
 
@@ -726,22 +740,61 @@ def _run_key(r: dict[str, Any]) -> str:
     return f"{r['policy']}|{r['window']}|{r['seed']}|{r['load']:g}"
 
 
+def finished_bench(out: Path, flag: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """A finished bench's results.json document and its runs with their TTFT samples."""
+    try:
+        doc = json.loads((out / "results.json").read_text())
+        with np.load(out / TTFT_FILE) as npz:
+            ttft = {k: npz[k] for k in npz.files}
+        runs = load_runs(doc)
+        for r in runs:
+            r["ttft_ms"] = ttft[_run_key(r)]
+    except (OSError, ValueError, KeyError) as exc:
+        raise UserError(f"{flag} needs a finished bench's results in {out}: {exc}") from None
+    return doc, runs
+
+
 def report_only(args: argparse.Namespace, spec: FleetSpec) -> int:
     """Rewrite results.md and the plots from a finished bench's results.json and ttft_ms.npz."""
-    try:
-        doc = json.loads((args.out / "results.json").read_text())
-        with np.load(args.out / TTFT_FILE) as npz:
-            ttft = {k: npz[k] for k in npz.files}
-    except (OSError, ValueError) as exc:
-        raise UserError(f"--report-only needs a finished bench's results in {args.out}: "
-                        f"{exc}") from None
-    runs = load_runs(doc)
-    for r in runs:
-        r["ttft_ms"] = ttft[_run_key(r)]
+    doc, runs = finished_bench(args.out, "--report-only")
     windows = [WindowInfo.from_dict(w) for w in doc["windows"]]
     write_outputs(args.out, args, spec, windows, doc["policies"], doc["loads"], runs,
                   doc.get("machine"))
     return 0
+
+
+def _rerun_policies(args: argparse.Namespace, policies: list[str]) -> list[str] | None:
+    """--rerun's policies (None without it); each must be one of --policies."""
+    if args.rerun is None:
+        return None
+    names = [p.strip() for p in args.rerun.split(",") if p.strip()]
+    unknown = [p for p in names if p not in policies]
+    if not names or unknown:
+        raise UserError(f"--rerun: expected some of --policies ({', '.join(policies)}), got "
+                        f"{args.rerun!r}")
+    return names
+
+
+def _kept_runs(args: argparse.Namespace, workloads: list[Workload], policies: list[str],
+               rerun: list[str], loads: list[float]
+               ) -> tuple[list[WindowInfo], list[dict[str, Any]]]:
+    """The previous bench's windows and the runs of the policies not re-simulated, after
+    checking it ran the same trace windows, loads, seeds and every kept policy."""
+    doc, runs = finished_bench(args.out, "--rerun")
+    windows = [WindowInfo.from_dict(w) for w in doc["windows"]]
+    seeds = list(range(1, args.seeds + 1))
+    same = (doc.get("trace") == args.trace
+            and [(w.label, w.n) for w in windows] == [(w.trace, w.n) for w in workloads]
+            and sorted(doc["loads"]) == sorted(loads) and doc["seeds"] == seeds)
+    if not same:
+        raise UserError(f"--rerun: {args.out / 'results.json'} ran other windows, loads or "
+                        "seeds than this command")
+    kept = [r for r in runs if r["policy"] in policies and r["policy"] not in rerun]
+    want = (len(policies) - len(rerun)) * len(windows) * len(loads) * len(seeds)
+    if len(kept) != want:
+        raise UserError(f"--rerun: {args.out / 'results.json'} holds {len(kept)} of the "
+                        f"{want} runs to keep")
+    return windows, kept
 
 
 def load_runs(doc: dict[str, Any]) -> list[dict[str, Any]]:
@@ -770,6 +823,8 @@ def reproduce_command(args: argparse.Namespace) -> str:
         parts += ["--capacity", str(args.capacity)]
     if args.routers != 1:
         parts += ["--routers", str(args.routers), "--router-placement", args.router_placement]
+    if getattr(args, "rerun", None):
+        parts += ["--rerun", args.rerun]
     parts += ["--out", str(args.out), "--jobs", str(args.jobs)]
     if args.write_docs is not None:
         parts += ["--write-docs", str(args.write_docs)]

@@ -186,3 +186,12 @@ def test_bench_cli_writes_table_json_and_plots(tmp_path: Path) -> None:
     assert text.index("bench-sim:bench:end") < text.index("## Live cross-check")
     assert "intro" in text and "kept" in text
     assert (docs.parent / "img" / "bench-ttft_cdf.png").stat().st_size > 5000
+    # --rerun re-simulates the named policy only: the others' runs and the capacities are kept
+    # as they were, and the re-simulated runs of unchanged code come out the same.
+    before = {(r["policy"], r["window"], r["seed"]): r["metrics"] for r in doc["runs"]}
+    assert cli_main([*argv, "--rerun", "gorgo@e2e"]) == 0
+    again = json.loads((out / "results.json").read_text())
+    assert again["windows"] == doc["windows"] and again["machine"]["kept_runs"] == 8
+    assert {(r["policy"], r["window"], r["seed"]): r["metrics"] for r in again["runs"]} == before
+    assert "--rerun gorgo@e2e" in again["command"]
+    assert cli_main([*argv, "--rerun", "kv-cost"]) == 2  # not among --policies: a user error
