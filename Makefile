@@ -4,7 +4,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: venv demo test test-fast test-engines lint protos
+.PHONY: venv demo demo-multi test test-fast test-engines lint protos
 venv: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -14,6 +14,10 @@ $(VENV)/.installed: pyproject.toml
 
 demo: venv
 	$(BIN)/gorgo demo
+
+# The demo's fleet behind one Envoy + router per region, each fed by its region's clients.
+demo-multi: venv
+	$(BIN)/gorgo demo --proxy-per-region
 
 test: venv
 	$(BIN)/ruff check .

@@ -71,6 +71,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None,
                    help="results folder (default results/demo-YYYYmmdd-HHMMSS)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--proxy-per-region", action="store_true",
+                   help="one Envoy + router per region, each fed by its region's clients, then "
+                        "one proxy for the same clients (gorgo/demo_multi.py); no tuner, "
+                        "baselines or offline runs")
 
 
 @dataclass
@@ -347,6 +351,12 @@ def main(args: argparse.Namespace) -> int:
 
     for sig in shutdown.STOP_SIGNALS:
         signal.signal(sig, interrupt)
+    if args.proxy_per_region:
+        from gorgo import demo_multi  # it imports this module
+
+        report = demo_multi.main(args, requests, doc, out, stop_flag)
+        print(f"\nreport: {report}")
+        return 130 if stop_flag.is_set() else 0
     baselines = [p for p in args.baselines.split(",") if p]
     print(f"gorgo demo: {len(requests)} requests of {args.trace} per run, "
           f"{args.duration:g} s each; live policies: gorgo, {', '.join(baselines) or '-'}",

@@ -48,6 +48,9 @@ class StackOptions:
     # The router's fleet starts with only these replicas (the simulated fleet runs them all), so
     # a test can add the others without a restart; None: all of them.
     router_replicas: tuple[str, ...] | None = None
+    # The control API of a simulated fleet that is already running (a proxy per region: several
+    # stacks share one fleet, `gorgo.harness.multiproxy`); None: the stack starts its own.
+    fleet_control_url: str | None = None
 
 
 class LiveStack:
@@ -97,11 +100,14 @@ class LiveStack:
 
     def _start(self, ready_timeout: float) -> None:
         o = self.opts
-        fleet = GorgoProcess(["sim", "fleet", str(self.fleet_path), "--control-port", "0",
-                              "--stream-interval", str(o.stream_interval),
-                              "--speed", str(o.speed), "--seed", str(o.seed)])
-        self.procs["fleet"] = fleet
-        self.control_url = f"http://127.0.0.1:{fleet.field('control')}"
+        if o.fleet_control_url is None:
+            fleet = GorgoProcess(["sim", "fleet", str(self.fleet_path), "--control-port", "0",
+                                  "--stream-interval", str(o.stream_interval),
+                                  "--speed", str(o.speed), "--seed", str(o.seed)])
+            self.procs["fleet"] = fleet
+            self.control_url = f"http://127.0.0.1:{fleet.field('control')}"
+        else:
+            self.control_url = o.fleet_control_url
         grpc_port, metrics_port, otlp_port, status_port, listen, admin = free_ports(6)
         self.procs["extproc"] = GorgoProcess([
             "extproc", "--fleet", str(self.router_fleet_path), "--port", str(grpc_port),

@@ -9,6 +9,12 @@ an engine, slow it down, make it fail, and partition or re-time a region's links
 In a container deployment each region runs in its own process (``--region``), and the links listen
 on ``--bind`` (e.g. 0.0.0.0) because the fleet address is the service name peers dial, not a local
 interface.
+
+A proxy per region (``views``): the fleet file's links model the RTT from one proxy region only.
+Each other proxy's view of the same fleet is a fleet file with the same replica names, its own
+addresses and its regions' RTTs as seen from its region (`gorgo.sim.routers.view_from`); every
+replica then gets one more link per view, on that view's address, to the same engine, so each
+proxy's probes, scrapes and requests pay its own RTTs while all of them load the same engines.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ import asyncio
 import logging
 import shutil
 import tempfile
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from typing import Any
 
 from aiohttp import web
@@ -40,10 +46,11 @@ class SimFleet:
     def __init__(
         self, spec: FleetSpec, *, speed: float = 1.0, stream_interval: int = 8, seed: int = 0,
         model: str | None = None, regions: Collection[str] | None = None,
-        bind: str | None = None,
+        bind: str | None = None, views: Sequence[FleetSpec] = (),
     ) -> None:
         """``regions`` limits the fleet to those regions' replicas; ``bind`` is the links' listen
-        host (default: each replica's address host)."""
+        host (default: each replica's address host); ``views`` are other proxies' views of the
+        fleet (module docstring)."""
         unknown = sorted(set(regions or ()) - set(spec.region_names))
         if unknown:
             raise ValueError(f"unknown region {unknown[0]!r} (fleet regions: {spec.region_names})")
@@ -59,6 +66,14 @@ class SimFleet:
         self.servers: dict[str, EngineServer] = {}
         self.links: dict[str, Link] = {}
         self._regions = {r.name: r for r in spec.regions}
+        names = {r.name for r in self.replicas}
+        for view in views:
+            missing = sorted(names - {r.name for r in view.replicas})
+            if missing:
+                raise ValueError(f"the view {view.name!r} lacks replica {missing[0]!r} (a view "
+                                 "lists every replica of the fleet, under the same names)")
+        self.views = tuple(views)
+        self.view_links: list[tuple[str, Link]] = []  # (replica, link) of every view
         self._ipc_dir: str | None = None  # sockets of the KV events nobody declared
 
     def _events(self, r: ReplicaSpec) -> KVEventPublisher | None:
@@ -95,14 +110,25 @@ class SimFleet:
                         region.jitter_ms, seed=self.seed * 1000 + k)
             await link.start()
             self.links[r.name] = link
+        for v, view in enumerate(self.views, start=1):
+            regions = {g.name: g for g in view.regions}
+            of_name = {r.name: r for r in view.replicas}
+            for k, r in enumerate(self.replicas):
+                vr, region = of_name[r.name], regions[of_name[r.name].region]
+                link = Link(self.bind or vr.host, vr.port, "127.0.0.1", 0, region.rtt_ms,
+                            region.jitter_ms, seed=(self.seed * 1000 + k) * 100 + v)
+                await link.start()
+                self.view_links.append((r.name, link))
         for r in self.replicas:
             server = self._server(r)
             self.links[r.name].backend_port = await server.start(
                 "127.0.0.1", r.sim.port if r.sim else 0)
             self.servers[r.name] = server
+        for name, link in self.view_links:
+            link.backend_port = self.links[name].backend_port
 
     async def stop(self) -> None:
-        for link in self.links.values():
+        for link in [*self.links.values(), *(link for _, link in self.view_links)]:
             await link.stop()
         for server in self.servers.values():
             await server.stop()
@@ -180,6 +206,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bind", default=None, metavar="HOST",
                    help="listen host of the links (default: the host of each replica's address; "
                         "0.0.0.0 in a container whose address is its service name)")
+    p.add_argument("--view", action="append", default=[], metavar="FLEET",
+                   help="another proxy's view of this fleet (same replica names, its own "
+                        "addresses and RTTs): one more link per replica (repeatable)")
     p.add_argument("--control-port", type=int, default=-1,
                    help="loopback port of the chaos control API (0 = any, -1 = off)")
     p.add_argument("--log-level", default="WARNING")
@@ -194,6 +223,11 @@ async def _serve(args: argparse.Namespace, fleet: SimFleet) -> int:
     for r in fleet.replicas:  # name the replica; the bind error itself would not
         host = args.bind or r.host
         check_port(host, r.port, f"replica {r.name} on {host}:{r.port}", hint)
+    for view, path in zip(fleet.views, args.view, strict=True):
+        for r in view.replicas:
+            host = args.bind or r.host
+            check_port(host, r.port, f"replica {r.name} of the view {path} on {host}:{r.port}",
+                       f"free it or change the replica's address in {path}")
     try:
         try:
             await fleet.start()
@@ -232,9 +266,12 @@ def main(args: argparse.Namespace) -> int:
     """Serve until SIGTERM/SIGINT (0); a bad fleet file, region or port is a UserError."""
     logging.basicConfig(level=args.log_level)
     spec = load_fleet(args.fleet)
+    views = [load_fleet(v) for v in args.view]
     try:
         fleet = SimFleet(spec, speed=args.speed, stream_interval=args.stream_interval,
-                         seed=args.seed, model=args.model, regions=args.region, bind=args.bind)
+                         seed=args.seed, model=args.model, regions=args.region, bind=args.bind,
+                         views=views)
     except ValueError as exc:
-        raise UserError(f"{exc}; give --region one of those") from None
+        hint = "; give --region one of those" if str(exc).startswith("unknown region") else ""
+        raise UserError(f"{exc}{hint}") from None
     return asyncio.run(_serve(args, fleet))

@@ -127,3 +127,48 @@ def test_fleet_runs_one_region_on_a_bind_host() -> None:
 def test_fleet_rejects_an_unknown_region() -> None:
     with pytest.raises(ValueError, match="unknown region 'mars'"):
         SimFleet(_spec([free_port()]), regions=["near", "mars"])
+
+
+def test_fleet_view_adds_a_link_per_replica_to_the_same_engine() -> None:
+    """A proxy per region: the view's addresses reach the same engines over links with the view's
+    RTTs, so requests through either proxy's links load one engine."""
+
+    async def go() -> None:
+        ports, view_ports = [free_port(), free_port()], [free_port(), free_port()]
+        view = parse_fleet({
+            "name": "from-far",
+            "regions": {"near": {"sim": {"rtt_ms": 80, "jitter_ms": 0}},
+                        "far": {"sim": {"rtt_ms": 2, "jitter_ms": 0}}},
+            "replicas": [
+                {"name": f"r{i}", "engine": "sim", "region": "near" if i == 0 else "far",
+                 "address": f"127.0.0.1:{p}", "sim": {"profile": "tiny-test"}}
+                for i, p in enumerate(view_ports)
+            ],
+        })
+        fleet = SimFleet(_spec(ports), stream_interval=2, views=[view])
+        await fleet.start()
+        try:
+            seen = {(name, link.port, link.rtt_ms) for name, link in fleet.view_links}
+            assert seen == {("r0", view_ports[0], 80.0), ("r1", view_ports[1], 2.0)}
+            body = {"model": "m", "max_tokens": 2,
+                    "messages": [{"role": "user", "content": "hello " * 10}]}
+            async with aiohttp.ClientSession() as s:
+                for port in (ports[0], view_ports[0]):
+                    async with s.post(f"http://127.0.0.1:{port}/v1/chat/completions",
+                                      json=body) as r:
+                        assert r.status == 200
+                        await r.read()
+            assert fleet.status()["r0"]["finished"] == 2
+        finally:
+            await fleet.stop()
+
+    asyncio.run(asyncio.wait_for(go(), 30))
+
+
+def test_fleet_rejects_a_view_without_every_replica() -> None:
+    ports = [free_port(), free_port()]
+    partial = parse_fleet({"regions": {"near": {}}, "replicas": [
+        {"name": "r0", "engine": "sim", "region": "near", "address": f"127.0.0.1:{free_port()}",
+         "sim": {"profile": "tiny-test"}}]})
+    with pytest.raises(ValueError, match="lacks replica 'r1'"):
+        SimFleet(_spec(ports), views=[partial])

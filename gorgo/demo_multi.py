@@ -1,0 +1,228 @@
+"""`gorgo demo --proxy-per-region`: the demo's fleet behind one proxy (Envoy + router) per region.
+
+One simulated fleet (the demo's three regions), and per region a real Envoy and a `gorgo extproc`
+whose probes, scrapes and requests go over that region's links (`gorgo.harness.multiproxy`).
+The slice's clients are dealt over the regions as the offline multi-router simulation deals them
+(`gorgo.sim.routers.assign_routers`, ``spread``: a session stays with one region), and each
+region's clients replay their requests through their own proxy, all at once. The same slice then
+runs through a single proxy in us-east (a fresh stack, cold caches) for comparison. The report
+shows, per proxy, its requests, where they went (per region and replica), p95 TTFT and E2E p95,
+and how its choices differ from the single router's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import threading
+import time
+from collections import Counter
+from datetime import datetime
+from pathlib import Path
+
+import numpy as np
+
+from gorgo.core.fleet import parse_fleet
+from gorgo.core.tokens import Tokenization
+from gorgo.demo import REGIONS, LiveRun, live_table
+from gorgo.harness.multiproxy import ProxyPerRegion
+from gorgo.harness.stack import LiveStack, StackOptions, with_free_ports
+from gorgo.progress import StatusLine
+from gorgo.sim.replay import replay
+from gorgo.sim.routers import SPREAD, assign_routers, link_from
+from gorgo.sim.stats import summarize
+from gorgo.sim.workload import tokenization, workload_from_requests
+
+SINGLE = "single proxy"
+
+
+def _status(runs: list[LiveRun], total: int, status: StatusLine, elapsed: float,
+            final: bool = False) -> None:
+    parts = []
+    for run in runs:
+        ttft = summarize([r.ttft_ms for r in run.records if r.ttft_ms is not None])
+        p95 = f"{ttft.p95 / 1000:.2f}s" if ttft.count else "-"
+        errors = sum(r.outcome != "ok" for r in run.records)
+        parts.append(f"{run.policy}: {len(run.records)} p95 {p95} err {errors}")
+    line = f"  {elapsed:5.0f}s  of {total}: " + "; ".join(parts)
+    (status.done if final else status.update)(line)
+
+
+async def _replay_all(plan: list[tuple[LiveRun, list, str]], time_scale: float,
+                      tok: Tokenization, stop_flag: threading.Event) -> None:
+    """Every (run, requests, url) at once, from one start time, until done or ``stop_flag``."""
+    stop = asyncio.Event()
+
+    async def watch() -> None:
+        while not stop_flag.is_set():
+            await asyncio.sleep(0.2)
+        stop.set()
+
+    watcher = asyncio.create_task(watch())
+    try:
+        await asyncio.gather(*(replay(reqs, url, time_scale, tok=tok, timeout_s=120.0,
+                                      on_result=run.records.append, stop=stop)
+                               for run, reqs, url in plan))
+    finally:
+        watcher.cancel()
+
+
+def _run(plan: list[tuple[LiveRun, list, str]], args: argparse.Namespace, tok: Tokenization,
+         stop_flag: threading.Event) -> None:
+    runs = [run for run, _, _ in plan]
+    total = sum(len(reqs) for _, reqs, _ in plan)
+    status = StatusLine(sys.stderr)
+    done = threading.Event()
+
+    def tick() -> None:
+        while not done.wait(1.0):
+            _status(runs, total, status, time.monotonic() - t0)
+
+    t0 = time.monotonic()
+    ticker = threading.Thread(target=tick, daemon=True)
+    ticker.start()
+    try:
+        asyncio.run(_replay_all(plan, args.time_scale, tok, stop_flag))
+    finally:
+        done.set()
+        ticker.join(2)
+        _status(runs, total, status, time.monotonic() - t0, final=True)
+        for run in runs:
+            run.wall_s = time.monotonic() - t0
+
+
+def client_regions(doc: dict, requests, seed: int) -> list[str]:
+    """Each request's client region, dealt as the offline ``spread`` placement deals them."""
+    spec = parse_fleet(doc)
+    features = workload_from_requests("demo", requests, tokenization(spec)).features
+    home = assign_routers(features, list(REGIONS), SPREAD, seed)
+    return [REGIONS[int(h)] for h in home]
+
+
+def run_multi(args: argparse.Namespace, doc: dict, requests, out: Path,
+              stop_flag: threading.Event) -> tuple[list[LiveRun], LiveRun | None]:
+    """The proxy-per-region run, then the single-proxy run of the same slice."""
+    homes = client_regions(doc, requests, args.seed)
+    opts = StackOptions(policy="gorgo", stream_interval=args.stream_interval, seed=args.seed)
+    tok = Tokenization(parse_fleet(doc).chars_per_token, parse_fleet(doc).block_tokens)
+    runs = [LiveRun(f"proxy {g}") for g in REGIONS]
+    print("- a proxy per region: starting the fleet, then Envoy + router in "
+          f"{', '.join(REGIONS)} ...", file=sys.stderr)
+    with ProxyPerRegion(with_free_ports(doc), out / "stack-multi", opts, REGIONS) as multi:
+        _run([(run, [r for r, h in zip(requests, homes, strict=True) if h == g],
+               multi.stacks[g].url) for run, g in zip(runs, REGIONS, strict=True)],
+             args, tok, stop_flag)
+    if stop_flag.is_set():
+        return runs, None
+    single = LiveRun(SINGLE)
+    print(f"- a single proxy in {REGIONS[0]} for the same clients: starting fleet, router and "
+          "Envoy ...", file=sys.stderr)
+    with LiveStack(with_free_ports(doc), out / "stack-single", opts) as stack:
+        _run([(single, list(requests), stack.url)], args, tok, stop_flag)
+    return runs, single
+
+
+def _fmt(v: float, unit: str = "") -> str:
+    return "∞" if v == float("inf") else ("-" if v != v else f"{v:.0f}{unit}")
+
+
+def write_report(out: Path, args: argparse.Namespace, runs: list[LiveRun],
+                 single: LiveRun | None, doc: dict, n_requests: int) -> Path:
+    spec = parse_fleet(doc)
+    region_of = {r.name: r.region for r in spec.replicas}
+    replicas = [r.name for r in spec.replicas]
+    merged = LiveRun("all proxies", [r for run in runs for r in run.records])
+    rows = [*runs, merged, *([single] if single else [])]
+    table = live_table(rows, region_of)
+    links = "; ".join(f"{g}: " + ", ".join(f"{h} {link_from(spec, g, h)[0]:.0f}"
+                                           for h in REGIONS) for g in REGIONS)
+    lines = [
+        "# GORGO demo report: a proxy per region", "",
+        f"- date: {datetime.now().isoformat(timespec='seconds')}",
+        f"- trace: `{args.trace}`, slice offset {args.offset:g} s, {n_requests} requests, "
+        f"time scale {args.time_scale:g} ({args.duration:g} s of replay per run)",
+        f"- fleet: 3 regions x 2 simulated `{args.profile}` replicas; one Envoy + one "
+        "`gorgo extproc` (policy gorgo, no tuner) per region, each probing, scraping and "
+        "routing over its own region's links, all loading the same engines",
+        f"- link RTTs (ms) from each proxy region: {links} (the fleet's links are measured from "
+        "us-east; the others follow the offline simulator's model, `gorgo.sim.routers`)",
+        "- clients: dealt over the regions as the offline `spread` placement deals them (a "
+        "session stays in one region); each region's clients send through their own proxy, "
+        f"all at once. `{SINGLE}`: the same requests through one proxy in {REGIONS[0]} on a "
+        "fresh stack (cold caches), as `gorgo demo` runs gorgo. Clients reach their proxy over "
+        "loopback (no client link is emulated), so the single proxy's TTFT and E2E omit the "
+        f"RTT that the clients outside {REGIONS[0]} would pay to reach it", "",
+        "## Per proxy", "",
+        "| proxy | requests | failed % | TTFT p95 (ms) | E2E p95 (ms) | "
+        + " | ".join(f"to {g} %" for g in REGIONS) + " |",
+        "|---|---|---|---|---|" + "---|" * len(REGIONS),
+    ]
+    for run in rows:
+        m = {k: table.stat(run.policy, k).mean
+             for k in ("failed", "ttft_p95_ms", "e2e_p95_ms",
+                       *(f"share_{g}" for g in REGIONS))}
+        lines.append(f"| {run.policy} | {len(run.records)} | {m['failed']:.1f} | "
+                     f"{_fmt(m['ttft_p95_ms'])} | {_fmt(m['e2e_p95_ms'])} | "
+                     + " | ".join(f"{m[f'share_{g}']:.0f}" for g in REGIONS) + " |")
+    counts = {run.policy: Counter(r.replica for r in run.ok()) for run in rows}
+    lines += ["", "## Requests per replica", "",
+              "| proxy | " + " | ".join(replicas) + " |",
+              "|---|" + "---|" * len(replicas)]
+    lines += [f"| {run.policy} | " + " | ".join(str(counts[run.policy][n]) for n in replicas)
+              + " |" for run in rows]
+    lines += ["", "## Do the routers agree", "", *agreement(runs, merged, single, table)]
+    report = out / "report.md"
+    report.write_text("\n".join(lines) + "\n")
+    for run in rows:
+        if run is merged:
+            continue
+        with open(out / f"live-{run.policy.replace(' ', '-')}.jsonl", "w") as fh:
+            for r in run.records:
+                fh.write(json.dumps(r.to_dict()) + "\n")
+    return report
+
+
+def agreement(runs: list[LiveRun], merged: LiveRun, single: LiveRun | None, table) -> list[str]:
+    """In words, from the table: where each proxy keeps its traffic, and how all of them together
+    differ from the single router."""
+    def share(policy: str, g: str) -> float:
+        return table.stat(policy, f"share_{g}").mean
+
+    out = []
+    for run, g in zip(runs, REGIONS, strict=True):
+        top = max(REGIONS, key=lambda h: share(run.policy, h))
+        out.append(f"- {run.policy}: {share(run.policy, g):.0f} % of its requests stay in "
+                   f"{g}; its largest share goes to {top} ({share(run.policy, top):.0f} %).")
+    if single is None:
+        out.append("- The single-proxy run did not run (stopped), so there is no comparison.")
+        return out
+    diffs = {g: share(merged.policy, g) - share(single.policy, g) for g in REGIONS}
+    worst = max(REGIONS, key=lambda g: abs(diffs[g]))
+    def shares(policy: str) -> str:
+        return ", ".join(f"{share(policy, g):.0f} %" for g in REGIONS)
+
+    out.append(f"- All proxies together send {shares(merged.policy)} to {', '.join(REGIONS)}; "
+               f"the single proxy in {REGIONS[0]} sends {shares(single.policy)}. The largest "
+               f"difference is {worst} ({diffs[worst]:+.0f} points).")
+    served = [np.array([sum(r.replica == n for r in run.ok()) for n in
+                        sorted({r.replica for r in run.ok() if r.replica})]) for run in
+              (merged, single)]
+    ratios = [f"{s.max() / max(1, s.min()):.1f}" if s.size else "-" for s in served]
+    out.append(f"- Busiest over least busy replica: {ratios[0]} with a proxy per region, "
+               f"{ratios[1]} with one proxy (among replicas that served any request).")
+    for key, label in (("ttft_p95_ms", "p95 TTFT"), ("e2e_p95_ms", "E2E p95")):
+        a, b = table.stat(merged.policy, key).mean, table.stat(single.policy, key).mean
+        if np.isfinite(a) and np.isfinite(b) and b > 0:
+            out.append(f"- {label} over all clients: {a:.0f} ms with a proxy per region, "
+                       f"{b:.0f} ms with one proxy ({a / b:.2f}x).")
+    return out
+
+
+def main(args: argparse.Namespace, requests, doc: dict, out: Path,
+         stop_flag: threading.Event) -> Path:
+    print(f"gorgo demo --proxy-per-region: {len(requests)} requests of {args.trace}, "
+          f"{args.duration:g} s per run", file=sys.stderr)
+    runs, single = run_multi(args, doc, requests, out, stop_flag)
+    return write_report(out, args, runs, single, doc, len(requests))

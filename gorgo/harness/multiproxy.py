@@ -1,0 +1,101 @@
+"""A proxy (Envoy + `gorgo extproc`) per region in front of one simulated fleet, on free ports.
+
+The fleet file's links give each region's RTT from one proxy region only, so every other proxy
+gets a view of the fleet (`region_view`: the same replicas at addresses of its own, its regions'
+RTTs as seen from its region under `gorgo.sim.routers.view_from`'s model) and `gorgo sim fleet
+--view` adds one link per replica and view, to the same engine. Each router therefore probes,
+scrapes and routes over its own region's links, while all of them load the same engines: their
+queues and caches are shared truth, their in-flight accounting and prefix index are not.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from gorgo.core.fleet import parse_fleet
+from gorgo.harness.procs import GorgoProcess, free_ports
+from gorgo.harness.stack import LiveStack, StackOptions
+from gorgo.sim.routers import view_from
+
+
+def region_view(doc: dict[str, Any], region: str) -> dict[str, Any]:
+    """The fleet document as a proxy in ``region`` sees it, its replicas on free loopback ports
+    (the fleet's proxy region's view is ``doc`` itself, on its own addresses)."""
+    spec = parse_fleet(doc)
+    if region == spec.proxy_region:
+        return doc
+    view = view_from(spec, region)
+    out = json.loads(json.dumps(doc))
+    out["name"] = f"{doc.get('name', 'fleet')}-{region}"
+    out["proxy_region"] = region
+    for g in view.regions:
+        out["regions"][g.name] = {**out["regions"][g.name],
+                                  "sim": {"rtt_ms": g.rtt_ms, "jitter_ms": g.jitter_ms}}
+    for r, port in zip(out["replicas"], free_ports(len(out["replicas"])), strict=True):
+        r["address"] = f"127.0.0.1:{port}"
+    return out
+
+
+class ProxyPerRegion:
+    """One `gorgo sim fleet` and a `LiveStack` (router + Envoy) per region; `stop()` ends every
+    process it started (the stacks first, then the fleet)."""
+
+    def __init__(self, fleet_doc: dict[str, Any], workdir: Path, opts: StackOptions,
+                 regions: Sequence[str] | None = None) -> None:
+        self.workdir = Path(workdir).resolve()
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.opts = opts
+        spec = parse_fleet(fleet_doc)
+        self.regions = list(regions or spec.region_names)
+        self.docs = {g: region_view(fleet_doc, g) for g in self.regions}
+        self.fleet_doc = fleet_doc
+        self.fleet: GorgoProcess | None = None
+        self.stacks: dict[str, LiveStack] = {}
+
+    def start(self, ready_timeout: float = 30.0) -> ProxyPerRegion:
+        try:
+            self._start(ready_timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start(self, ready_timeout: float) -> None:
+        o = self.opts
+        fleet_path = self.workdir / "fleet.yaml"
+        fleet_path.write_text(yaml.safe_dump(self.fleet_doc, sort_keys=False))
+        views = []
+        for g, doc in self.docs.items():
+            if doc is not self.fleet_doc:
+                path = self.workdir / f"view-{g}.yaml"
+                path.write_text(yaml.safe_dump(doc, sort_keys=False))
+                views += ["--view", str(path)]
+        self.fleet = GorgoProcess(["sim", "fleet", str(fleet_path), *views,
+                                   "--control-port", "0",
+                                   "--stream-interval", str(o.stream_interval),
+                                   "--speed", str(o.speed), "--seed", str(o.seed)])
+        control = f"http://127.0.0.1:{self.fleet.field('control')}"
+        for g, doc in self.docs.items():
+            opts = replace(o, fleet_control_url=control)
+            self.stacks[g] = LiveStack(doc, self.workdir / f"proxy-{g}", opts).start(
+                ready_timeout)
+
+    def stop(self) -> None:
+        for stack in self.stacks.values():
+            stack.stop()
+        self.stacks.clear()
+        if self.fleet is not None:
+            self.fleet.stop()
+            self.fleet = None
+
+    def __enter__(self) -> ProxyPerRegion:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
