@@ -16,8 +16,9 @@ pytestmark = [pytest.mark.envoy, pytest.mark.slow]  # four real Envoys; about 25
 
 def test_proxy_per_region_demo_reports_each_proxy(tmp_path: Path) -> None:
     out = tmp_path / "demo"
-    assert main(["demo", "--proxy-per-region", "--duration", "2", "--trace", "chat:seed=1,users=20,rate=8",
-                 "--out", str(out)]) == 0
+    # Short chat turns: every request finishes in seconds on the demo's engines.
+    assert main(["demo", "--proxy-per-region", "--duration", "2",
+                 "--trace", "chat:seed=1,users=20,rate=8", "--out", str(out)]) == 0
     report = (out / "report.md").read_text()
     per_proxy = report.split("## Per proxy")[1].split("## Requests per replica")[0]
     for g in REGIONS:
