@@ -12,11 +12,14 @@ an RTT sample has the region's mean and sd, as `sim.link` does; never negative. 
 keeps one return delay for all its bytes (TCP keeps order), so TTFT = the engine's first token plus
 the return delay, measured from the request's arrival at the router.
 
-Hooks, for a controller that lives inside the simulation (the tuner bench): ``on_complete`` is
-called when a routed request's last byte is back at the router (when its span would end) with the
-record and the decision that routed it, in simulated time order; ``call_at`` runs a function at a
-simulated time, after everything else due at that instant. Neither draws from the simulation's RNG,
-so a run without hooks is exactly the run it always was, and a run with them is as deterministic.
+Hooks, for a controller that lives inside the simulation (the tuner bench): ``on_first_token`` is
+called when a routed request's first token is back at the router (when Envoy's periodic access log
+would first carry its TTFT; ``rec.ttft`` is set, ``rec.e2e`` not yet) and ``on_complete`` when its
+last byte is back (when its span would end), each with the record and the decision that routed it,
+in simulated time order (a request's first token before its end, also at the same instant);
+``call_at`` runs a function at a simulated time, after everything else due at that instant. None
+draws from the simulation's RNG, and first-token events are queued only when the hook is set, so a
+run without hooks is exactly the run it always was, and a run with them is as deterministic.
 
 Several routers (``routers=K``, `sim.routers`): K independent `Router`s, each with its own state,
 links, intake, probe and scrape timers and share of the arrivals, all in front of the same
@@ -45,8 +48,8 @@ from gorgo.sim.profiles import replica_profile
 from gorgo.sim.routers import SAME, assign_routers, router_regions, view_from
 
 # Event kinds, in tie-break order at equal times (completions before new arrivals; hooks last).
-(STEP_END, CLOSE, PROBE_DONE, SCRAPE_DONE, KV_EVENTS, SCRAPE_AT, SUBMIT, ARRIVE, PROBE, TICK,
- CALL) = range(11)
+(STEP_END, FIRST_TOKEN, CLOSE, PROBE_DONE, SCRAPE_DONE, KV_EVENTS, SCRAPE_AT, SUBMIT, ARRIVE, PROBE,
+ TICK, CALL) = range(12)
 
 # Router intake (added after bench/crosscheck.py compared this simulation with the live stack,
 # see docs/results.md "Live cross-check"): the live router takes requests one at a time, and each
@@ -139,6 +142,12 @@ def build_engines(spec: FleetSpec, speed: float = 1.0) -> list[Engine]:
     return engines
 
 
+def _first_token_at(rec: RequestRecord, first_at: float, cached_tokens: int) -> None:
+    rec.first_at = first_at
+    rec.ttft = first_at + rec.back_delay - rec.arrival
+    rec.cached_tokens = cached_tokens
+
+
 class Simulation:
     """One run: a fleet, a policy, a trace (as prebuilt features), a seed and K routers."""
 
@@ -152,6 +161,7 @@ class Simulation:
         fold: int = 64,
         policy_factory: Callable[[Simulation], Policy] | None = None,
         on_complete: Callable[[RequestRecord, Decision], None] | None = None,
+        on_first_token: Callable[[RequestRecord, Decision], None] | None = None,
         intake: tuple[float, float] = (INTAKE_BASE_S, INTAKE_PER_TOKEN_S),
         routers: int = 1,
         placement: str = SAME,
@@ -184,6 +194,7 @@ class Simulation:
         self.now = 0.0
         self._busy = [False] * len(self.engines)
         self.on_complete = on_complete
+        self.on_first_token = on_first_token
         self.intake = intake  # (seconds per request, seconds per prompt token); see INTAKE_*
         # `cache: precise` replicas: the simulated vLLM's hashing; each KV-event batch reaches
         # every router one way-delay later (in order as over TCP; no draw from the RNG).
@@ -249,7 +260,7 @@ class Simulation:
             ARRIVE: self._arrive, SUBMIT: self._submit, STEP_END: self._step_end,
             CLOSE: self._close, PROBE: self._probe, PROBE_DONE: self._probe_done,
             SCRAPE_AT: self._scrape_at, SCRAPE_DONE: self._scrape_done, TICK: self._tick,
-            CALL: self._call, KV_EVENTS: self._kv_events,
+            CALL: self._call, KV_EVENTS: self._kv_events, FIRST_TOKEN: self._first_token,
         }
         self._open = n
         while heap and self._open > 0:
@@ -322,15 +333,17 @@ class Simulation:
             return
         self._busy[i] = True
         self._push(res.end, STEP_END, (i, res))
+        if self.on_first_token is not None:
+            # A folded step ends after its first tokens are back: queue them from its start.
+            for ft in res.first_tokens:
+                back = res.first_end + self.records[ft.rid].back_delay
+                self._push(back, FIRST_TOKEN, (ft.rid, res.first_end, ft.cached_tokens))
 
     def _step_end(self, payload: tuple[int, StepResult]) -> None:
         i, res = payload
         recs = self.records
         for ft in res.first_tokens:
-            rec = recs[ft.rid]
-            rec.first_at = res.first_end
-            rec.ttft = res.first_end + rec.back_delay - rec.arrival
-            rec.cached_tokens = ft.cached_tokens
+            _first_token_at(recs[ft.rid], res.first_end, ft.cached_tokens)
         for fin in res.finished:
             rec = recs[fin.rid]
             rec.status = 200
@@ -357,6 +370,13 @@ class Simulation:
         if self.on_complete is not None:
             self.on_complete(self.records[k], d)
         self._done()
+
+    def _first_token(self, payload: tuple[int, float, int]) -> None:
+        k, first_at, cached = payload
+        rec = self.records[k]
+        _first_token_at(rec, first_at, cached)  # `_step_end` may come later (a folded step)
+        if self.on_first_token is not None:
+            self.on_first_token(rec, self.sides[self.home[k]].decisions[k])
 
     def _call(self, fn: Callable[[], None]) -> None:
         fn()

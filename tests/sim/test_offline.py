@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-from dataclasses import astuple
+import math
+from dataclasses import astuple, replace
 
 import numpy as np
 import pytest
 
+from gorgo.core.decision import Decision
 from gorgo.core.fleet import FleetSpec, parse_fleet
 from gorgo.core.policies import REGISTRY
-from gorgo.sim.offline import SimResult
+from gorgo.sim.offline import RequestRecord, SimResult, Simulation
 from gorgo.sim.presets import fleet_document
 from gorgo.sim.traces import TraceRequest, chat_trace
 from gorgo.sim.workload import ORACLE, Workload, simulate, tokenization, workload_from_requests
@@ -45,6 +47,32 @@ def test_same_seed_same_records_other_seed_differs(two_regions: FleetSpec, chat:
     assert a.events == b.events
     assert _rows(a) != _rows(c)
     assert [r.ttft for r in a.records] != [r.ttft for r in c.records]
+
+
+def test_first_token_hook_comes_in_time_order_before_the_end_and_changes_nothing(
+        two_regions: FleetSpec, chat: Workload) -> None:
+    events: list[tuple[str, float, int]] = []
+    open_at_first: list[bool] = []
+
+    def first(rec: RequestRecord, d: Decision) -> None:
+        events.append(("first", sim.now, rec.index))
+        open_at_first.append(math.isnan(rec.e2e) and d.replica == rec.replica)
+
+    spec = replace(two_regions, name=f"{two_regions.name}/seed3")  # as simulate() names it
+    sim = Simulation(spec, "gorgo", seed=3, on_first_token=first,
+                     on_complete=lambda rec, d: events.append(("end", sim.now, rec.index)))
+    res = sim.run(chat.arrivals.tolist(), chat.features, chat.output_tokens)
+    assert [t for _, t, _ in events] == sorted(t for _, t, _ in events)
+    firsts = {k: t for kind, t, k in events if kind == "first"}
+    ends = {k: t for kind, t, k in events if kind == "end"}
+    served = {r.index for r in res.records if r.status == 200}
+    assert set(firsts) == served and served  # once per request with a first token
+    assert all(open_at_first)
+    for k, t in firsts.items():  # at the TTFT, and before (or with) the request's end
+        assert t == pytest.approx(res.records[k].arrival + res.records[k].ttft)
+        order = [i for i, (_, _, j) in enumerate(events) if j == k]
+        assert events[order[0]][0] == "first" and firsts[k] <= ends[k]
+    assert _rows(res) == _rows(simulate(two_regions, "gorgo", chat, 1.0, seed=3))
 
 
 def test_random_policy_follows_the_seed(two_regions: FleetSpec, chat: Workload) -> None:

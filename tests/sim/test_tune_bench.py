@@ -191,6 +191,48 @@ def test_cli_tiny_slice_writes_its_outputs(tmp_path: Path) -> None:
     assert len(cache) >= len(doc["grid"])  # the grid and every re-run incumbent, for next time
 
 
+def test_early_samples_reach_the_tuner_at_the_first_token_once_each(
+        fleet: FleetSpec, chat: Workload) -> None:
+    st = TuneSettings(FAST, W(20.0, 0.05), seed=2)
+    res, early = tuned_run(fleet, chat, 1.0, st)
+    res_ends, ends = tuned_run(fleet, chat, 1.0, replace(st, early=False))
+    assert early.samples == len(early.sample_log) == ends.samples == chat.n  # none counted twice
+    served = [r for r in res.records if r.status == 200]
+    got = sorted(round(x[1], 9) for x in early.sample_log if math.isfinite(x[3]))
+    assert got == sorted(round(r.arrival + r.ttft, 9) for r in served)  # at the first token
+    got_ends = sorted(round(x[1], 9) for x in ends.sample_log if math.isfinite(x[3]))
+    assert got_ends == sorted(round(r.arrival + r.e2e, 9)
+                              for r in res_ends.records if r.status == 200)  # at the end
+    first = [next(h["t"] for h in t.history if h["event"] == "evaluation") for t in (early, ends)]
+    assert first[0] < first[1]  # the first window closes sooner on first tokens
+    evals = [h for h in early.history if h["event"] == "evaluation"]
+    assert any(h["e2e_incumbent"] is not None for h in evals)  # the ends still join in
+
+
+def test_the_e2e_objective_searches_its_weights_and_ranks_the_grid_on_e2e(
+        tmp_path: Path) -> None:
+    out = tmp_path / "tune"
+    argv = ["bench", "tune", "--trace", "chat:seed=2,users=8,rate=3,limit=80", "--fleet", "paper",
+            "--capacity", "3", "--grid", "2", "--seeds", "1", "--jobs", "1", "--skip-null",
+            "--objective", "e2e", "--start", "20,0.05,1,1", "--opt", "window_samples=5",
+            "--opt", "pairs=1", "--opt", "bootstrap=200", "--out", str(out)]
+    assert cli_main(argv) == 0
+    doc = json.loads((out / "results.json").read_text())
+    assert doc["optimizer"]["objective"] == "e2e"
+    assert all(set(g["weights"]) == {"rtt", "queue"} for g in doc["grid"].values())
+    best = min(doc["grid"].values(), key=lambda g: g["e2e_p95_ms"])
+    assert doc["grid_best"]["weights"] == best["weights"]
+    keys = {"rtt", "queue", "decode", "interference"}
+    for run in doc["runs"]:
+        assert set(run["start"]) == set(run["final"]["weights"]) == keys
+        assert run["target_p95_ms"] == best["e2e_p95_ms"]
+        for inc in run["incumbents"]:
+            assert inc["ratio"] == pytest.approx(inc["static_e2e_p95_ms"] / best["e2e_p95_ms"])
+    assert "--objective e2e" in doc["command"]
+    assert "objective `e2e`" in (out / "results.md").read_text()
+    assert cli_main([*argv[:-2], "--start", "20,0.05", "--out", str(out)]) == 2  # 4 weights
+
+
 def test_bad_arguments_exit_2(tmp_path: Path) -> None:
     base = ["bench", "tune", "--trace", "chat:limit=20", "--capacity", "1",
             "--out", str(tmp_path)]

@@ -16,11 +16,20 @@ from pathlib import Path
 from typing import Any
 
 from gorgo.core.fleet import FleetSpec
-from gorgo.sim.tunebench.points import KEYS, Point, grid, grid_axes, label, parse_start, static_key
+from gorgo.core.terms import OBJECTIVES, SLO
+from gorgo.sim.tunebench.points import (
+    KEYS,
+    Point,
+    default_point,
+    grid,
+    grid_axes,
+    label,
+    parse_start,
+    static_key,
+)
 from gorgo.sim.tunebench.report import render, write_outputs
 from gorgo.sim.tunebench.run import (
     _CTX,
-    NULL_START,
     POLICY,
     StaticJob,
     TuneSettings,
@@ -33,7 +42,13 @@ from gorgo.sim.tunebench.run import (
     static_job,
     tune_job,
 )
-from gorgo.sim.tunebench.stats import LIVE_MAX, grid_best, summarize_null, summarize_run
+from gorgo.sim.tunebench.stats import (
+    LIVE_MAX,
+    OBJECTIVE_METRIC,
+    grid_best,
+    summarize_null,
+    summarize_run,
+)
 from gorgo.sim.workload import Workload
 from tuner.optimizer import OptimizerConfig
 
@@ -65,6 +80,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grid", type=int, default=7, metavar="K",
                         help="K values per weight, log-spaced over the optimiser's bounds, every "
                         "combination run statically (K x K for two weights; default: 7)")
+    parser.add_argument("--objective", choices=OBJECTIVES, default=None,
+                        help="what the tuner minimises and the grid is ranked on: p95 TTFT, p95 "
+                        "E2E or the SLO's TTFT miss share (default: the fleet's objective); the "
+                        "search space is its weights, the grid stays over "
+                        f"{','.join(KEYS)} with the others at their defaults")
+    parser.add_argument("--ends-only", action="store_true",
+                        help="give the tuner each sample only when its request ends (default: "
+                        "its TTFT at the first token, as the TTFT log does live, then its E2E)")
     parser.add_argument("--tolerance", type=float, default=0.05,
                         help="converged: within this fraction of the grid's best p95 "
                         "(default: 0.05)")
@@ -90,13 +113,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="rewrite results.md and the figures from --out's results.json")
 
 
-def optimizer_config(opts: Sequence[str], calibrate: bool) -> OptimizerConfig:
-    """Defaults plus ``KEY=VALUE`` overrides, typed and validated like the tuner's YAML."""
+def optimizer_config(opts: Sequence[str], calibrate: bool,
+                     fleet: dict[str, Any] | None = None) -> OptimizerConfig:
+    """Defaults, then what the tuner takes from the fleet (``fleet``: objective, slo_ttft_ms),
+    then ``KEY=VALUE`` overrides, typed and validated like the tuner's YAML."""
     import yaml
 
     from tuner.optimizer import config_from_mapping
 
-    raw: dict[str, Any] = {}
+    raw: dict[str, Any] = dict(fleet or {})
     for item in opts:
         key, eq, value = item.partition("=")
         if not eq:
@@ -111,7 +136,7 @@ def default_starts(config: OptimizerConfig) -> list[Point]:
     """Two opposite corners of the search bounds: the first weight at its low bound and the
     others high (the plateau), and the reverse (the cliff)."""
     b = config.search_bounds()
-    first, rest = KEYS[0], KEYS[1:]
+    first, rest = config.keys[0], config.keys[1:]
     return [{first: b[first][0], **{k: b[k][1] for k in rest}},
             {first: b[first][1], **{k: b[k][0] for k in rest}}]
 
@@ -146,8 +171,10 @@ def main(args: argparse.Namespace) -> int:
 
     try:
         spec = resolve_fleet(args.fleet)
-        config = optimizer_config(args.opt, args.calibrate)
-        starts = ([parse_start(s) for s in args.start] if args.start
+        objective = args.objective or spec.objective
+        config = optimizer_config(args.opt, args.calibrate,
+                                  {"objective": objective, "slo_ttft_ms": spec.slo.ttft_ms})
+        starts = ([parse_start(s, config.keys) for s in args.start] if args.start
                   else default_starts(config))
         if args.seeds < 1 or args.jobs < 1 or args.grid < 2:
             raise ValueError("--seeds and --jobs must be >= 1, --grid >= 2")
@@ -186,9 +213,11 @@ def main(args: argparse.Namespace) -> int:
     capacity = _capacity(args, spec, workload, ctx)
     scale = workload.scale_for_rate(args.load * capacity)
     _CTX["scale"] = scale  # before the pool forks: the workers see the whole context
+    _CTX["slo_ttft_ms"] = config.slo_ttft_ms if config.objective == SLO else 0.0
     digest = model_digest()
+    slo = f"slo={config.slo_ttft_ms!r}|" if _CTX["slo_ttft_ms"] else ""
     slice_key = (f"{args.trace}|{args.fleet}|{spec.name}|n={workload.n}|"
-                 f"scale={scale!r}|{POLICY}|code={digest}")
+                 f"scale={scale!r}|{POLICY}|{slo}code={digest}")
     static = load_cache(cache_path, slice_key)
     log(f"bench tune: {workload.n} requests at load {args.load:g} = "
         f"{args.load * capacity:.3f} req/s (time scale {scale:.4f}); {len(points)} grid points; "
@@ -197,15 +226,15 @@ def main(args: argparse.Namespace) -> int:
     for start in starts:
         for seed in seeds:
             base = TuneSettings(config, start, seed, tick_s=args.tick_s,
-                                publish_delay_s=args.publish_delay_s)
+                                publish_delay_s=args.publish_delay_s, early=not args.ends_only)
             settings.append((f"{label(start)} seed {seed} guard", base))
             settings.append((f"{label(start)} seed {seed} no-guard",
                              replace(base, config=replace(config, e2e_margin=math.inf))))
     if not args.skip_null:
         for seed in seeds:
             settings.append((f"null seed {seed}", TuneSettings(
-                null_config(config), dict(NULL_START), seed, tick_s=args.tick_s,
-                publish_delay_s=args.publish_delay_s, null=True)))
+                null_config(config), default_point(config.keys), seed, tick_s=args.tick_s,
+                publish_delay_s=args.publish_delay_s, null=True, early=not args.ends_only)))
     grid_jobs: list[StaticJob] = [(static_key(p, {}, s), p, (), s) for p in points for s in seeds]
     tuned: list[tuple[str, TuneSettings, TuneTrace, dict[str, float], float]] = []
     with ctx.Pool(args.jobs) as pool:
@@ -218,7 +247,7 @@ def main(args: argparse.Namespace) -> int:
             static[key] = m
             bar.step(f"grid: {m['wall_s']:.1f} s")
         save_cache(cache_path, slice_key, static)
-        best = grid_best(points, seeds, static)
+        best = grid_best(points, seeds, static, OBJECTIVE_METRIC[config.objective])
         reeval: dict[str, StaticJob] = {}
         for seed in seeds:  # the grid best's worst live p95 (older cache entries lack it)
             key = static_key(best.weights, {}, seed)

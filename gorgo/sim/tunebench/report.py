@@ -22,7 +22,7 @@ import numpy as np
 
 from gorgo.core.fleet import FleetSpec
 from gorgo.sim.stats import jsonable
-from gorgo.sim.tunebench.points import KEYS, Point, grid, label, point_key, static_key
+from gorgo.sim.tunebench.points import KEYS, Point, grid, keys_of, label, point_key, static_key
 from gorgo.sim.tunebench.run import NULL_START
 from gorgo.sim.tunebench.stats import LIVE_WINDOW, GridBest, grid_means, null_total
 from tuner.optimizer import OptimizerConfig
@@ -50,6 +50,10 @@ def reproduce_command(args: argparse.Namespace) -> str:
         parts += ["--publish-delay-s", f"{args.publish_delay_s:g}"]
     if args.tolerance != 0.05:
         parts += ["--tolerance", f"{args.tolerance:g}"]
+    if getattr(args, "objective", None):
+        parts += ["--objective", args.objective]
+    if getattr(args, "ends_only", False):
+        parts.append("--ends-only")
     parts += ["--out", str(args.out)]
     return " ".join(shlex.quote(p) for p in parts)
 
@@ -116,6 +120,11 @@ def grid_matrix(doc: Mapping[str, Any], metric: str) -> tuple[list[float], list[
     return xs, ys, z
 
 
+def _score(v: float, objective: str) -> str:
+    """An objective's score as the report shows it: seconds, or the SLO's miss share."""
+    return f"{v:.3f}" if objective == "slo" else f"{v / 1e3:.3f} s"
+
+
 def summary_markdown(doc: dict[str, Any]) -> str:
     """results.md: setup, the grid, convergence per start and seed, the E2E guard."""
     keys = doc["weight_keys"]
@@ -126,6 +135,9 @@ def summary_markdown(doc: dict[str, Any]) -> str:
     guarded = [r for r in runs if r["e2e_guard"]]
     free = {(label(r["start"], keys), r["seed"]): r for r in runs if not r["e2e_guard"]}
     starts = list(dict.fromkeys(label(r["start"], keys) for r in guarded))
+    objective = doc["optimizer"].get("objective", "ttft")
+    score = {"ttft": "p95 TTFT", "e2e": "p95 E2E", "slo": "SLO miss share"}[objective]
+    run_score = {"ttft": "run_ttft_p95_ms", "e2e": "run_e2e_p95_ms"}.get(objective)
     non_default = {k: v for k, v in doc["optimizer"].items()
                    if v != doc["optimizer_defaults"].get(k) and k not in ("history", "calibrate")}
     md = [
@@ -139,11 +151,18 @@ def summary_markdown(doc: dict[str, Any]) -> str:
         f"and simulation code digest `{doc['model_digest']}`",
         "- optimiser: defaults" + (", except " + ", ".join(
             f"`{k}={v}`" for k, v in non_default.items()) if non_default else ""),
-        "- samples: completed requests routed by `gorgo`, counted from the start; an incumbent's "
+        "- samples: requests routed by `gorgo` whose first sample reached the tuner (" + (
+            "at their end" if "--ends-only" in doc["command"] else "early, at their first token,"
+            " or at their end") + "), counted from the start; an incumbent's "
         "p95 is its weights re-run statically on the same slice and seed; converged = every "
-        f"incumbent from then on within {tol:.0%} of the grid best's p95 on that seed", "",
-        "## Grid: static weights, mean p95 TTFT over seeds (s)", "",
+        f"incumbent from then on within {tol:.0%} of the grid best's p95 on that seed",
     ]
+    if objective != "ttft":
+        md.append(f"- objective `{objective}`: every p95 of the grid's best and of the "
+                  f"convergence tables is its score, {score}; the tuner searches "
+                  f"({_names(doc['optimizer_keys'])}), the grid ({_names(keys)}), any other "
+                  "weight at its default")
+    md += ["", "## Grid: static weights, mean p95 TTFT over seeds (s)", ""]
     xs, ys, z = grid_matrix(doc, "grid_mean_p95_ms")
     if len(keys) > 2:
         md += [f"Each cell is the best over {_names(keys[2:])}.", ""]
@@ -163,9 +182,9 @@ def summary_markdown(doc: dict[str, Any]) -> str:
     within = sum(_num(v) <= (1 + tol) * best["mean_p95_ms"]
                  for v in doc["grid_mean_p95_ms"].values())
     md += [
-        "", f"Best: ({_names(keys)}) = ({_weights_text(bw, keys, '.3g')}), mean p95 TTFT "
-        f"{best['mean_p95_ms'] / 1e3:.3f} s (per seed: " + ", ".join(
-            f"{v / 1e3:.3f}" for v in best["per_seed_p95_ms"].values()) + " s), p95 E2E "
+        "", f"Best: ({_names(keys)}) = ({_weights_text(bw, keys, '.3g')}), mean {score} "
+        f"{_score(best['mean_p95_ms'], objective)} (per seed: " + ", ".join(
+            _score(v, objective) for v in best["per_seed_p95_ms"].values()) + "), p95 E2E "
         + ", ".join(f"{v / 1e3:.1f}" for v in best["per_seed_e2e_ms"].values())
         + f" s; {within} of {len(doc['grid_mean_p95_ms'])} grid points are within {tol:.0%} of "
         "it.", "",
@@ -186,11 +205,11 @@ def summary_markdown(doc: dict[str, Any]) -> str:
             f"{_samples_text(r['stays_within'], r['samples'])} | "
             f"{_samples_text(r['first_within'], r['samples'])} | {r['evaluations']} "
             f"({r['accepted']}; {r['worse_accepts']}) | "
-            f"({_weights_text(f['weights'], keys, '.3g')}) | "
+            f"({_weights_text(f['weights'], keys_of(f['weights']), '.3g')}) | "
             f"{_x(f['ratio'], 3)} | "
             + ("n/a" if worst is None else f"{worst / 1e3:.1f} ({_x(wr, 2)})") + " | "
             f"{_s(r['live_p95_max_ms'])} ({_s(r['best_live_p95_max_ms'])}) | "
-            f"{_x(_ratio(r['run_ttft_p95_ms'], r['target_p95_ms']), 2)} | "
+            f"{_x(_ratio(r[run_score], r['target_p95_ms']), 2) if run_score else 'n/a'} | "
             f"{r['optimizer_converged_at'] or 'no'} |")
     md.append("")
     for start in starts:
@@ -284,6 +303,7 @@ def write_outputs(
         "optimizer": asdict(config),
         "optimizer_defaults": asdict(OptimizerConfig()),
         "weight_keys": list(KEYS),
+        "optimizer_keys": list(config.keys),
         "grid_points": {k: list(v) for k, v in axes.items()},
         "grid": {f"{point_key(p)}|{s}": {"weights": p, "seed": s,
                                          **static[static_key(p, {}, s)]}

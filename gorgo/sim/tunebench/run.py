@@ -24,9 +24,10 @@ from gorgo.core.weights import Weights
 from gorgo.sim.offline import RequestRecord, SimResult, Simulation
 from gorgo.sim.stats import jsonable
 from gorgo.sim.tunebench.points import Point, default_point
-from gorgo.sim.tunebench.stats import LIVE_EVERY, LIVE_MAX, LIVE_WINDOW, rolling_p95
+from gorgo.sim.tunebench.stats import LIVE_EVERY, LIVE_MAX, LIVE_WINDOW, SLO_MISS, rolling_p95
 from gorgo.sim.workload import Workload
 from tuner.calibration import CalibrationConfig
+from tuner.join import END, FIRST, Join
 from tuner.optimizer import OptimizerConfig, Proposal, Tuner
 from tuner.samples import Sample
 
@@ -49,6 +50,9 @@ class TuneSettings:
     tick_s: float = 0.5  # how often the tuner asks for new weights (simulated seconds)
     publish_delay_s: float = 0.0  # from the tuner's decision to the router applying it
     null: bool = False  # A/A: every candidate is the incumbent, so every acceptance is false
+    # Each request's TTFT reaches the tuner at its first token (as the TTFT log's periodic entry
+    # does live) and its E2E at its end, through the live `Join`; False: only at its end.
+    early: bool = True
 
 
 class NullTuner(Tuner):
@@ -70,7 +74,8 @@ class TuneTrace:
 
     samples: int = 0
     errors: int = 0
-    # (arrival, completion, weights version that routed it, TTFT ms) of every sample, in order
+    # (arrival, when the tuner got it, weights version that routed it, TTFT ms) of every sample
+    # (a decision's first: early at its first token, else at its end), in order
     sample_log: list[tuple[float, float, int, float]] = field(default_factory=list)
     # (samples, simulated time, version, weights {key: factor}, arm) for every proposal applied
     published: list[tuple[int, float, int, Point, str]] = field(default_factory=list)
@@ -81,15 +86,21 @@ class TuneTrace:
     status: dict[str, Any] = field(default_factory=dict)
 
 
-def sample_of(rec: RequestRecord, d: Decision, spec: FleetSpec, now: float) -> Sample:
-    """The span a completed request would have exported, as the tuner parses it."""
+def sample_of(rec: RequestRecord, d: Decision, spec: FleetSpec, now: float,
+              early: bool = False) -> Sample:
+    """The span a completed request would have exported, as the tuner parses it; ``early``: the
+    TTFT log's entry at its first token instead (a 200 with its TTFT, E2E not known yet)."""
     rep = spec.replicas[d.replica]
-    ok = rec.status == 200 and math.isfinite(rec.ttft)
+    ok = (early or rec.status == 200) and math.isfinite(rec.ttft)
     elapsed_ms = (now - rec.arrival) * 1000.0
+    if early:
+        e2e_ms = math.nan
+    else:
+        e2e_ms = rec.e2e * 1000.0 if ok and math.isfinite(rec.e2e) else elapsed_ms
     return Sample(
         ttft_ms=rec.ttft * 1000.0 if ok else elapsed_ms,
-        e2e_ms=rec.e2e * 1000.0 if ok and math.isfinite(rec.e2e) else elapsed_ms,
-        status=rec.status if rec.status else NO_TTFT_STATUS,
+        e2e_ms=e2e_ms,
+        status=200 if early else rec.status if rec.status else NO_TTFT_STATUS,
         replica=rep.name,
         region=rep.region,
         policy=d.policy,
@@ -100,6 +111,7 @@ def sample_of(rec: RequestRecord, d: Decision, spec: FleetSpec, now: float) -> S
         prompt_tokens=d.prompt_tokens,
         decision_id=d.id,
         end_unix_s=now,
+        start_unix_s=rec.arrival,
     )
 
 
@@ -131,11 +143,18 @@ def tuned_run(
                 hints={r.name: r.prefill_rate for r in spec.replicas})
     spec = fleet_for_seed(with_weights(spec, tuner.incumbent), settings.seed)
     trace = TuneTrace()
+    # Live, a decision is forgotten a request timeout after its first record (Envoy has ended it).
+    join = Join(spec.timeouts.request_s, clock=lambda: sim.now)
 
-    def on_complete(rec: RequestRecord, d: Decision) -> None:
+    def admit(rec: RequestRecord, d: Decision, early: bool) -> None:
         if d.policy != cfg.policy:
             return
-        s = sample_of(rec, d, spec, sim.now)
+        s = sample_of(rec, d, spec, sim.now, early)
+        kind = join.admit(s)
+        if kind == END:
+            tuner.observe_end(s)
+        if kind != FIRST:
+            return
         trace.samples += 1
         trace.errors += not s.ok
         trace.sample_log.append((rec.arrival, sim.now, s.weights_version,
@@ -143,6 +162,12 @@ def tuned_run(
         tuner.observe(s)
         if settings.tick_s <= 0:
             ask()
+
+    def on_first_token(rec: RequestRecord, d: Decision) -> None:
+        admit(rec, d, early=True)
+
+    def on_complete(rec: RequestRecord, d: Decision) -> None:
+        admit(rec, d, early=False)
 
     def ask() -> None:
         for v in tuner.counting():  # what `gorgo tuner` reads from GET /admin/weights
@@ -172,7 +197,8 @@ def tuned_run(
         ask()
         sim.call_at(sim.now + settings.tick_s, tick)
 
-    sim = Simulation(spec, POLICY, seed=settings.seed, on_complete=on_complete)
+    sim = Simulation(spec, POLICY, seed=settings.seed, on_complete=on_complete,
+                     on_first_token=on_first_token if settings.early else None)
     ask()  # the first window opens before the first request
     if settings.tick_s > 0:
         sim.call_at(settings.tick_s, tick)
@@ -207,6 +233,10 @@ def static_metrics(
     live = rolling_p95([r.ttft * 1000.0 if r.status == 200 else math.inf for r in done],
                        LIVE_WINDOW, LIVE_EVERY)
     out[LIVE_MAX] = max((p for _, p in live), default=math.nan)
+    slo_ms = _CTX.get("slo_ttft_ms", 0.0)
+    if slo_ms > 0:  # the slo objective's score: a failed request misses its target too
+        out[SLO_MISS] = sum(r.status != 200 or r.ttft * 1000.0 > slo_ms
+                            for r in res.records) / max(1, len(res.records))
     out["wall_s"] = time.perf_counter() - t0
     return out
 

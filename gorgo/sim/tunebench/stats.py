@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from gorgo.core.terms import E2E, SLO, TTFT
 from gorgo.sim.tunebench.points import Point, point_key, static_key
 
 if TYPE_CHECKING:
@@ -23,10 +24,16 @@ if TYPE_CHECKING:
 LIVE_WINDOW, LIVE_EVERY = 500, 100  # rolling p95 of live traffic, in samples
 LEVELS = (0.1, 0.25, 1.0)  # looser tolerances reported beside --tolerance
 LIVE_MAX = "live_p95_max_ms"  # a static run's worst rolling p95, to compare the tuned runs with
+SLO_MISS = "slo_miss"  # a static run's share of requests over the SLO's TTFT target (or failed)
+# The static metric each objective is scored on: the grid's best and convergence follow it.
+OBJECTIVE_METRIC = {TTFT: "ttft_p95_ms", E2E: "e2e_p95_ms", SLO: SLO_MISS}
 
 
 @dataclass(frozen=True)
 class GridBest:
+    """The grid's best point; its ``*_p95_ms`` figures are the objective's metric (a p95 TTFT
+    or E2E, or the SLO's miss share), ``per_seed_e2e_ms`` always the p95 E2E."""
+
     weights: Point  # weight key -> factor
     mean_p95_ms: float
     per_seed_p95_ms: dict[int, float]
@@ -34,17 +41,25 @@ class GridBest:
 
 
 def grid_best(points: Sequence[Point], seeds: Sequence[int],
-              static: Mapping[str, Mapping[str, float]]) -> GridBest:
-    """The grid point with the lowest mean p95 TTFT over seeds (the first of equals)."""
+              static: Mapping[str, Mapping[str, float]],
+              metric: str = OBJECTIVE_METRIC[TTFT]) -> GridBest:
+    """The grid point with the lowest mean ``metric`` over seeds (the first of equals)."""
     best: GridBest | None = None
     for p in points:
-        p95 = {s: static[static_key(p, {}, s)]["ttft_p95_ms"] for s in seeds}
+        p95 = {s: static[static_key(p, {}, s)][metric] for s in seeds}
         mean = float(np.mean(list(p95.values())))
         if best is None or mean < best.mean_p95_ms:
             e2e = {s: static[static_key(p, {}, s)]["e2e_p95_ms"] for s in seeds}
             best = GridBest(dict(p), mean, p95, e2e)
     assert best is not None
     return best
+
+
+def score_ratio(score: float, target: float) -> float:
+    """``score / target``; a target of 0 (an SLO nobody misses) is met only by 0."""
+    if target > 0:
+        return score / target
+    return 1.0 if score <= 0 else math.inf
 
 
 def grid_means(points: Sequence[Point], seeds: Sequence[int],
@@ -118,12 +133,13 @@ def summarize_run(
     """Everything reported about one tuned run (see the package docstring for the definitions)."""
     seed = settings.seed
     target = best.per_seed_p95_ms[seed]
+    metric = OBJECTIVE_METRIC[settings.config.objective]
     incs = []
     for n, weights, rates in trace.incumbents:
         m = static[static_key(weights, rates, seed)]
         incs.append({"samples": n, "weights": dict(weights), "prefill_rate": rates,
                      "static_ttft_p95_ms": m["ttft_p95_ms"], "static_e2e_p95_ms": m["e2e_p95_ms"],
-                     "ratio": m["ttft_p95_ms"] / target})
+                     "ratio": score_ratio(m[metric], target)})
     ratios, at = [i["ratio"] for i in incs], [i["samples"] for i in incs]
     conv = convergence(ratios, at, tolerance)
     levels = {f"{lv:g}": convergence(ratios, at, lv)["stays_within"]
