@@ -140,7 +140,9 @@ def run_live(args: argparse.Namespace, doc: dict[str, Any], policy: str, out: Pa
         ticker.start()
         t0 = time.monotonic()
         try:
-            asyncio.run(_replay(requests, stack.url, args.time_scale, stack, run, stop_flag))
+            tok = Tokenization(stack.spec.chars_per_token, stack.spec.block_tokens)
+            asyncio.run(replay_all([(run, requests, stack.url)], args.time_scale, tok,
+                                   stop_flag))
         finally:
             live.stop.set()
             ticker.join(2)
@@ -149,8 +151,9 @@ def run_live(args: argparse.Namespace, doc: dict[str, Any], policy: str, out: Pa
     return run
 
 
-async def _replay(requests, url: str, time_scale: float, stack: LiveStack, run: LiveRun,
-                  stop_flag: threading.Event) -> None:
+async def replay_all(plan: list[tuple[LiveRun, list, str]], time_scale: float,
+                     tok: Tokenization, stop_flag: threading.Event) -> None:
+    """Every (run, requests, url) at once, from one start time, until done or ``stop_flag``."""
     stop = asyncio.Event()
 
     async def watch() -> None:
@@ -159,10 +162,10 @@ async def _replay(requests, url: str, time_scale: float, stack: LiveStack, run: 
         stop.set()
 
     watcher = asyncio.create_task(watch())
-    tok = Tokenization(stack.spec.chars_per_token, stack.spec.block_tokens)
     try:
-        await replay(requests, url, time_scale, tok=tok, timeout_s=120.0,
-                     on_result=run.records.append, stop=stop)
+        await asyncio.gather(*(replay(reqs, url, time_scale, tok=tok, timeout_s=120.0,
+                                      on_result=run.records.append, stop=stop)
+                               for run, reqs, url in plan))
     finally:
         watcher.cancel()
 

@@ -26,11 +26,10 @@ import numpy as np
 
 from gorgo.core.fleet import parse_fleet
 from gorgo.core.tokens import Tokenization
-from gorgo.demo import REGIONS, LiveRun, live_table
+from gorgo.demo import REGIONS, LiveRun, live_table, replay_all
 from gorgo.harness.multiproxy import ProxyPerRegion
 from gorgo.harness.stack import LiveStack, StackOptions, with_free_ports
 from gorgo.progress import StatusLine
-from gorgo.sim.replay import replay
 from gorgo.sim.routers import SPREAD, assign_routers, link_from
 from gorgo.sim.stats import summarize
 from gorgo.sim.workload import tokenization, workload_from_requests
@@ -50,25 +49,6 @@ def _status(runs: list[LiveRun], total: int, status: StatusLine, elapsed: float,
     (status.done if final else status.update)(line)
 
 
-async def _replay_all(plan: list[tuple[LiveRun, list, str]], time_scale: float,
-                      tok: Tokenization, stop_flag: threading.Event) -> None:
-    """Every (run, requests, url) at once, from one start time, until done or ``stop_flag``."""
-    stop = asyncio.Event()
-
-    async def watch() -> None:
-        while not stop_flag.is_set():
-            await asyncio.sleep(0.2)
-        stop.set()
-
-    watcher = asyncio.create_task(watch())
-    try:
-        await asyncio.gather(*(replay(reqs, url, time_scale, tok=tok, timeout_s=120.0,
-                                      on_result=run.records.append, stop=stop)
-                               for run, reqs, url in plan))
-    finally:
-        watcher.cancel()
-
-
 def _run(plan: list[tuple[LiveRun, list, str]], args: argparse.Namespace, tok: Tokenization,
          stop_flag: threading.Event) -> None:
     runs = [run for run, _, _ in plan]
@@ -84,7 +64,7 @@ def _run(plan: list[tuple[LiveRun, list, str]], args: argparse.Namespace, tok: T
     ticker = threading.Thread(target=tick, daemon=True)
     ticker.start()
     try:
-        asyncio.run(_replay_all(plan, args.time_scale, tok, stop_flag))
+        asyncio.run(replay_all(plan, args.time_scale, tok, stop_flag))
     finally:
         done.set()
         ticker.join(2)
