@@ -20,7 +20,7 @@ import yaml
 
 from gorgo.core.fleet import parse_fleet
 from gorgo.harness.procs import GorgoProcess, free_ports
-from gorgo.harness.stack import LiveStack, StackOptions
+from gorgo.harness.stack import LiveStack, StackOptions, start_sim_fleet
 from gorgo.sim.routers import view_from
 
 
@@ -76,10 +76,7 @@ class ProxyPerRegion:
                 path = self.workdir / f"view-{g}.yaml"
                 path.write_text(yaml.safe_dump(doc, sort_keys=False))
                 views += ["--view", str(path)]
-        self.fleet = GorgoProcess(["sim", "fleet", str(fleet_path), *views,
-                                   "--control-port", "0",
-                                   "--stream-interval", str(o.stream_interval),
-                                   "--speed", str(o.speed), "--seed", str(o.seed)])
+        self.fleet = start_sim_fleet(fleet_path, o, views)
         control = f"http://127.0.0.1:{self.fleet.field('control')}"
         for g, doc in self.docs.items():
             opts = replace(o, fleet_control_url=control)

@@ -13,6 +13,7 @@ import secrets
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,15 @@ class StackOptions:
     # The control API of a simulated fleet that is already running (a proxy per region: several
     # stacks share one fleet, `gorgo.harness.multiproxy`); None: the stack starts its own.
     fleet_control_url: str | None = None
+
+
+def start_sim_fleet(fleet_path: Path, opts: StackOptions,
+                    extra: Sequence[str] = ()) -> GorgoProcess:
+    """`gorgo sim fleet` for ``fleet_path`` with the stack options' engine settings (``extra``:
+    further arguments, e.g. ``--view`` files), its control port free."""
+    return GorgoProcess(["sim", "fleet", str(fleet_path), *extra, "--control-port", "0",
+                         "--stream-interval", str(opts.stream_interval),
+                         "--speed", str(opts.speed), "--seed", str(opts.seed)])
 
 
 class LiveStack:
@@ -101,9 +111,7 @@ class LiveStack:
     def _start(self, ready_timeout: float) -> None:
         o = self.opts
         if o.fleet_control_url is None:
-            fleet = GorgoProcess(["sim", "fleet", str(self.fleet_path), "--control-port", "0",
-                                  "--stream-interval", str(o.stream_interval),
-                                  "--speed", str(o.speed), "--seed", str(o.seed)])
+            fleet = start_sim_fleet(self.fleet_path, o)
             self.procs["fleet"] = fleet
             self.control_url = f"http://127.0.0.1:{fleet.field('control')}"
         else:

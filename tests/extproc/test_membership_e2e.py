@@ -12,8 +12,6 @@ import json
 import os
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
@@ -24,6 +22,7 @@ from gorgo.envoy_config import PICKER_CLUSTER
 from gorgo.harness.procs import wait_for
 from gorgo.harness.stack import LiveStack, StackOptions, with_free_ports
 from gorgo.sim.presets import fleet_document
+from tests.support.e2e import http_call
 
 pytestmark = [pytest.mark.envoy, pytest.mark.slow]
 
@@ -49,15 +48,7 @@ def stack(request: pytest.FixtureRequest,
 
 def send(url: str, body: Any = None) -> tuple[int, dict[str, str], bytes]:
     """GET (no body) or POST JSON, read to the end: (status, lower-cased headers, raw body)."""
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, method="GET" if body is None else "POST")
-    if data is not None:
-        req.add_header("content-type", "application/json")
-    try:
-        with urllib.request.urlopen(req, timeout=30) as r:
-            return r.status, {k.lower(): v for k, v in r.headers.items()}, r.read()
-    except urllib.error.HTTPError as err:
-        return err.code, {k.lower(): v for k, v in err.headers.items()}, err.read()
+    return http_call(url, "GET" if body is None else "POST", body)
 
 
 def call(url: str, body: Any = None) -> tuple[int, dict[str, str], Any]:

@@ -13,8 +13,6 @@ import argparse
 import json
 import socket
 import subprocess
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
@@ -30,6 +28,7 @@ from gorgo.harness.envoy_proc import EnvoyProcess
 from gorgo.harness.procs import BIN, LoopThread, free_ports, wait_for
 from gorgo.harness.stack import LiveStack, StackOptions, with_free_ports
 from gorgo.sim.presets import fleet_document
+from tests.support.e2e import http_call as call
 
 pytestmark = [pytest.mark.envoy, pytest.mark.slow]
 
@@ -54,19 +53,6 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveStack]:
     with LiveStack(with_free_ports(doc), tmp_path_factory.mktemp("surface"),
                    StackOptions()) as s:
         yield s
-
-
-def call(url: str, method: str = "GET", body: Any = None,
-         headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, method=method, headers=headers or {})
-    if data is not None:
-        req.add_header("content-type", "application/json")
-    try:
-        with urllib.request.urlopen(req, timeout=30) as r:
-            return r.status, {k.lower(): v for k, v in r.headers.items()}, r.read()
-    except urllib.error.HTTPError as err:
-        return err.code, {k.lower(): v for k, v in err.headers.items()}, err.read()
 
 
 def chat(text: str = "hello there") -> dict[str, Any]:

@@ -9,6 +9,8 @@ import asyncio
 import hashlib
 import json
 import time
+import urllib.error
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -212,7 +214,6 @@ def stop_stack(st: Stack) -> None:
 
 class GorgoMetrics:
     def __init__(self, st: Stack) -> None:
-        import urllib.request
         port = st.extproc.field("metrics")
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as r:
             self.text = r.read().decode()
@@ -230,6 +231,21 @@ class GorgoMetrics:
         return [v == v for v in vals.values()] if vals else [False]
 
 
+
+
+def http_call(url: str, method: str = "GET", body: object = None,
+              headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
+    """One blocking HTTP request (``body`` sent as JSON), read to the end, an error status
+    included: (status, lower-cased headers, raw body)."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method, headers=headers or {})
+    if data is not None:
+        req.add_header("content-type", "application/json")
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, {k.lower(): v for k, v in r.headers.items()}, r.read()
+    except urllib.error.HTTPError as err:
+        return err.code, {k.lower(): v for k, v in err.headers.items()}, err.read()
 
 
 def chat(content: str, **kw) -> dict:
