@@ -162,7 +162,7 @@ class PrefillCalibrator:
             (queue_ms + prefill_ms) * rate_used / 1000.0)
         # A request that waited for a running slot (the admission term) did not run at once.
         clean = (queue_ms <= cfg.max_queue_share * prefill_ms
-                 and s.terms.get(ADMISSION, 0.0) <= cfg.max_queue_share * prefill_ms)
+                 and s.terms[ADMISSION] <= cfg.max_queue_share * prefill_ms)
         rows.append((float(s.uncached_tokens), s.ttft_ms - rtt_ms, clean, work, s.source))
 
     def _slope(self, u: np.ndarray, y: np.ndarray) -> tuple[float, float] | None:

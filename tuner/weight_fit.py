@@ -54,8 +54,7 @@ class WeightFit:
 
     def observe(self, s: Sample) -> None:
         if s.ok:
-            # A term the span lacks (its router predates the term) was not priced: 0.
-            y = s.ttft_ms - sum(s.terms.get(name, 0.0) for name in self.known)
+            y = s.ttft_ms - sum(s.terms[name] for name in self.known)
             self._rows.append((*(s.terms[t.name] for t in self.free), y))
 
     def ready(self) -> bool:

@@ -32,7 +32,7 @@ def traffic(rng: np.random.Generator, n: int, *, rate: float, router_rate: float
         out.append(Sample(
             ttft_ms=ttft, e2e_ms=ttft + 300.0, status=status, replica=replica, region="x",
             policy="gorgo", weights_version=1, predicted_ttft_ms=0.0,
-            terms={"rtt": rtt, "queue": q / router_rate * 1000.0,
+            terms={"rtt": rtt, "queue": q / router_rate * 1000.0, "admission": 0.0,
                    "prefill": u / router_rate * 1000.0, "penalty": 0.0},
             uncached_tokens=u, prompt_tokens=u))
     return out
@@ -181,7 +181,7 @@ def busy(rng: np.random.Generator, n: int, *, rate: float, router_rate: float) -
         q = float(rng.integers(2_000, 8_000))
         ttft = 40.0 + 12.0 + (u + q * rng.lognormal(0.0, 0.2)) / rate * 1000.0
         out.append(Sample(ttft, ttft + 300.0, 200, "r0", "x", "gorgo", 1, 0.0,
-                          {"rtt": 40.0, "queue": q / router_rate * 1000.0,
+                          {"rtt": 40.0, "queue": q / router_rate * 1000.0, "admission": 0.0,
                            "prefill": u / router_rate * 1000.0, "penalty": 0.0}, u, u))
     return out
 

@@ -40,7 +40,7 @@ def W(rtt: float, queue: float) -> dict[str, float]:
 
 
 def terms(rtt: float = 1.0, queue: float = 0.0, prefill: float = 0.0) -> dict[str, float]:
-    return {"rtt": rtt, "queue": queue, "prefill": prefill, "penalty": 0.0}
+    return {"rtt": rtt, "queue": queue, "admission": 0.0, "prefill": prefill, "penalty": 0.0}
 
 
 def es_config(**kw: Any) -> OptimizerConfig:

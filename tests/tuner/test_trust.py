@@ -101,7 +101,8 @@ def test_a_replica_no_router_knows_is_forgotten() -> None:
 
 def sample(ttft: float, version: int, source: int | None) -> Sample:
     return Sample(ttft, ttft + 400.0, 200, "r0", "near", "gorgo", version, ttft,
-                  {"rtt": 1.0, "queue": 0.0, "prefill": 1.0, "penalty": 0.0}, 0, 100,
+                  {"rtt": 1.0, "queue": 0.0, "admission": 0.0, "prefill": 1.0,
+                   "penalty": 0.0}, 0, 100,
                   source=source)
 
 

@@ -15,7 +15,8 @@ def sample(rng: np.random.Generator, b: float, *, q_max: float = 3000.0,
     q = float(rng.uniform(0.0, q_max))
     ttft = 80.0 + 400.0 + 30.0 + b * q + float(rng.normal(0.0, 50.0))
     return Sample(ttft, ttft + 900.0, status, "r0", "near", "gorgo", 1, 0.0,
-                  {"rtt": 80.0, "queue": q, "prefill": 400.0, "penalty": penalty}, 0, 100)
+                  {"rtt": 80.0, "queue": q, "admission": 0.0, "prefill": 400.0,
+                   "penalty": penalty}, 0, 100)
 
 
 @pytest.mark.parametrize("b", [0.3, 1.0, 4.0])
