@@ -11,8 +11,11 @@ to the first block no live replica holds.
 Events lag: a replica reports a prompt's blocks only once it has prefilled them, so the requests
 this router sent it that are still open count as cached there too (`PendingBlocks`, in the
 router's own block hashes): without them a burst of requests sharing a new prefix would be spread
-over the fleet before the first one's blocks were reported. The view of a live replica is the
-longer of the two matches.
+over the fleet before the first one's blocks were reported. A closed request's blocks stay
+pending for ``CLOSED_HOLD_S`` more (expired by the router's tick): its events can arrive after
+its answer does, and an agent's next turn, sent the moment the answer ends, would otherwise be
+priced as if nothing were cached (seen on real vLLM on a loaded machine). The view of a live
+replica is the longer of the two matches.
 
 A replica's view is live once its engine's block size and hash algorithm are known (scraped from
 ``vllm:cache_config_info`` or the events themselves) and its event stream is synced; until then,
@@ -23,6 +26,7 @@ fleet file); lookups do no I/O.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -34,6 +38,11 @@ from gorgo.core.fleet import FleetSpec
 from gorgo.core.kv_events import CLEARED, REMOVED, STORED, KVEvent
 from gorgo.core.prefix_index import PrefixIndex
 from gorgo.core.prompt_tokens import Chunk, PromptTokenizer, load_tokenizer
+
+# How long a closed request's blocks still count as pending on its replica: far beyond the event
+# lag of an engine on the same network (milliseconds; a second or so on a loaded machine), short
+# against how long a block stays cached, so an eviction in that window misleads only briefly.
+CLOSED_HOLD_S = 2.0
 
 
 def _counted(chunks: Iterator[Chunk], seen: list[int]) -> Iterator[Sequence[int]]:
@@ -51,6 +60,8 @@ class PendingBlocks:
     def __init__(self, n: int) -> None:
         self.index = PrefixIndex(n, None)
         self._counts: list[dict[int, int]] = [{} for _ in range(n)]
+        self._closed: list[tuple[int, list[int]]] = []  # closed since the last tick
+        self._held: deque[tuple[float, int, list[int]]] = deque()  # (until, replica, hashes)
 
     def add(self, i: int, hashes: list[int]) -> None:
         counts = self._counts[i]
@@ -73,6 +84,23 @@ class PendingBlocks:
                 del counts[h]
                 gone.append(h)
         self.index.remove(i, gone)
+
+    def hold(self, i: int, hashes: list[int]) -> None:
+        """A request closed: remove its blocks at the first tick ``CLOSED_HOLD_S`` from now."""
+        self._closed.append((i, hashes))
+
+    def expire(self, now: float) -> bool:
+        """The router's tick: start the hold of the requests closed since the last one, end the
+        holds that are over (True if any was)."""
+        until = now + CLOSED_HOLD_S
+        self._held.extend((until, i, hashes) for i, hashes in self._closed)
+        self._closed.clear()
+        ended = False
+        while self._held and self._held[0][0] <= now:
+            _, i, hashes = self._held.popleft()
+            self.remove(i, hashes)
+            ended = True
+        return ended
 
 
 @dataclass(slots=True)
@@ -160,9 +188,18 @@ class PreciseCache:
         if i in self.replicas:
             self.pending.add(i, block_hashes.tolist())
 
-    def closed(self, i: int, block_hashes: np.ndarray) -> None:
+    def closed(self, i: int, block_hashes: np.ndarray, served: bool = True) -> None:
+        """A request to replica i ended: its blocks stay pending there for ``CLOSED_HOLD_S``, as
+        its events may still be on their way; at once if replica i did not serve it (a retry
+        moved it elsewhere)."""
         if i in self.replicas:
-            self.pending.remove(i, block_hashes.tolist())
+            if served:
+                self.pending.hold(i, block_hashes.tolist())
+            else:
+                self.pending.remove(i, block_hashes.tolist())
+
+    def tick(self, now: float) -> bool:
+        return self.pending.expire(now)
 
     # --- lookup --------------------------------------------------------------------------------
 

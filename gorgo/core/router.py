@@ -151,13 +151,15 @@ class Router:
         return self.policies[m.policy if m is not None and m.policy else self.default_policy]
 
     def tick(self, now: float) -> None:
-        """Run every policy duty that is due at ``now`` (a refresh each ``refresh_interval_s``).
+        """Run every periodic duty due at ``now``: the precise view's pending holds, and each
+        policy's refresh every ``refresh_interval_s``.
 
         Only the policies this router can route with are refreshed: the default and the models'
         own, and all of them when the fleet allows per-request overrides.
         """
         s = self.state
         s.now = now
+        s.expire_pending(now)
         names = self.policies if self.spec.allow_policy_override else dict.fromkeys(
             [self.default_policy, *(m.policy for m in self.spec.model_settings if m.policy)])
         for name in names:
@@ -260,7 +262,7 @@ class Router:
         s = self.state
         s.release_inflight(entry.replica, entry.prompt_tokens, entry.uncached)
         if s.precise is not None:
-            s.precise.closed(entry.replica, entry.block_hashes)
+            s.precise.closed(entry.replica, entry.block_hashes, served=False)
             s.precise.sent(replica, entry.block_hashes)
         cached = int(s.prefix.match(entry.block_hashes)[replica]) * self.spec.block_tokens
         s.prefix.insert(replica, entry.block_hashes)

@@ -297,6 +297,11 @@ class FleetState:
             self.version += 1
             self.precise.apply(i, events)
 
+    def expire_pending(self, now: float) -> None:
+        """End the precise view's holds on closed requests' blocks that are over (the tick)."""
+        if self.precise is not None and self.precise.tick(now):
+            self.version += 1
+
     def set_kv_synced(self, i: int, synced: bool, clear: bool = False) -> None:
         """Whether replica i's event stream is whole (else it is looked up approximately);
         ``clear`` first forgets its block set (an engine restart, a gap the replay cannot fill)."""

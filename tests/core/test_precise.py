@@ -10,6 +10,7 @@ from gorgo.core.decision import Decision
 from gorgo.core.features import extract_features, prompt_text
 from gorgo.core.fleet import PRECISE, FleetError, parse_fleet
 from gorgo.core.kv_events import CLEARED, REMOVED, STORED, KVEvent
+from gorgo.core.precise import CLOSED_HOLD_S
 from gorgo.core.router import Router
 from gorgo.sim.kv_publish import SimHashing
 
@@ -115,6 +116,44 @@ def test_removed_and_cleared_are_seen() -> None:
     assert s.matched_blocks(f).tolist() == [5, 0]
     s.set_kv_synced(0, False, clear=True)  # a restart: forgotten, approximate again
     assert s.matched_blocks(f).tolist() == [0, 0]
+
+
+def test_a_closed_request_stays_pending_until_its_events_can_have_come() -> None:
+    router = fresh()
+    s = router.state
+    for i in (0, 1):
+        s.observe_cache_config(i, BT, 10_000, "sha256_cbor")
+        s.set_kv_synced(i, True)
+    f, _ = request("word " * 2000)
+    d = router.route(f, 0.0)
+    assert isinstance(d, Decision)
+    blocks = len(f.block_hashes)
+    seen = [0, 0]
+    seen[d.replica] = blocks
+    assert s.matched_blocks(f).tolist() == seen  # open: pending, no event yet
+    router.complete(d.id)
+    for now in (0.25, 0.5, CLOSED_HOLD_S):  # its events are late: still counted
+        router.tick(now)
+        assert s.matched_blocks(f).tolist() == seen, now
+    router.tick(0.25 + CLOSED_HOLD_S)
+    assert s.matched_blocks(f).tolist() == [0, 0]
+    assert s.precise is not None and s.precise.pending.index.sizes().sum() == 0
+
+
+def test_a_retry_moves_the_pending_blocks_at_once() -> None:
+    router = fresh()
+    s = router.state
+    for i in (0, 1):
+        s.observe_cache_config(i, BT, 10_000, "sha256_cbor")
+        s.set_kv_synced(i, True)
+    f, _ = request("word " * 2000)
+    d = router.route(f, 0.0)
+    assert isinstance(d, Decision)
+    other = 1 - d.replica
+    router.reassign(d.id, other)
+    seen = [0, 0]
+    seen[other] = len(f.block_hashes)
+    assert s.matched_blocks(f).tolist() == seen  # the failed replica prefilled nothing
 
 
 def test_every_policy_routes_on_the_engine_blocks() -> None:

@@ -8,6 +8,7 @@ import numpy as np
 
 from gorgo.core.decision import Decision
 from gorgo.core.fleet import parse_fleet
+from gorgo.core.precise import CLOSED_HOLD_S
 from gorgo.sim.offline import RequestRecord, Simulation
 from gorgo.sim.workload import build_workload, tokenization
 
@@ -47,6 +48,8 @@ def test_events_drive_the_router_exactly() -> None:
     assert s.precise.events_applied.min() > 0
     for i, engine in enumerate(sim.engines):  # the view is the engines' caches, exactly
         assert s.precise.blocks_held(i) == engine.cache.cached_blocks
+    for t in (sim.now, sim.now + CLOSED_HOLD_S):  # the last requests' holds start, then end
+        sim.router.tick(t)
     assert s.precise.pending.index.sizes().sum() == 0  # no request left open
     _, approx = run("approximate", wl)
     hits = [float(np.mean([real for _, real in pairs])) for pairs in (precise, approx)]
