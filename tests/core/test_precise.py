@@ -118,15 +118,21 @@ def test_removed_and_cleared_are_seen() -> None:
     assert s.matched_blocks(f).tolist() == [0, 0]
 
 
-def test_a_closed_request_stays_pending_until_its_events_can_have_come() -> None:
+def routed_live():
+    """A router whose two precise replicas are live, a long request and its decision."""
     router = fresh()
-    s = router.state
     for i in (0, 1):
-        s.observe_cache_config(i, BT, 10_000, "sha256_cbor")
-        s.set_kv_synced(i, True)
+        router.state.observe_cache_config(i, BT, 10_000, "sha256_cbor")
+        router.state.set_kv_synced(i, True)
     f, _ = request("word " * 2000)
     d = router.route(f, 0.0)
     assert isinstance(d, Decision)
+    return router, f, d
+
+
+def test_a_closed_request_stays_pending_until_its_events_can_have_come() -> None:
+    router, f, d = routed_live()
+    s = router.state
     blocks = len(f.block_hashes)
     seen = [0, 0]
     seen[d.replica] = blocks
@@ -141,14 +147,8 @@ def test_a_closed_request_stays_pending_until_its_events_can_have_come() -> None
 
 
 def test_a_retry_moves_the_pending_blocks_at_once() -> None:
-    router = fresh()
+    router, f, d = routed_live()
     s = router.state
-    for i in (0, 1):
-        s.observe_cache_config(i, BT, 10_000, "sha256_cbor")
-        s.set_kv_synced(i, True)
-    f, _ = request("word " * 2000)
-    d = router.route(f, 0.0)
-    assert isinstance(d, Decision)
     other = 1 - d.replica
     router.reassign(d.id, other)
     seen = [0, 0]
