@@ -36,6 +36,7 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("explain",): ("gorgo.explain", "show each replica's cost terms for one request"),
     ("sim", "engine"): ("gorgo.sim.engine_server", "run one simulated OpenAI-compatible engine"),
     ("sim", "fleet"): ("gorgo.sim.fleet", "run a simulated fleet (engines behind emulated links)"),
+    ("sim", "view"): ("gorgo.sim.view", "write another proxy region's view of a simulated fleet"),
     ("replay",): ("gorgo.sim.replay", "replay a trace open-loop against a URL"),
     ("bench", "sim"): ("gorgo.sim.bench", "rank policies in the offline simulation"),
     ("bench", "tune"): ("gorgo.sim.tunebench.cli", "offline convergence run of the tuner"),

@@ -43,6 +43,7 @@ from gorgo.core.contract import (
     LOG_TYPE_ATTR,
     METADATA_NAMESPACE,
     PICKER_HEADER,
+    PROXY_REGION_ATTR,
     REPLICA_HEADER,
     REQUEST_FIELDS,
     ROUTER_READS,
@@ -266,10 +267,14 @@ def _otlp_service(token: str | None) -> dict:
     }
 
 
-def _tracing(otlp: str | None, service_name: str, token: str | None) -> dict | None:
+def _tracing(otlp: str | None, service_name: str, token: str | None,
+             proxy_region: str) -> dict | None:
+    """Envoy's span per request: the first-token time, the decision's fields and the proxy's
+    region (several proxies, one per region, export to the same collector)."""
     if otlp is None:
         return None
-    tags = [{"tag": TTFT_ATTR, "value": TTFT_FORMAT}]
+    tags: list[dict[str, Any]] = [{"tag": TTFT_ATTR, "value": TTFT_FORMAT},
+                                  {"tag": PROXY_REGION_ATTR, "literal": {"value": proxy_region}}]
     tags += [{"tag": f"{SPAN_PREFIX}{k}", "value": f"%DYNAMIC_METADATA({METADATA_NAMESPACE}:{k})%"}
              for k in (*DECISION_FIELDS, *REQUEST_FIELDS)]
     return {
@@ -458,7 +463,7 @@ def render_bootstrap(
                 "content_type": "application/json"},
         }]},
     }
-    tracing = _tracing(otlp, service_name, otlp_token)
+    tracing = _tracing(otlp, service_name, otlp_token, spec.proxy_region)
     if tracing is not None:
         hcm["tracing"] = tracing
     logs = []

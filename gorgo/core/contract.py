@@ -19,6 +19,9 @@ SPAN_PREFIX = "gorgo."
 # for a streamed answer, so it keeps a gorgo.* name; the GenAI attributes below are derived from it
 # and the request fields (gorgo.core.otel). The tuner reads it as the request's TTFT.
 TTFT_ATTR = "gorgo.first_byte_us"
+# The region of the proxy (Envoy + router) that served the request, a constant of each rendered
+# bootstrap: with a proxy per region, Jaeger tells their spans apart by it.
+PROXY_REGION_ATTR = "gorgo.proxy_region"
 STATUS_ATTR = "http.status_code"
 # Envoy -> tuner, over OTLP logs: the HTTP connection manager's periodic access log sends an open
 # stream's first-token time before the stream ends. Each record carries the span's attribute names

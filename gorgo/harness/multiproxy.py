@@ -1,16 +1,14 @@
 """A proxy (Envoy + `gorgo extproc`) per region in front of one simulated fleet, on free ports.
 
-The fleet file's links give each region's RTT from one proxy region only, so every other proxy
-gets a view of the fleet (`region_view`: the same replicas at addresses of its own, its regions'
-RTTs as seen from its region under `gorgo.sim.routers.view_from`'s model) and `gorgo sim fleet
---view` adds one link per replica and view, to the same engine. Each router therefore probes,
-scrapes and routes over its own region's links, while all of them load the same engines: their
-queues and caches are shared truth, their in-flight accounting and prefix index are not.
+Every other proxy than the fleet's own gets a view of the fleet (`gorgo.sim.view`) on free
+loopback ports, and `gorgo sim fleet --view` adds one link per replica and view, to the same
+engine. Each router therefore probes, scrapes and routes over its own region's links, while all
+of them load the same engines: their queues and caches are shared truth, their in-flight
+accounting and prefix index are not.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -21,25 +19,15 @@ import yaml
 from gorgo.core.fleet import parse_fleet
 from gorgo.harness.procs import GorgoProcess, free_ports
 from gorgo.harness.stack import LiveStack, StackOptions, start_sim_fleet
-from gorgo.sim.routers import view_from
+from gorgo.sim.view import view_doc
 
 
 def region_view(doc: dict[str, Any], region: str) -> dict[str, Any]:
     """The fleet document as a proxy in ``region`` sees it, its replicas on free loopback ports
     (the fleet's proxy region's view is ``doc`` itself, on its own addresses)."""
-    spec = parse_fleet(doc)
-    if region == spec.proxy_region:
+    if region == parse_fleet(doc).proxy_region:
         return doc
-    view = view_from(spec, region)
-    out = json.loads(json.dumps(doc))
-    out["name"] = f"{doc.get('name', 'fleet')}-{region}"
-    out["proxy_region"] = region
-    for g in view.regions:
-        out["regions"][g.name] = {**out["regions"][g.name],
-                                  "sim": {"rtt_ms": g.rtt_ms, "jitter_ms": g.jitter_ms}}
-    for r, port in zip(out["replicas"], free_ports(len(out["replicas"])), strict=True):
-        r["address"] = f"127.0.0.1:{port}"
-    return out
+    return view_doc(doc, region, [f"127.0.0.1:{p}" for p in free_ports(len(doc["replicas"]))])
 
 
 class ProxyPerRegion:

@@ -223,8 +223,9 @@ async def _serve(args: argparse.Namespace, fleet: SimFleet) -> int:
     for r in fleet.replicas:  # name the replica; the bind error itself would not
         host = args.bind or r.host
         check_port(host, r.port, f"replica {r.name} on {host}:{r.port}", hint)
+    started = {r.name for r in fleet.replicas}
     for view, path in zip(fleet.views, args.view, strict=True):
-        for r in view.replicas:
+        for r in (r for r in view.replicas if r.name in started):
             host = args.bind or r.host
             check_port(host, r.port, f"replica {r.name} of the view {path} on {host}:{r.port}",
                        f"free it or change the replica's address in {path}")

@@ -29,6 +29,7 @@ from gorgo.core.contract import CLUSTER_HEADER, CONTROL_HEADERS
 from gorgo.core.fleet import load_fleet
 from gorgo.envoy_config import EXTPROC_CLUSTER, OTLP_CLUSTER, PICKER_CLUSTER, render_bootstrap
 from gorgo.harness.envoy_proc import envoy_binary
+from gorgo.sim.view import offset_addresses, view_doc
 from tuner.main import parse_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -47,11 +48,22 @@ RENDERS: dict[str, list[str]] = {
                 "--extproc", "extproc-gpu:50051", "--otlp", "otel-collector:4319",
                 "--admin", "0.0.0.0:9901"],
 }
+# Profile multi: a proxy per region. Each other region's view of the compose fleet (written by
+# `gorgo sim view` with these port offsets) and its Envoy config, rendered like the main one.
+VIEWS = {"eu-frankfurt": 100, "ap-seoul": 200}
+for _region in VIEWS:
+    RENDERS[f"deploy/envoy.compose.{_region}.yaml"] = [
+        "envoy-config", f"deploy/fleet.compose.{_region}.yaml", "--listen", "0.0.0.0:10000",
+        "--extproc", f"extproc-{_region}:50051", "--otlp", "otel-collector:4317",
+        "--admin", "0.0.0.0:9901"]
 SIM_SERVICES = ("sim-us-east", "sim-eu-frankfurt", "sim-ap-seoul")
 OTLP_TOKEN_FILE = "/run/gorgo/otlp-token"
 CORE_SERVICES = {"envoy", "extproc", "tuner", "otel-collector", "jaeger", "prometheus", "grafana",
                  "loadgen", "admin-token", *SIM_SERVICES}
 GPU_SERVICES = {"sglang", "vllm", "extproc-gpu", "tuner-gpu", "envoy-gpu", "loadgen-gpu"}
+MULTI_SERVICES = {f"{kind}-{g}" for kind in ("extproc", "envoy", "loadgen") for g in VIEWS}
+MULTI_ENVOYS = [f"envoy-{region}" for region in VIEWS]
+PROFILES = {**{n: ["gpu"] for n in GPU_SERVICES}, **{n: ["multi"] for n in MULTI_SERVICES}}
 _VAR = re.compile(r"\$\{(\w+)(?::?-([^}]*))?\}")
 
 
@@ -169,29 +181,32 @@ def _hcm(boot: dict[str, Any]) -> dict[str, Any]:
 # --- the compose file -----------------------------------------------------------------------------
 
 
-def test_compose_has_every_service_and_the_gpu_profile(services: dict[str, Any]) -> None:
-    assert set(services) == CORE_SERVICES | GPU_SERVICES
+def test_compose_has_every_service_and_the_profiles(services: dict[str, Any]) -> None:
+    assert set(services) == CORE_SERVICES | GPU_SERVICES | MULTI_SERVICES
     for name, svc in services.items():
-        assert svc.get("profiles", []) == (["gpu"] if name in GPU_SERVICES else []), name
+        profiles = svc.get("profiles", [])
+        assert profiles == PROFILES.get(name, []), name
         for dep in svc.get("depends_on", []):
             assert dep in services, f"{name} depends on unknown {dep}"
-            assert name in GPU_SERVICES or dep not in GPU_SERVICES, (
-                f"{name} would pull the gpu profile's {dep} into the default stack")
+            assert PROFILES.get(dep, profiles) == profiles, (
+                f"{name} would pull the {PROFILES[dep][0]} profile's {dep} into its own")
 
 
 def test_every_gorgo_command_parses_with_the_cli(services: dict[str, Any]) -> None:
     ran = {name for name, svc in services.items() if _is_project(svc) and "entrypoint" not in svc}
-    assert ran == (CORE_SERVICES | GPU_SERVICES) - {
-        "envoy", "envoy-gpu", "otel-collector", "jaeger", "prometheus", "grafana", "sglang",
-        "vllm", "admin-token"}
+    assert ran == (CORE_SERVICES | GPU_SERVICES | MULTI_SERVICES) - {
+        "envoy", "envoy-gpu", *MULTI_ENVOYS, "otel-collector", "jaeger", "prometheus", "grafana",
+        "sglang", "vllm", "admin-token"}
     for name in sorted(ran):
         svc = services[name]
         assert svc["build"] == {"context": ".", "target": "router"}, name  # no matplotlib
         _gorgo(svc)
     assert set(_gorgo_services(services, "sim", "fleet")) == set(SIM_SERVICES)
-    assert set(_gorgo_services(services, "extproc")) == {"extproc", "extproc-gpu"}
+    assert set(_gorgo_services(services, "extproc")) == {
+        "extproc", "extproc-gpu", *(f"extproc-{g}" for g in VIEWS)}
     assert set(_gorgo_services(services, "tuner")) == {"tuner", "tuner-gpu"}
-    assert set(_gorgo_services(services, "replay")) == {"loadgen", "loadgen-gpu"}
+    assert set(_gorgo_services(services, "replay")) == {
+        "loadgen", "loadgen-gpu", *(f"loadgen-{g}" for g in VIEWS)}
 
 
 def test_each_region_runs_in_its_own_container(services: dict[str, Any]) -> None:
@@ -209,9 +224,31 @@ def test_each_region_runs_in_its_own_container(services: dict[str, Any]) -> None
         assert {r.host for r in spec.replicas if r.region in args.region} == {name}
         health = _health_url(services[name])
         assert urlsplit(health).port in ports
+        # One more link per other proxy region: the mounted views, on this service's name too.
+        views = [_repo_file(services[name], v) for v in args.view]
+        assert views == [REPO / f"deploy/fleet.compose.{g}.yaml" for g in VIEWS]
+        for view in map(load_fleet, views):
+            assert {r.host for r in view.replicas if r.region in args.region} == {name}
     assert spec is not None
     assert sorted(served) == sorted(spec.region_names)
     assert len({a.seed for a in sims.values()}) == len(sims)  # independent link jitter
+
+
+@pytest.mark.parametrize("region", sorted(VIEWS))
+def test_each_proxy_region_view_is_fresh(region: str) -> None:
+    """The multi profile's views are what `gorgo sim view` writes (the command in the header):
+    the fleet's replicas under the same names, each port moved by the view's offset, and the
+    regions' RTTs from that proxy region."""
+    path = REPO / f"deploy/fleet.compose.{region}.yaml"
+    doc = yaml.safe_load((REPO / "deploy" / "fleet.compose.yaml").read_text())
+    fresh = view_doc(doc, region, offset_addresses(doc, VIEWS[region]))
+    assert yaml.safe_load(path.read_text()) == fresh, f"{path.name} is stale: re-run its header"
+    command = (f"gorgo sim view deploy/fleet.compose.yaml --region {region} "
+               f"--port-offset {VIEWS[region]}")
+    assert command in path.read_text() and command in (REPO / "docs" / "docker.md").read_text()
+    view, fleet = load_fleet(path), load_fleet(REPO / "deploy" / "fleet.compose.yaml")
+    assert view.proxy_region == region
+    assert [r.name for r in view.replicas] == [r.name for r in fleet.replicas]
 
 
 def test_admin_token_is_generated_once_into_a_volume(services: dict[str, Any],
@@ -281,7 +318,7 @@ def test_envoy_image_matches_the_tested_envoy(services: dict[str, Any]) -> None:
                          timeout=30).stdout
     tested = re.search(r"/(\d+)\.(\d+)\.\d+/", out)
     assert tested, out
-    for name in ("envoy", "envoy-gpu"):
+    for name in ("envoy", "envoy-gpu", *MULTI_ENVOYS):
         image = services[name]["image"]
         m = re.fullmatch(r"envoyproxy/envoy:v(\d+)\.(\d+)(?:\.\d+|-latest)", image)
         assert m and m.groups() == tested.groups(), f"{name}: {image} vs tested {out.strip()}"
@@ -306,7 +343,7 @@ def test_docker_docs_show_the_render_commands() -> None:
         assert f"gorgo {' '.join(args)} -o {path}" in doc, path
 
 
-@pytest.mark.parametrize("envoy_name", ["envoy", "envoy-gpu"])
+@pytest.mark.parametrize("envoy_name", ["envoy", "envoy-gpu", *MULTI_ENVOYS])
 def test_envoy_service_matches_its_config_and_peers(services: dict[str, Any],
                                                     envoy_name: str) -> None:
     svc = services[envoy_name]
@@ -386,7 +423,8 @@ def test_each_pipeline_serves_one_envoy() -> None:
     cfg = _collector()
     port_of = {name: _hostport(r["protocols"]["grpc"]["endpoint"])[1]
                for name, r in cfg["receivers"].items()}
-    for path, pipeline in ((ENVOY_MAIN, "traces"), (ENVOY_GPU, "traces/gpu")):
+    main = [ENVOY_MAIN, *(f"deploy/envoy.compose.{g}.yaml" for g in VIEWS)]
+    for path, pipeline in [*((p, "traces") for p in main), (ENVOY_GPU, "traces/gpu")]:
         boot = yaml.safe_load((REPO / path).read_text())
         _, port = _cluster_address(_clusters(boot)[OTLP_CLUSTER])
         (receiver,) = cfg["service"]["pipelines"][pipeline]["receivers"]

@@ -10,8 +10,9 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from gorgo.core.contract import DECISION_FIELDS
+from gorgo.core.contract import DECISION_FIELDS, PROXY_REGION_ATTR
 from gorgo.core.contract import TTFT_ATTR as TTFT_TAG
+from gorgo.core.fleet import load_fleet
 from gorgo.harness.procs import wait_for
 from tests.support.e2e import (
     CHUNK_GAP_S,
@@ -74,6 +75,7 @@ def test_spans_carry_ttft_and_every_decision_field(stack: Stack) -> None:
     for key in DECISION_FIELDS:
         assert span.get(f"gorgo.{key}") not in (None, ""), key
     assert span["gorgo.policy"] == "gorgo"
+    assert span[PROXY_REGION_ATTR] == load_fleet(stack.fleet_path).proxy_region
     assert float(span["gorgo.predicted_ttft_ms"]) > 0
     assert int(span["gorgo.prompt_tokens"]) >= 350
 

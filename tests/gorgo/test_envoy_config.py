@@ -20,6 +20,7 @@ from gorgo.core.contract import (
     ENDPOINTS_HEADER,
     HEALTH_PATH,
     PICKER_HEADER,
+    PROXY_REGION_ATTR,
     REPLICA_HEADER,
     ROUTER_READS,
 )
@@ -100,8 +101,9 @@ def test_bootstrap_shape() -> None:
     assert fleet["circuit_breakers"]["thresholds"][0]["retry_budget"] == {
         "budget_percent": {"value": spec.retries.budget_percent},
         "min_retry_concurrency": spec.retries.min_retry_concurrency}
-    tags = {t["tag"]: t["value"] for t in hcm["tracing"]["custom_tags"]}
+    tags = {t["tag"]: t.get("value", t.get("literal")) for t in hcm["tracing"]["custom_tags"]}
     assert tags[TTFT_TAG] == TTFT_FORMAT
+    assert tags[PROXY_REGION_ATTR] == {"value": spec.proxy_region}  # which proxy, in Jaeger
     for key in DECISION_FIELDS:
         assert tags[f"gorgo.{key}"] == f"%DYNAMIC_METADATA(gorgo:{key})%"
 
