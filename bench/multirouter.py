@@ -12,9 +12,11 @@ The summary goes to ``<out>/summary.md`` and, with ``--write-docs``, between thi
         [--fleet paper] [--cache precise] [--scrape-interval S] [--routers 1,4]
         [--write-docs docs/results.md] [--report-only]
 
-``--cache precise`` and ``--scrape-interval`` run a variant of the preset (every replica a
-simulated vLLM whose KV events every router follows; the routers' scrape interval), written as a
-fleet file into ``--out``; ``--routers`` keeps only those K (1 is always run: the baseline).
+``--cache precise``, ``--scrape-interval`` and ``--share`` run a variant of the preset (every
+replica a simulated vLLM whose KV events every router follows; the routers' scrape interval; the
+fleet's ``sharing:`` on, so each router applies the others' bookings, `gorgo.core.peers`), written
+as a fleet file into ``--out``; ``--routers`` keeps only those K (1 is always run: the baseline).
+A ``--share`` run writes its own block in the docs.
 """
 
 from __future__ import annotations
@@ -38,7 +40,14 @@ CONFIGS: tuple[tuple[int, str], ...] = (
 GOAL_K, GOAL = 4, 1.05  # acceptance: K = 4 within 5 % of one router on both metrics
 METRICS = ("ttft_p95_ms", "e2e_p95_ms")
 SECTION = "## Several routers"
-BEGIN, END = "<!-- bench/multirouter.py begin -->", "<!-- bench/multirouter.py end -->"
+SIM_NATS = "nats://127.0.0.1:4222"
+
+
+def markers(share: bool) -> tuple[str, str, str]:
+    """The docs section and block of a run: shared bookings have their own."""
+    tag = "bench/multirouter.py --share" if share else "bench/multirouter.py"
+    return (f"{SECTION}, bookings shared" if share else SECTION,
+            f"<!-- {tag} begin -->", f"<!-- {tag} end -->")
 
 
 def policies() -> list[str]:
@@ -56,14 +65,17 @@ def configs(args: argparse.Namespace) -> list[tuple[int, str]]:
 
 def fleet_arg(args: argparse.Namespace) -> str:
     """The preset, or the variant ``--cache`` / ``--scrape-interval`` ask for as a fleet file."""
-    if args.cache == "approximate" and args.scrape_interval is None:
+    if args.cache == "approximate" and args.scrape_interval is None and not args.share:
         return args.fleet
     if args.fleet not in PRESETS:
-        raise SystemExit("multirouter: --cache and --scrape-interval apply to a preset --fleet")
+        raise SystemExit("multirouter: --cache, --scrape-interval and --share apply to a preset "
+                         "--fleet")
     doc = dict(PRESETS[args.fleet])
     doc["replicas"] = [with_cache(r, args.cache) for r in doc["replicas"]]
     if args.scrape_interval is not None:
         doc["signals"] = {"scrape_interval_s": args.scrape_interval}
+    if args.share:  # the simulator delivers the bookings itself; the server is never dialled
+        doc["sharing"] = {"nats": SIM_NATS}
     path = args.out / f"fleet-{args.fleet}.yaml"
     path.write_text(json.dumps(doc, indent=1) + "\n")  # JSON is YAML
     return str(path)
@@ -138,7 +150,10 @@ def summary(args: argparse.Namespace, run: dict) -> str:
         "own state (in-flight, prefix index, probes and scrapes on their own timers) and see "
         "the same engines; `same`: all in the proxy region; `spread`: round-robin over the "
         "regions, each request at a router of its client's region, clients dealt evenly "
-        "(`gorgo/sim/routers.py`). Cells are "
+        "(`gorgo/sim/routers.py`)"
+        + ("; with `sharing:` each router also applies the others' bookings one delay later "
+           "(`gorgo.core.peers`: 1 ms in one region, half the link's RTT between two)"
+           if args.share else "") + ". Cells are "
         f"{bench.CI_NOTE.replace('the best peer', 'K = 1')}. Goal: K = {GOAL_K} within "
         f"{(GOAL - 1) * 100:.0f} % of one router (ratio mean <= {GOAL:g}). {run['code']}.", "",
         "| trace | policy | placement | K | TTFT p95 (ms) | / K=1 | E2E p95 (ms) | / K=1 | "
@@ -150,7 +165,7 @@ def summary(args: argparse.Namespace, run: dict) -> str:
 def fleet_text(args: argparse.Namespace) -> str:
     scrape = ("" if args.scrape_interval is None else
               f", scrape interval {args.scrape_interval:g} s")
-    return f"cache view {args.cache}{scrape}"
+    return f"cache view {args.cache}{scrape}{', bookings shared' if args.share else ''}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -165,14 +180,19 @@ def main(argv: list[str] | None = None) -> int:
                    help="the routers' cache view of every replica (precise: KV events)")
     p.add_argument("--scrape-interval", type=float, default=None, metavar="S",
                    help="the routers' engine scrape interval (default: the fleet's)")
+    p.add_argument("--share", action="store_true",
+                   help="the fleet's sharing: on (every router applies the others' bookings)")
     p.add_argument("--routers", default="1,2,4,8", metavar="K,...",
                    help="numbers of routers to run (default: 1,2,4,8)")
     p.add_argument("--jobs", type=int, default=1)
-    p.add_argument("--out", type=Path, default=Path("results/multirouter"))
+    p.add_argument("--out", type=Path, default=None,
+                   help="default: results/multirouter (results/multirouter-share with --share)")
     p.add_argument("--write-docs", type=Path, default=None, metavar="FILE.md")
     p.add_argument("--report-only", action="store_true",
                    help="rebuild the summary from the results already in --out")
     args = p.parse_args(argv)
+    if args.out is None:
+        args.out = Path("results/multirouter-share" if args.share else "results/multirouter")
     try:
         args.routers = {int(k) for k in args.routers.split(",")}
     except ValueError:
@@ -198,9 +218,9 @@ def main(argv: list[str] | None = None) -> int:
         run["wall_s"] = time.monotonic() - t0
         meta.write_text(json.dumps(run) + "\n")
     text = summary(args, run)
-    (args.out / "summary.md").write_text(f"{SECTION}\n\n{text}")
+    (args.out / "summary.md").write_text(f"{markers(args.share)[0]}\n\n{text}")
     if args.write_docs is not None:
-        write_block(args.write_docs, SECTION, BEGIN, END, text, "# Results")
+        write_block(args.write_docs, *markers(args.share), text, "# Results")
     print(f"multirouter: wrote {args.out / 'summary.md'} in {time.monotonic() - t0:.0f} s",
           file=sys.stderr)
     return 0

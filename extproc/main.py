@@ -19,6 +19,7 @@ from extproc.discovery import DnsDiscovery
 from extproc.envoy_admin import EnvoyOutcomes
 from extproc.http_api import make_app, readiness
 from extproc.kv_events import KVEventsClient
+from extproc.peers import PeerLink
 from extproc.reload import POLL_INTERVAL_S, FleetReloader
 from extproc.service import ExtProcService
 from extproc.signals import Signals
@@ -93,6 +94,7 @@ class ExtProcServer:
         self.kv_events = (KVEventsClient(router, self.metrics)
                           if router.state.precise is not None else None)
         self.outcomes = EnvoyOutcomes(router, envoy_admin) if envoy_admin else None
+        self.peers = PeerLink(router, self.metrics) if router.spec.sharing is not None else None
         self.cds_file = cds_file
         if discovery is None and fleet_path is not None:
             discovery = DnsDiscovery(fleet_path)
@@ -149,6 +151,8 @@ class ExtProcServer:
             await self.kv_events.start()
         if self.outcomes is not None:
             await self.outcomes.start()
+        if self.peers is not None:
+            await self.peers.start()
         await self.metrics.spans.start()
         self._health_task = asyncio.create_task(self._serve_health())
         if self.reloader.path is not None:
@@ -209,6 +213,8 @@ class ExtProcServer:
             await self.kv_events.stop()
         if self.outcomes is not None:
             await self.outcomes.stop()
+        if self.peers is not None:
+            await self.peers.stop()
         await self.signals.stop()
         await self.metrics.spans.stop()
         if self._http is not None:

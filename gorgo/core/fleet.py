@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import yaml
 
@@ -219,6 +220,16 @@ class ControlHeaders:
     trusted_peers: tuple[str, ...] = ()
 
 
+@dataclass(frozen=True, slots=True)
+class Sharing:
+    """Bookings shared between the routers of this fleet (`gorgo.core.peers`): each publishes
+    what it routes and what ends on ``subject`` of the NATS server at ``nats``, and counts the
+    others' as its own. Every router of the fleet names the same server and subject."""
+
+    nats: str
+    subject: str
+
+
 RESPONSE_HEADER_MODES = ("send", "skip")
 
 
@@ -273,6 +284,7 @@ class FleetSpec:
     routes: Routes = field(default_factory=Routes)
     control_headers: ControlHeaders = field(default_factory=ControlHeaders)
     extproc: ExtProcMode = field(default_factory=ExtProcMode)
+    sharing: Sharing | None = None  # None: each router counts only its own requests
     name: str = "fleet"
     # Also answer with the Gateway API Inference Extension's endpoint-picker header/metadata.
     endpoint_picker: bool = False
@@ -648,6 +660,23 @@ def _observability(raw: Mapping[str, Any], path: str) -> Observability:
                                                   Observability().ttft_log_interval_s))
 
 
+def _sharing(raw: Mapping[str, Any], path: str, fleet: str) -> Sharing | None:
+    if raw.get("sharing") is None:
+        return None
+    sraw = _mapping(raw["sharing"], path)
+    _check_keys(sraw, {"nats", "subject"}, path)
+    url = _str(sraw, "nats", path, "")
+    parts = urlsplit(url)
+    if parts.scheme not in ("nats", "tls") or not parts.hostname:
+        raise FleetError(f"{path}.nats: expected a NATS server URL like nats://host:4222, "
+                         f"got {url!r}")
+    subject = _str(sraw, "subject", path, f"gorgo.bookings.{fleet}")
+    if not subject or any(c in subject for c in " *>\t") or "" in subject.split("."):
+        raise FleetError(f"{path}.subject: expected a NATS subject of dot-separated tokens "
+                         f"without wildcards, got {subject!r}")
+    return Sharing(nats=url, subject=subject)
+
+
 def _extproc(raw: Mapping[str, Any], path: str) -> ExtProcMode:
     eraw = _mapping(raw.get("extproc") or {}, path)
     _check_keys(eraw, set(ExtProcMode.__dataclass_fields__), path)
@@ -733,7 +762,7 @@ def parse_fleet(raw: Any, source: str = "fleet") -> FleetSpec:
          "allow_policy_override", "models",
          "weights", "block_tokens", "chars_per_token", "default_cluster", "timeouts", "signals",
          "limits", "endpoint_picker", "shedding", "slo", "penalties", "retries", "routes",
-         "control_headers", "observability", "extproc"},
+         "control_headers", "observability", "extproc", "sharing"},
         source,
     )
     regions_raw = _mapping(raw.get("regions"), f"{source}.regions")
@@ -791,6 +820,7 @@ def parse_fleet(raw: Any, source: str = "fleet") -> FleetSpec:
         routes=_routes(raw, f"{source}.routes"),
         control_headers=_control_headers(raw, f"{source}.control_headers"),
         extproc=_extproc(raw, f"{source}.extproc"),
+        sharing=_sharing(raw, f"{source}.sharing", _str(raw, "name", source, "fleet")),
         model_settings=_model_settings(raw, replicas, weights, source),
     )
 

@@ -45,6 +45,9 @@ def check_reloadable(old: FleetSpec, new: FleetSpec) -> None:
     if any(r.precise for r in (*old.replicas, *new.replicas)):
         raise FleetError("replicas: a fleet with cache: precise replicas is not reloaded (its KV "
                          "event subscriptions are set up at start); restart the router")
+    if new.sharing != old.sharing:
+        raise FleetError("sharing: cannot change on reload (the NATS connection is set up at "
+                         "start); restart the router")
     if new.limits.max_body_bytes > old.limits.max_body_bytes:
         raise FleetError("limits.max_body_bytes: cannot grow on reload (the gRPC message limit "
                          "is set at start); restart the router")

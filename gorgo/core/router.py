@@ -11,6 +11,7 @@ periodic duty of the policies; both drivers (the ext_proc server and the simulat
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,6 +29,7 @@ from gorgo.core.decision import (
 from gorgo.core.features import RequestFeatures
 from gorgo.core.fleet import FleetError, FleetSpec, ModelSettings
 from gorgo.core.membership import FleetDiff, check_reloadable, diff_fleets
+from gorgo.core.peers import CLOSED, OPENED, Booking, PeerBookings
 from gorgo.core.policies import REGISTRY, make_policy
 from gorgo.core.policies.base import Policy
 from gorgo.core.state import FleetState
@@ -71,6 +73,11 @@ class Router:
         self._id_prefix = id_prefix
         self._open: dict[str, _Open] = {}
         self.shed_count = 0
+        # Shared bookings (`gorgo.core.peers`): what this router publishes (None: sharing off,
+        # the driver drains it) and the other routers' bookings it has applied.
+        self.outbox: list[Booking] | None = None
+        self._notify: Callable[[], None] | None = None
+        self.peers = PeerBookings(spec.timeouts.request_s)
         # Bumped by every reload: signal results measured on an older fleet are dropped.
         self.generation = 0
 
@@ -107,6 +114,7 @@ class Router:
                 del self._open[key]
             else:
                 entry.replica = j
+        self.peers.reindexed(self.state.names, state.index, set(diff.kept))
         self.state = state
         self._use(spec)
         self.generation += 1
@@ -160,6 +168,7 @@ class Router:
         s = self.state
         s.now = now
         s.expire_pending(now)
+        self.peers.expire(s, now)
         names = self.policies if self.spec.allow_policy_override else dict.fromkeys(
             [self.default_policy, *(m.policy for m in self.spec.model_settings if m.policy)])
         for name in names:
@@ -208,7 +217,35 @@ class Router:
         self._count(d.weights_version, d.policy)
         s.record_sent(i, f, d.uncached_tokens)
         self._open[d.id] = _Open(i, f.prompt_tokens, d.uncached_tokens, f.block_hashes)
+        self._publish(d.id, OPENED, self._open[d.id])
         return d
+
+    def share(self, notify: Callable[[], None] | None = None) -> None:
+        """Publish this router's bookings from now on: into `outbox`, which the driver drains
+        (``notify``, if given, is called after each new booking)."""
+        if self.outbox is None:
+            self.outbox = []
+        self._notify = notify
+
+    @property
+    def router_id(self) -> str:
+        """This router's id among its peers: its decision ids' prefix."""
+        return self._id_prefix
+
+    def _publish(self, decision_id: str, kind: str, entry: _Open) -> None:
+        if self.outbox is None:
+            return
+        self.outbox.append(Booking(
+            self._id_prefix, decision_id, kind, self.state.names[entry.replica],
+            entry.prompt_tokens, entry.uncached,
+            tuple(entry.block_hashes.tolist()) if kind == OPENED else ()))
+        if self._notify is not None:
+            self._notify()
+
+    def apply_peer(self, booking: Booking, now: float) -> None:
+        """Another router's booking (never one of this router's own)."""
+        if booking.router != self._id_prefix:
+            self.peers.apply(self.state, booking, now)
 
     def _count(self, version: int, policy: str) -> None:
         by_policy = self.routed.get(version)
@@ -249,6 +286,7 @@ class Router:
         entry = self._open.pop(decision_id, None)
         if entry is None:
             return False
+        self._publish(decision_id, CLOSED, entry)
         self.state.release_inflight(entry.replica, entry.prompt_tokens, entry.uncached)
         if self.state.precise is not None:
             self.state.precise.closed(entry.replica, entry.block_hashes)
@@ -268,7 +306,9 @@ class Router:
         s.prefix.insert(replica, entry.block_hashes)
         entry.uncached = max(entry.prompt_tokens - cached, 0)
         s.add_inflight(replica, entry.prompt_tokens, entry.uncached)
+        self._publish(decision_id, CLOSED, entry)  # the peers move it too
         entry.replica = replica
+        self._publish(decision_id, OPENED, entry)
         return True
 
     @property

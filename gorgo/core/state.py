@@ -226,6 +226,14 @@ class FleetState:
             self.precise.sent(i, f.block_hashes)
         self.add_inflight(i, f.prompt_tokens, uncached)
 
+    def record_peer(self, i: int, block_hashes: np.ndarray, prompt_tokens: int,
+                    uncached: int) -> None:
+        """Another router routed a request to replica i (`gorgo.core.peers`): as `record_sent`."""
+        self.prefix.insert(i, block_hashes)
+        if self.precise is not None:
+            self.precise.sent(i, block_hashes)
+        self.add_inflight(i, prompt_tokens, uncached)
+
     def add_inflight(self, i: int, prompt_tokens: int, uncached: int) -> None:
         self.version += 1
         self.backlog_tokens[i] = self.own_backlog(i) + uncached

@@ -40,16 +40,20 @@ import numpy as np
 from gorgo.core.decision import Decision, Rejection
 from gorgo.core.features import RequestFeatures, prompt_text
 from gorgo.core.fleet import FleetSpec
+from gorgo.core.peers import Booking
 from gorgo.core.policies.base import Policy
 from gorgo.core.router import TICK_INTERVAL_S, Router
 from gorgo.sim.engine import Engine, EngineRejected, EngineRequest, StepResult
 from gorgo.sim.kv_publish import HASH_ALGO, SimHashing
 from gorgo.sim.profiles import replica_profile
-from gorgo.sim.routers import SAME, assign_routers, router_regions, view_from
+from gorgo.sim.routers import SAME, assign_routers, link_from, router_regions, view_from
 
 # Event kinds, in tie-break order at equal times (completions before new arrivals; hooks last).
 (STEP_END, FIRST_TOKEN, CLOSE, PROBE_DONE, SCRAPE_DONE, KV_EVENTS, SCRAPE_AT, SUBMIT, ARRIVE, PROBE,
- TICK, CALL) = range(12)
+ TICK, CALL, PEER) = range(13)
+# Shared bookings (fleet `sharing:`): between routers of one region, this one-way delay (a message
+# bus in the same data centre); between regions, half the RTT of their link (`link_from`).
+PEER_LOCAL_S = 1e-3
 
 # Router intake (added after bench/crosscheck.py compared this simulation with the live stack,
 # see docs/results.md "Live cross-check"): the live router takes requests one at a time, and each
@@ -142,6 +146,12 @@ def build_engines(spec: FleetSpec, speed: float = 1.0) -> list[Engine]:
     return engines
 
 
+def arrival_order(arrivals: Sequence[float], features: Sequence[RequestFeatures]) -> list[int]:
+    """The order requests reach the router: by arrival, simultaneous ones shortest body first
+    (see `Simulation.run`)."""
+    return sorted(range(len(arrivals)), key=lambda k: (arrivals[k], features[k].prompt_tokens))
+
+
 def _first_token_at(rec: RequestRecord, first_at: float, cached_tokens: int) -> None:
     rec.first_at = first_at
     rec.ttft = first_at + rec.back_delay - rec.arrival
@@ -185,6 +195,14 @@ class Simulation:
             self.sides.append(RouterSide(region, Router(view, id_prefix=f"s{seed}r{j}"),
                                          Network(view, self.rng), [0.0] * len(self.engines)))
         self.policy = self.router.policies[policy]
+        # A fleet with `sharing:`: every router publishes its bookings, each other router applies
+        # them one delay later (`_publish`).
+        self._peer_delay = [[0.0 if a == b else PEER_LOCAL_S if ra == rb
+                             else link_from(spec, ra, rb)[0] / 2000.0
+                             for b, rb in enumerate(regions)] for a, ra in enumerate(regions)]
+        if spec.sharing is not None and routers > 1:
+            for side in self.sides:
+                side.router.share()
         self.fold = fold
         self._heap: list[tuple[float, int, int, object]] = []
         # Times of future arrivals and submissions: the only events that can change an engine's
@@ -241,7 +259,7 @@ class Simulation:
         # the bodies at once and the router sees each when its body is complete. Arrival order
         # alone (the trace's index) made simultaneous long prompts jump ahead of short ones;
         # bench/crosscheck.py measured the live order (docs/results.md, Live cross-check).
-        for k in sorted(range(n), key=lambda k: (arrivals[k], features[k].prompt_tokens)):
+        for k in arrival_order(arrivals, features):
             self._push(arrivals[k], ARRIVE, k)
         sig = self.spec.signals
         for j, side in enumerate(self.sides):
@@ -261,6 +279,7 @@ class Simulation:
             CLOSE: self._close, PROBE: self._probe, PROBE_DONE: self._probe_done,
             SCRAPE_AT: self._scrape_at, SCRAPE_DONE: self._scrape_done, TICK: self._tick,
             CALL: self._call, KV_EVENTS: self._kv_events, FIRST_TOKEN: self._first_token,
+            PEER: self._peer,
         }
         self._open = n
         while heap and self._open > 0:
@@ -273,7 +292,9 @@ class Simulation:
         return SimResult(
             policy=self.policy.name, seed=self.seed, records=self.records,
             regions=s.regions, replica_region=s.region_idx.tolist(), sim_time_s=self.now,
-            events=events, leaked_inflight=sum(int(r.state.inflight_reqs.sum()) for r in routers),
+            # Its own requests only: the last closes may still be on their way to the peers.
+            events=events, leaked_inflight=sum(int(r.state.inflight_reqs.sum()) - len(r.peers)
+                                               for r in routers),
             extra={"shed": sum(r.shed_count for r in routers)},
         )
 
@@ -292,6 +313,7 @@ class Simulation:
         rec.replica = d.replica
         rec.predicted_ms = d.predicted_ms
         side.decisions[k] = d
+        self._publish(self.home[k])
         base, per_token = self.intake
         sent = max(self.now, side.free_at) + base + per_token * self.features[k].prompt_tokens
         side.free_at = sent
@@ -305,22 +327,31 @@ class Simulation:
     def _submit(self, k: int) -> None:
         rec = self.records[k]
         i = rec.replica
-        f = self.features[k]
         rec.back_delay = self.sides[self.home[k]].net.one_way(i)
-        hashing = self._hashing.get(i)
-        if hashing is None or f.endpoint is None or f.body is None:
-            req = EngineRequest(k, f.prompt_tokens, f.block_hashes, rec.output_tokens, self.now)
-        else:
-            ids, hashes = hashing.blocks(prompt_text(f.endpoint, f.body))
-            req = EngineRequest(k, f.prompt_tokens, hashes, rec.output_tokens, self.now, ids)
         try:
-            self.engines[i].submit(req, self.now)
+            self.engines[i].submit(self.engine_request(k, i, self.now), self.now)
         except EngineRejected as exc:
             rec.status = exc.status
             self._push(self.now + rec.back_delay, CLOSE, k)
             return
         if not self._busy[i]:
             self._start_step(i)
+
+    def engine_request(self, k: int, i: int, now: float) -> EngineRequest:
+        """Request ``k`` as engine ``i`` receives it at ``now`` (a `cache: precise` replica hashes
+        the prompt its own way)."""
+        f = self.features[k]
+        out = self.records[k].output_tokens
+        hashing = self._hashing.get(i)
+        if hashing is None or f.endpoint is None or f.body is None:
+            return EngineRequest(k, f.prompt_tokens, f.block_hashes, out, now)
+        ids, hashes = hashing.blocks(prompt_text(f.endpoint, f.body))
+        return EngineRequest(k, f.prompt_tokens, hashes, out, now, ids)
+
+    def pending(self, kind: int) -> list[tuple[float, object]]:
+        """The queued events of one kind, as (time, payload), in no order: for a bound that sees
+        the whole simulation (`sim.lookahead`)."""
+        return [(t, p) for t, k, _, p in self._heap if k == kind]
 
     def _start_step(self, i: int) -> None:
         inputs = self._inputs
@@ -367,9 +398,25 @@ class Simulation:
         side = self.sides[self.home[k]]
         d = side.decisions.pop(k)
         side.router.complete(d.id)
+        self._publish(self.home[k])
         if self.on_complete is not None:
             self.on_complete(self.records[k], d)
         self._done()
+
+    def _publish(self, j: int) -> None:
+        """Router j's new bookings, on their way to every other router (sharing on)."""
+        outbox = self.sides[j].router.outbox
+        if not outbox:
+            return
+        for b in outbox:
+            for j2, delay in enumerate(self._peer_delay[j]):
+                if j2 != j:
+                    self._push(self.now + delay, PEER, (j2, b))
+        outbox.clear()
+
+    def _peer(self, payload: tuple[int, Booking]) -> None:
+        j, booking = payload
+        self.sides[j].router.apply_peer(booking, self.now)
 
     def _first_token(self, payload: tuple[int, float, int]) -> None:
         k, first_at, cached = payload

@@ -12,7 +12,7 @@ import pytest
 
 from gorgo.cli import main as cli_main
 from gorgo.core.decision import Decision
-from gorgo.core.fleet import FleetSpec, parse_fleet
+from gorgo.core.fleet import FleetSpec, Sharing, parse_fleet
 from gorgo.sim.offline import RequestRecord, SimResult, Simulation
 from gorgo.sim.presets import fleet_document
 from gorgo.sim.routers import SAME, SPREAD, assign_routers, link_from, router_regions, view_from
@@ -116,6 +116,24 @@ def test_each_router_sees_only_its_own_decisions(fleet: FleetSpec, chat: Workloa
         assert others
         assert not any(state.prefix.match(np.array([h], dtype=np.uint64)).any() for h in others)
     assert res.leaked_inflight == 0
+
+
+def test_routers_of_a_sharing_fleet_count_each_others_requests(fleet: FleetSpec,
+                                                              chat: Workload) -> None:
+    """With `sharing:` every router applies the others' bookings one delay later: each one's
+    prefix index then holds what the others sent, and every booking is released again."""
+    shared = replace(fleet, name="t", sharing=Sharing("nats://127.0.0.1:4222", "gorgo.t"))
+    sim = Simulation(shared, "gorgo", seed=4, routers=3, placement=SPREAD)
+    res = sim.run(chat.arrivals.tolist(), chat.features, chat.output_tokens)
+    assert all(r.status == 200 for r in res.records) and res.leaked_inflight == 0
+    home = sim.home
+    for j, side in enumerate(sim.sides):
+        others = int((home != j).sum())
+        assert side.router.peers.applied >= 2 * others - 2 * len(sim.sides)  # last closes in flight
+        assert side.router.peers.ignored == 0 and side.router.peers.expired == 0
+        blocks = {int(h) for k in np.flatnonzero(home != j) for h in chat.features[k].block_hashes}
+        held = side.router.state.prefix.match(np.array(sorted(blocks), dtype=np.uint64))
+        assert held.any()  # what the other routers sent is in this one's index
 
 
 def test_links_seen_from_another_region(fleet: FleetSpec) -> None:

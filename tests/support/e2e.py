@@ -226,6 +226,11 @@ class GorgoMetrics:
                 out[labels[len(name):]] = float(value)
         return out
 
+    def total(self, name: str) -> float:
+        """The sum of every sample of ``name``, labelled or not."""
+        return sum(float(line.rpartition(" ")[2]) for line in self.text.splitlines()
+                   if line.startswith((name + "{", name + " ")))
+
     def rtt_known(self) -> list[bool]:
         vals = self.values("gorgo_rtt_seconds")
         return [v == v for v in vals.values()] if vals else [False]

@@ -1,0 +1,151 @@
+"""Bookings shared between routers, so that each counts the whole fleet's traffic, not its share.
+
+Several routers in front of one fleet (several Envoys, or a proxy per region) each see only the
+requests they route: their in-flight accounting undercounts the others' and their approximate
+prefix index misses what the others sent. Offline, K = 4 independent routers lost 35-98 % p95
+TTFT against one, and the same four sharing one `FleetState` lost nothing (docs/results.md,
+"Several routers"). So a router publishes a `Booking` when it routes a request and when the
+request ends, and every other router applies them to its state as it applies its own: the
+request in flight on its replica (prompt and uncached tokens, the backlog the queue term reads)
+and its blocks in the prefix views. The transport is the driver's (`extproc/peers.py` over NATS;
+the simulator delivers them one link delay later).
+
+A booking names its replica (routers may index the fleet differently); a replica this router does
+not know is ignored. A peer that dies leaves its open bookings behind: they expire after the
+fleet's request timeout, as a request that long would have been cut. A close without its open
+(the open was lost, or arrived after the close) is a no-op, and a repeated open is applied once.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from gorgo.core.state import FleetState
+
+OPENED, CLOSED = "open", "close"
+FORMAT = 1  # of a bookings message: {"v": FORMAT, "router": id, "b": [[id, kind, replica, ...]]}
+MAX_BOOKINGS = 10_000  # per message: a burst's worth; a larger message is refused whole
+MAX_BLOCKS = 1 << 20  # per booking (a 64M-token prompt at 64 tokens a block)
+
+
+@dataclass(frozen=True, slots=True)
+class Booking:
+    router: str  # the publishing router's id (its decision ids' prefix)
+    decision_id: str
+    kind: str  # OPENED or CLOSED
+    replica: str
+    prompt_tokens: int = 0
+    uncached_tokens: int = 0
+    block_hashes: tuple[int, ...] = ()
+
+
+def encode(router: str, bookings: Sequence[Booking]) -> bytes:
+    """One message of a router's bookings (compact JSON: hashes are 64-bit integers)."""
+    rows = [[b.decision_id, b.kind, b.replica, b.prompt_tokens, b.uncached_tokens,
+             list(b.block_hashes)] for b in bookings]
+    return json.dumps({"v": FORMAT, "router": router, "b": rows},
+                      separators=(",", ":")).encode()
+
+
+def decode(data: bytes) -> list[Booking]:
+    """The bookings of one message; ValueError for anything but a well-formed message of this
+    format (a peer's bad message is refused whole, never half applied)."""
+    try:
+        msg = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ValueError(f"not JSON: {exc}") from None
+    if not isinstance(msg, dict) or msg.get("v") != FORMAT:
+        raise ValueError(f"not a bookings message of format {FORMAT}")
+    router, rows = msg.get("router"), msg.get("b")
+    if not isinstance(router, str) or not isinstance(rows, list) or len(rows) > MAX_BOOKINGS:
+        raise ValueError("bad router id or bookings list")
+    out = []
+    for row in rows:
+        if not (isinstance(row, list) and len(row) == 6):
+            raise ValueError("a booking is [id, kind, replica, prompt, uncached, hashes]")
+        did, kind, replica, prompt, uncached, hashes = row
+        if not (isinstance(did, str) and kind in (OPENED, CLOSED) and isinstance(replica, str)
+                and _count(prompt) and _count(uncached) and isinstance(hashes, list)
+                and len(hashes) <= MAX_BLOCKS
+                and all(type(h) is int and 0 <= h < 1 << 64 for h in hashes)):
+            raise ValueError(f"bad booking {str(row)[:80]}")
+        out.append(Booking(router, did, kind, replica, prompt, uncached, tuple(hashes)))
+    return out
+
+
+def _count(v: object) -> bool:
+    return type(v) is int and 0 <= v < 1 << 40
+
+
+@dataclass(slots=True)
+class _Held:
+    replica: int
+    prompt_tokens: int
+    uncached: int
+    block_hashes: np.ndarray
+    expires_at: float
+
+
+class PeerBookings:
+    """The other routers' open bookings, applied to this router's state."""
+
+    def __init__(self, ttl_s: float) -> None:
+        self.ttl_s = ttl_s
+        self._open: OrderedDict[tuple[str, str], _Held] = OrderedDict()  # by expiry (FIFO)
+        self.applied = 0
+        self.ignored = 0
+        self.expired = 0
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+    def apply(self, s: FleetState, b: Booking, now: float) -> None:
+        key = (b.router, b.decision_id)
+        if b.kind == CLOSED:
+            held = self._open.pop(key, None)
+            if held is None:
+                self.ignored += 1
+                return
+            self._release(s, held)
+            self.applied += 1
+            return
+        i = s.index.get(b.replica)
+        if b.kind != OPENED or i is None or key in self._open:
+            self.ignored += 1
+            return
+        hashes = np.asarray(b.block_hashes, dtype=np.uint64)
+        s.now = max(s.now, now)
+        s.record_peer(i, hashes, b.prompt_tokens, b.uncached_tokens)
+        self._open[key] = _Held(i, b.prompt_tokens, b.uncached_tokens, hashes, now + self.ttl_s)
+        self.applied += 1
+
+    def expire(self, s: FleetState, now: float) -> None:
+        """Release the bookings whose router never closed them (the tick)."""
+        while self._open:
+            key, held = next(iter(self._open.items()))
+            if held.expires_at > now:
+                break
+            del self._open[key]
+            self._release(s, held)
+            self.expired += 1
+
+    def reindexed(self, old_names: list[str], index: dict[str, int], kept: set[str]) -> None:
+        """A reload re-indexed the fleet (the new state carried the kept replicas' in-flight
+        counts over): follow it, forgetting the bookings on removed replicas."""
+        for key, held in list(self._open.items()):
+            name = old_names[held.replica]
+            if name in kept and name in index:
+                held.replica = index[name]
+            else:
+                del self._open[key]
+
+    @staticmethod
+    def _release(s: FleetState, held: _Held) -> None:
+        s.release_inflight(held.replica, held.prompt_tokens, held.uncached)
+        if s.precise is not None:
+            s.precise.closed(held.replica, held.block_hashes)

