@@ -4,10 +4,11 @@ One simulated fleet (the demo's three regions), and per region a real Envoy and 
 whose probes, scrapes and requests go over that region's links (`gorgo.harness.multiproxy`).
 The slice's clients are dealt over the regions as the offline multi-router simulation deals them
 (`gorgo.sim.routers.assign_routers`, ``spread``: a session stays with one region), and each
-region's clients replay their requests through their own proxy, all at once. The same slice then
-runs through a single proxy in us-east (a fresh stack, cold caches) for comparison. The report
-shows, per proxy, its requests, where they went (per region and replica), p95 TTFT and E2E p95,
-and how its choices differ from the single router's.
+region's clients replay their requests through their own proxy, all at once. The same slice
+runs again with the routers sharing their bookings over a real NATS server (the fleet's
+``sharing:``, `gorgo.core.peers`), then through a single proxy in us-east, each on a fresh stack
+(cold caches). The report shows, per proxy, its requests, where they went (per region and
+replica), p95 TTFT and E2E p95, and how the proxies' choices differ from the single router's.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from gorgo.core.fleet import parse_fleet
 from gorgo.core.tokens import Tokenization
 from gorgo.demo import REGIONS, LiveRun, live_table, replay_all
 from gorgo.harness.multiproxy import ProxyPerRegion
+from gorgo.harness.nats_proc import NatsProcess
 from gorgo.harness.stack import LiveStack, StackOptions, with_free_ports
 from gorgo.progress import StatusLine
 from gorgo.sim.routers import SPREAD, assign_routers, link_from
@@ -35,6 +37,7 @@ from gorgo.sim.stats import summarize
 from gorgo.sim.workload import tokenization, workload_from_requests
 
 SINGLE = "single proxy"
+SHARED = "shared"  # suffix of the runs whose routers share their bookings
 
 
 def _status(runs: list[LiveRun], total: int, status: StatusLine, elapsed: float,
@@ -81,40 +84,58 @@ def client_regions(doc: dict, requests, seed: int) -> list[str]:
     return [REGIONS[int(h)] for h in home]
 
 
-def run_multi(args: argparse.Namespace, doc: dict, requests, out: Path,
-              stop_flag: threading.Event) -> tuple[list[LiveRun], LiveRun | None]:
-    """The proxy-per-region run, then the single-proxy run of the same slice."""
-    homes = client_regions(doc, requests, args.seed)
-    opts = StackOptions(policy="gorgo", stream_interval=args.stream_interval, seed=args.seed)
-    tok = Tokenization(parse_fleet(doc).chars_per_token, parse_fleet(doc).block_tokens)
-    runs = [LiveRun(f"proxy {g}") for g in REGIONS]
-    print("- a proxy per region: starting the fleet, then Envoy + router in "
-          f"{', '.join(REGIONS)} ...", file=sys.stderr)
-    with ProxyPerRegion(with_free_ports(doc), out / "stack-multi", opts, REGIONS) as multi:
+def _options(args: argparse.Namespace) -> StackOptions:
+    return StackOptions(policy="gorgo", stream_interval=args.stream_interval, seed=args.seed)
+
+
+def _per_region(args: argparse.Namespace, doc: dict, requests, homes: list[str], out: Path,
+                suffix: str, tok: Tokenization, stop_flag: threading.Event) -> list[LiveRun]:
+    """One run with a proxy per region, each region's clients through their own."""
+    runs = [LiveRun(f"proxy {g}{suffix}") for g in REGIONS]
+    with ProxyPerRegion(with_free_ports(doc), out / f"stack-multi{suffix.replace(' ', '-')}",
+                        _options(args), REGIONS) as multi:
         _run([(run, [r for r, h in zip(requests, homes, strict=True) if h == g],
                multi.stacks[g].url) for run, g in zip(runs, REGIONS, strict=True)],
              args, tok, stop_flag)
+    return runs
+
+
+def run_multi(args: argparse.Namespace, doc: dict, requests, out: Path,
+              stop_flag: threading.Event) -> tuple[list[LiveRun], list[LiveRun], LiveRun | None]:
+    """The proxy-per-region runs (own bookings, then shared), then the single proxy."""
+    homes = client_regions(doc, requests, args.seed)
+    tok = Tokenization(parse_fleet(doc).chars_per_token, parse_fleet(doc).block_tokens)
+    print("- a proxy per region: starting the fleet, then Envoy + router in "
+          f"{', '.join(REGIONS)} ...", file=sys.stderr)
+    runs = _per_region(args, doc, requests, homes, out, "", tok, stop_flag)
     if stop_flag.is_set():
-        return runs, None
+        return runs, [], None
+    print("- a proxy per region, bookings shared over NATS ...", file=sys.stderr)
+    with NatsProcess() as bus:
+        shared = _per_region(args, {**doc, "sharing": {"nats": bus.url}}, requests, homes, out,
+                             f" {SHARED}", tok, stop_flag)
+    if stop_flag.is_set():
+        return runs, shared, None
     single = LiveRun(SINGLE)
     print(f"- a single proxy in {REGIONS[0]} for the same clients: starting fleet, router and "
           "Envoy ...", file=sys.stderr)
-    with LiveStack(with_free_ports(doc), out / "stack-single", opts) as stack:
+    with LiveStack(with_free_ports(doc), out / "stack-single", _options(args)) as stack:
         _run([(single, list(requests), stack.url)], args, tok, stop_flag)
-    return runs, single
+    return runs, shared, single
 
 
 def _fmt(v: float, unit: str = "") -> str:
     return "∞" if v == float("inf") else ("-" if v != v else f"{v:.0f}{unit}")
 
 
-def write_report(out: Path, args: argparse.Namespace, runs: list[LiveRun],
+def write_report(out: Path, args: argparse.Namespace, runs: list[LiveRun], shared: list[LiveRun],
                  single: LiveRun | None, doc: dict, n_requests: int) -> Path:
     spec = parse_fleet(doc)
     region_of = {r.name: r.region for r in spec.replicas}
     replicas = [r.name for r in spec.replicas]
     merged = LiveRun("all proxies", [r for run in runs for r in run.records])
-    rows = [*runs, merged, *([single] if single else [])]
+    merged_shared = LiveRun(f"all proxies {SHARED}", [r for run in shared for r in run.records])
+    rows = [*runs, merged, *(shared and [*shared, merged_shared]), *([single] if single else [])]
     table = live_table(rows, region_of)
     links = "; ".join(f"{g}: " + ", ".join(f"{h} {link_from(spec, g, h)[0]:.0f}"
                                            for h in REGIONS) for g in REGIONS)
@@ -130,7 +151,9 @@ def write_report(out: Path, args: argparse.Namespace, runs: list[LiveRun],
         "us-east; the others follow the offline simulator's model, `gorgo.sim.routers`)",
         "- clients: dealt over the regions as the offline `spread` placement deals them (a "
         "session stays in one region); each region's clients send through their own proxy, "
-        f"all at once. `{SINGLE}`: the same requests through one proxy in {REGIONS[0]} on a "
+        f"all at once. `... {SHARED}`: the same again, the routers sharing their bookings over a "
+        "real NATS server (fleet `sharing:`), so each counts the others' requests as its own. "
+        f"`{SINGLE}`: the same requests through one proxy in {REGIONS[0]}; each run on a "
         "fresh stack (cold caches), as `gorgo demo` runs gorgo. Clients reach their proxy over "
         "loopback (no client link is emulated), so the single proxy's TTFT and E2E omit the "
         f"RTT that the clients outside {REGIONS[0]} would pay to reach it", "",
@@ -152,7 +175,8 @@ def write_report(out: Path, args: argparse.Namespace, runs: list[LiveRun],
               "|---|" + "---|" * len(replicas)]
     lines += [f"| {run.policy} | " + " | ".join(str(counts[run.policy][n]) for n in replicas)
               + " |" for run in rows]
-    lines += ["", "## Do the routers agree", "", *agreement(runs, merged, single, table)]
+    lines += ["", "## Do the routers agree", "",
+              *agreement(runs, merged, merged_shared if shared else None, single, table)]
     report = out / "report.md"
     report.write_text("\n".join(lines) + "\n")
     for run in rows:
@@ -164,9 +188,10 @@ def write_report(out: Path, args: argparse.Namespace, runs: list[LiveRun],
     return report
 
 
-def agreement(runs: list[LiveRun], merged: LiveRun, single: LiveRun | None, table) -> list[str]:
+def agreement(runs: list[LiveRun], merged: LiveRun, merged_shared: LiveRun | None,
+              single: LiveRun | None, table) -> list[str]:
     """In words, from the table: where each proxy keeps its traffic, and how all of them together
-    differ from the single router."""
+    (with their own bookings, then shared) differ from the single router."""
     def share(policy: str, g: str) -> float:
         return table.stat(policy, f"share_{g}").mean
 
@@ -197,6 +222,10 @@ def agreement(runs: list[LiveRun], merged: LiveRun, single: LiveRun | None, tabl
         if np.isfinite(a) and np.isfinite(b) and b > 0:
             out.append(f"- {label} over all clients: {a:.0f} ms with a proxy per region, "
                        f"{b:.0f} ms with one proxy ({a / b:.2f}x).")
+        if merged_shared is not None:
+            c = table.stat(merged_shared.policy, key).mean
+            if np.isfinite(c) and np.isfinite(b) and b > 0:
+                out.append(f"  With the bookings shared: {c:.0f} ms ({c / b:.2f}x one proxy's).")
     return out
 
 
@@ -204,5 +233,5 @@ def main(args: argparse.Namespace, requests, doc: dict, out: Path,
          stop_flag: threading.Event) -> Path:
     print(f"gorgo demo --proxy-per-region: {len(requests)} requests of {args.trace}, "
           f"{args.duration:g} s per run", file=sys.stderr)
-    runs, single = run_multi(args, doc, requests, out, stop_flag)
-    return write_report(out, args, runs, single, doc, len(requests))
+    runs, shared, single = run_multi(args, doc, requests, out, stop_flag)
+    return write_report(out, args, runs, shared, single, doc, len(requests))

@@ -40,6 +40,8 @@ def view_doc(doc: dict[str, Any], region: str, addresses: Sequence[str]) -> dict
                                   "sim": {"rtt_ms": g.rtt_ms, "jitter_ms": g.jitter_ms}}
     for r, address in zip(out["replicas"], addresses, strict=True):
         r["address"] = address
+    if spec.sharing is not None:  # the fleet's subject, not one named after the view
+        out["sharing"] = {"nats": spec.sharing.nats, "subject": spec.sharing.subject}
     return out
 
 

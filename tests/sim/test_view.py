@@ -31,6 +31,12 @@ def test_view_keeps_replicas_and_takes_the_regions_rtts() -> None:
         view_doc(DOC, "ap-seoul", offset_addresses(DOC, 100)[:3])
 
 
+def test_a_sharing_fleets_views_keep_its_subject() -> None:
+    doc = {**DOC, "sharing": {"nats": "nats://bus:4222"}}
+    view = parse_fleet(view_doc(doc, "ap-seoul", offset_addresses(doc, 100)))
+    assert view.name == "demo-ap-seoul" and view.sharing == parse_fleet(doc).sharing
+
+
 def test_cli_writes_the_view_with_its_command(tmp_path: Path) -> None:
     fleet, out = tmp_path / "fleet.yaml", tmp_path / "view.yaml"
     fleet.write_text(yaml.safe_dump(DOC))
