@@ -59,7 +59,7 @@ for _region in VIEWS:
 SIM_SERVICES = ("sim-us-east", "sim-eu-frankfurt", "sim-ap-seoul")
 OTLP_TOKEN_FILE = "/run/gorgo/otlp-token"
 CORE_SERVICES = {"envoy", "extproc", "tuner", "otel-collector", "jaeger", "prometheus", "grafana",
-                 "loadgen", "admin-token", *SIM_SERVICES}
+                 "loadgen", "admin-token", "nats", *SIM_SERVICES}
 GPU_SERVICES = {"sglang", "vllm", "extproc-gpu", "tuner-gpu", "envoy-gpu", "loadgen-gpu"}
 MULTI_SERVICES = {f"{kind}-{g}" for kind in ("extproc", "envoy", "loadgen") for g in VIEWS}
 MULTI_ENVOYS = [f"envoy-{region}" for region in VIEWS]
@@ -196,7 +196,7 @@ def test_every_gorgo_command_parses_with_the_cli(services: dict[str, Any]) -> No
     ran = {name for name, svc in services.items() if _is_project(svc) and "entrypoint" not in svc}
     assert ran == (CORE_SERVICES | GPU_SERVICES | MULTI_SERVICES) - {
         "envoy", "envoy-gpu", *MULTI_ENVOYS, "otel-collector", "jaeger", "prometheus", "grafana",
-        "sglang", "vllm", "admin-token"}
+        "sglang", "vllm", "admin-token", "nats"}
     for name in sorted(ran):
         svc = services[name]
         assert svc["build"] == {"context": ".", "target": "router"}, name  # no matplotlib
@@ -249,6 +249,26 @@ def test_each_proxy_region_view_is_fresh(region: str) -> None:
     view, fleet = load_fleet(path), load_fleet(REPO / "deploy" / "fleet.compose.yaml")
     assert view.proxy_region == region
     assert [r.name for r in view.replicas] == [r.name for r in fleet.replicas]
+
+
+def test_the_simulated_fleets_routers_share_their_bookings(services: dict[str, Any]) -> None:
+    """Every router of the simulated fleet (us-east's and the multi profile's) names the compose
+    NATS server and one subject, and starts after it."""
+    nats = services["nats"]
+    assert nats["image"].startswith("nats:2.") and "ports" not in nats  # compose network only
+    cmd = nats["command"]
+    port = int(cmd[cmd.index("-p") + 1])
+    subjects = set()
+    for name, args in _gorgo_services(services, "extproc").items():
+        if name == "extproc-gpu":
+            continue
+        sharing = load_fleet(_repo_file(services[name], args.fleet)).sharing
+        assert sharing is not None, name
+        url = urlsplit(sharing.nats)
+        assert (url.hostname, url.port) == ("nats", port), name
+        assert services[name]["depends_on"]["nats"] == {"condition": "service_started"}
+        subjects.add(sharing.subject)
+    assert len(subjects) == 1
 
 
 def test_admin_token_is_generated_once_into_a_volume(services: dict[str, Any],
