@@ -10,9 +10,10 @@ pickled). Load L scales a window's arrival times so its mean rate is L times the
 on that window (`sim.capacity`), searched once and cached per trace window, fleet and simulator
 code. Seeds change the link jitter and every policy RNG.
 
-Policies. Any registered policy, ``oracle``, and ``gorgo@OBJECTIVE``: the gorgo policy on the
+Policies. Any registered policy, ``oracle``, ``oracle-lookahead[@ttft|@e2e]`` (`sim.lookahead`;
+slow, so never in ``all``) and ``gorgo@OBJECTIVE``: the gorgo policy on the
 same fleet with its ``objective`` replaced (``gorgo`` itself minimises the fleet's own). Peers
-are every policy but the gorgo variants and oracle; each table gives every policy's p95 TTFT and
+are every policy but the gorgo variants and the bounds; each table gives every policy's p95 TTFT and
 E2E p95 as a ratio to the best peer on that metric, and checks the goal for each gorgo variant.
 
 Statistics. A failed request (rejected by a full engine queue or for its size) counts as never
@@ -48,6 +49,7 @@ from gorgo.core.terms import OBJECTIVES
 from gorgo.errors import UserError
 from gorgo.progress import StatusLine
 from gorgo.sim.capacity import Capacity, cache_key, cached_capacity, find_capacity, probe
+from gorgo.sim.lookahead import LOOKAHEAD, LOOKAHEAD_OBJECTIVES
 from gorgo.sim.offline import SimResult
 from gorgo.sim.presets import PRESETS, resolve_fleet
 from gorgo.sim.profiles import get_profile
@@ -55,6 +57,7 @@ from gorgo.sim.routers import PLACEMENTS, SAME
 from gorgo.sim.stats import jsonable, percentile
 from gorgo.sim.traces import TraceRequest, load_trace, parse_spec
 from gorgo.sim.workload import (
+    BOUNDS,
     ORACLE,
     Workload,
     simulate,
@@ -66,7 +69,8 @@ DEFAULT_LOADS = (0.5, 0.8, 0.95)
 GORGO = "gorgo"
 VARIANT = "@"  # gorgo@e2e: the gorgo policy with the fleet's objective replaced
 # The goal per metric: gorgo at most this times the best peer's (the paired ratio's mean), the
-# ratio's interval wholly below 1. Against oracle (the bound) the gap may be at most BOUND_GAP.
+# ratio's interval wholly below 1. Against a bound (oracle, oracle-lookahead) the gap may be at
+# most BOUND_GAP.
 GOALS: dict[str, float] = {"ttft_p95_ms": 0.85, "e2e_p95_ms": 1.0}
 BOUND_GAP = 1.15
 # Metrics per run: key -> (table header, unit). The goal metrics come first, each followed by its
@@ -228,13 +232,18 @@ def is_gorgo(policy: str) -> bool:
 
 
 def is_peer(policy: str) -> bool:
-    """A policy gorgo is measured against: neither a gorgo variant nor the oracle bound."""
-    return not is_gorgo(policy) and policy != ORACLE
+    """A policy gorgo is measured against: neither a gorgo variant nor a bound."""
+    return not is_gorgo(policy) and not is_bound(policy)
+
+
+def is_bound(policy: str) -> bool:
+    """A simulation-only bound: oracle, oracle-lookahead or one of its objective variants."""
+    return policy.partition(VARIANT)[0] in BOUNDS
 
 
 @dataclass(frozen=True)
 class Comparison:
-    """One policy against another (the best peer, or oracle) on one metric."""
+    """One policy against another (the best peer, or a bound) on one metric."""
 
     policy: str
     metric: str
@@ -261,7 +270,7 @@ class Comparison:
         bound, the gap alone)."""
         if not self.ratio.mean <= self.goal:
             return False
-        return self.other == ORACLE or self.ratio.hi < 1.0
+        return is_bound(self.other) or self.ratio.hi < 1.0
 
     def text(self) -> str:
         head, unit = TABLE_METRICS[self.metric]
@@ -305,7 +314,7 @@ class Table:
             return None
         ratio = paired_ratio(self.values[policy].get(metric, {}),
                              self.values[other].get(metric, {}))
-        goal = BOUND_GAP if other == ORACLE else GOALS[metric]
+        goal = BOUND_GAP if is_bound(other) else GOALS[metric]
         return Comparison(policy, metric, other, self.stat(policy, metric),
                           self.stat(other, metric), ratio, goal)
 
@@ -336,10 +345,11 @@ def _json_num(v: float | int) -> float | int | None:
 
 def goal_check(t: Table) -> dict[str, list[Comparison]]:
     """Every gorgo variant against the best peer on each goal metric (the best by that metric,
-    whichever peer it is), and against oracle when it ran."""
+    whichever peer it is), and against each bound that ran."""
     out: dict[str, list[Comparison]] = {}
+    bounds = [p for p in t.stats if is_bound(p)]
     for p in (p for p in t.stats if is_gorgo(p)):
-        others: list[str | None] = [None, ORACLE] if ORACLE in t.stats else [None]
+        others: list[str | None] = [None, *bounds]
         out[p] = [c for o in others for k in GOALS if (c := t.compare(p, k, o)) is not None]
     return out
 
@@ -351,7 +361,7 @@ def goal_text(load: str, t: Table) -> str:
     ttft, e2e = GOALS["ttft_p95_ms"], GOALS["e2e_p95_ms"]
     lines = [f"Goal at load {load}: p95 TTFT <= {ttft:g}x the best peer's and E2E p95 <= "
              f"{e2e:g}x the best peer's by E2E, each with its paired interval wholly below 1 "
-             f"(gorgo's runs below the peer's beyond the noise); against oracle, a gap <= "
+             f"(gorgo's runs below the peer's beyond the noise); against a bound, a gap <= "
              f"{BOUND_GAP:g}x on both.", ""]
     for p, cs in checks.items():
         lines.append(f"- {p}: " + "; ".join(c.text() for c in cs))
@@ -363,7 +373,7 @@ def losses(t: Table) -> list[str]:
     out = []
     for cs in goal_check(t).values():
         for c in cs:
-            if c.other == ORACLE or not c.mine.mean > c.theirs.mean:
+            if is_bound(c.other) or not c.mine.mean > c.theirs.mean:
                 continue
             head, unit = TABLE_METRICS[c.metric]
             out.append(
@@ -506,7 +516,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fleet", default="paper",
                         help=f"preset ({', '.join(PRESETS)}) or fleet YAML path (default: paper)")
     parser.add_argument("--policies", default="all",
-                        help="all | comma-separated names: registry policies, oracle, and "
+                        help="all | comma-separated names: registry policies, oracle, "
+                        f"{LOOKAHEAD}[{VARIANT}ttft|{VARIANT}e2e] (not in all: slow), and "
                         f"gorgo{VARIANT}OBJECTIVE ({', '.join(OBJECTIVES)}: gorgo with the "
                         "fleet's objective replaced); all = the registry, gorgo under every "
                         "other objective, and oracle")
@@ -561,7 +572,9 @@ def parse_policies(arg: str, objective: str) -> list[str]:
     if arg.strip() == "all":
         return [*REGISTRY, *(v for v in variants if v != f"{GORGO}{VARIANT}{objective}"),
                 ORACLE]
-    known = [*REGISTRY, *variants, ORACLE]
+    # The lookahead bound is too slow for `all`; name it (or a variant of it) to run it.
+    lookahead = [LOOKAHEAD, *(f"{LOOKAHEAD}{VARIANT}{o}" for o in LOOKAHEAD_OBJECTIVES)]
+    known = [*REGISTRY, *variants, ORACLE, *lookahead]
     names = [p.strip() for p in arg.split(",") if p.strip()]
     bad = [p for p in names if p not in known]
     if bad or not names:
@@ -588,9 +601,10 @@ def main(args: argparse.Namespace) -> int:
             raise ValueError("--seeds, --windows, --jobs and --routers must be >= 1")
         if args.routers > 1 and args.policies.strip() == "all":
             policies.remove(ORACLE)
-        if args.routers > 1 and ORACLE in policies:
-            raise ValueError(f"--routers {args.routers}: {ORACLE} is a bound with the whole "
-                             "fleet's view, one router only; leave it out of --policies")
+        if args.routers > 1 and any(is_bound(p) for p in policies):
+            raise ValueError(f"--routers {args.routers}: {ORACLE} and {LOOKAHEAD} are bounds "
+                             "with the whole fleet's view, one router only; leave them out of "
+                             "--policies")
     except ValueError as exc:
         raise UserError(str(exc)) from None
     if args.report_only:
@@ -900,7 +914,8 @@ def write_outputs(
             f"- seeds: {len(doc['seeds'])} per (policy, window, load); cells are {CI_NOTE}; "
             "failed requests count as infinitely slow (∞: the percentile falls among them)",
             "- policies ranked by mean p95 TTFT; peers: every policy but the gorgo variants "
-            f"and {ORACLE}; region columns: share of requests routed there", "",
+            f"and the bounds ({ORACLE}, {LOOKAHEAD}); region columns: share of requests routed "
+            "there", "",
             markdown_tables(by_load, regions),
             f"Simulation wall time per run, s (mean / max; {mach.get('cpus') or 'n/a'} CPUs, "
             f"{args.jobs} jobs, 1-min load average {_one(mach.get('loadavg_start'))} "

@@ -23,6 +23,7 @@ of ``step``: durations are the same per-step formula summed.
 from __future__ import annotations
 
 import bisect
+import copy
 import math
 from collections import deque
 from collections.abc import Hashable
@@ -149,6 +150,12 @@ class _Req:
         self.private = 0  # private tokens reserved in the cache
         self.generated = 0
 
+    def copy(self) -> _Req:
+        r = _Req.__new__(_Req)
+        for k in _Req.__slots__:
+            setattr(r, k, getattr(self, k))
+        return r
+
 
 class Engine:
     """Continuous batching with chunked prefill over a prefix KV cache (see module docstring)."""
@@ -239,6 +246,22 @@ class Engine:
             self._decode_ctx -= r.prompt_tokens + r.generated
         self._release(r)
         return True
+
+    def clone(self) -> Engine:
+        """An independent copy of the whole state, for a lookahead that rolls it forward and
+        throws it away (`sim.lookahead`): the requests and the cache are copied (block hashes and
+        token ids are shared, never mutated); the copy logs no KV events."""
+        e = copy.copy(self)
+        e.cache = self.cache.clone()
+        e._kv_log = None
+        e._removed = []
+        reqs = {rid: r.copy() for rid, r in self._reqs.items()}
+        e._reqs = reqs
+        e._waiting = deque(reqs[r.rid] for r in self._waiting)
+        e._prefilling = [reqs[r.rid] for r in self._prefilling]
+        e._decoding = [reqs[r.rid] for r in self._decoding]
+        e._itl_hist = list(self._itl_hist)
+        return e
 
     def has_work(self) -> bool:
         return bool(self._waiting or self._prefilling or self._decoding)

@@ -148,6 +148,15 @@ class PrefixKVCache:
                 self.on_remove(h)
             missing -= self.block_tokens
 
+    def clone(self) -> PrefixKVCache:
+        """An independent copy without the removal callback (a rollout's cache, thrown away)."""
+        c = PrefixKVCache(self.capacity_tokens, self.block_tokens)
+        c._refs = self._refs.copy()
+        c._lru = self._lru.copy()
+        c._private = self._private
+        c.evicted_blocks = self.evicted_blocks
+        return c
+
     def clear(self) -> None:
         """Drop every unreferenced block (what a cache flush does on a real engine)."""
         for h in self._lru:

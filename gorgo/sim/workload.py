@@ -17,12 +17,15 @@ import numpy as np
 from gorgo.core.features import RequestFeatures, extract_features
 from gorgo.core.fleet import FleetSpec
 from gorgo.core.tokens import Tokenization
+from gorgo.sim.lookahead import LOOKAHEAD, lookahead_factory
 from gorgo.sim.offline import SimResult, Simulation
 from gorgo.sim.oracle import oracle_factory
 from gorgo.sim.routers import SAME
 from gorgo.sim.traces import TraceRequest, load_trace
 
 ORACLE = "oracle"
+# The bounds: simulation-only policies built on the run's engines (and trace), not the registry.
+BOUNDS = {ORACLE: oracle_factory, LOOKAHEAD: lookahead_factory}
 CHAT_PATH = "/v1/chat/completions"
 MODEL = "sim"
 
@@ -105,7 +108,7 @@ def simulate(
     (random does): the seed then changes the link jitter and every policy RNG together.
     """
     spec = replace(spec, name=f"{spec.name}/seed{seed}")
-    factory = oracle_factory if policy == ORACLE else None
+    factory = BOUNDS.get(policy)
     sim = Simulation(spec, policy, seed=seed, policy_factory=factory, routers=routers,
                      placement=placement)
     return sim.run((workload.arrivals * scale).tolist(), workload.features, workload.output_tokens)

@@ -86,6 +86,13 @@ def test_ci95_and_policy_names() -> None:
     assert policy_setup("gorgo@e2e", spec)[0] == "gorgo"
     assert policy_setup("gorgo@e2e", spec)[1].objective == "e2e"
     assert policy_setup("kv-cost", spec) == ("kv-cost", spec)
+    # The lookahead bound is named, never in `all` (it is slow), and takes ttft or e2e only.
+    assert not any(n.startswith("oracle-lookahead") for n in names)
+    assert parse_policies("oracle-lookahead,oracle-lookahead@e2e", "ttft") == [
+        "oracle-lookahead", "oracle-lookahead@e2e"]
+    with pytest.raises(ValueError, match="unknown policy"):
+        parse_policies("oracle-lookahead@slo", "ttft")
+    assert policy_setup("oracle-lookahead@e2e", spec)[1].objective == "e2e"
 
 
 def test_nested_ci_counts_each_window_once() -> None:
@@ -124,6 +131,14 @@ def test_goal_check_pairs_runs_and_names_the_losses() -> None:
     lost = losses(t)
     assert len(lost) == 1 and lost[0].startswith("gorgo loses on E2E p95 to kv-cost")
     assert "beyond the noise" in lost[0]
+    # Every bound that ran is a bound (never the best peer), with the bound's gap as its goal.
+    runs += _runs({"oracle-lookahead@e2e": [(60, 80), (120, 160), (90, 120)]})
+    t = tables(runs)["0.8"]
+    assert t.best_peer("e2e_p95_ms") == "kv-cost"
+    *_, l_ttft, l_e2e = goal_check(t)["gorgo"]
+    assert l_ttft.other == l_e2e.other == "oracle-lookahead@e2e"
+    assert l_ttft.ratio.mean == pytest.approx(70 / 60) and not l_ttft.met  # > 1.15
+    assert l_e2e.ratio.mean == pytest.approx(1.25) and not l_e2e.met and len(losses(t)) == 1
     # A noisy ratio at the goal's level is not met.
     runs = _runs({"gorgo": [(50, 90), (190, 180), (95, 140)],
                   "round-robin": [(100, 99), (200, 198), (150, 149)]})

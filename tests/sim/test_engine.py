@@ -376,3 +376,31 @@ def test_cached_prefix_tokens_previews_admission():
     assert eng.cached_prefix_tokens(h) == 4 * BT
     assert eng.cached_prefix_tokens(h, prompt_tokens=4 * BT) == 3 * BT
     assert eng.cached_prefix_tokens(list(h[:2])) == 2 * BT
+
+
+def test_clone_evolves_alone_and_exactly_as_the_original():
+    # A lookahead rolls a clone forward and throws it away (sim.lookahead): the original must not
+    # move, and the clone must step exactly as the original would.
+    eng = Engine(prof(max_running=4, max_queue=16, kv_capacity_tokens=40 * BT), TOK,
+                 kv_events=True)
+    for k in range(6):
+        eng.submit(req(k, 5 * BT, family=k % 2, shared=2, max_tokens=6), 0.0)
+    t = eng.step(0.0).end
+    before = eng.metrics()
+    events = eng.take_kv_events()
+    twin = eng.clone()
+    assert twin.metrics() == before
+    twin.submit(req("extra", 8 * BT, family=3), t)
+    rolled = run(twin, t)
+    assert eng.metrics() == before and eng.take_kv_events() == [] and twin.take_kv_events() == []
+    assert not twin.has_work() and eng.has_work() and "extra" not in eng
+    fresh = eng.clone()
+    eng.submit(req("extra", 8 * BT, family=3), t)
+    assert [astuple_step(r) for r in run(eng, t)] == [astuple_step(r) for r in rolled]
+    assert eng.metrics() == twin.metrics() and fresh.metrics() == before
+    assert events  # the original logs KV events; clones never do
+
+
+def astuple_step(r: StepResult) -> tuple:
+    return (r.start, r.end, r.first_end, r.steps, r.prefill_tokens, r.first_tokens, r.decoded,
+            r.finished)
