@@ -233,6 +233,26 @@ def test_the_e2e_objective_searches_its_weights_and_ranks_the_grid_on_e2e(
     assert cli_main([*argv[:-2], "--start", "20,0.05", "--out", str(out)]) == 2  # 4 weights
 
 
+def test_null_only_runs_the_a_a_runs_alone(tmp_path: Path) -> None:
+    """Many seeds of A/A runs, for the false-accept rate, without the grid or tuned runs."""
+    out = tmp_path / "aa"
+    argv = ["bench", "tune", "--trace", "chat:seed=2,users=8,rate=3,limit=80", "--fleet", "paper",
+            "--capacity", "3", "--seeds", "2", "--jobs", "1", "--null-only", "--opt",
+            "window_samples=5", "--opt", "pairs=1", "--opt", "bootstrap=200", "--out", str(out)]
+    assert cli_main(argv) == 0
+    doc = json.loads((out / "results.json").read_text())
+    assert "grid" not in doc and "runs" not in doc and "--null-only" in doc["command"]
+    assert [r["seed"] for r in doc["null_runs"]] == [1, 2]
+    total = doc["null_total"]
+    assert total["evaluations"] == sum(r["evaluations"] for r in doc["null_runs"]) > 0
+    assert total["accepted"] == sum(r["accepted"] for r in doc["null_runs"])
+    md = (out / "results.md").read_text()
+    assert "False accepts" in md and not list(out.glob("*.png"))
+    (out / "results.md").unlink()
+    assert cli_main([*argv, "--report-only"]) == 0 and (out / "results.md").read_text() == md
+    assert cli_main([*argv, "--skip-null"]) == 2
+
+
 def test_bad_arguments_exit_2(tmp_path: Path) -> None:
     base = ["bench", "tune", "--trace", "chat:limit=20", "--capacity", "1",
             "--out", str(tmp_path)]

@@ -27,7 +27,7 @@ from gorgo.sim.tunebench.points import (
     parse_start,
     static_key,
 )
-from gorgo.sim.tunebench.report import render, write_outputs
+from gorgo.sim.tunebench.report import render, write_null_outputs, write_outputs
 from gorgo.sim.tunebench.run import (
     _CTX,
     POLICY,
@@ -105,6 +105,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--skip-null", action="store_true",
                         help="skip the A/A runs (candidate = incumbent) that measure the loop's "
                         "false-accept rate")
+    parser.add_argument("--null-only", action="store_true",
+                        help="run only the A/A runs (no grid, no tuned runs): their "
+                        "false-accept rate over --seeds seeds, in results.md and results.json")
     parser.add_argument("--out", type=Path, default=Path("results/bench-tune"), metavar="DIR")
     parser.add_argument("--static-cache", type=Path, default=None, metavar="FILE",
                         help="JSON cache of static runs (default: static_cache.json in --out)")
@@ -182,6 +185,8 @@ def main(args: argparse.Namespace) -> int:
             raise ValueError("--load must be > 0 and --tolerance in (0, 1)")
         if args.tick_s < 0 or args.publish_delay_s < 0:
             raise ValueError("--tick-s and --publish-delay-s must be >= 0")
+        if args.null_only and args.skip_null:
+            raise ValueError("--null-only and --skip-null exclude each other")
     except ValueError as exc:
         print(f"bench tune: {exc}", file=sys.stderr)
         return 2
@@ -220,10 +225,11 @@ def main(args: argparse.Namespace) -> int:
                  f"scale={scale!r}|{POLICY}|{slo}code={digest}")
     static = load_cache(cache_path, slice_key)
     log(f"bench tune: {workload.n} requests at load {args.load:g} = "
-        f"{args.load * capacity:.3f} req/s (time scale {scale:.4f}); {len(points)} grid points; "
-        f"{len(static)} static runs cached")
+        f"{args.load * capacity:.3f} req/s (time scale {scale:.4f}); " + (
+            "A/A runs only" if args.null_only
+            else f"{len(points)} grid points; {len(static)} static runs cached"))
     settings = []
-    for start in starts:
+    for start in [] if args.null_only else starts:
         for seed in seeds:
             base = TuneSettings(config, start, seed, tick_s=args.tick_s,
                                 publish_delay_s=args.publish_delay_s, early=not args.ends_only)
@@ -235,6 +241,19 @@ def main(args: argparse.Namespace) -> int:
             settings.append((f"null seed {seed}", TuneSettings(
                 null_config(config), default_point(config.keys), seed, tick_s=args.tick_s,
                 publish_delay_s=args.publish_delay_s, null=True, early=not args.ends_only)))
+    if args.null_only:
+        with ctx.Pool(args.jobs) as pool:
+            bar = Progress(len(settings), "bench tune (A/A)")
+            done = []
+            for r in pool.imap_unordered(tune_job, settings):
+                done.append(r)
+                bar.step(f"{r[0]}: {r[2].samples} samples, {r[4]:.1f} s")
+        nulls = [summarize_null(label_, st, trace)
+                 for label_, st, trace, _, _ in sorted(done, key=lambda r: r[1].seed)]
+        doc = write_null_outputs(out, args, workload.n, config, seeds, nulls, digest)
+        log(f"bench tune: done in {time.monotonic() - t_start:.0f} s; wrote {out / 'results.md'}")
+        print(doc["summary_md"])
+        return 0
     grid_jobs: list[StaticJob] = [(static_key(p, {}, s), p, (), s) for p in points for s in seeds]
     tuned: list[tuple[str, TuneSettings, TuneTrace, dict[str, float], float]] = []
     with ctx.Pool(args.jobs) as pool:

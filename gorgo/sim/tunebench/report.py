@@ -54,6 +54,8 @@ def reproduce_command(args: argparse.Namespace) -> str:
         parts += ["--objective", args.objective]
     if getattr(args, "ends_only", False):
         parts.append("--ends-only")
+    if getattr(args, "null_only", False):
+        parts.append("--null-only")
     parts += ["--out", str(args.out)]
     return " ".join(shlex.quote(p) for p in parts)
 
@@ -253,6 +255,16 @@ def summary_markdown(doc: dict[str, Any]) -> str:
             f"{_x(fo['static_e2e_p95_ms'], 1, 1e3)} "
             f"| {_x(r['final']['ratio'], 3)} | {_x(fo['ratio'], 3)} | "
             f"{r['reasons'].get('e2e_worse', 0)} | ({_weights_text(fo['weights'], keys, '.3g')}) |")
+    md += null_markdown(doc)
+    md += ["", "![weights and objective against samples](tune_convergence.png)", "",
+           "![grid](tune_grid.png)", ""]
+    return "\n".join(md)
+
+
+def null_markdown(doc: Mapping[str, Any]) -> list[str]:
+    """The A/A section of results.md (none without A/A runs)."""
+    keys = doc["weight_keys"]
+    md: list[str] = []
     total = doc.get("null_total")
     if total:
         held = doc["null_runs"][0].get("weights") or NULL_START
@@ -270,9 +282,7 @@ def summary_markdown(doc: dict[str, Any]) -> str:
         md += ["", f"Total: {total['accepted']} of {total['evaluations']} accepted = "
                + ("n/a" if rate is None else f"{rate:.1%}") + " (95 % Wilson interval "
                f"{total['ci95'][0]:.1%} to {total['ci95'][1]:.1%})."]
-    md += ["", "![weights and objective against samples](tune_convergence.png)", "",
-           "![grid](tune_grid.png)", ""]
-    return "\n".join(md)
+    return md
 
 
 # --------------------------------------------------------------------------------- documents
@@ -319,8 +329,29 @@ def write_outputs(
     return render(out, json.loads((out / "results.json").read_text()))
 
 
+def write_null_outputs(
+    out: Path, args: argparse.Namespace, requests: int, config: OptimizerConfig,
+    seeds: Sequence[int], nulls: list[dict[str, Any]], digest: str,
+) -> dict[str, Any]:
+    """results.json and results.md of ``--null-only``: the A/A runs alone (no grid, no
+    figures), for measuring the false-accept rate over many seeds cheaply."""
+    doc: dict[str, Any] = {
+        "command": reproduce_command(args), "trace": args.trace, "fleet": str(args.fleet),
+        "requests": requests, "load": args.load, "model_digest": digest, "seeds": list(seeds),
+        "optimizer": asdict(config), "weight_keys": list(KEYS), "null_runs": nulls,
+        "null_total": null_total(nulls),
+    }
+    (out / "results.json").write_text(json.dumps(jsonable(doc), indent=1) + "\n")
+    return render(out, json.loads((out / "results.json").read_text()))
+
+
 def render(out: Path, doc: dict[str, Any]) -> dict[str, Any]:
     """results.md and the figures from results.json's content (also for --report-only)."""
+    if "grid" not in doc:  # --null-only
+        doc["summary_md"] = "\n".join(["# gorgo bench tune (A/A runs only)", "", "```",
+                                       doc["command"], "```", *null_markdown(doc), ""])
+        (out / "results.md").write_text(doc["summary_md"])
+        return doc
     doc["summary_md"] = summary_markdown(doc)
     (out / "results.md").write_text(doc["summary_md"])
     plot_convergence(doc, out / "tune_convergence.png")
