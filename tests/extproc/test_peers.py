@@ -80,6 +80,37 @@ def test_each_router_counts_the_others_requests(nats_server: NatsProcess) -> Non
         lt.close()
 
 
+def test_sharing_resumes_after_the_server_restarts() -> None:
+    server = NatsProcess().start()
+    a, b = routers(server.url)
+    lt = LoopThread()
+    links = [PeerLink(r, RouterMetrics(r.state, lambda: 0)) for r in (a, b)]
+
+    async def route(text: str) -> Decision:
+        d = a.route(request(a, text), 0.0)
+        assert isinstance(d, Decision)
+        return d
+
+    try:
+        for link in links:
+            lt.run(link.start())
+        assert wait_for(lambda: all(link.connected for link in links), 10)
+        server.stop()
+        assert wait_for(lambda: not any(link.connected for link in links), 10)
+        lt.run(route("while the bus is down"))  # routed on its own bookings: no error, no wait
+        assert a.state.inflight_reqs.sum() == 1 and a.outbox == []  # not kept for a replay
+        server = NatsProcess(server.port).start()
+        assert wait_for(lambda: all(link.connected for link in links), 15)
+        lt.run(route("after the restart"))
+        assert wait_for(lambda: b.state.inflight_reqs.sum() == 1, 5)
+        assert b.peers.applied == 1
+    finally:
+        for link in links:
+            lt.run(link.stop())
+        lt.close()
+        server.stop()
+
+
 def test_a_bad_message_is_dropped_whole(nats_server: NatsProcess) -> None:
     _, b = routers(nats_server.url)
     lt = LoopThread()
