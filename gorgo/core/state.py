@@ -18,6 +18,7 @@ from gorgo.core.kv_events import KVEvent
 from gorgo.core.precise import PreciseCache
 from gorgo.core.prefix_index import PrefixIndex
 from gorgo.core.terms import TERMS
+from gorgo.core.terms.reuse import REUSE_EWMA_ALPHA, cached_tokens
 from gorgo.core.tokens import Tokenization
 from gorgo.core.weights import Weights
 
@@ -64,6 +65,9 @@ class FleetState:
         self.backlog_at = np.zeros(n)  # ... as of this time; it drains at prefill_rate
         self.sent_since_scrape = np.zeros(n)  # uncached tokens routed since the last scrape
         self.mean_uncached = np.full(n, 1000.0)  # EWMA of uncached tokens per request
+        # EWMA over routed requests of the share of the prompt already cached on its best
+        # replica: how much of what is routed is seen again (the `reuse` term's turns).
+        self.reuse_share = 0.0
         # Engine metrics from scrapes; NaN when unknown, with the time they were read.
         self.eng_queue_reqs = np.full(n, np.nan)
         self.eng_running_reqs = np.full(n, np.nan)
@@ -198,6 +202,7 @@ class FleetState:
             new.prefix.capacity)
         new.weights = self.weights
         new.now = self.now
+        new.reuse_share = self.reuse_share
         new._arrivals, new._arrival_tokens = self._arrivals, self._arrival_tokens
         new._arrivals_at, new._first_arrival = self._arrivals_at, self._first_arrival
         new.version = self.version + 1
@@ -221,6 +226,9 @@ class FleetState:
 
     def record_sent(self, i: int, f: RequestFeatures, uncached: int) -> None:
         """A request was routed to replica i: count it in flight and in its prefix cache."""
+        if f.prompt_tokens > 0:
+            seen = float(cached_tokens(f, self).max()) / f.prompt_tokens
+            self.reuse_share += REUSE_EWMA_ALPHA * (seen - self.reuse_share)
         self.prefix.insert(i, f.block_hashes)
         if self.precise is not None:
             self.precise.sent(i, f.block_hashes)

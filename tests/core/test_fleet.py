@@ -275,7 +275,7 @@ def test_errors_name_the_field(mutate: Any, prefix: str) -> None:
 
 def test_unknown_field_lists_allowed_fields() -> None:
     message = bad(_set(["weights"], {"rtt": 1, "prefil": 1}))
-    assert re.search(r"allowed: decode, interference, queue, rtt\)$", message)
+    assert re.search(r"allowed: decode, interference, queue, reuse, rtt\)$", message)
 
 
 def test_source_prefixes_paths() -> None:

@@ -51,7 +51,8 @@ def test_decision_carries_terms() -> None:
     # a: 10 + 100 + 20 = 130; b: 40 + 200 + 10 = 250.
     assert d.replica == 0
     assert d.policy == "gorgo"
-    ttft_terms = {k: v for k, v in d.terms.items() if k not in ("decode", "interference")}
+    ttft_terms = {k: v for k, v in d.terms.items()
+                  if k not in ("decode", "interference", "reuse")}
     assert ttft_terms == pytest.approx({"rtt": 10.0, "queue": 100.0, "admission": 0.0,
                                         "prefill": 20.0, "penalty": 0.0})
     assert d.terms["decode"] > 0  # reported, though the ttft objective does not count it

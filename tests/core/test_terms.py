@@ -14,7 +14,17 @@ from gorgo.core.features import RequestError, extract_features
 from gorgo.core.fleet import FleetError, parse_fleet
 from gorgo.core.router import Router
 from gorgo.core.state import FleetState
-from gorgo.core.terms import BY_NAME, E2E, OBJECTIVES, SLO, TERMS, TTFT, WEIGHTED, weight_keys
+from gorgo.core.terms import (
+    BY_NAME,
+    E2E,
+    OBJECTIVES,
+    SLO,
+    TERMS,
+    TTFT,
+    WEIGHTED,
+    reuse,
+    weight_keys,
+)
 
 
 def _spec(**extra):
@@ -47,7 +57,7 @@ def test_registry_is_consistent_with_the_contract() -> None:
             assert 0 < lo <= t.default <= hi
     # TTFT terms count for every objective; decode only for e2e.
     assert weight_keys(TTFT) == ("rtt", "queue")
-    assert weight_keys(E2E) == ("rtt", "queue", "decode", "interference")
+    assert weight_keys(E2E) == ("rtt", "queue", "decode", "interference", "reuse")
     assert weight_keys(SLO) == weight_keys(E2E)
 
 
@@ -215,3 +225,60 @@ def test_term_params_from_the_fleet_file_reach_the_state() -> None:
     assert s.params["admission"]["max_running"].tolist() == [64.0, 64.0]
     default = BY_NAME["decode"].params["itl_base_ms"]
     assert s.params["decode"]["itl_base_ms"].tolist() == [default, default]
+
+
+def _blocks_req(s: FleetState, blocks: int, tail: str = ""):
+    """A prompt of ``blocks`` full blocks (1 char per token), then ``tail``."""
+    return _req(s, "p" * (blocks * s.spec.block_tokens) + tail)
+
+
+def test_reuse_prices_the_cached_prefix_a_move_leaves_behind() -> None:
+    s = FleetState(_spec())
+    f = _blocks_req(s, 4)
+    s.record_sent(0, f, f.prompt_tokens)  # a caches the 4 blocks; nothing was reused before
+    assert s.reuse_share == 0.0
+    assert (cost_terms(f, s)["reuse"] == 0).all()  # no reuse learned: no future to price
+    s.reuse_share = 0.75  # three in four prompt tokens are seen again: three more turns
+    s.version += 1
+    r = cost_terms(f, s)["reuse"]
+    lost = 4 * s.spec.block_tokens
+    assert r[0] == 0.0  # where the prefix is
+    assert r[1] == pytest.approx(lost * 1000.0 / 10000 * 3)
+    s.healthy[0] = False  # the best-cached replica is gone: moving loses nothing any more
+    s.version += 1
+    assert (cost_terms(f, s)["reuse"] == 0).all()
+
+
+def test_reuse_share_is_learned_from_what_is_routed_and_capped() -> None:
+    s = FleetState(_spec())
+    f = _blocks_req(s, 4)
+    for _ in range(400):  # the same prompt again and again: all of it is seen again
+        s.record_sent(0, f, 0)
+    assert 0.95 < s.reuse_share < 1.0
+    assert reuse.expected_turns(s) == pytest.approx(reuse.MAX_SHARE / (1 - reuse.MAX_SHARE))
+    spec = _spec()
+    assert s.reindexed(spec, {"a": "a", "b": "b"}).reuse_share == s.reuse_share
+    fresh = FleetState(_spec())
+    for k in range(400):  # every prompt new: nothing is reused
+        g = _req(fresh, f"{k:08d}" + "q" * 200)
+        fresh.record_sent(k % 2, g, g.prompt_tokens)
+    assert fresh.reuse_share == 0.0
+
+
+def test_reuse_keeps_a_session_where_its_cache_is_under_e2e_only() -> None:
+    """a caches the prefix but has prefill queued, so b is a little cheaper for this request;
+    pricing the following turns keeps it on a. The ttft objective does not count the term."""
+    assert BY_NAME["reuse"].objectives == frozenset({E2E, SLO})
+    winners = {}
+    for objective, w in ((TTFT, 1.0), (E2E, 0.05), (E2E, 1.0)):
+        r = Router(_spec(objective=objective, weights={"reuse": w}))
+        r.state.rtt_ms[:] = 10.0
+        f = _blocks_req(r.state, 8, tail="turn")
+        r.state.prefix.insert(0, f.block_hashes)
+        r.state.reuse_share = 0.8  # four more turns expected
+        r.state.backlog_tokens[:] = [700.0, 0.0]  # 70 ms of queue on a; b re-prefills 51 ms
+        d = r.route(f, now=0.0)
+        winners[objective, w] = d.replica
+        assert d.predicted_ms == pytest.approx(sum(
+            d.terms[k] for k in ("rtt", "queue", "admission", "prefill", "penalty")))
+    assert winners == {(TTFT, 1.0): 1, (E2E, 0.05): 1, (E2E, 1.0): 0}

@@ -214,7 +214,7 @@ def test_the_e2e_objective_searches_its_weights_and_ranks_the_grid_on_e2e(
     out = tmp_path / "tune"
     argv = ["bench", "tune", "--trace", "chat:seed=2,users=8,rate=3,limit=80", "--fleet", "paper",
             "--capacity", "3", "--grid", "2", "--seeds", "1", "--jobs", "1", "--skip-null",
-            "--objective", "e2e", "--start", "20,0.05,1,1", "--opt", "window_samples=5",
+            "--objective", "e2e", "--start", "20,0.05,1,1,1", "--opt", "window_samples=5",
             "--opt", "pairs=1", "--opt", "bootstrap=200", "--out", str(out)]
     assert cli_main(argv) == 0
     doc = json.loads((out / "results.json").read_text())
@@ -222,7 +222,7 @@ def test_the_e2e_objective_searches_its_weights_and_ranks_the_grid_on_e2e(
     assert all(set(g["weights"]) == {"rtt", "queue"} for g in doc["grid"].values())
     best = min(doc["grid"].values(), key=lambda g: g["e2e_p95_ms"])
     assert doc["grid_best"]["weights"] == best["weights"]
-    keys = {"rtt", "queue", "decode", "interference"}
+    keys = {"rtt", "queue", "decode", "interference", "reuse"}
     for run in doc["runs"]:
         assert set(run["start"]) == set(run["final"]["weights"]) == keys
         assert run["target_p95_ms"] == best["e2e_p95_ms"]
@@ -230,7 +230,7 @@ def test_the_e2e_objective_searches_its_weights_and_ranks_the_grid_on_e2e(
             assert inc["ratio"] == pytest.approx(inc["static_e2e_p95_ms"] / best["e2e_p95_ms"])
     assert "--objective e2e" in doc["command"]
     assert "objective `e2e`" in (out / "results.md").read_text()
-    assert cli_main([*argv[:-2], "--start", "20,0.05", "--out", str(out)]) == 2  # 4 weights
+    assert cli_main([*argv[:-2], "--start", "20,0.05", "--out", str(out)]) == 2  # 5 weights
 
 
 def test_null_only_runs_the_a_a_runs_alone(tmp_path: Path) -> None:

@@ -1,9 +1,10 @@
 """gorgo: the lowest cost under the fleet's objective, every registered term in milliseconds.
 
 With `objective: ttft` (the GORGO paper's) that is the predicted TTFT = w_rtt*RTT + w_queue*queue
-wait + uncached prefill (+ the failure penalty); with `objective: e2e` the decode and interference
-terms are added: the request's own decode time on the replica and the delay it adds to the
-requests already decoding there. Every term is in milliseconds so the weights stay near 1 and mean
+wait + uncached prefill (+ the failure penalty); with `objective: e2e` the decode, interference
+and reuse terms are added: the request's own decode time on the replica, the delay it adds to the
+requests already decoding there, and the re-prefill the following turns repeat if it leaves the
+replica that caches its prefix. Every term is in milliseconds so the weights stay near 1 and mean
 something.
 
 With `objective: slo` the request has targets: its trusted ``x-slo-ttft-ms`` / ``x-slo-tpot-ms``

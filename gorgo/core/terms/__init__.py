@@ -7,7 +7,16 @@ explain, the tuner's samples, search space and fit) iterates over this tuple.
 
 from __future__ import annotations
 
-from gorgo.core.terms import admission, decode, interference, penalty, prefill, queue, rtt
+from gorgo.core.terms import (
+    admission,
+    decode,
+    interference,
+    penalty,
+    prefill,
+    queue,
+    reuse,
+    rtt,
+)
 from gorgo.core.terms.base import (
     ANCHOR,
     E2E,
@@ -22,7 +31,7 @@ from gorgo.core.terms.base import (
 
 TERMS: tuple[CostTerm, ...] = (
     rtt.TERM, queue.TERM, admission.TERM, prefill.TERM, penalty.TERM, decode.TERM,
-    interference.TERM)
+    interference.TERM, reuse.TERM)
 BY_NAME: dict[str, CostTerm] = {t.name: t for t in TERMS}
 # Terms that carry a weight, keyed by weight name (what Weights holds).
 WEIGHTED: dict[str, CostTerm] = {t.weight: t for t in TERMS if t.weight is not None}

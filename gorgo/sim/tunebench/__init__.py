@@ -16,9 +16,9 @@ values per weighted term of the registry over the optimiser's bounds, and every 
 them (K x K for the TTFT objective's two weights); the score is the objective's (``--objective``,
 default the fleet's: p95 TTFT, p95 E2E or the SLO's miss share) over the whole slice. The tuner
 searches the objective's weights; the grid stays over the TTFT weights with the others (decode,
-interference) at their defaults, as K^4 static runs would be too many. The grid's best point is
-the one with the lowest mean score over seeds, and its score on each seed is that seed's target
-(common random numbers: a tuned run on seed s is compared with the grid on seed s).
+interference, reuse) at their defaults, as K^5 static runs would be too many. The grid's best
+point is the one with the lowest mean score over seeds, and its score on each seed is that seed's
+target (common random numbers: a tuned run on seed s is compared with the grid on seed s).
 
 Convergence. Every incumbent a tuned run holds is re-run statically (its weights and the prefill
 rates published with it) on the same slice and seed. The run has converged at sample n when the
