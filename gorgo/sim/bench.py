@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import multiprocessing as mp
 import os
 import shlex
 import shutil
@@ -51,6 +50,7 @@ from gorgo.progress import StatusLine
 from gorgo.sim.capacity import Capacity, cache_key, cached_capacity, find_capacity, probe
 from gorgo.sim.lookahead import LOOKAHEAD, LOOKAHEAD_OBJECTIVES
 from gorgo.sim.offline import SimResult
+from gorgo.sim.pool import fork_pool
 from gorgo.sim.presets import PRESETS, resolve_fleet
 from gorgo.sim.profiles import get_profile
 from gorgo.sim.routers import PLACEMENTS, SAME
@@ -626,8 +626,7 @@ def main(args: argparse.Namespace) -> int:
         windows, kept = _kept_runs(args, workloads, policies, rerun, loads)
         log(f"bench sim: re-simulating {', '.join(rerun)}; {len(kept)} runs of the other "
             f"policies and the windows' capacities kept from {args.out / 'results.json'}")
-    ctx = mp.get_context("fork")
-    with ctx.Pool(args.jobs) as pool:
+    with fork_pool(args.jobs) as pool:
         if rerun is None:
             windows = []
             for k, w in enumerate(workloads):

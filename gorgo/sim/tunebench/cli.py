@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import multiprocessing as mp
 import os
 import sys
 import time
@@ -17,6 +16,7 @@ from typing import Any
 
 from gorgo.core.fleet import FleetSpec
 from gorgo.core.terms import OBJECTIVES, SLO
+from gorgo.sim.pool import fork_pool
 from gorgo.sim.tunebench.points import (
     KEYS,
     Point,
@@ -148,7 +148,7 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def _capacity(args: argparse.Namespace, spec: FleetSpec, workload: Workload, ctx: Any) -> float:
+def _capacity(args: argparse.Namespace, spec: FleetSpec, workload: Workload) -> float:
     """Capacity (req/s) exactly as `gorgo bench sim` defines and caches it."""
     from gorgo.sim.capacity import cache_key, cached_capacity, find_capacity
     from gorgo.sim.presets import PRESETS
@@ -161,7 +161,7 @@ def _capacity(args: argparse.Namespace, spec: FleetSpec, workload: Workload, ctx
 
     def compute() -> Any:
         log(f"bench tune: searching capacity for {key} ...")
-        with ctx.Pool(args.jobs) as pool:
+        with fork_pool(args.jobs) as pool:
             return find_capacity(spec, workload, key=key, jobs=args.jobs,
                                  run_many=lambda rates: pool.map(probe_job, rates), log=log)
 
@@ -214,8 +214,7 @@ def main(args: argparse.Namespace) -> int:
     axes = grid_axes(config.search_bounds(), args.grid)
     points = grid(axes)
     cache_path = args.static_cache or out / "static_cache.json"
-    ctx = mp.get_context("fork")
-    capacity = _capacity(args, spec, workload, ctx)
+    capacity = _capacity(args, spec, workload)
     scale = workload.scale_for_rate(args.load * capacity)
     _CTX["scale"] = scale  # before the pool forks: the workers see the whole context
     _CTX["slo_ttft_ms"] = config.slo_ttft_ms if config.objective == SLO else 0.0
@@ -242,7 +241,7 @@ def main(args: argparse.Namespace) -> int:
                 null_config(config), default_point(config.keys), seed, tick_s=args.tick_s,
                 publish_delay_s=args.publish_delay_s, null=True, early=not args.ends_only)))
     if args.null_only:
-        with ctx.Pool(args.jobs) as pool:
+        with fork_pool(args.jobs) as pool:
             bar = Progress(len(settings), "bench tune (A/A)")
             done = []
             for r in pool.imap_unordered(tune_job, settings):
@@ -256,7 +255,7 @@ def main(args: argparse.Namespace) -> int:
         return 0
     grid_jobs: list[StaticJob] = [(static_key(p, {}, s), p, (), s) for p in points for s in seeds]
     tuned: list[tuple[str, TuneSettings, TuneTrace, dict[str, float], float]] = []
-    with ctx.Pool(args.jobs) as pool:
+    with fork_pool(args.jobs) as pool:
         todo = [j for j in grid_jobs if j[0] not in static]
         bar = Progress(len(settings) + len(todo), "bench tune")
         for r in pool.imap_unordered(tune_job, settings):
