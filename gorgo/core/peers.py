@@ -120,7 +120,7 @@ class PeerBookings:
             return
         hashes = np.asarray(b.block_hashes, dtype=np.uint64)
         s.now = max(s.now, now)
-        s.record_peer(i, hashes, b.prompt_tokens, b.uncached_tokens)
+        s.book(i, hashes, b.prompt_tokens, b.uncached_tokens)
         self._open[key] = _Held(i, b.prompt_tokens, b.uncached_tokens, hashes, now + self.ttl_s)
         self.applied += 1
 
@@ -146,6 +146,4 @@ class PeerBookings:
 
     @staticmethod
     def _release(s: FleetState, held: _Held) -> None:
-        s.release_inflight(held.replica, held.prompt_tokens, held.uncached)
-        if s.precise is not None:
-            s.precise.closed(held.replica, held.block_hashes)
+        s.unbook(held.replica, held.block_hashes, held.prompt_tokens, held.uncached)

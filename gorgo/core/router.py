@@ -287,9 +287,7 @@ class Router:
         if entry is None:
             return False
         self._publish(decision_id, CLOSED, entry)
-        self.state.release_inflight(entry.replica, entry.prompt_tokens, entry.uncached)
-        if self.state.precise is not None:
-            self.state.precise.closed(entry.replica, entry.block_hashes)
+        self.state.unbook(entry.replica, entry.block_hashes, entry.prompt_tokens, entry.uncached)
         return True
 
     def reassign(self, decision_id: str, replica: int) -> bool:
@@ -298,14 +296,11 @@ class Router:
         if entry is None or entry.replica == replica:
             return False
         s = self.state
-        s.release_inflight(entry.replica, entry.prompt_tokens, entry.uncached)
-        if s.precise is not None:
-            s.precise.closed(entry.replica, entry.block_hashes, served=False)
-            s.precise.sent(replica, entry.block_hashes)
+        s.unbook(entry.replica, entry.block_hashes, entry.prompt_tokens, entry.uncached,
+                 served=False)
         cached = int(s.prefix.match(entry.block_hashes)[replica]) * self.spec.block_tokens
-        s.prefix.insert(replica, entry.block_hashes)
         entry.uncached = max(entry.prompt_tokens - cached, 0)
-        s.add_inflight(replica, entry.prompt_tokens, entry.uncached)
+        s.book(replica, entry.block_hashes, entry.prompt_tokens, entry.uncached)
         self._publish(decision_id, CLOSED, entry)  # the peers move it too
         entry.replica = replica
         self._publish(decision_id, OPENED, entry)

@@ -229,18 +229,22 @@ class FleetState:
         if f.prompt_tokens > 0:
             seen = float(cached_tokens(f, self).max()) / f.prompt_tokens
             self.reuse_share += REUSE_EWMA_ALPHA * (seen - self.reuse_share)
-        self.prefix.insert(i, f.block_hashes)
-        if self.precise is not None:
-            self.precise.sent(i, f.block_hashes)
-        self.add_inflight(i, f.prompt_tokens, uncached)
+        self.book(i, f.block_hashes, f.prompt_tokens, uncached)
 
-    def record_peer(self, i: int, block_hashes: np.ndarray, prompt_tokens: int,
-                    uncached: int) -> None:
-        """Another router routed a request to replica i (`gorgo.core.peers`): as `record_sent`."""
+    def book(self, i: int, block_hashes: np.ndarray, prompt_tokens: int, uncached: int) -> None:
+        """A request is open on replica i (routed here, moved here by a retry, or another
+        router's, `gorgo.core.peers`): in flight, and its blocks in the prefix views."""
         self.prefix.insert(i, block_hashes)
         if self.precise is not None:
             self.precise.sent(i, block_hashes)
         self.add_inflight(i, prompt_tokens, uncached)
+
+    def unbook(self, i: int, block_hashes: np.ndarray, prompt_tokens: int, uncached: int,
+               served: bool = True) -> None:
+        """`book` undone: the request ended (``served``), or a retry moved it off replica i."""
+        self.release_inflight(i, prompt_tokens, uncached)
+        if self.precise is not None:
+            self.precise.closed(i, block_hashes, served=served)
 
     def add_inflight(self, i: int, prompt_tokens: int, uncached: int) -> None:
         self.version += 1

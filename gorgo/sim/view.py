@@ -21,7 +21,7 @@ from typing import Any
 
 import yaml
 
-from gorgo.core.fleet import load_fleet, parse_fleet
+from gorgo.core.fleet import parse_fleet, read_fleet
 from gorgo.errors import UserError
 from gorgo.sim.routers import view_from
 
@@ -66,8 +66,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """Write the view; an unknown region or a port beyond 65535 is a UserError."""
-    spec = load_fleet(args.fleet)  # a missing or bad file: its UserError
-    doc = yaml.safe_load(Path(args.fleet).read_text())
+    doc = read_fleet(args.fleet)  # a missing or bad file: its UserError
+    spec = parse_fleet(doc, source=Path(args.fleet).name)
     if args.region not in spec.region_names:
         raise UserError(f"unknown region {args.region!r}: the fleet has "
                         f"{', '.join(spec.region_names)}")

@@ -13,10 +13,12 @@ from gorgo.harness.procs import free_port
 from gorgo.sim.fleet import SimFleet
 
 
-def _spec(ports: list[int]):
+def _spec(ports: list[int], near_ms: float = 2, far_ms: float = 80, name: str = "fleet"):
+    """Replica r0 in region near, the others in far, at these RTTs from the proxy."""
     return parse_fleet({
-        "regions": {"near": {"sim": {"rtt_ms": 2, "jitter_ms": 0}},
-                    "far": {"sim": {"rtt_ms": 80, "jitter_ms": 0}}},
+        "name": name,
+        "regions": {"near": {"sim": {"rtt_ms": near_ms, "jitter_ms": 0}},
+                    "far": {"sim": {"rtt_ms": far_ms, "jitter_ms": 0}}},
         "replicas": [
             {"name": f"r{i}", "engine": "sim", "region": "near" if i == 0 else "far",
              "address": f"127.0.0.1:{p}", "sim": {"profile": "tiny-test"}}
@@ -135,16 +137,7 @@ def test_fleet_view_adds_a_link_per_replica_to_the_same_engine() -> None:
 
     async def go() -> None:
         ports, view_ports = [free_port(), free_port()], [free_port(), free_port()]
-        view = parse_fleet({
-            "name": "from-far",
-            "regions": {"near": {"sim": {"rtt_ms": 80, "jitter_ms": 0}},
-                        "far": {"sim": {"rtt_ms": 2, "jitter_ms": 0}}},
-            "replicas": [
-                {"name": f"r{i}", "engine": "sim", "region": "near" if i == 0 else "far",
-                 "address": f"127.0.0.1:{p}", "sim": {"profile": "tiny-test"}}
-                for i, p in enumerate(view_ports)
-            ],
-        })
+        view = _spec(view_ports, near_ms=80, far_ms=2, name="from-far")
         fleet = SimFleet(_spec(ports), stream_interval=2, views=[view])
         await fleet.start()
         try:
