@@ -14,11 +14,13 @@ without adding special tokens again; for a completions request, the prompt token
 
 Both yield the ids in chunks, lazily: the caller hashes blocks as they come and stops at the first
 block no replica holds, so a cold prompt costs one chunk of tokenization, not the whole prompt.
+Each chunk says how many of its ids were tokenized afresh, for the lookup's budget.
 `HFTokenizer` cuts the rendered text before a word every ``CHUNK_CHARS`` characters, tokenizes the
 pieces separately and memoises them: for a tokenizer whose pre-tokenizer splits words at spaces
 (byte-level BPE, as the GPT-2/Llama 3/Qwen families; checked on load, else the whole text is
 tokenized at once) this is exactly the whole text's tokenization, and the turns a conversation
-repeats are not tokenized again.
+repeats are not tokenized again. A chunk not in the memo is tokenized in quarter-chunk pieces as
+the walk needs them (`HFTokenizer._chunks`).
 """
 
 from __future__ import annotations
@@ -44,7 +46,9 @@ SIM_VOCAB_BITS = 17
 _ID_MIX = (0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F)  # odd 64-bit multipliers
 
 
-Chunk = tuple["list[int] | array.array[int]", int]  # (token ids, characters they cover)
+# (token ids, characters they cover, how many of the ids were tokenized afresh for it: 0 when
+# they came from a memo or from a tokenizer too cheap to count, as the simulated one)
+Chunk = tuple["list[int] | array.array[int]", int, int]
 
 
 class PromptTokenizer(Protocol):
@@ -52,8 +56,9 @@ class PromptTokenizer(Protocol):
 
     def token_chunks(self, f: RequestFeatures) -> Iterator[Chunk]:
         """The prompt's token ids in order, a chunk at a time, each with the number of prompt
-        characters it covers (0: unknown); nothing for a non-inference request or one the
-        template cannot render."""
+        characters it covers (0: unknown) and of ids tokenized afresh (what the precise lookup's
+        budget counts); nothing for a non-inference request or one the template cannot
+        render."""
         ...
 
 
@@ -96,7 +101,7 @@ class SimTokenizer:
         for k in range(0, n, _SIM_CHUNK_TOKENS):
             stop = min(k + _SIM_CHUNK_TOKENS, n)
             chars = min(len(text), round(stop * cpt)) - round(k * cpt)
-            yield self.ids(text, k, stop).tolist(), chars
+            yield self.ids(text, k, stop).tolist(), chars, 0
 
 
 def _text_of(content: Any) -> str:
@@ -124,6 +129,7 @@ class HFTokenizer:
             self._tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
         except (OSError, ValueError) as exc:
             raise FleetError(f"tokenizer {path!r}: cannot load it: {exc}") from None
+        self._backend = getattr(self._tok, "backend_tokenizer", None)
         self.name = path
         self.chunk_chars = chunk_chars
         self._memo: OrderedDict[str, array.array] = OrderedDict()
@@ -132,6 +138,10 @@ class HFTokenizer:
         self._memo.clear()
 
     def _encode(self, text: str, special: bool) -> list[int]:
+        """``transformers``' encode, through its Rust tokenizer directly where it has one (what
+        its fast tokenizers call, without building a `BatchEncoding` per piece)."""
+        if self._backend is not None:
+            return self._backend.encode(text, add_special_tokens=special).ids
         return self._tok.encode(text, add_special_tokens=special)
 
     def _chunking_exact(self) -> bool:
@@ -184,20 +194,61 @@ class HFTokenizer:
             yield text[start:m.start()]
             start = m.start()
 
-    def _chunk_ids(self, chunk: str) -> array.array:
-        """A chunk's ids, memoised; the memo is shared with `PreciseCache.warm`'s thread, so
-        each step tolerates the other thread having moved or dropped the entry."""
-        memo = self._memo
-        ids = memo.get(chunk)
-        if ids is None:
-            ids = memo[chunk] = array.array("l", self._encode(chunk, False))
-            if len(memo) > MEMO_CHUNKS:
-                with contextlib.suppress(KeyError):
-                    memo.popitem(last=False)
-        else:
+    def _memoised(self, text: str) -> array.array | None:
+        """The memo is shared with `PreciseCache.warm`'s thread, so each step tolerates the
+        other thread having moved or dropped the entry."""
+        ids = self._memo.get(text)
+        if ids is not None:
             with contextlib.suppress(KeyError):
-                memo.move_to_end(chunk)
+                self._memo.move_to_end(text)
         return ids
+
+    def _memoise(self, text: str, ids: array.array) -> None:
+        memo = self._memo
+        memo[text] = ids
+        if len(memo) > MEMO_CHUNKS:
+            with contextlib.suppress(KeyError):
+                memo.popitem(last=False)
+
+    def _piece(self, piece: str, memoise: bool) -> Chunk:
+        ids = self._memoised(piece)
+        if ids is not None:
+            return ids, len(piece), 0
+        ids = array.array("l", self._encode(piece, False))
+        if memoise:
+            self._memoise(piece, ids)
+        return ids, len(piece), len(ids)
+
+    def _chunks(self, text: str) -> Iterator[Chunk]:
+        """``text``'s ids a chunk at a time, from the memo where it has them. The first chunk it
+        has not is tokenized in pieces of a quarter chunk, lazily, so a walk that stops inside it
+        (most walks stop at their first fresh chunk) pays for the pieces it needs only; once
+        tokenized to its end it is memoised whole. Later fresh chunks are tokenized whole (a long
+        walk: per-piece overhead would cost it a quarter more). The text's last chunk is memoised
+        as its pieces instead: a conversation's next turn extends it, so that chunk comes back
+        longer, and only its pieces match."""
+        cuts = self._cut(text, self.chunk_chars)
+        chunk = next(cuts, None)
+        fresh_before = False
+        while chunk is not None:
+            after = next(cuts, None)
+            ids = self._memoised(chunk)
+            if ids is not None:
+                yield ids, len(chunk), 0
+            elif after is None:
+                for piece in self._cut(chunk, self.chunk_chars // 4):
+                    yield self._piece(piece, memoise=True)
+            elif fresh_before:
+                yield self._piece(chunk, memoise=True)
+            else:
+                fresh_before = True
+                whole = array.array("l")
+                for piece in self._cut(chunk, self.chunk_chars // 4):
+                    ids, chars, fresh = self._piece(piece, memoise=False)
+                    whole.extend(ids)
+                    yield ids, chars, fresh
+                self._memoise(chunk, whole)
+            chunk = after
 
     def token_chunks(self, f: RequestFeatures) -> Iterator[Chunk]:
         if f.endpoint is None or f.body is None:
@@ -207,7 +258,7 @@ class HFTokenizer:
         if f.endpoint == "completions":
             prompt = body.get("prompt")
             if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-                yield list(prompt), 0  # token ids: the engine runs them as given
+                yield list(prompt), 0, 0  # token ids: the engine runs them as given
                 return
             text = prompt[0] if isinstance(prompt, list) and prompt else prompt
             if not isinstance(text, str):
@@ -218,12 +269,12 @@ class HFTokenizer:
             if text is None:
                 return
         if not self.chunked:
-            yield self._encode(text, special), len(text)
+            ids = self._encode(text, special)
+            yield ids, len(text), len(ids)
             return
         if special:
-            yield self._prefix, 0
-        for chunk in self._cut(text, self.chunk_chars):
-            yield self._chunk_ids(chunk), len(chunk)
+            yield self._prefix, 0, 0
+        yield from self._chunks(text)
 
 
 def load_tokenizer(name: str, chars_per_token: float) -> PromptTokenizer:

@@ -29,7 +29,7 @@ from gorgo.core.decision import (
 from gorgo.core.features import RequestFeatures
 from gorgo.core.fleet import FleetError, FleetSpec, ModelSettings
 from gorgo.core.membership import FleetDiff, check_reloadable, diff_fleets
-from gorgo.core.peers import CLOSED, OPENED, Booking, PeerBookings
+from gorgo.core.peers import CLOSED, OPENED, Booking, Echoes, PeerBookings
 from gorgo.core.policies import REGISTRY, make_policy
 from gorgo.core.policies.base import Policy
 from gorgo.core.state import FleetState
@@ -78,6 +78,7 @@ class Router:
         self.outbox: list[Booking] | None = None
         self._notify: Callable[[], None] | None = None
         self.peers = PeerBookings(spec.timeouts.request_s)
+        self.echoes = Echoes()  # this router's own choices counted for its live peers
         # Bumped by every reload: signal results measured on an older fleet are dropped.
         self.generation = 0
 
@@ -107,6 +108,7 @@ class Router:
                 f"policy: unknown policy {spec.policy!r} (known: {', '.join(REGISTRY)})")
         check_reloadable(self.spec, spec)
         diff = diff_fleets(self.spec, spec)
+        self.echoes.clear(self.state)
         state = self.state.reindexed(spec, {n: n for n in diff.kept})
         for key, entry in list(self._open.items()):
             j = state.index.get(self.state.names[entry.replica])
@@ -169,6 +171,7 @@ class Router:
         s.now = now
         s.expire_pending(now)
         self.peers.expire(s, now)
+        self.echoes.expire(s, now)
         names = self.policies if self.spec.allow_policy_override else dict.fromkeys(
             [self.default_policy, *(m.policy for m in self.spec.model_settings if m.policy)])
         for name in names:
@@ -182,6 +185,7 @@ class Router:
         """Choose a replica and count the request in flight, or say why not."""
         s = self.state
         s.now = now
+        self.echoes.expire(s, now)
         wanted = f.prompt_tokens + (f.max_tokens or 0)
         if wanted > self.max_request_tokens:
             return Rejection(
@@ -218,6 +222,9 @@ class Router:
         s.record_sent(i, f, d.uncached_tokens)
         self._open[d.id] = _Open(i, f.prompt_tokens, d.uncached_tokens, f.block_hashes)
         self._publish(d.id, OPENED, self._open[d.id])
+        if self.outbox is not None:
+            self.echoes.add(s, i, f.prompt_tokens, d.uncached_tokens, self.peers.live_peers(now),
+                            now)
         return d
 
     def share(self, notify: Callable[[], None] | None = None) -> None:

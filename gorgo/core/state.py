@@ -116,7 +116,8 @@ class FleetState:
         if self._match_for != key:
             self._match = self.prefix.match(features.block_hashes)
             if self.precise is not None:
-                self._match = self.precise.overlay(features, self._match)
+                self._match = self.precise.overlay(features, self._match,
+                                                   self.spec.limits.precise_lookup_tokens)
             self._match_for = key
         return self._match
 
@@ -256,6 +257,18 @@ class FleetState:
         self.inflight_prompt_tokens[i] += prompt_tokens
         self.inflight_uncached[i] += uncached
         self._note_arrival(prompt_tokens)
+
+    def echo(self, i: int, prompt_tokens: int, uncached: int, copies: int) -> None:
+        """``copies`` more requests like one just routed to replica i counted in flight and in
+        its backlog (negative: the same taken back), for `gorgo.core.peers.Echoes`; not counted
+        as arrivals."""
+        self.version += 1
+        self.inflight_reqs[i] += copies
+        self.inflight_prompt_tokens[i] += copies * prompt_tokens
+        self.inflight_uncached[i] += copies * uncached
+        self.backlog_tokens[i] = max(float(self.own_backlog(i)) + copies * uncached, 0.0)
+        self.backlog_at[i] = self.now
+        self.sent_since_scrape[i] = max(self.sent_since_scrape[i] + copies * uncached, 0)
 
     def _note_arrival(self, prompt_tokens: int) -> None:
         if self._first_arrival is None:

@@ -313,6 +313,8 @@ class Simulation:
         rec.replica = d.replica
         rec.predicted_ms = d.predicted_ms
         side.decisions[k] = d
+        if side.router.state.precise is not None:  # what extproc's warmer thread does next
+            side.router.state.precise.warm(self.features[k])
         self._publish(self.home[k])
         base, per_token = self.intake
         sent = max(self.now, side.free_at) + base + per_token * self.features[k].prompt_tokens

@@ -11,7 +11,7 @@ import pytest
 from gorgo.core.decision import Decision
 from gorgo.core.features import extract_features
 from gorgo.core.fleet import FleetError, parse_fleet
-from gorgo.core.peers import CLOSED, OPENED, Booking, decode, encode
+from gorgo.core.peers import CLOSED, ECHO_S, OPENED, PEER_LIVE_S, Booking, decode, encode
 from gorgo.core.router import Router
 
 DOC = {"name": "f", "regions": {"a": {}}, "timeouts": {"request_s": 60},
@@ -57,6 +57,54 @@ def test_a_peers_request_counts_as_ones_own_until_it_closes() -> None:
     deliver(a, b)
     assert s.inflight_reqs.sum() == 0 and s.inflight_uncached.sum() == 0
     assert (b.peers.applied, b.peers.ignored, len(b.peers)) == (2, 0, 0)
+
+
+def heard_from(router: Router, peer: str, now: float) -> None:
+    """``router`` received a booking of ``peer`` at ``now`` (its open and its close)."""
+    router.apply_peer(Booking(peer, f"{peer}-1", OPENED, "r0", 5, 5), now)
+    router.apply_peer(Booking(peer, f"{peer}-1", CLOSED, "r0"), now)
+
+
+def test_own_choices_echo_once_per_live_peer_until_their_bookings_can_come() -> None:
+    a, _ = pair()
+    heard_from(a, "b", 0.0)
+    heard_from(a, "c", 0.5)
+    s = a.state
+    f = features(a, "burst " * 400)
+    d = a.route(f, 1.0)
+    assert isinstance(d, Decision) and a.peers.live_peers(1.0) == 2
+    i, u = d.replica, d.uncached_tokens
+    assert s.inflight_reqs[i] == 3 and s.inflight_uncached[i] == 3 * u  # its own and 2 echoes
+    assert s.own_backlog(i) == pytest.approx(3 * u)
+    assert s.matched_blocks(f)[i] == len(f.block_hashes)  # blocks: its own booking only
+    a.tick(1.0 + ECHO_S)
+    drained = s.prefill_rate[i] * ECHO_S
+    assert s.inflight_reqs[i] == 1 and s.inflight_uncached[i] == u  # exactly its own again
+    assert s.own_backlog(i) == pytest.approx(max(3 * u - drained, 0) - 2 * u, abs=1e-6)
+    a.complete(d.id)
+    assert s.inflight_reqs.sum() == 0 and s.inflight_uncached.sum() == 0
+
+
+def test_no_echo_without_live_peers_or_sharing() -> None:
+    a, _ = pair()
+    f = features(a, "alone " * 400)
+    assert a.route(f, 0.0) and a.state.inflight_reqs.sum() == 1  # never heard of a peer
+    heard_from(a, "b", 0.0)
+    assert a.route(f, PEER_LIVE_S + 1.0) and a.state.inflight_reqs.sum() == 2  # b fell silent
+    quiet = Router(parse_fleet(DOC), id_prefix="q")  # sharing not started: no peers to echo
+    heard_from(quiet, "b", 0.0)
+    assert quiet.route(f, 0.0) and quiet.state.inflight_reqs.sum() == 1
+
+
+def test_a_reload_takes_the_echoes_back() -> None:
+    a, _ = pair()
+    heard_from(a, "b", 0.0)
+    d = a.route(features(a, "reload " * 400), 0.0)
+    assert isinstance(d, Decision) and a.state.inflight_reqs.sum() == 2
+    a.reload(parse_fleet(DOC))
+    assert a.state.inflight_reqs.sum() == 1 and len(a.echoes) == 0
+    a.complete(d.id)
+    assert a.state.inflight_reqs.sum() == 0
 
 
 @pytest.mark.parametrize("booking", [

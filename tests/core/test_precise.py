@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from gorgo.core.decision import Decision
@@ -183,6 +184,52 @@ def test_warm_fills_the_memos_off_the_request_path() -> None:
     assert hasher is not None and not hasher._memo
     s.precise.warm(f)
     assert len(hasher._memo) == f.n_blocks  # every block's digest, for the next turn
+
+
+BUDGET = 256
+
+
+def test_a_prefix_never_seen_is_walked_within_the_budget() -> None:
+    """First sight of a long cached prefix (another router sent it), with
+    ``limits.precise_lookup_tokens`` set: the lookup spends at most that much fresh work on the
+    request path, counts what it walked as a lower bound, takes the approximate guess beyond it,
+    and is exact once the prompt is warm. By default it walks everything."""
+    assert fresh().state.spec.limits.precise_lookup_tokens > 1 << 20
+    router = Router(parse_fleet({**fleet(), "limits": {"precise_lookup_tokens": BUDGET}}))
+    s = router.state
+    assert s.precise is not None
+    for i in (0, 1):
+        s.observe_cache_config(i, BT, 10_000, "sha256_cbor")
+        s.set_kv_synced(i, True)
+    f, body = request("word " * 4000)
+    hashes = engine_hashes(body)
+    s.apply_kv_events(0, [KVEvent(STORED, tuple(hashes), None, (), BT)])
+    s.apply_kv_events(1, [KVEvent(STORED, tuple(hashes[:3]), None, (), BT)])
+    walked = -(-BUDGET // BT)  # fresh blocks hashed before the budget is spent
+    assert 3 < 3 * walked < len(hashes)
+    assert s.matched_blocks(f).tolist() == [walked, 3]
+    # The next lookup walks the memoised blocks for free and spends its budget beyond them.
+    live, tokens, short = s.precise.cached_tokens(f, BUDGET)
+    assert (live, short) == (0b11, 0b01)  # replica 1's match ended at a miss: exact
+    assert tokens.tolist() == [2 * walked * BT, 3 * BT]
+    guess = np.array([3 * walked + 5] * 2)  # the approximate view knows more of both
+    assert s.precise.overlay(f, guess, BUDGET).tolist() == [3 * walked + 5, 3]  # 1 evicted it
+    s.precise.warm(f)  # what the driver does after the decision
+    assert s.precise.cached_tokens(f, BUDGET)[2] == 0
+    assert s.precise.overlay(f, guess, BUDGET).tolist() == [len(hashes), 3]
+
+
+def test_the_budget_counts_fresh_tokenizing_and_hashing() -> None:
+    from gorgo.core.precise import _Walk
+
+    walk = _Walk()
+    chunks = walk.chunks(iter([([1, 2, 3], 12, 3), ([4, 5], 8, 0)]))
+    assert [list(c) for c in chunks] == [[1, 2, 3], [4, 5]]
+    assert (walk.chars, walk.tokens, walk.spent[0]) == (20, 5, 3)
+    out = list(walk.hashes(iter([7, 8, 9]), budget=3))
+    assert out == [7] and walk.cut and walk.blocks == 1  # spent before the second was wanted
+    ended = _Walk()
+    assert list(ended.hashes(iter([7, 8]), budget=10)) == [7, 8] and not ended.cut
 
 
 def test_demo_fleet_can_be_precise() -> None:

@@ -51,7 +51,7 @@ def features(body: dict, path: str = "/v1/chat/completions"):
 
 
 def ids(tokenizer, f) -> list[int]:
-    return [t for chunk, _ in tokenizer.token_chunks(f) for t in chunk]
+    return [t for chunk, _, _ in tokenizer.token_chunks(f) for t in chunk]
 
 
 def test_sim_tokenizer_counts_as_the_router_and_shares_prefixes() -> None:
@@ -88,17 +88,43 @@ def test_hf_memo_repeats_no_work(model_dir: Path) -> None:
     hf = HFTokenizer(str(model_dir), chunk_chars=64)
     f = features({"messages": [{"role": "user", "content": words(400)}]})
     first = ids(hf, f)
-    calls = []
+    calls = spy(hf)
+    assert ids(hf, f) == first and calls == []
+
+
+def spy(hf: HFTokenizer) -> list[str]:
+    """The texts ``hf`` tokenizes from now on."""
+    calls: list[str] = []
     encode = hf._encode
     hf._encode = lambda text, special: calls.append(text) or encode(text, special)
-    assert ids(hf, f) == first and calls == []
+    return calls
 
 
 def test_hf_stops_early_when_the_caller_does(model_dir: Path) -> None:
     hf = HFTokenizer(str(model_dir), chunk_chars=64)
     f = features({"messages": [{"role": "user", "content": words(4000)}]})
-    next(iter(hf.token_chunks(f)))
-    assert len(hf._memo) == 1
+    calls = spy(hf)
+    first = next(iter(hf.token_chunks(f)))
+    assert len(calls) == 1 and len(calls[0]) < 64 and first[2] == len(first[0])  # one piece
+    assert not hf._memo  # a chunk is memoised once tokenized to its end
+    ids(hf, f)
+    assert len(hf._memo) > 1
+
+
+def test_hf_next_turn_tokenizes_only_what_is_new(model_dir: Path) -> None:
+    hf = HFTokenizer(str(model_dir), chunk_chars=64)
+    turn = words(1500, 3)
+    ids(hf, features({"messages": [{"role": "user", "content": turn}]}))  # the warm-up
+    calls = spy(hf)
+    more = " and then some more words of the next turn"
+    messages = [{"role": "user", "content": turn + more}]
+    got = ids(hf, features({"messages": messages}))
+    text = hf._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert got == hf._tok.encode(text, add_special_tokens=False)
+    # The earlier prompt's last chunk came back longer: only its last quarter-chunk piece and
+    # what follows is tokenized again (the new words and the template's closing tokens).
+    # (Re-tokenizing that chunk would cost at least 64 characters more than the new text.)
+    assert sum(map(len, calls)) < len(more) + 48, calls
 
 
 def test_unrenderable_and_missing() -> None:

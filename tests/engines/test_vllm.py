@@ -116,7 +116,7 @@ def test_precise_view_follows_real_events(stack: EngineStack) -> None:
             """Blocks of the prompt the router's view of the engine holds, in engine blocks."""
             f = extract_features("/v1/chat/completions", {}, json.dumps(body).encode(), s.tok)
             assert view.hasher is not None
-            hashes = view.hasher.iter_hashes(ids for ids, _ in view.tokenizer.token_chunks(f))
+            hashes = view.hasher.iter_hashes(ids for ids, _, _ in view.tokenizer.token_chunks(f))
             return int(s.precise.index.match(hashes, among=1)[0])
 
         # Stored: the engine's blocks of a prompt, hashed by the router as the engine does.
