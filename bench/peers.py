@@ -48,6 +48,7 @@ import numpy as np
 import yaml
 
 from gorgo.core.fleet import parse_fleet
+from gorgo.core.terms import OBJECTIVES
 from gorgo.core.tokens import Tokenization
 from gorgo.harness.docblock import public_args, stop_on_signals, write_block
 from gorgo.harness.procs import GorgoProcess, free_ports, stop_group, wait_for
@@ -84,31 +85,37 @@ DEFAULT_COMMAND = ".venv/bin/python bench/peers.py --write-docs"
 
 @dataclass(frozen=True)
 class Router:
-    """``kind`` gorgo (Envoy + `gorgo extproc`, ``policy`` a gorgo policy), sglang or vllm (the
-    PyPI router, ``policy`` one of its ``--policy`` names)."""
+    """``kind`` gorgo (Envoy + `gorgo extproc`, ``policy`` a gorgo policy, ``objective`` the
+    fleet's if set, else the preset's), sglang or vllm (the PyPI router, ``policy`` one of its
+    ``--policy`` names)."""
 
     kind: str
     policy: str
+    objective: str | None = None
 
     @property
     def name(self) -> str:
         if self.kind == "gorgo":
-            return "Envoy + gorgo" + ("" if self.policy == "gorgo" else f" ({self.policy})")
+            return "Envoy + gorgo" + ("" if self.policy == "gorgo" else f" ({self.policy})") \
+                + (f" (objective {self.objective})" if self.objective else "")
         return f"{self.kind}-router {self.policy}"
 
     @property
     def key(self) -> str:
-        return "gorgo" if (self.kind, self.policy) == ("gorgo", "gorgo") else \
+        base = "gorgo" if (self.kind, self.policy) == ("gorgo", "gorgo") else \
             f"{self.kind}:{self.policy}"
+        return base + (f"@{self.objective}" if self.objective else "")
 
 
 def parse_router(spec: str) -> Router:
-    """``gorgo``, ``gorgo:<policy>``, ``sglang:<policy>`` or ``vllm:<policy>``."""
-    kind, _, policy = spec.partition(":")
-    if kind not in ("gorgo", "sglang", "vllm") or (kind != "gorgo" and not policy):
-        raise ValueError(f"router {spec!r}: expected gorgo[:POLICY], sglang:POLICY or "
-                         "vllm:POLICY")
-    return Router(kind, policy or "gorgo")
+    """``gorgo[:<policy>][@<objective>]``, ``sglang:<policy>`` or ``vllm:<policy>``."""
+    named, _, objective = spec.partition("@")
+    kind, _, policy = named.partition(":")
+    if kind not in ("gorgo", "sglang", "vllm") or (kind != "gorgo" and not policy) \
+            or (objective and (kind != "gorgo" or objective not in OBJECTIVES)):
+        raise ValueError(f"router {spec!r}: expected gorgo[:POLICY][@OBJECTIVE], "
+                         "sglang:POLICY or vllm:POLICY")
+    return Router(kind, policy or "gorgo", objective or None)
 
 
 def ensure_peers(venv: Path, log: Callable[[str], None]) -> Path:
@@ -169,7 +176,8 @@ def serving(router: Router, fleet_doc: dict[str, Any], workdir: Path, seed: int,
     process is stopped on exit."""
     if router.kind == "gorgo":
         opts = StackOptions(policy=router.policy, stream_interval=STREAM_INTERVAL, seed=seed)
-        with LiveStack(fleet_doc, workdir, opts) as stack:
+        doc = {**fleet_doc, "objective": router.objective} if router.objective else fleet_doc
+        with LiveStack(doc, workdir, opts) as stack:
             yield stack.url, stack.fleet_status
         return
     assert bin_dir is not None
@@ -476,6 +484,8 @@ def bench(args: argparse.Namespace, log: Callable[[str], None]) -> str:
         saved = json.loads(args.out.read_text())
         runs, offline = [Run(**r) for r in saved["runs"]], saved["offline"]
         cfg["wall_s_before"] = saved["config"].get("wall_s", 0.0)
+        if offline:  # kept: its seeds are the saved run's
+            cfg["sim_seeds"] = saved["config"].get("sim_seeds", args.sim_seeds)
         log(f"[peers] resuming: {len(runs)} runs kept from {args.out}")
 
     def save() -> None:
