@@ -65,7 +65,8 @@ def configs(args: argparse.Namespace) -> list[tuple[int, str]]:
 
 def fleet_arg(args: argparse.Namespace) -> str:
     """The preset, or the variant ``--cache`` / ``--scrape-interval`` ask for as a fleet file."""
-    if args.cache == "approximate" and args.scrape_interval is None and not args.share:
+    if args.cache == "approximate" and args.scrape_interval is None and not args.share \
+            and args.precise_lookup_tokens is None:
         return args.fleet
     if args.fleet not in PRESETS:
         raise SystemExit("multirouter: --cache, --scrape-interval and --share apply to a preset "
@@ -74,6 +75,8 @@ def fleet_arg(args: argparse.Namespace) -> str:
     doc["replicas"] = [with_cache(r, args.cache) for r in doc["replicas"]]
     if args.scrape_interval is not None:
         doc["signals"] = {"scrape_interval_s": args.scrape_interval}
+    if args.precise_lookup_tokens is not None:
+        doc["limits"] = {"precise_lookup_tokens": args.precise_lookup_tokens}
     if args.share:  # the simulator delivers the bookings itself; the server is never dialled
         doc["sharing"] = {"nats": SIM_NATS}
     path = args.out / f"fleet-{args.fleet}.yaml"
@@ -180,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="the routers' cache view of every replica (precise: KV events)")
     p.add_argument("--scrape-interval", type=float, default=None, metavar="S",
                    help="the routers' engine scrape interval (default: the fleet's)")
+    p.add_argument("--precise-lookup-tokens", type=int, default=None, metavar="N",
+                   help="with --cache precise: the fleet's limits.precise_lookup_tokens")
     p.add_argument("--share", action="store_true",
                    help="the fleet's sharing: on (every router applies the others' bookings)")
     p.add_argument("--routers", default="1,2,4,8", metavar="K,...",

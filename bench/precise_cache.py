@@ -8,9 +8,10 @@ byte-level BPE). Four cases: ``cold`` (nothing cached anywhere: the lookup stops
 block); ``next turn`` (the prompt extends one this router routed before, which the engine has
 cached: the conversation's next turn; the router warmed its memos with the earlier prompt off the
 request path, as extproc does in a worker thread); ``first sight`` (a replica's engine reported
-the whole prompt, which this router never saw, e.g. another router sent it: the worst case, all
-of it tokenized and hashed on the request path); ``first sight, bounded`` (the same with
-``limits.precise_lookup_tokens: 256``).
+the whole prompt, which this router never saw, e.g. another router sent it: the lookup walks
+``limits.precise_lookup_tokens``, 256 by default, and the engine's chain of blocks beyond);
+``first sight, unbounded`` (the same with no bound: all of it tokenized and hashed on the request
+path).
 
 ``offline``: the offline simulation (gorgo.sim) of four simulated vLLMs with a KV pool smaller
 than the working set (``sim.kv_tokens``), a multi-turn chat trace, the gorgo policy; p95 TTFT of
@@ -59,8 +60,8 @@ def words(n_chars: int, seed: int) -> str:
     return " ".join(out)[:n_chars]
 
 
-BOUND = 256  # limits.precise_lookup_tokens of the "first sight, bounded" case
-BOUNDED = "first sight, bounded"
+UNBOUND = 8 * 1024 * 1024  # limits.precise_lookup_tokens of the "first sight, unbounded" case
+UNBOUNDED = "first sight, unbounded"
 
 
 def decision_fleet(cache: str, tokenizer: str, bound: int | None = None) -> FleetSpec:
@@ -84,7 +85,7 @@ def time_decisions(cache: str, tokenizer: str, kb: int, case: str, n: int) -> np
     """Seconds per decision (features + route + complete) for ``n`` requests of ``kb`` KB."""
     from gorgo.core.features import extract_features
 
-    router = Router(decision_fleet(cache, tokenizer, BOUND if case == BOUNDED else None))
+    router = Router(decision_fleet(cache, tokenizer, UNBOUND if case == UNBOUNDED else None))
     s = router.state
     block = 64 if tokenizer == "sim" else 128  # the simulated engine's; vLLM's on CPU
     engine_tok = load_tokenizer(tokenizer, s.spec.chars_per_token)  # the engine's own copy
@@ -129,7 +130,7 @@ def run_decision(args: argparse.Namespace) -> str:
         for kb in SIZES_KB:
             n = args.n if kb < 256 else max(20, args.n // 5)
             base = time_decisions("approximate", tok, kb, "cold", n)
-            for case in ("cold", "next turn", "first sight", BOUNDED):
+            for case in ("cold", "next turn", "first sight", UNBOUNDED):
                 prec = time_decisions("precise", tok, kb, case, n)
                 a50, a99 = np.percentile(base, [50, 99]) * 1000
                 p50, p99 = np.percentile(prec, [50, 99]) * 1000

@@ -151,8 +151,8 @@ class Limits:
     max_prompt_chars: int = 8 * 1024 * 1024  # the prompt as hashed (tool definitions included)
     max_output_tokens: int = 1024 * 1024  # max_tokens and its aliases
     # `cache: precise` lookups: tokens tokenized or hashed afresh (no memo holds them) on the
-    # request path per lookup; the default walks every cached block (gorgo.core.precise)
-    precise_lookup_tokens: int = 8 * 1024 * 1024
+    # request path per lookup; beyond, the engine's chain of blocks (gorgo.core.precise)
+    precise_lookup_tokens: int = 256
 
 
 @dataclass(frozen=True, slots=True)

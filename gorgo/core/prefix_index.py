@@ -29,6 +29,10 @@ class PrefixIndex:
     def blocks_held(self, replica: int) -> int:
         return len(self._lru[replica])
 
+    def holders(self, block_hash: int) -> int:
+        """Bitmask of the replicas holding the block."""
+        return self._holders.get(block_hash, 0)
+
     def sizes(self) -> np.ndarray:
         return np.fromiter((len(x) for x in self._lru), dtype=np.int64, count=self.n)
 

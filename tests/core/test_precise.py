@@ -189,12 +189,9 @@ def test_warm_fills_the_memos_off_the_request_path() -> None:
 BUDGET = 256
 
 
-def test_a_prefix_never_seen_is_walked_within_the_budget() -> None:
-    """First sight of a long cached prefix (another router sent it), with
-    ``limits.precise_lookup_tokens`` set: the lookup spends at most that much fresh work on the
-    request path, counts what it walked as a lower bound, takes the approximate guess beyond it,
-    and is exact once the prompt is warm. By default it walks everything."""
-    assert fresh().state.spec.limits.precise_lookup_tokens > 1 << 20
+def bounded():
+    """A router with ``limits.precise_lookup_tokens`` set, both replicas live, a long prompt
+    and the engine's hashes of it."""
     router = Router(parse_fleet({**fleet(), "limits": {"precise_lookup_tokens": BUDGET}}))
     s = router.state
     assert s.precise is not None
@@ -202,21 +199,42 @@ def test_a_prefix_never_seen_is_walked_within_the_budget() -> None:
         s.observe_cache_config(i, BT, 10_000, "sha256_cbor")
         s.set_kv_synced(i, True)
     f, body = request("word " * 4000)
-    hashes = engine_hashes(body)
-    s.apply_kv_events(0, [KVEvent(STORED, tuple(hashes), None, (), BT)])
-    s.apply_kv_events(1, [KVEvent(STORED, tuple(hashes[:3]), None, (), BT)])
-    walked = -(-BUDGET // BT)  # fresh blocks hashed before the budget is spent
-    assert 3 < 3 * walked < len(hashes)
-    assert s.matched_blocks(f).tolist() == [walked, 3]
-    # The next lookup walks the memoised blocks for free and spends its budget beyond them.
+    return s, f, engine_hashes(body)
+
+
+WALKED = -(-BUDGET // BT)  # fresh blocks hashed before the budget is spent
+
+
+def test_a_cut_match_follows_the_engines_chain_of_blocks() -> None:
+    """First sight of a long cached prefix (another router sent it) with the bound: the walk
+    stops after WALKED blocks, and the engine's own chain (each stored block's parent) carries
+    the match on, up to the prompt's length; a replica holding only part of the chain gets that
+    part."""
+    s, f, hashes = bounded()
+    assert 3 < 3 * WALKED < len(hashes)
+    s.apply_kv_events(0, [KVEvent(STORED, tuple(hashes[:10]), None, (), BT),
+                          KVEvent(STORED, tuple(hashes[10:]), hashes[9], (), BT)])  # 2 turns
+    s.apply_kv_events(1, [KVEvent(STORED, tuple(hashes[:2 * WALKED]), None, (), BT)])
     live, tokens, short = s.precise.cached_tokens(f, BUDGET)
-    assert (live, short) == (0b11, 0b01)  # replica 1's match ended at a miss: exact
-    assert tokens.tolist() == [2 * walked * BT, 3 * BT]
-    guess = np.array([3 * walked + 5] * 2)  # the approximate view knows more of both
-    assert s.precise.overlay(f, guess, BUDGET).tolist() == [3 * walked + 5, 3]  # 1 evicted it
+    assert (live, short) == (0b11, 0b11)
+    assert tokens.tolist() == [len(hashes) * BT, 2 * WALKED * BT]
+    s.apply_kv_events(0, [KVEvent(REMOVED, (hashes[20],))])  # evicted: the chain ends there
+    assert s.precise.cached_tokens(f, BUDGET)[1][0] == 20 * BT
+
+
+def test_a_branch_ends_the_chain_and_the_guess_and_the_warm_memos_take_over() -> None:
+    s, f, hashes = bounded()
+    s.apply_kv_events(0, [KVEvent(STORED, tuple(hashes), None, (), BT),
+                          KVEvent(STORED, (12345,), hashes[WALKED - 1], (), BT)])  # a 2nd child
+    s.apply_kv_events(1, [KVEvent(STORED, tuple(hashes[:3]), None, (), BT)])
+    guess = np.array([WALKED + 5] * 2)  # the approximate view knows more of both
+    # 0: cut after WALKED blocks, at the branch: the guess; 1: a miss, exact (its engine evicted)
+    assert s.precise.overlay(f, guess, BUDGET).tolist() == [WALKED + 5, 3]
     s.precise.warm(f)  # what the driver does after the decision
     assert s.precise.cached_tokens(f, BUDGET)[2] == 0
     assert s.precise.overlay(f, guess, BUDGET).tolist() == [len(hashes), 3]
+    s.apply_kv_events(0, [KVEvent(CLEARED)])
+    assert set(s.precise._child) <= set(hashes[:3])  # links kept only where 1 holds the parent
 
 
 def test_the_budget_counts_fresh_tokenizing_and_hashing() -> None:
