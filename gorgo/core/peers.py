@@ -29,6 +29,7 @@ fleet's request timeout, as a request that long would have been cut. A close wit
 from __future__ import annotations
 
 import json
+import math
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -188,7 +189,7 @@ class Echoes:
 
     def add(self, s: FleetState, i: int, prompt_tokens: int, uncached: int, copies: int,
             now: float) -> None:
-        self.expire(s, now)
+        """Echo a choice made at ``now`` (the router expired the echoes due by then first)."""
         if copies > 0:
             s.echo(i, prompt_tokens, uncached, copies)
             self._due.append((now + ECHO_S, i, prompt_tokens, uncached, copies))
@@ -201,6 +202,4 @@ class Echoes:
 
     def clear(self, s: FleetState) -> None:
         """Undo every echo (a reload re-indexes the fleet)."""
-        while self._due:
-            _, i, prompt_tokens, uncached, copies = self._due.popleft()
-            s.echo(i, prompt_tokens, uncached, -copies)
+        self.expire(s, math.inf)
