@@ -4,7 +4,9 @@ Synthetic windows (2 per arm, 40 requests each, the defaults), TTFTs either inde
 (log-normal, sigma 0.5) or in bursts of 8 that share a queueing factor (log-normal sigma 0.3, times
 an independent sigma 0.2), as Mooncake's simultaneous arrivals queue together. The candidate's
 TTFTs are the incumbent's distribution scaled by the given factor; a factor of 1.00 measures the
-false-positive rate. Printed as the Markdown table in docs/tuner.md, "Measured behaviour".
+false-positive rate. The "spread" rows widen the test as the tuner does (`spread_history`): by the
+spread factor learnt from the windows of the trials before, as the tuner learns it from its own
+past evaluations. Printed as the Markdown table in docs/tuner.md, "Measured behaviour".
 
     .venv/bin/python bench/acceptance.py [--trials 300] [--null-trials 1000]
 """
@@ -15,7 +17,17 @@ import argparse
 
 import numpy as np
 
-from tuner.optimizer import CANDIDATE, INCUMBENT, OptimizerConfig, Window, compare
+from tuner.optimizer import (
+    CANDIDATE,
+    INCUMBENT,
+    OptimizerConfig,
+    Spread,
+    Window,
+    compare,
+    evaluation_spread,
+    score_values,
+    spread_factor,
+)
 
 SCALES = (1.0, 1.05, 0.95, 0.9, 0.8, 0.7)
 BASE_MS = 300.0
@@ -44,18 +56,35 @@ def main() -> None:
     head = " | ".join(f"{s:.2f}" for s in SCALES)
     print(f"| TTFTs, bootstrap | candidate p95 / incumbent {head} |")
     print("|---|" + "---|" * len(SCALES))
+    default = OptimizerConfig()
     for label, bursty in (("independent log-normal", False), ("bursts of 8", True)):
-        for block in (1, OptimizerConfig().block):
-            cfg = OptimizerConfig(block=block, model_step=False)
+        for block, learn in ((1, False), (default.block, False), (default.block, True)):
+            cfg = OptimizerConfig(block=block, model_step=False,
+                                  spread_history=default.spread_history if learn else 0)
             cells = []
             for scale in SCALES:
                 rng = np.random.default_rng(args.seed)
                 n = args.null_trials if scale == 1.0 else args.trials
-                hits = sum(compare(windows(rng, INCUMBENT, 1.0, bursty),
-                                   windows(rng, CANDIDATE, scale, bursty), cfg, rng).accepted
-                           for _ in range(n))
+                spreads: list[Spread] = []
+                hits = sum(trial(rng, cfg, scale, bursty, spreads) for _ in range(n))
                 cells.append(f"{100.0 * hits / n:.1f} %")
-            print(f"| {label}, block {block} | " + " | ".join(cells) + " |", flush=True)
+            extra = ", spread" if learn else ""
+            print(f"| {label}, block {block}{extra} | " + " | ".join(cells) + " |", flush=True)
+
+
+def trial(rng: np.random.Generator, cfg: OptimizerConfig, scale: float, bursty: bool,
+          spreads: list[Spread]) -> bool:
+    """One comparison, widened by what the trials before it taught (``spreads``, which it
+    extends: every arm's windows, like the tuner's, whatever the verdict)."""
+    inc = windows(rng, INCUMBENT, 1.0, bursty)
+    cand = windows(rng, CANDIDATE, scale, bursty)
+    accepted = compare(inc, cand, cfg, rng,
+                       spread=spread_factor(spreads, cfg.spread_cap)).accepted
+    if cfg.spread_history:
+        arms = [[score_values(w, cfg, None) for w in arm] for arm in (inc, cand)]
+        spreads.append(evaluation_spread(arms, cfg, rng))
+        del spreads[:-cfg.spread_history]
+    return accepted
 
 
 if __name__ == "__main__":

@@ -30,7 +30,11 @@ How one evaluation runs, and why (docs/tuner.md has the full story):
 * Candidates are log-normal steps in log space, reflected at the bounds (a bound is not an
   attractor), with the 1/5 success rule for the step size; and, when it is far from the
   incumbent, the weights under which the cost predicts the TTFT delivered (`tuner.weight_fit`),
-  which is how the search leaves bad weights fast. Small step size or many failures in a row:
+  which is how the search leaves bad weights fast. At the start of a search, fitted weights that
+  predict the delivered TTFT better than the start weights beyond the noise (out of sample) take
+  their place at once, and the start weights are the first candidate: the burden of proof is on
+  the weights that mispredict, since a p95 over a few windows cannot show a 1.2x gap early
+  enough (``model_start``). Small step size or many failures in a row:
   converged, and from then on the incumbent is monitored; a drift of live p95 restarts the search.
   A newly accepted incumbent stays on probation until it has been re-measured: if its live p95
   regresses past ``rollback``, the previous weights come back.
@@ -50,11 +54,14 @@ from gorgo.core.contract import WEIGHT_BOUNDS
 from gorgo.core.terms import E2E, OBJECTIVES, SLO, TTFT, WEIGHTED, weight_keys
 from gorgo.core.weights import Weights
 from tuner.calibration import CalibrationConfig, PrefillCalibrator
+from tuner.resample import block_indices
 from tuner.samples import Sample
-from tuner.weight_fit import WeightFit
+from tuner.weight_fit import FIT_WINDOW, WeightFit
 
 INCUMBENT, CANDIDATE, MONITOR, BRIDGE = "incumbent", "candidate", "monitor", "bridge"
-STEP, MODEL = "step", "model"  # a candidate from a random step, or from the weight fit
+# A candidate from a random step, from the weight fit, or the start weights themselves once the
+# fit took their place (`OptimizerConfig.model_start`)
+STEP, MODEL, START = "step", "model", "start"
 UNFINISHED_MS = 1e12  # stands in for a request that has not reported back, in the worst case
 EVALUATING, CONVERGED = "evaluating", "converged"
 STATE_FORMAT = 3  # 3: + the objective; 2 (still read, as ttft): weights are {key: factor};
@@ -113,6 +120,11 @@ class OptimizerConfig:
     margin: float = 0.01  # the candidate must beat the incumbent's p95 by this fraction
     bootstrap: int = 2000
     block: int = 8  # bootstrap block (consecutive arrivals): bursts queue together
+    # The bootstrap sees the noise inside a window, not a burst that lands in one window: its
+    # spread is widened by how far apart the windows of the last `spread_history` evaluations
+    # fell against what it predicted for them (0: never widened), by at most `spread_cap`.
+    spread_history: int = 20
+    spread_cap: float = 1.5
     e2e_margin: float = 0.05
     max_error_increase: float = 0.02  # absolute error-rate increase a candidate may bring
     monitor_samples: int = 200  # window size once converged
@@ -125,6 +137,11 @@ class OptimizerConfig:
     model_min_samples: int = 40
     model_retry: float = 0.5  # log distance the fit must move before it is proposed again
     model_pairs: int = 4  # an inconclusive but promising fitted candidate runs up to this many
+    # At the start, fitted weights that predict TTFT better than the start weights (out of
+    # sample, at `fpr`) become the incumbent, and the start weights must win them back.
+    model_start: bool = True
+    model_start_samples: int = 120  # and the first evaluation waits for this many to decide it
+    model_start_factor: float = 10.0  # only a start with a weight off by more than this factor
     rate_change: float = 0.05  # publish a calibrated prefill rate only if it moved this much
     history: int = 500  # evaluation records kept in the state file
     policy: str = "gorgo"  # only requests this policy routed depend on the weights
@@ -183,8 +200,13 @@ class OptimizerConfig:
             (self.min_window_s >= 0, "min_window_s must be >= 0"),
             (self.census_timeout_s > 0, "census_timeout_s must be > 0"),
             (self.block >= 1, "block must be >= 1"),
+            (self.spread_history >= 0, "spread_history must be >= 0"),
+            (self.spread_cap >= 1, "spread_cap must be >= 1"),
             (self.model_min_samples >= 10, "model_min_samples must be >= 10"),
             (self.model_retry > 0, "model_retry must be > 0"),
+            (self.model_start_factor > 1, "model_start_factor must be > 1"),
+            (10 <= self.model_start_samples <= FIT_WINDOW,
+             f"model_start_samples must be in [10, {FIT_WINDOW}] (the fit's window)"),
             (self.model_pairs >= self.pairs, "model_pairs must be >= pairs"),
             (self.pairs >= 1, "pairs must be >= 1"),
             (0 < self.quantile < 1, "quantile must be in (0, 1)"),
@@ -381,14 +403,8 @@ def _bootstrap_quantile(
     widens the interval instead of passing for independent evidence."""
     cols = []
     for v in parts:
-        n = v.size
-        if not n:
-            continue
-        length = min(block, n)
-        k = -(-n // length)
-        starts = rng.integers(0, n, size=(reps, k))
-        idx = ((starts[:, :, None] + np.arange(length)) % n).reshape(reps, k * length)[:, :n]
-        cols.append(v[idx])
+        if v.size:
+            cols.append(v[block_indices(v.size, block, reps, rng)])
     rows = np.concatenate(cols, axis=1)
     return rows.mean(axis=1) if q is None else _row_quantile(rows, q)
 
@@ -402,6 +418,43 @@ def _row_quantile(a: np.ndarray, q: float) -> np.ndarray:
     return s[:, lo] + (s[:, hi] - s[:, lo]) * (h - lo)
 
 
+Spread = tuple[float, float]  # (between, within) of one evaluation; see `evaluation_spread`
+
+
+def evaluation_spread(arms: Sequence[Sequence[np.ndarray]], cfg: OptimizerConfig,
+                      rng: np.random.Generator) -> Spread:
+    """How far an arm's window scores fell from the arm's mean (``between``: the sum of squared
+    deviations), and how far the within-window bootstrap says they should (``within``:
+    ``(m - 1)`` times its mean variance of a window's score; equal to ``between`` on average if
+    the bootstrap saw all the noise), summed over the arms of one evaluation. On log scores, so
+    calm and loaded stretches of the trace pool on one scale (an arm with a score of 0, a
+    miss rate, says nothing)."""
+    bq = None if cfg.objective == SLO else cfg.quantile
+    between = within = 0.0
+    for parts in arms:
+        parts = [v for v in parts if v.size >= 2]
+        if len(parts) < 2:
+            continue
+        x = np.array([statistic(v, cfg) for v in parts])
+        reps = [_bootstrap_quantile([v], bq, cfg.bootstrap, cfg.block, rng) for v in parts]
+        if not (x > 0).all() or not all((r > 0).all() for r in reps):
+            continue
+        logs = np.log(x)
+        between += float(np.sum((logs - logs.mean()) ** 2))
+        within += (len(parts) - 1) * float(np.mean([np.var(np.log(r)) for r in reps]))
+    return between, within
+
+
+def spread_factor(spreads: Sequence[Spread], cap: float) -> float:
+    """What the bootstrap's spread is widened by: the square root of the pooled ratio of the
+    windows' observed to predicted variance, between 1 (never narrowed) and ``cap``."""
+    between = sum(b for b, _ in spreads)
+    within = sum(w for _, w in spreads)
+    if not within > 0:
+        return 1.0
+    return min(max(math.sqrt(between / within), 1.0), cap)
+
+
 def compare(
     incumbent: Sequence[Window],
     candidate: Sequence[Window],
@@ -409,11 +462,13 @@ def compare(
     rng: np.random.Generator,
     *,
     fill: tuple[float, float] | None = None,
+    spread: float = 1.0,
 ) -> Verdict:
     """Accept the candidate only if it is better beyond the noise and breaks no guard.
 
     ``fill`` (incumbent, candidate) stands in for requests a window routed that have not reported
-    back yet; None leaves them out.
+    back yet; None leaves them out. ``spread`` widens the bootstrap's distribution of the
+    difference around its median (`spread_factor`: the noise between windows it cannot see).
     """
     fi, fc = fill if fill is not None else (None, None)
     ti_parts = [score_values(w, cfg, fi) for w in incumbent]
@@ -433,6 +488,9 @@ def compare(
     diff = (_bootstrap_quantile(tc_parts, bq, cfg.bootstrap, cfg.block, rng)
             - _bootstrap_quantile(ti_parts, bq, cfg.bootstrap, cfg.block, rng))
     upper = float(np.quantile(diff, 1.0 - cfg.fpr))
+    if spread != 1.0:
+        center = float(np.median(diff))
+        upper = center + spread * (upper - center)
     # The margin scales with what the incumbent measured, never with a filled-in stand-in: the
     # test must only get easier to pass as the incumbent's unknown requests get slower.
     known = ti if fi is None else _concat([score_values(w, cfg, None) for w in incumbent])
@@ -450,7 +508,7 @@ def compare(
 
 
 def decide(ev: Evaluation, cfg: OptimizerConfig, rng: np.random.Generator,
-           final: bool) -> Verdict | None:
+           final: bool, spread: float = 1.0) -> Verdict | None:
     """The verdict once every routed request reported back, or earlier if it is an acceptance
     that no outcome of the missing requests could undo.
 
@@ -461,8 +519,8 @@ def decide(ev: Evaluation, cfg: OptimizerConfig, rng: np.random.Generator,
     """
     inc, cand = ev.arm(INCUMBENT), ev.arm(CANDIDATE)
     if final:
-        return compare(inc, cand, cfg, rng)
-    worst = compare(inc, cand, cfg, rng, fill=(0.0, UNFINISHED_MS))
+        return compare(inc, cand, cfg, rng, spread=spread)
+    worst = compare(inc, cand, cfg, rng, fill=(0.0, UNFINISHED_MS), spread=spread)
     return worst if worst.accepted else None
 
 
@@ -540,6 +598,7 @@ class Tuner:
         self._pending: list[Evaluation] = []  # routed, waiting for their requests to report
         self._open: Window | None = None  # routing now (None: a bridge or nothing is live)
         self._drift_run = 0  # monitor windows in a row beyond the drift threshold (signed)
+        self.spreads: list[Spread] = []  # of the last `spread_history` evaluations scored
 
     # --- inputs -------------------------------------------------------------------------------
 
@@ -665,12 +724,21 @@ class Tuner:
 
     def _warming_up(self) -> bool:
         """The first evaluation waits, with the incumbent bridged under an unscored version,
-        until the weight fit has its samples (a few seconds of traffic): from bad weights the fit
-        is the one candidate that can leave them in a single evaluation. Unscored, so the
-        evaluation's incumbent windows are as short as its candidate's, and a clear win is not
-        held up by the stragglers of a long wait."""
-        return (self.fit is not None and self.model_tried is None and self.evaluations == 0
-                and not self.fit.ready() and self.seen < 4 * self.cfg.model_min_samples)
+        until the weight fit has its samples (a few seconds of traffic; ``model_start_samples``
+        when the fit may take the start's place, since that decision has no evaluation behind
+        it): from bad weights the fit is the one candidate that can leave them at once.
+        Unscored, so the evaluation's incumbent windows are as short as its candidate's, and a
+        clear win is not held up by the stragglers of a long wait."""
+        if self.fit is None or self.model_tried is not None or self.evaluations:
+            return False
+        need = max(self.cfg.model_min_samples,
+                   self.cfg.model_start_samples if self.cfg.model_start else 0)
+        return len(self.fit) < need and self.seen < 4 * need
+
+    def _far(self, a: Point, b: Point) -> bool:
+        """More than ``model_retry`` apart in log space."""
+        return math.dist(np.log(_vec(a, self.keys)), np.log(_vec(b, self.keys))) > (
+            self.cfg.model_retry)
 
     def _model_candidate(self) -> Point | None:
         """The fitted weights (a weight the fit says nothing about keeps the incumbent's), when
@@ -682,12 +750,8 @@ class Tuner:
         if fitted is None:
             return None
         point = self._clip({**self.incumbent, **fitted})
-
-        def far(other: Point) -> bool:
-            return math.dist(np.log(_vec(point, self.keys)),
-                             np.log(_vec(other, self.keys))) > self.cfg.model_retry
-
-        if far(self.incumbent) and (self.model_tried is None or far(self.model_tried)):
+        if self._far(point, self.incumbent) and (self.model_tried is None
+                                                 or self._far(point, self.model_tried)):
             return point
         return None
 
@@ -704,8 +768,39 @@ class Tuner:
     def _start_eval(self, now: float) -> Proposal:
         self.phase = EVALUATING
         self._refresh_rates()
+        start = self._adopt_fit(now)
         self._eval = Evaluation(self.incumbent, window_plan(self.cfg.pairs))
+        if start is not None:
+            self._eval.candidate, self._eval.kind = start, START
         return self._open_window(self._eval.plan[0], now)
+
+    def _adopt_fit(self, now: float) -> Point | None:
+        """At the start of a search (no evaluation yet, no fitted weights tried): the weights
+        nearest the incumbent that the fit does not rule out take its place if one of its weights
+        is off from them by more than ``model_start_factor`` and they predict TTFT better beyond
+        the noise; the weights they replace are returned, to be the first evaluation's
+        candidate. Only a grossly wrong start is replaced: how well weights predict is not how
+        well they route (on the Azure trace, fitted queue weights of 0.1-0.4 predict better than
+        1 and route 1.15-1.3x worse), so sane weights are left to the evaluations."""
+        if not (self.cfg.model_start and self.evaluations == 0 and self.model_tried is None
+                and self.fit is not None):
+            return None
+        fitted = self._model_candidate()  # far from the incumbent, or None
+        near = self.fit.plausible(self.incumbent, self.cfg.fpr, self.rng, self.cfg.block)
+        if fitted is None or near is None:
+            return None
+        point = self._clip({**self.incumbent, **near})
+        off = np.abs(np.log(_vec(point, self.keys)) - np.log(_vec(self.incumbent, self.keys)))
+        if not (off.max() > math.log(self.cfg.model_start_factor)
+                and self.fit.predicts_better(point, self.incumbent, self.cfg.fpr, self.rng,
+                                             self.cfg.block)):
+            return None
+        start = self.incumbent
+        self.incumbent, self.incumbent_p95 = point, None
+        self.model_tried = fitted  # the fit's own point: proposed again only once it moves
+        self._record({"event": "adopted", "from": dict(start), "to": dict(point),
+                      "fitted": dict(fitted)}, now)
+        return start
 
     def _open_window(self, arm: str, now: float) -> Proposal:
         ev = self._eval
@@ -759,7 +854,8 @@ class Tuner:
                 self._record({"event": "discarded", "reason": "one_export",
                               "versions": [w.version for w in ev.windows]}, now)
                 continue
-            verdict = decide(ev, self._test_config(ev), self.rng, final)
+            verdict = decide(ev, self._test_config(ev), self.rng, final,
+                             spread_factor(self.spreads, self.cfg.spread_cap))
             if verdict is None:
                 return None
             self._pending.pop(0)
@@ -809,6 +905,21 @@ class Tuner:
         self._eval = ev
         return self._open_window(ev.plan[len(ev.windows)], now)
 
+    def _learn_spread(self, ev: Evaluation) -> None:
+        """Pool the spread of a scored evaluation's windows (reported requests only: a stand-in
+        would fake one) for the tests of the evaluations after it. Resampled with a generator
+        of its own, seeded by the evaluation's number, so that learning the spread leaves the
+        search's random stream (candidates, verdicts) where it was."""
+        n = self.cfg.spread_history
+        if not n:
+            return
+        arms = [[score_values(w, self.cfg, None) for w in ev.arm(arm)]
+                for arm in (INCUMBENT, CANDIDATE)]
+        rng = np.random.default_rng(self.evaluations)
+        self.spreads.append(evaluation_spread(arms, self.cfg, rng))
+        del self.spreads[:-n]
+        self.revision += 1
+
     def _regressed(self, p95: float) -> bool:
         """On probation, the new incumbent's fresh p95 is compared with what the weights it
         replaced achieved (not with its own lucky winning window, which a re-measurement
@@ -842,6 +953,7 @@ class Tuner:
         inc = ev.arm(INCUMBENT)
         candidate = ev.candidate or ev.incumbent
         self.evaluations += 1
+        self._learn_spread(ev)
         p95_i = statistic(_concat([score_values(w, self.cfg, None) for w in inc]), self.cfg)
         if self._regressed(p95_i):
             self._rollback(p95_i, now)
@@ -996,6 +1108,7 @@ class Tuner:
             "prefill_rate": dict(self.rates),
             "model_tried": None if self.model_tried is None else dict(self.model_tried),
             "history": list(self.history),
+            "spreads": [list(x) for x in self.spreads],
             "rng": self.rng.bit_generator.state,
         }
 
@@ -1029,6 +1142,9 @@ class Tuner:
             t.model_tried = None if tried is None else point_from_state(tried, fmt, keys)
             t.rates = {str(k): float(v) for k, v in dict(state.get("prefill_rate") or {}).items()}
             t.history = list(state.get("history") or [])[-config.history:] if config.history else []
+            n = config.spread_history
+            spreads = [(float(b), float(w)) for b, w in state.get("spreads") or []]
+            t.spreads = spreads[-n:] if n else []
             if state.get("rng") is not None:
                 t.rng.bit_generator.state = state["rng"]
         except (KeyError, TypeError, AttributeError) as exc:

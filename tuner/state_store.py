@@ -149,6 +149,13 @@ def check_state(state: Mapping[str, Any], max_ms: float) -> None:
     history = state.get("history") or []
     if not isinstance(history, list) or not all(isinstance(h, dict) for h in history):
         raise ValueError("history: expected a list of objects")
+    spreads = state.get("spreads") or []
+    if not isinstance(spreads, list) or not all(
+            isinstance(x, list) and len(x) == 2 for x in spreads):
+        raise ValueError("spreads: expected a list of [between, within] pairs")
+    for i, (between, within) in enumerate(spreads):
+        _number(between, f"spreads[{i}][0]", 0.0, 1e6)
+        _number(within, f"spreads[{i}][1]", 0.0, 1e6)
     rng = state.get("rng")
     if rng is not None:
         try:

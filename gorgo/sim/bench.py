@@ -678,12 +678,14 @@ def trace_windows(trace: str, requests: int | None, windows: int
 
 
 def load_windows(cmd: str, trace: str, spec: FleetSpec, requests: int | None, windows: int,
-                 log: Callable[[str], None]) -> list[Workload]:
-    """The request features for ``spec`` of each window (`trace_windows`); UserError ``cannot
-    load ...`` if the trace cannot be used (a bench exits 2 on it rather than with a
-    traceback)."""
+                 log: Callable[[str], None], pick: int | None = None) -> list[Workload]:
+    """The request features for ``spec`` of each window (`trace_windows`), or of window ``pick``
+    alone; UserError ``cannot load ...`` if the trace cannot be used (a bench exits 2 on it
+    rather than with a traceback)."""
     try:
         slices = trace_windows(trace, requests, windows)  # a bad trace fails before any progress
+        if pick is not None:
+            slices = slices[pick:pick + 1]
         out = []
         for label, reqs in slices:
             log(f"{cmd}: building request features for {label} ({len(reqs)} requests) ...")

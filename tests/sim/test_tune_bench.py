@@ -261,6 +261,22 @@ def test_bad_arguments_exit_2(tmp_path: Path) -> None:
     assert cli_main([*base, "--opt", "no_such_field=1"]) == 2
     assert cli_main([*base, "--opt", "pairs=0"]) == 2
     assert cli_main([*base, "--grid", "1"]) == 2
+    for bad in ("1", "3/3", "-1/2", "a/b"):
+        assert cli_main([*base, "--window", bad]) == 2
+
+
+def test_a_trace_window_is_the_slice_bench_sim_draws(tmp_path: Path) -> None:
+    """``--window W/K``: the A/A runs on window W of K, as `gorgo bench sim --windows K` cuts
+    the trace (the chat generator: its seed + W), named in results.json."""
+    out = tmp_path / "w"
+    argv = ["bench", "tune", "--trace", "chat:seed=2,users=8,rate=3,limit=80", "--fleet", "paper",
+            "--capacity", "3", "--seeds", "1", "--jobs", "1", "--null-only", "--window", "1/2",
+            "--opt", "window_samples=5", "--opt", "pairs=1", "--opt", "bootstrap=200",
+            "--out", str(out)]
+    assert cli_main(argv) == 0
+    doc = json.loads((out / "results.json").read_text())
+    assert doc["slice"].startswith("chat:seed=3,") and doc["slice"].endswith("[0:70]")
+    assert "--window 1/2" in doc["command"] and doc["slice"] in (out / "results.md").read_text()
 
 
 @pytest.mark.parametrize("bench", ["tune", "sim"])

@@ -27,6 +27,8 @@ from tuner.optimizer import (
     Window,
     compare,
     config_from_mapping,
+    evaluation_spread,
+    spread_factor,
     window_plan,
 )
 from tuner.samples import Sample
@@ -397,6 +399,72 @@ def test_tuner_fpr_over_many_evaluations_on_a_flat_landscape() -> None:
     assert t.accepted / t.evaluations <= 0.05 + 0.03
 
 
+def loaded(rng: np.random.Generator, sigma: float) -> list[np.ndarray]:
+    """Two windows, each under its own load (a shared log-normal factor): noise between
+    windows that no resampling inside a window sees."""
+    return [BASE_MS * rng.lognormal(0.0, sigma) * rng.lognormal(0.0, 0.5, 40) for _ in range(2)]
+
+
+def test_the_spread_factor_measures_noise_between_windows_the_bootstrap_cannot_see() -> None:
+    cfg = es_config(bootstrap=300)
+    rng = np.random.default_rng(4)
+
+    def factor(sigma: float) -> float:
+        return spread_factor([evaluation_spread([loaded(rng, sigma), loaded(rng, sigma)], cfg,
+                                                rng) for _ in range(40)], cap=10.0)
+
+    calm, load = factor(0.0), factor(0.3)
+    assert calm < 1.2 < 1.5 < load
+    assert spread_factor([], cap=1.5) == 1.0  # nothing learnt yet: the plain bootstrap
+    assert spread_factor([(0.0, 1.0)], cap=1.5) == 1.0  # never narrower than the bootstrap
+    assert spread_factor([(9.0, 1.0)], cap=1.5) == 1.5
+    one = [np.full(40, 100.0)]  # one window per arm: no spread to see
+    assert evaluation_spread([one, one], cfg, rng) == (0.0, 0.0)
+
+
+def test_compare_widens_the_bootstrap_bound_by_the_spread_factor() -> None:
+    rng = np.random.default_rng(2)
+    inc = windows(INCUMBENT, noisy(rng, 1.0))
+    cand = windows(CANDIDATE, noisy(rng, 0.6))
+    plain = compare(inc, cand, es_config(), np.random.default_rng(0))
+    wide = compare(inc, cand, es_config(), np.random.default_rng(0), spread=1.5)
+    assert plain.accepted and wide.diff_upper_ms > plain.diff_upper_ms
+    assert (wide.p95_incumbent, wide.p95_candidate) == (plain.p95_incumbent, plain.p95_candidate)
+
+
+def test_the_tuner_learns_the_window_spread_and_holds_its_rate_under_window_load() -> None:
+    """End to end on a flat landscape where every window has its own load: the plain
+    bootstrap accepts identical weights far more often than ``fpr``; widened by the spread
+    the tuner learnt from its own past evaluations, it holds the rate."""
+    load: dict[int, float] = {}
+
+    def windowed(w: Weights, rng: np.random.Generator) -> float:
+        factor = load.setdefault(w.version, float(rng.lognormal(0.0, 0.25)))
+        return BASE_MS * factor * rng.lognormal(0.0, 0.5)
+
+    rates = {}
+    for history in (0, 20):
+        cfg = es_config(window_samples=40, max_failures=10_000, bootstrap=300, min_sigma=1e-9,
+                        spread_history=history, spread_cap=2.0)
+        t = Tuner(cfg, W(1.0, 1.0), seed=5)
+        drive(t, windowed, 160 * 150 + 1, np.random.default_rng(5))
+        assert t.evaluations == 150
+        assert len(t.spreads) == history
+        rates[history] = t.accepted / t.evaluations
+    assert rates[20] <= 0.05 + 0.03 < rates[0]
+
+
+def test_the_learnt_spread_survives_a_restart() -> None:
+    cfg = es_config(window_samples=10, max_failures=100, spread_history=3)
+    t = Tuner(cfg, W(1.0, 1.0), seed=3)
+    drive(t, bowl, 300, np.random.default_rng(3))
+    assert len(t.spreads) == 3
+    snap = json.loads(json.dumps(t.snapshot(), allow_nan=False))
+    assert Tuner.restore(cfg, snap).spreads == t.spreads
+    assert Tuner.restore(replace(cfg, spread_history=2), snap).spreads == t.spreads[-2:]
+    assert Tuner.restore(replace(cfg, spread_history=0), snap).spreads == []
+
+
 def test_calibrated_rates_ride_with_the_weights_and_change_only_between_evaluations() -> None:
     cfg = es_config(window_samples=10, pairs=1)
     cal = CalibrationConfig(min_samples=20, window=200)
@@ -490,7 +558,11 @@ def test_config_from_mapping_checks_types_and_ranges() -> None:
                        ({"bounds": {"queue": [30, 40]}}, r"bounds\.queue.*overlap"),
                        ({"bounds": 3}, "bounds"), ({"calibrate": 1}, "true or false"),
                        ({"policy": 3}, "string"), ({"policy": ""}, "policy"),
-                       ({"window_samples": 2}, "window_samples")):
+                       ({"window_samples": 2}, "window_samples"),
+                       ({"model_start_factor": 1.0}, "model_start_factor"),
+                       ({"model_start_samples": 401}, "model_start_samples"),
+                       ({"spread_cap": 0.9}, "spread_cap"),
+                       ({"spread_history": -1}, "spread_history")):
         with pytest.raises(ValueError, match=match):
             config_from_mapping(raw)
 
@@ -595,7 +667,7 @@ def physical(rng: np.random.Generator, version: int, b: float = 2.0) -> Sample:
 
 
 def test_the_fitted_weights_are_the_first_candidate_and_are_not_retried_unchanged() -> None:
-    cfg = OptimizerConfig(window_samples=10, pairs=1, model_min_samples=20)
+    cfg = OptimizerConfig(window_samples=10, pairs=1, model_min_samples=20, model_start=False)
     t = Tuner(cfg, W(20.0, 0.05), seed=0)
     rng = np.random.default_rng(0)
     warm = t.next_weights(0.0)
@@ -624,6 +696,69 @@ def test_the_fitted_weights_are_the_first_candidate_and_are_not_retried_unchange
     assert t.model_tried == {"rtt": 1.0, "queue": pytest.approx(2.0, rel=0.05)}
 
 
+START = OptimizerConfig(window_samples=10, pairs=1, model_min_samples=20, model_start_samples=20)
+
+
+def warmed_up(start: dict, seed: int) -> tuple[Tuner, np.random.Generator, Proposal]:
+    """A tuner from ``start`` past its warm-up on `physical` requests: its first window."""
+    t = Tuner(START, start, seed=0)
+    rng = np.random.default_rng(seed)
+    warm = t.next_weights(0.0)
+    assert warm.arm == BRIDGE
+    for _ in range(START.model_start_samples):
+        t.observe(physical(rng, warm.weights.version))
+    return t, rng, t.next_weights(1.5)
+
+
+def test_fitted_weights_that_predict_better_replace_the_start_which_must_win_them_back() -> None:
+    cfg = START
+    t, rng, p = warmed_up(W(20.0, 0.05), 0)
+    # The fit (1, 2) predicts TTFT far better out of sample: it is the incumbent from now on ...
+    assert p.arm == INCUMBENT and p.point == {"rtt": 1.0, "queue": pytest.approx(2.0, rel=0.05)}
+    assert t.incumbent == p.point and t.history[-1]["event"] == "adopted"
+    assert t.history[-1]["from"] == W(20.0, 0.05)
+    for _ in range(10):
+        t.observe(physical(rng, p.weights.version))
+    cand = t.next_weights(2.0)
+    assert cand.arm == CANDIDATE and cand.point == W(20.0, 0.05)  # ... and the start must win
+    for _ in range(20):
+        t.observe(physical(rng, cand.weights.version))
+    t.next_weights(3.0)
+    last = t.history[-1]
+    assert last["kind"] == "start" and not last["accepted"]
+    assert t.sigma == cfg.initial_sigma and t.failures == 0  # not a step of the 1/5 rule
+    assert t.evaluations == 1 and t.incumbent["queue"] == pytest.approx(2.0, rel=0.05)
+
+
+def test_the_start_decision_waits_for_its_own_samples() -> None:
+    cfg = OptimizerConfig(window_samples=10, pairs=1, model_min_samples=20,
+                          model_start_samples=60)
+    t = Tuner(cfg, W(20.0, 0.05), seed=0)
+    rng = np.random.default_rng(0)
+    warm = t.next_weights(0.0)
+    for _ in range(59):
+        t.observe(physical(rng, warm.weights.version))
+    assert t.next_weights(1.0) is None and t.incumbent == W(20.0, 0.05)  # still bridged
+    t.observe(physical(rng, warm.weights.version))
+    p = t.next_weights(1.5)
+    assert p.arm == INCUMBENT and p.point["rtt"] == 1.0 and t.history[-1]["event"] == "adopted"
+    off = replace(cfg, model_start=False)  # then the fit's own minimum is enough
+    t = Tuner(off, W(20.0, 0.05), seed=0)
+    warm = t.next_weights(0.0)
+    for _ in range(20):
+        t.observe(physical(rng, warm.weights.version))
+    assert t.next_weights(1.0).point == W(20.0, 0.05)
+
+
+@pytest.mark.parametrize("start", [W(1.0, 1.4), W(1.0, 0.3)])
+def test_a_start_within_model_start_factor_of_the_fit_stays(start: dict) -> None:
+    """(1, 0.3) predicts worse than the fit's (1, 2), but it is a sane start, not a gross
+    mistake: how well weights predict is not how well they route, so evaluations decide."""
+    t, _, p = warmed_up(start, 1)
+    assert p.arm == INCUMBENT and p.point == start
+    assert all(h.get("event") != "adopted" for h in t.history)
+
+
 def test_block_bootstrap_widens_the_interval_for_bursts() -> None:
     """Requests of one burst queue together; resampled one by one they pass for independent
     evidence and identical weights look different far more often than ``fpr``."""
@@ -650,7 +785,8 @@ def test_block_bootstrap_widens_the_interval_for_bursts() -> None:
 def test_a_promising_but_inconclusive_fitted_candidate_gets_more_windows() -> None:
     """Measured better, but not beyond the noise: the fitted candidate runs more ABBA pairs (up
     to ``model_pairs``), each look at ``fpr`` / looks, instead of being dropped."""
-    cfg = OptimizerConfig(window_samples=10, pairs=1, model_min_samples=20, model_pairs=2)
+    cfg = OptimizerConfig(window_samples=10, pairs=1, model_min_samples=20, model_pairs=2,
+                          model_start=False)
     t = Tuner(cfg, W(20.0, 0.05), seed=0)
     rng = np.random.default_rng(0)
     warm = t.next_weights(0.0)

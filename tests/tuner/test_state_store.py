@@ -97,6 +97,10 @@ BIG = int("1" + "0" * 400)  # parses as JSON; once accepted as a version (issue 
     ({"prefill_rate": {"": 1000}}, "prefill_rate"),
     ({"prefill_rate": [1000]}, "prefill_rate"),
     ({"history": {"event": "x"}}, "history"),
+    ({"spreads": [[0.1]]}, "spreads"),
+    ({"spreads": {"between": 0.1}}, "spreads"),
+    ({"spreads": [[-0.1, 0.1]]}, "spreads[0][0]"),
+    ({"spreads": [[0.1, 0.1], [0.1, "wide"]]}, "spreads[1][1]"),
     ({"rng": {"bit_generator": "MT19937"}}, "rng"),
 ])
 def test_an_untrustworthy_state_is_refused_naming_its_field(tmp_path: Path, over: dict,

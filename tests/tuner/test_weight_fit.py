@@ -101,3 +101,46 @@ def test_every_free_term_of_a_registry_is_fitted() -> None:
     assert w["wa"] == pytest.approx(0.5, rel=0.03) and w["wd"] == pytest.approx(3.0, rel=0.03)
     with pytest.raises(ValueError, match="no weight"):
         WeightFit(terms=[_term("x", FREE)])
+
+
+TRUE = {"rtt": 1.0, "queue": 2.0}
+
+
+@pytest.mark.parametrize(("given", "better"), [
+    ({"rtt": 0.05, "queue": 20.0}, True),  # the queue 10x overweighted, the round trip ignored
+    ({"rtt": 1.0, "queue": 0.5}, True),  # the queue underweighted 4x
+    ({"rtt": 1.0, "queue": 2.0}, False),  # the same weights: no better
+    ({"rtt": 3.0, "queue": 2.0}, False),  # a constant RTT is an intercept: no worse prediction
+])
+def test_predicts_better_out_of_sample_only_beyond_the_noise(given: dict, better: bool) -> None:
+    fit = WeightFit(min_samples=40)
+    rng = np.random.default_rng(7)
+    for _ in range(60):
+        fit.observe(sample(rng, 2.0))
+    assert fit.predicts_better(TRUE, given, 0.05, np.random.default_rng(0)) is better
+    assert not fit.predicts_better(given, TRUE, 0.05, np.random.default_rng(0))
+
+
+def test_plausible_moves_a_start_only_as_far_as_the_evidence_demands() -> None:
+    fit = WeightFit(min_samples=40)
+    rng = np.random.default_rng(9)
+    for _ in range(120):
+        fit.observe(sample(rng, 2.0))
+    high = fit.plausible({"rtt": 0.05, "queue": 20.0}, 0.05, np.random.default_rng(0))
+    low = fit.plausible({"rtt": 20.0, "queue": 0.05}, 0.05, np.random.default_rng(0))
+    fitted = fit.weights()
+    inside = fit.plausible(fitted, 0.05, np.random.default_rng(0))
+    assert fitted is not None and high is not None and low is not None and inside is not None
+    assert high["rtt"] == low["rtt"] == 1.0  # anchored: physics, not evidence
+    # the interval's ends, either side of the fitted factor, and close to it with 120 requests
+    assert 1.9 < low["queue"] < fitted["queue"] < high["queue"] < 2.1
+    assert inside == fitted  # nothing rules the start out: it stays where it is
+
+
+def test_no_answer_from_too_few_requests() -> None:
+    rng = np.random.default_rng(8)
+    fit = WeightFit(min_samples=40)
+    for _ in range(39):
+        fit.observe(sample(rng, 2.0))
+    assert not fit.predicts_better(TRUE, {"rtt": 0.05, "queue": 20.0}, 0.05, rng)
+    assert fit.plausible({"rtt": 0.05, "queue": 20.0}, 0.05, rng) is None

@@ -65,6 +65,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="multiple of the fleet capacity, as `gorgo bench sim` (default: 0.8)")
     parser.add_argument("--requests", type=int, default=None, metavar="N",
                         help="first N requests of the trace (default: all)")
+    parser.add_argument("--window", default=None, metavar="W/K",
+                        help="trace window W (0-based) of K disjoint windows of --requests "
+                        "requests, as `gorgo bench sim --windows K` draws them (the chat "
+                        "generator: its seed + W); default: the first --requests requests")
     parser.add_argument("--capacity", type=float, default=None, metavar="RPS",
                         help="use this capacity (req/s) instead of searching")
     parser.add_argument("--capacity-cache", type=Path, default=None, metavar="FILE",
@@ -135,6 +139,20 @@ def optimizer_config(opts: Sequence[str], calibrate: bool,
     return replace(cfg, calibrate=calibrate, history=10**9)
 
 
+def parse_window(text: str | None) -> tuple[int, int] | None:
+    """``W/K`` -> (W, K), window W of K."""
+    if text is None:
+        return None
+    w, slash, k = text.partition("/")
+    try:
+        out = (int(w), int(k))
+    except ValueError:
+        out = (-1, 0)
+    if not slash or not 0 <= out[0] < out[1]:
+        raise ValueError(f"--window: expected W/K with 0 <= W < K, got {text!r}")
+    return out
+
+
 def default_starts(config: OptimizerConfig) -> list[Point]:
     """Two opposite corners of the search bounds: the first weight at its low bound and the
     others high (the plateau), and the reverse (the cliff)."""
@@ -169,7 +187,7 @@ def _capacity(args: argparse.Namespace, spec: FleetSpec, workload: Workload) -> 
 
 
 def main(args: argparse.Namespace) -> int:
-    from gorgo.sim.bench import Progress, load_workload
+    from gorgo.sim.bench import Progress, load_windows, load_workload
     from gorgo.sim.presets import resolve_fleet
 
     try:
@@ -185,6 +203,7 @@ def main(args: argparse.Namespace) -> int:
             raise ValueError("--load must be > 0 and --tolerance in (0, 1)")
         if args.tick_s < 0 or args.publish_delay_s < 0:
             raise ValueError("--tick-s and --publish-delay-s must be >= 0")
+        window = parse_window(args.window)
         if args.null_only and args.skip_null:
             raise ValueError("--null-only and --skip-null exclude each other")
     except ValueError as exc:
@@ -206,9 +225,11 @@ def main(args: argparse.Namespace) -> int:
         return 0
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.monotonic()
-    workload = load_workload("bench tune", args.trace, spec, args.requests, log)
-    if workload is None:
-        return 2
+    if window is None:
+        workload = load_workload("bench tune", args.trace, spec, args.requests, log)
+    else:
+        workload = load_windows("bench tune", args.trace, spec, args.requests, window[1], log,
+                                pick=window[0])[0]
     _CTX.update(spec=spec, workload=workload, capacity_workload=workload)
     seeds = list(range(1, args.seeds + 1))
     axes = grid_axes(config.search_bounds(), args.grid)
@@ -220,7 +241,8 @@ def main(args: argparse.Namespace) -> int:
     _CTX["slo_ttft_ms"] = config.slo_ttft_ms if config.objective == SLO else 0.0
     digest = model_digest()
     slo = f"slo={config.slo_ttft_ms!r}|" if _CTX["slo_ttft_ms"] else ""
-    slice_key = (f"{args.trace}|{args.fleet}|{spec.name}|n={workload.n}|"
+    where = "" if window is None else f"@{workload.trace}"
+    slice_key = (f"{args.trace}{where}|{args.fleet}|{spec.name}|n={workload.n}|"
                  f"scale={scale!r}|{POLICY}|{slo}code={digest}")
     static = load_cache(cache_path, slice_key)
     log(f"bench tune: {workload.n} requests at load {args.load:g} = "
@@ -249,7 +271,7 @@ def main(args: argparse.Namespace) -> int:
                 bar.step(f"{r[0]}: {r[2].samples} samples, {r[4]:.1f} s")
         nulls = [summarize_null(label_, st, trace)
                  for label_, st, trace, _, _ in sorted(done, key=lambda r: r[1].seed)]
-        doc = write_null_outputs(out, args, workload.n, config, seeds, nulls, digest)
+        doc = write_null_outputs(out, args, workload, config, seeds, nulls, digest)
         log(f"bench tune: done in {time.monotonic() - t_start:.0f} s; wrote {out / 'results.md'}")
         print(doc["summary_md"])
         return 0
@@ -295,7 +317,7 @@ def main(args: argparse.Namespace) -> int:
         if not math.isfinite(st.config.e2e_margin):
             trace = replace(trace, incumbents=trace.incumbents[-1:])
         runs.append(summarize_run(label_, st, trace, run, static, best, args.tolerance))
-    doc = write_outputs(out, args, spec, workload.n, capacity, scale, config, axes, seeds,
+    doc = write_outputs(out, args, spec, workload, capacity, scale, config, axes, seeds,
                         static, best, runs, nulls, digest)
     log(f"bench tune: done in {time.monotonic() - t_start:.0f} s; wrote {out / 'results.md'}")
     print(doc["summary_md"])

@@ -25,6 +25,7 @@ from gorgo.sim.stats import jsonable
 from gorgo.sim.tunebench.points import KEYS, Point, grid, keys_of, label, point_key, static_key
 from gorgo.sim.tunebench.run import NULL_START
 from gorgo.sim.tunebench.stats import LIVE_WINDOW, GridBest, grid_means, null_total
+from gorgo.sim.workload import Workload
 from tuner.optimizer import OptimizerConfig
 
 RATIO_TICKS = (0.5, 0.7, 0.85, 1, 1.2, 1.5, 2, 3, 5)  # p95 / grid best, on a log axis
@@ -36,6 +37,8 @@ def reproduce_command(args: argparse.Namespace) -> str:
              "--load", f"{args.load:g}", "--seeds", str(args.seeds), "--grid", str(args.grid)]
     if args.requests is not None:
         parts += ["--requests", str(args.requests)]
+    if getattr(args, "window", None):
+        parts += ["--window", args.window]
     if args.capacity is not None:
         parts += ["--capacity", str(args.capacity)]
     for s in args.start or []:
@@ -144,7 +147,8 @@ def summary_markdown(doc: dict[str, Any]) -> str:
                    if v != doc["optimizer_defaults"].get(k) and k not in ("history", "calibrate")}
     md = [
         "# gorgo bench tune", "", "```", doc["command"], "```", "",
-        f"- trace `{doc['trace']}`, {doc['requests']} requests; fleet `{doc['fleet']}`; load "
+        f"- trace `{doc.get('slice', doc['trace'])}`, {doc['requests']} requests; "
+        f"fleet `{doc['fleet']}`; load "
         f"{doc['load']:g} x capacity = {doc['rate_rps']:.3f} req/s (capacity "
         f"{doc['capacity_rps']:.3f} req/s as `gorgo bench sim` defines it)",
         f"- seeds {', '.join(map(str, doc['seeds']))}; the tuner asks for weights every "
@@ -230,6 +234,13 @@ def summary_markdown(doc: dict[str, Any]) -> str:
         md.append(f"- fitted-weights candidates: {fitted} evaluated, "
                   f"{sum(r.get('model_accepted', 0) for r in guarded)} accepted, "
                   f"{sum(r.get('extended', 0) for r in guarded)} extensions")
+        adopted = [r for r in guarded if r.get("adopted")]
+        if adopted:
+            at = sorted(r["adopted"]["samples"] for r in adopted)
+            md.append(f"- the start replaced by the fit's nearest plausible weights in "
+                      f"{len(adopted)} of {len(guarded)} runs (after {at[0]}-{at[-1]} samples); "
+                      f"the start won its place back in "
+                      f"{sum(r.get('start_won_back', 0) for r in guarded)}")
         levels = list(guarded[0]["stays_within_by_tolerance"])
         md += ["", "Median over seeds of the samples until the incumbent stays within a "
                "tolerance of the grid best, by tolerance:", "",
@@ -289,7 +300,7 @@ def null_markdown(doc: Mapping[str, Any]) -> list[str]:
 
 
 def write_outputs(
-    out: Path, args: argparse.Namespace, spec: FleetSpec, requests: int, capacity: float,
+    out: Path, args: argparse.Namespace, spec: FleetSpec, workload: Workload, capacity: float,
     scale: float, config: OptimizerConfig, axes: Mapping[str, Sequence[float]],
     seeds: Sequence[int], static: Mapping[str, Mapping[str, float]], best: GridBest,
     runs: list[dict[str, Any]], nulls: list[dict[str, Any]], digest: str,
@@ -299,8 +310,9 @@ def write_outputs(
     doc: dict[str, Any] = {
         "command": reproduce_command(args),
         "trace": args.trace,
+        "slice": workload.trace,
         "fleet": str(args.fleet),
-        "requests": requests,
+        "requests": workload.n,
         "load": args.load,
         "capacity_rps": capacity,
         "rate_rps": args.load * capacity,
@@ -330,14 +342,15 @@ def write_outputs(
 
 
 def write_null_outputs(
-    out: Path, args: argparse.Namespace, requests: int, config: OptimizerConfig,
+    out: Path, args: argparse.Namespace, workload: Workload, config: OptimizerConfig,
     seeds: Sequence[int], nulls: list[dict[str, Any]], digest: str,
 ) -> dict[str, Any]:
     """results.json and results.md of ``--null-only``: the A/A runs alone (no grid, no
     figures), for measuring the false-accept rate over many seeds cheaply."""
     doc: dict[str, Any] = {
-        "command": reproduce_command(args), "trace": args.trace, "fleet": str(args.fleet),
-        "requests": requests, "load": args.load, "model_digest": digest, "seeds": list(seeds),
+        "command": reproduce_command(args), "trace": args.trace, "slice": workload.trace,
+        "fleet": str(args.fleet), "requests": workload.n, "load": args.load,
+        "model_digest": digest, "seeds": list(seeds),
         "optimizer": asdict(config), "weight_keys": list(KEYS), "null_runs": nulls,
         "null_total": null_total(nulls),
     }
@@ -349,7 +362,9 @@ def render(out: Path, doc: dict[str, Any]) -> dict[str, Any]:
     """results.md and the figures from results.json's content (also for --report-only)."""
     if "grid" not in doc:  # --null-only
         doc["summary_md"] = "\n".join(["# gorgo bench tune (A/A runs only)", "", "```",
-                                       doc["command"], "```", *null_markdown(doc), ""])
+                                       doc["command"], "```", "",
+                                       f"Trace `{doc.get('slice', doc['trace'])}`.",
+                                       *null_markdown(doc), ""])
         (out / "results.md").write_text(doc["summary_md"])
         return doc
     doc["summary_md"] = summary_markdown(doc)

@@ -192,6 +192,10 @@ def summarize_run(
         "model_evaluations": sum(h.get("kind") == "model" for h in evals),
         "model_accepted": sum(h.get("kind") == "model" and bool(h["accepted"]) for h in evals),
         "extended": sum(h["event"] == "extended" for h in trace.history),
+        # the start decided by prediction (`model_start`): when, and to what
+        "adopted": next(({"samples": h["samples"], "to": h["to"]} for h in trace.history
+                         if h["event"] == "adopted"), None),
+        "start_won_back": sum(h.get("kind") == "start" and bool(h["accepted"]) for h in evals),
         "final_status": {k: trace.status.get(k) for k in ("phase", "sigma", "failures",
                                                           "ignored_samples")},
     }
