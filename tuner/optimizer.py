@@ -785,6 +785,8 @@ class Tuner:
         if not (self.cfg.model_start and self.evaluations == 0 and self.model_tried is None
                 and self.fit is not None):
             return None
+        if self.fit.dominated(self.cfg.max_source_share):
+            return None  # no single export decides: the evaluations will
         fitted = self._model_candidate()  # far from the incumbent, or None
         near = self.fit.plausible(self.incumbent, self.cfg.fpr, self.rng, self.cfg.block)
         if fitted is None or near is None:

@@ -27,7 +27,7 @@ a search the optimiser asks for the weights nearest the start that the rows do n
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -57,12 +57,26 @@ class WeightFit:
         # (free terms..., anchored terms..., TTFT - anchored and fixed terms) per successful
         # request, newest last
         self._rows: deque[tuple[float, ...]] = deque(maxlen=window)
+        self._sources: deque[int | None] = deque(maxlen=window)  # each row's export
+        self._per_source: Counter[int] = Counter()
 
     def observe(self, s: Sample) -> None:
         if s.ok:
             y = s.ttft_ms - sum(s.terms[name] for name in self.known)
+            if len(self._sources) == self._sources.maxlen:
+                gone = self._sources[0]
+                if gone is not None:
+                    self._per_source[gone] -= 1
             self._rows.append((*(s.terms[t.name] for t in self.free),
                                *(s.terms[t.name] for t in self.anchors), y))
+            self._sources.append(s.source)
+            if s.source is not None:
+                self._per_source[s.source] += 1
+
+    def dominated(self, share: float) -> bool:
+        """One export supplied more than ``share`` of the rows: what they say is one sender's
+        word (offline rows have no export and never dominate)."""
+        return max(self._per_source.values(), default=0) > share * len(self._rows)
 
     def ready(self) -> bool:
         return len(self._rows) >= self.min_samples

@@ -710,6 +710,16 @@ def warmed_up(start: dict, seed: int) -> tuple[Tuner, np.random.Generator, Propo
     return t, rng, t.next_weights(1.5)
 
 
+def test_no_single_export_replaces_the_start() -> None:
+    t = Tuner(START, W(20.0, 0.05), seed=0)
+    rng = np.random.default_rng(0)
+    warm = t.next_weights(0.0)
+    for _ in range(START.model_start_samples):
+        t.observe(replace(physical(rng, warm.weights.version), source=7))
+    p = t.next_weights(1.5)
+    assert p.point == W(20.0, 0.05) and all(h.get("event") != "adopted" for h in t.history)
+
+
 def test_fitted_weights_that_predict_better_replace_the_start_which_must_win_them_back() -> None:
     cfg = START
     t, rng, p = warmed_up(W(20.0, 0.05), 0)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -144,3 +146,18 @@ def test_no_answer_from_too_few_requests() -> None:
         fit.observe(sample(rng, 2.0))
     assert not fit.predicts_better(TRUE, {"rtt": 0.05, "queue": 20.0}, 0.05, rng)
     assert fit.plausible({"rtt": 0.05, "queue": 20.0}, 0.05, rng) is None
+
+
+def test_rows_of_one_export_dominate_the_fit() -> None:
+    rng = np.random.default_rng(10)
+    fit = WeightFit(window=100, min_samples=40)
+    for k in range(100):
+        fit.observe(replace(sample(rng, 2.0), source=1 if k < 60 else k))
+    assert fit.dominated(0.5)  # 60 of 100 rows from export 1
+    for k in range(20):
+        fit.observe(replace(sample(rng, 2.0), source=1000 + k))  # export 1's oldest rows leave
+    assert not fit.dominated(0.5) and fit.dominated(0.3)  # 40 of 100
+    offline = WeightFit(min_samples=40)
+    for _ in range(50):
+        offline.observe(sample(rng, 2.0))
+    assert not offline.dominated(0.01)  # no export at all
