@@ -735,10 +735,13 @@ class Tuner:
                    self.cfg.model_start_samples if self.cfg.model_start else 0)
         return len(self.fit) < need and self.seen < 4 * need
 
+    def _log_gap(self, a: Point, b: Point) -> np.ndarray:
+        """|log a - log b|, per weight key."""
+        return np.abs(np.log(_vec(a, self.keys)) - np.log(_vec(b, self.keys)))
+
     def _far(self, a: Point, b: Point) -> bool:
         """More than ``model_retry`` apart in log space."""
-        return math.dist(np.log(_vec(a, self.keys)), np.log(_vec(b, self.keys))) > (
-            self.cfg.model_retry)
+        return math.hypot(*self._log_gap(a, b)) > self.cfg.model_retry
 
     def _model_candidate(self) -> Point | None:
         """The fitted weights (a weight the fit says nothing about keeps the incumbent's), when
@@ -792,8 +795,7 @@ class Tuner:
         if fitted is None or near is None:
             return None
         point = self._clip({**self.incumbent, **near})
-        off = np.abs(np.log(_vec(point, self.keys)) - np.log(_vec(self.incumbent, self.keys)))
-        if not (off.max() > math.log(self.cfg.model_start_factor)
+        if not (self._log_gap(point, self.incumbent).max() > math.log(self.cfg.model_start_factor)
                 and self.fit.predicts_better(point, self.incumbent, self.cfg.fpr, self.rng,
                                              self.cfg.block)):
             return None

@@ -58,25 +58,19 @@ class WeightFit:
         # request, newest last
         self._rows: deque[tuple[float, ...]] = deque(maxlen=window)
         self._sources: deque[int | None] = deque(maxlen=window)  # each row's export
-        self._per_source: Counter[int] = Counter()
 
     def observe(self, s: Sample) -> None:
         if s.ok:
             y = s.ttft_ms - sum(s.terms[name] for name in self.known)
-            if len(self._sources) == self._sources.maxlen:
-                gone = self._sources[0]
-                if gone is not None:
-                    self._per_source[gone] -= 1
             self._rows.append((*(s.terms[t.name] for t in self.free),
                                *(s.terms[t.name] for t in self.anchors), y))
             self._sources.append(s.source)
-            if s.source is not None:
-                self._per_source[s.source] += 1
 
     def dominated(self, share: float) -> bool:
         """One export supplied more than ``share`` of the rows: what they say is one sender's
         word (offline rows have no export and never dominate)."""
-        return max(self._per_source.values(), default=0) > share * len(self._rows)
+        counts = Counter(x for x in self._sources if x is not None)
+        return max(counts.values(), default=0) > share * len(self._rows)
 
     def ready(self) -> bool:
         return len(self._rows) >= self.min_samples
@@ -109,7 +103,7 @@ class WeightFit:
         at 1 and every free one clipped into its block-bootstrap interval (``level`` in each
         tail). Under sane weights the router's queue estimates vary little and the fitted factor
         is noisy (0.1-0.8 where bad weights give a crisp 1.0 on the simulated fleet), so this
-        moves a start only as far as the evidence demands; None where ``weights`` is None or
+        moves a start only as far as the evidence demands; None where `weights` gives None or
         the interval has no positive value."""
         if self.weights() is None:
             return None
