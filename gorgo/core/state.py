@@ -64,6 +64,11 @@ class FleetState:
         self.backlog_tokens = np.zeros(n)  # uncached prompt tokens waiting for prefill ...
         self.backlog_at = np.zeros(n)  # ... as of this time; it drains at prefill_rate
         self.sent_since_scrape = np.zeros(n)  # uncached tokens routed since the last scrape
+        # The engine's view of the same: its queue as last scraped (in tokens) plus what this
+        # router sent since, one FCFS queue that drains at prefill_rate from eng_backlog_at.
+        self.eng_queue_tokens = np.zeros(n)  # the scraped queue, as of eng_scraped_at
+        self.eng_backlog_tokens = np.zeros(n)
+        self.eng_backlog_at = np.zeros(n)
         self.mean_uncached = np.full(n, 1000.0)  # EWMA of uncached tokens per request
         # EWMA over routed requests of the share of the prompt already cached on its best
         # replica: how much of what is routed is seen again (the `reuse` term's turns).
@@ -140,8 +145,14 @@ class FleetState:
         """
         local = self.own_backlog()
         fresh = (self.now - self.eng_scraped_at) <= self.spec.signals.metrics_stale_s
-        scraped = np.nan_to_num(self.eng_queue_reqs) * self.mean_uncached + self.sent_since_scrape
-        return np.where(fresh, np.maximum(local, scraped), local)
+        return np.where(fresh, np.maximum(local, self.engine_backlog()), local)
+
+    def engine_backlog(self, i: int | slice = slice(None)) -> np.ndarray:
+        """The scraped queue plus what this router sent after it, drained at the prefill rate
+        since (`waiting_tokens`)."""
+        elapsed = np.maximum(self.now - self.eng_backlog_at[i], 0.0)
+        drained = self.eng_backlog_tokens[i] - self.prefill_rate[i] * elapsed
+        return np.maximum(drained, 0.0)
 
     def own_backlog(self, i: int | slice = slice(None)) -> np.ndarray:
         """Uncached tokens this router sent that still wait for prefill, at ``self.now``: booked
@@ -251,6 +262,8 @@ class FleetState:
         self.version += 1
         self.backlog_tokens[i] = self.own_backlog(i) + uncached
         self.backlog_at[i] = self.now
+        self.eng_backlog_tokens[i] = self.engine_backlog(i) + uncached
+        self.eng_backlog_at[i] = self.now
         self.sent_since_scrape[i] += uncached
         self.mean_uncached[i] += 0.1 * (uncached - self.mean_uncached[i])
         self.inflight_reqs[i] += 1
@@ -268,6 +281,8 @@ class FleetState:
         self.inflight_uncached[i] += copies * uncached
         self.backlog_tokens[i] = max(float(self.own_backlog(i)) + copies * uncached, 0.0)
         self.backlog_at[i] = self.now
+        self.eng_backlog_tokens[i] = max(float(self.engine_backlog(i)) + copies * uncached, 0.0)
+        self.eng_backlog_at[i] = self.now
         self.sent_since_scrape[i] = max(self.sent_since_scrape[i] + copies * uncached, 0)
 
     def _note_arrival(self, prompt_tokens: int) -> None:
@@ -290,6 +305,10 @@ class FleetState:
         open_tokens = self.inflight_uncached[i]
         self.backlog_tokens[i] = min(self.own_backlog(i), open_tokens)
         self.backlog_at[i] = self.now
+        scraped_left = max(self.eng_queue_tokens[i] - self.prefill_rate[i]
+                           * max(self.now - self.eng_scraped_at[i], 0.0), 0.0)
+        self.eng_backlog_tokens[i] = min(self.engine_backlog(i), open_tokens + scraped_left)
+        self.eng_backlog_at[i] = self.now
         self.sent_since_scrape[i] = min(self.sent_since_scrape[i], open_tokens)
 
     def observe_rtt(self, i: int, rtt_ms: float) -> None:
@@ -312,6 +331,9 @@ class FleetState:
         self.eng_running_reqs[i] = running_reqs
         self.eng_kv_usage[i] = kv_usage
         self.eng_scraped_at[i] = now
+        self.eng_queue_tokens[i] = queue_reqs * self.mean_uncached[i]
+        self.eng_backlog_tokens[i] = self.eng_queue_tokens[i]
+        self.eng_backlog_at[i] = now
         self.sent_since_scrape[i] = 0.0
 
     def observe_cache_config(

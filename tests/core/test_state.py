@@ -115,11 +115,38 @@ def test_inflight_accounting() -> None:
 def test_fresh_scrape_counts_other_routers_load() -> None:
     s = FleetState(spec())
     s.now = 100.0
-    s.observe_engine(0, now=99.0, queue_reqs=3, running_reqs=1, kv_usage=0.5)
+    s.observe_engine(0, now=100.0, queue_reqs=3, running_reqs=1, kv_usage=0.5)
     # 3 queued requests at the 1000-token prior, none of ours in flight.
     np.testing.assert_allclose(s.waiting_tokens(), [3000, 0, 0])
-    s.add_inflight(0, 500, 500)  # sent after the scrape: counted on top of it
-    assert s.waiting_tokens()[0] == pytest.approx(3 * s.mean_uncached[0] + 500)
+    s.add_inflight(0, 500, 500)  # sent after the scrape: queued behind it
+    assert s.waiting_tokens()[0] == pytest.approx(3000 + 500)
+
+
+def test_scraped_queue_drains_at_prefill_rate() -> None:
+    """What the scrape saw and what was sent after it is prefilled at the replica's rate: an
+    engine view that only grew until the next scrape made a replica look busier the longer ago
+    it was scraped, and the router chased the freshest scrape (docs/results.md, "The engine
+    view of the queue")."""
+    s = FleetState(spec())
+    s.observe_engine(0, now=10.0, queue_reqs=3, running_reqs=1, kv_usage=0.5)
+    s.now = 10.5  # replica a prefills 1000 tokens/s
+    s.add_inflight(0, 400, 400)
+    assert s.engine_backlog(0) == pytest.approx(2500 + 400)
+    assert s.waiting_tokens()[0] == pytest.approx(2900)
+    s.now = 12.0
+    assert s.waiting_tokens()[0] == pytest.approx(1400)
+    s.now = 14.0
+    assert s.waiting_tokens()[0] == 0.0
+
+
+def test_release_bounds_the_engine_view_by_what_is_open() -> None:
+    """A request that ended waits for nothing: the engine view keeps the scrape's share that is
+    still draining and no more of ours than is still open."""
+    s = FleetState(spec())
+    s.observe_engine(0, now=0.0, queue_reqs=1, running_reqs=1, kv_usage=0.1)
+    s.add_inflight(0, 3000, 3000)
+    s.release_inflight(0, 3000, 3000)  # refused at once: nothing of ours is open
+    assert s.engine_backlog(0) == pytest.approx(1000)
 
 
 def test_fresh_scrape_smaller_than_own_backlog_is_ignored() -> None:
@@ -132,11 +159,11 @@ def test_fresh_scrape_smaller_than_own_backlog_is_ignored() -> None:
 
 def test_stale_scrape_is_ignored() -> None:
     s = FleetState(spec())
-    s.observe_engine(0, now=10.0, queue_reqs=3, running_reqs=0, kv_usage=0.0)
-    s.now = 15.0  # exactly metrics_stale_s old: still fresh
-    assert s.waiting_tokens()[0] == pytest.approx(3000)
+    s.observe_engine(1, now=10.0, queue_reqs=30, running_reqs=0, kv_usage=0.0)
+    s.now = 15.0  # exactly metrics_stale_s old: still fresh (b drains 2000 tokens/s)
+    assert s.waiting_tokens()[1] == pytest.approx(30_000 - 5 * 2000)
     s.now = 15.01
-    assert s.waiting_tokens()[0] == 0.0
+    assert s.waiting_tokens()[1] == 0.0
 
 
 def test_scrape_resets_sent_since_scrape() -> None:
@@ -144,6 +171,8 @@ def test_scrape_resets_sent_since_scrape() -> None:
     s.add_inflight(2, 400, 400)
     s.observe_engine(2, now=0.0, queue_reqs=1, running_reqs=0, kv_usage=0.2)
     assert s.sent_since_scrape[2] == 0.0
+    # The scraped request at the mean uncached size, nothing of ours (it was read after ours).
+    assert s.engine_backlog(2) == pytest.approx(s.mean_uncached[2])
     assert (s.eng_queue_reqs[2], s.eng_running_reqs[2], s.eng_kv_usage[2]) == (1, 0, 0.2)
     assert s.eng_scraped_at[2] == 0.0
 
