@@ -710,13 +710,18 @@ def warmed_up(start: dict, seed: int) -> tuple[Tuner, np.random.Generator, Propo
     return t, rng, t.next_weights(1.5)
 
 
-def test_no_single_export_replaces_the_start() -> None:
+def one_export_warm_up() -> tuple[Tuner, np.random.Generator, Proposal]:
+    """A tuner from (20, 0.05) whose warm-up samples all came in one export: its first window."""
     t = Tuner(START, W(20.0, 0.05), seed=0)
     rng = np.random.default_rng(0)
     warm = t.next_weights(0.0)
     for _ in range(START.model_start_samples):
         t.observe(replace(physical(rng, warm.weights.version), source=7))
-    p = t.next_weights(1.5)
+    return t, rng, t.next_weights(1.5)
+
+
+def test_no_single_export_replaces_the_start() -> None:
+    t, _, p = one_export_warm_up()
     assert p.point == W(20.0, 0.05) and all(h.get("event") != "adopted" for h in t.history)
 
 
@@ -763,13 +768,8 @@ def test_the_start_decision_waits_for_its_own_samples() -> None:
 def test_the_start_rule_is_tried_again_while_the_start_holds() -> None:
     """A warm-up that cannot decide (here: one export supplied all of it) leaves the start in
     place; the next evaluation's start, with the fit grown, replaces it."""
-    t = Tuner(START, W(20.0, 0.05), seed=0)
-    rng = np.random.default_rng(0)
-    warm = t.next_weights(0.0)
-    for _ in range(START.model_start_samples):
-        t.observe(replace(physical(rng, warm.weights.version), source=7))
-    p = t.next_weights(1.5)
-    assert p.point == W(20.0, 0.05) and all(h.get("event") != "adopted" for h in t.history)
+    t, rng, p = one_export_warm_up()
+    assert p.point == W(20.0, 0.05)
     now, k = 1.5, 0
     while t.history == [] or t.history[-1].get("event") != "adopted":
         assert t.evaluations < 5, "the start was never replaced"
