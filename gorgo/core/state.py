@@ -31,6 +31,9 @@ DEMAND_TAU_S = 10.0  # time constant of the demand estimate (request rate, promp
 _PER_SPEC = frozenset({"region_idx", "prefill_rate", "draining", "_match"})
 
 
+HOLD_ALPHA = 0.05  # of the slot-hold EWMA: about the last 20 requests ended on a replica
+
+
 class FleetState:
     """Per-replica arrays plus the prefix index; one instance per router process."""
 
@@ -70,6 +73,9 @@ class FleetState:
         self.eng_backlog_tokens = np.zeros(n)
         self.eng_backlog_at = np.zeros(n)
         self.mean_uncached = np.full(n, 1000.0)  # EWMA of uncached tokens per request
+        # EWMA of how long requests stay open on each replica (routed to stream end), seconds:
+        # how long each holds a running slot there (the admission term). NaN until one ends.
+        self.hold_s = np.full(n, np.nan)
         # EWMA over routed requests of the share of the prompt already cached on its best
         # replica: how much of what is routed is seen again (the `reuse` term's turns).
         self.reuse_share = 0.0
@@ -312,6 +318,14 @@ class FleetState:
         self.eng_backlog_tokens[i] = min(self.engine_backlog(i), open_tokens + scraped_left)
         self.eng_backlog_at[i] = self.now
         self.sent_since_scrape[i] = min(self.sent_since_scrape[i], open_tokens)
+
+    def observe_hold(self, i: int, seconds: float) -> None:
+        """A request routed to replica i ended ``seconds`` after it was routed."""
+        if not math.isfinite(seconds) or seconds < 0:
+            return
+        self.version += 1
+        old = self.hold_s[i]
+        self.hold_s[i] = seconds if np.isnan(old) else old + HOLD_ALPHA * (seconds - old)
 
     def observe_rtt(self, i: int, rtt_ms: float) -> None:
         self.version += 1
