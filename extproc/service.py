@@ -136,7 +136,7 @@ class ExtProcService(ExternalProcessorServicer):
                     yield pb.ProcessingResponse(response_body=pb.BodyResponse())
         finally:
             if st.decision is not None:
-                self.router.complete(st.decision.id, self.clock())
+                self.router.complete(st.decision.id)
                 served = self.router.state.index.get(st.served)
                 if served is not None:  # else removed: its label sets are gone
                     self.metrics.request_seconds.labels(*self.metrics.replica(served)).observe(

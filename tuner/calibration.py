@@ -180,7 +180,11 @@ class PrefillCalibrator:
             return None
         clean = [(u, y, src) for u, y, ok, _, src in rows if ok]
         if len(clean) >= cfg.min_samples:
-            return self._robust_fit(replica, clean, len(rows))
+            est = self._robust_fit(replica, clean, len(rows))
+            if est is not None:
+                return est
+            # Clean rows that do not agree on a slope: a slow engine the router's queue
+            # estimate (drained at the too-fast hinted rate) keeps feeding looks just so.
         return self._slower(replica, rows)
 
     def _robust_fit(self, replica: str, data: list[tuple[float, float, int | None]],

@@ -575,9 +575,6 @@ class Tuner:
         # initial: weight key -> factor; a weight it does not name starts at the term's default
         self.incumbent: Point = self._clip(initial or {})
         self.incumbent_p95: float | None = None
-        # The operator's start, which the start rule may replace while it holds (`_adopt_fit`).
-        self.start: Point = dict(self.incumbent)
-        self.adopted = False  # the start rule replaced the start once: never again
         self.last_good: Point | None = None  # set while the incumbent is on probation
         self.last_good_p95: float | None = None
         self.sigma = config.initial_sigma
@@ -781,28 +778,21 @@ class Tuner:
         return self._open_window(self._eval.plan[0], now)
 
     def _adopt_fit(self, now: float) -> Point | None:
-        """While the operator's start is the incumbent (no evaluation moved it, the rule never
-        replaced it), at every evaluation's start: the weights nearest the incumbent that the
-        fit does not rule out take its place if one of its weights is off from them by more
-        than ``model_start_factor`` and they predict TTFT better beyond the noise; the weights
-        they replace are returned, to be that evaluation's candidate. Tried again as the fit
-        grows, because 120 requests at a quiet start of a trace can leave it undecided
-        (Mooncake's last window: 2 of 3 plateau starts kept for all 4,000 requests). Only a
-        grossly wrong start is replaced: how well weights predict is not how well they route
-        (on the Azure trace, fitted queue weights of 0.1-0.4 predict better than 1 and route
-        1.15-1.3x worse), so sane weights, and any an evaluation chose, are left to the
-        evaluations."""
-        if not (self.cfg.model_start and not self.adopted and self.incumbent == self.start
+        """At the start of a search (no evaluation yet, no fitted weights tried): the weights
+        nearest the incumbent that the fit does not rule out take its place if one of its weights
+        is off from them by more than ``model_start_factor`` and they predict TTFT better beyond
+        the noise; the weights they replace are returned, to be the first evaluation's
+        candidate. Only a grossly wrong start is replaced: how well weights predict is not how
+        well they route (on the Azure trace, fitted queue weights of 0.1-0.4 predict better than
+        1 and route 1.15-1.3x worse), so sane weights are left to the evaluations."""
+        if not (self.cfg.model_start and self.evaluations == 0 and self.model_tried is None
                 and self.fit is not None):
             return None
         if self.fit.dominated(self.cfg.max_source_share):
             return None  # no single export decides: the evaluations will
-        fitted = self.fit.weights()
-        if fitted is None:
-            return None
-        fitted = self._clip({**self.incumbent, **fitted})
+        fitted = self._model_candidate()  # far from the incumbent, or None
         near = self.fit.plausible(self.incumbent, self.cfg.fpr, self.rng, self.cfg.block)
-        if not self._far(fitted, self.incumbent) or near is None:
+        if fitted is None or near is None:
             return None
         point = self._clip({**self.incumbent, **near})
         if not (self._log_gap(point, self.incumbent).max() > math.log(self.cfg.model_start_factor)
@@ -811,7 +801,6 @@ class Tuner:
             return None
         start = self.incumbent
         self.incumbent, self.incumbent_p95 = point, None
-        self.adopted = True
         self.model_tried = fitted  # the fit's own point: proposed again only once it moves
         self._record({"event": "adopted", "from": dict(start), "to": dict(point),
                       "fitted": dict(fitted)}, now)
@@ -991,7 +980,7 @@ class Tuner:
             self.incumbent, self.incumbent_p95 = candidate, v.p95_candidate
             self.accepted += 1
             changed = True
-        elif ev.incumbent == self.incumbent:  # not if the start rule replaced it meanwhile
+        else:
             self.incumbent_p95 = v.p95_incumbent
         if ev.kind == STEP:  # the 1/5 rule is about random steps; a model proposal is not one
             self._step(success=v.accepted)
@@ -1150,7 +1139,6 @@ class Tuner:
             t.sigma = min(float(state["sigma"]), config.max_sigma)
             t.failures = int(state["failures"])
             t.evaluations = int(state["evaluations"])
-            t.adopted = t.evaluations > 0  # the start rule is for a fresh tuner's start only
             t.accepted = int(state["accepted"])
             t.phase = str(state["phase"])
             t.baseline_p95 = _opt_float(state.get("baseline_p95"))

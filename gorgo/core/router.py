@@ -44,7 +44,6 @@ class _Open:
     prompt_tokens: int
     uncached: int  # booked for prefill on the replica until the stream ends
     block_hashes: np.ndarray
-    opened_at: float = 0.0  # when it was routed (the slot it holds: `FleetState.observe_hold`)
 
 
 class Router:
@@ -221,7 +220,7 @@ class Router:
         d.id = f"{self._id_prefix}-{next(self._ids)}"
         self._count(d.weights_version, d.policy)
         s.record_sent(i, f, d.uncached_tokens)
-        self._open[d.id] = _Open(i, f.prompt_tokens, d.uncached_tokens, f.block_hashes, now)
+        self._open[d.id] = _Open(i, f.prompt_tokens, d.uncached_tokens, f.block_hashes)
         self._publish(d.id, OPENED, self._open[d.id])
         if self.outbox is not None:
             self.echoes.add(s, i, f.prompt_tokens, d.uncached_tokens, self.peers.live_peers(now),
@@ -289,14 +288,11 @@ class Router:
             priority=f.priority,
         )
 
-    def complete(self, decision_id: str, now: float | None = None) -> bool:
-        """Release a request's in-flight accounting (``now``: when its stream ended, which times
-        the slot it held); False if it was already released."""
+    def complete(self, decision_id: str) -> bool:
+        """Release a request's in-flight accounting; False if it was already released."""
         entry = self._open.pop(decision_id, None)
         if entry is None:
             return False
-        if now is not None:
-            self.state.observe_hold(entry.replica, now - entry.opened_at)
         self._publish(decision_id, CLOSED, entry)
         self.state.unbook(entry.replica, entry.block_hashes, entry.prompt_tokens, entry.uncached)
         return True

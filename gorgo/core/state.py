@@ -31,9 +31,6 @@ DEMAND_TAU_S = 10.0  # time constant of the demand estimate (request rate, promp
 _PER_SPEC = frozenset({"region_idx", "prefill_rate", "draining", "_match"})
 
 
-HOLD_ALPHA = 0.05  # of the slot-hold EWMA: about the last 20 requests ended on a replica
-
-
 class FleetState:
     """Per-replica arrays plus the prefix index; one instance per router process."""
 
@@ -67,15 +64,12 @@ class FleetState:
         self.backlog_tokens = np.zeros(n)  # uncached prompt tokens waiting for prefill ...
         self.backlog_at = np.zeros(n)  # ... as of this time; it drains at prefill_rate
         self.sent_since_scrape = np.zeros(n)  # uncached tokens routed since the last scrape
-        # The engine's view of the same: its queue as last scraped (in tokens) plus what this
-        # router sent since, one FCFS queue that drains at prefill_rate from eng_backlog_at.
+        # The engine's view of the same: its queue as last scraped (in tokens, held until the
+        # next scrape) plus what this router sent since, which drains at prefill_rate.
         self.eng_queue_tokens = np.zeros(n)  # the scraped queue, as of eng_scraped_at
-        self.eng_backlog_tokens = np.zeros(n)
+        self.eng_backlog_tokens = np.zeros(n)  # sent since the scrape, as of eng_backlog_at
         self.eng_backlog_at = np.zeros(n)
         self.mean_uncached = np.full(n, 1000.0)  # EWMA of uncached tokens per request
-        # EWMA of how long requests stay open on each replica (routed to stream end), seconds:
-        # how long each holds a running slot there (the admission term). NaN until one ends.
-        self.hold_s = np.full(n, np.nan)
         # EWMA over routed requests of the share of the prompt already cached on its best
         # replica: how much of what is routed is seen again (the `reuse` term's turns).
         self.reuse_share = 0.0
@@ -156,11 +150,17 @@ class FleetState:
         return np.where(fresh, np.maximum(local, self.engine_backlog()), local)
 
     def engine_backlog(self, i: int | slice = slice(None)) -> np.ndarray:
-        """The scraped queue plus what this router sent after it, drained at the prefill rate
-        since (`waiting_tokens`)."""
+        """The scraped queue, held until the next scrape, plus what this router sent after it,
+        drained at the prefill rate since (`waiting_tokens`). The scraped part is not drained:
+        it is the one signal of an engine slower than its hinted rate, which a drain at that
+        rate would hide until the tuner's calibration, itself fed by it, caught up."""
         elapsed = np.maximum(self.now - self.eng_backlog_at[i], 0.0)
         drained = self.eng_backlog_tokens[i] - self.prefill_rate[i] * elapsed
-        return np.maximum(drained, 0.0)
+        return self.eng_queue_tokens[i] + np.maximum(drained, 0.0)
+
+    def _sent_since_scrape_left(self, i: int) -> float:
+        """What this router sent to replica i since its last scrape, still undrained."""
+        return float(self.engine_backlog(i) - self.eng_queue_tokens[i])
 
     def own_backlog(self, i: int | slice = slice(None)) -> np.ndarray:
         """Uncached tokens this router sent that still wait for prefill, at ``self.now``: booked
@@ -270,7 +270,7 @@ class FleetState:
         self.version += 1
         self.backlog_tokens[i] = self.own_backlog(i) + uncached
         self.backlog_at[i] = self.now
-        self.eng_backlog_tokens[i] = self.engine_backlog(i) + uncached
+        self.eng_backlog_tokens[i] = self._sent_since_scrape_left(i) + uncached
         self.eng_backlog_at[i] = self.now
         self.sent_since_scrape[i] += uncached
         self.mean_uncached[i] += 0.1 * (uncached - self.mean_uncached[i])
@@ -289,7 +289,7 @@ class FleetState:
         self.inflight_uncached[i] += copies * uncached
         self.backlog_tokens[i] = max(float(self.own_backlog(i)) + copies * uncached, 0.0)
         self.backlog_at[i] = self.now
-        self.eng_backlog_tokens[i] = max(float(self.engine_backlog(i)) + copies * uncached, 0.0)
+        self.eng_backlog_tokens[i] = max(self._sent_since_scrape_left(i) + copies * uncached, 0.0)
         self.eng_backlog_at[i] = self.now
         self.sent_since_scrape[i] = max(self.sent_since_scrape[i] + copies * uncached, 0)
 
@@ -313,19 +313,9 @@ class FleetState:
         open_tokens = self.inflight_uncached[i]
         self.backlog_tokens[i] = min(self.own_backlog(i), open_tokens)
         self.backlog_at[i] = self.now
-        scraped_left = max(self.eng_queue_tokens[i] - self.prefill_rate[i]
-                           * max(self.now - self.eng_scraped_at[i], 0.0), 0.0)
-        self.eng_backlog_tokens[i] = min(self.engine_backlog(i), open_tokens + scraped_left)
+        self.eng_backlog_tokens[i] = min(self._sent_since_scrape_left(i), open_tokens)
         self.eng_backlog_at[i] = self.now
         self.sent_since_scrape[i] = min(self.sent_since_scrape[i], open_tokens)
-
-    def observe_hold(self, i: int, seconds: float) -> None:
-        """A request routed to replica i ended ``seconds`` after it was routed."""
-        if not math.isfinite(seconds) or seconds < 0:
-            return
-        self.version += 1
-        old = self.hold_s[i]
-        self.hold_s[i] = seconds if np.isnan(old) else old + HOLD_ALPHA * (seconds - old)
 
     def observe_rtt(self, i: int, rtt_ms: float) -> None:
         self.version += 1
@@ -348,7 +338,7 @@ class FleetState:
         self.eng_kv_usage[i] = kv_usage
         self.eng_scraped_at[i] = now
         self.eng_queue_tokens[i] = queue_reqs * self.mean_uncached[i]
-        self.eng_backlog_tokens[i] = self.eng_queue_tokens[i]
+        self.eng_backlog_tokens[i] = 0.0  # what this router sends from now on
         self.eng_backlog_at[i] = now
         self.sent_since_scrape[i] = 0.0
 

@@ -75,9 +75,9 @@ def record_offline(spec: FleetSpec, policy: str, reqs: Sequence[TraceRequest], s
             replicas[k] = state.names[d.replica]
         return d
 
-    def logged_complete(decision_id, at=None):
+    def logged_complete(decision_id):
         events.append(Event(now(), "complete", (of_decision[decision_id],)))
-        return complete(decision_id, at)
+        return complete(decision_id)
 
     def logged_tick(t):
         events.append(Event(t, "tick"))

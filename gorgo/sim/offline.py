@@ -399,7 +399,7 @@ class Simulation:
     def _close(self, k: int) -> None:
         side = self.sides[self.home[k]]
         d = side.decisions.pop(k)
-        side.router.complete(d.id, self.now)
+        side.router.complete(d.id)
         self._publish(self.home[k])
         if self.on_complete is not None:
             self.on_complete(self.records[k], d)

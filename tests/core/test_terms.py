@@ -13,7 +13,7 @@ from gorgo.core.cost import cost_terms
 from gorgo.core.features import RequestError, extract_features
 from gorgo.core.fleet import FleetError, parse_fleet
 from gorgo.core.router import Router
-from gorgo.core.state import HOLD_ALPHA, FleetState
+from gorgo.core.state import FleetState
 from gorgo.core.terms import (
     BY_NAME,
     E2E,
@@ -196,29 +196,6 @@ def test_admission_waits_only_where_the_running_slots_are_full() -> None:
     assert wait[0] == 0.0 and wait[1] > 0.0
     s.inflight_reqs[:] = [2, 6]  # three must finish before b admits it
     assert BY_NAME["admission"].compute(f, s)[1] == pytest.approx(3 * wait[1], rel=0.2)
-
-
-def test_admission_waits_for_slots_held_as_long_as_the_replicas_requests_stay_open() -> None:
-    """Once requests have ended on a replica, a slot frees every (their open time / slots): the
-    measured hold replaces the decode guess (typical output x predicted ITL), which under chunked
-    prefill was about 1.7x short on the Azure trace (docs/results.md)."""
-    r = Router(_slots_spec(max_running=4))
-    s = r.state
-    f = _req(s)
-    first = r.route(f, now=0.0)
-    assert r.complete(first.id, now=8.0)  # its request held a slot for 8 s
-    assert s.hold_s[first.replica] == pytest.approx(8.0)
-    s.inflight_reqs[:] = 6  # three must finish before either admits it
-    wait = BY_NAME["admission"].compute(f, s)
-    assert wait[first.replica] == pytest.approx(3 * 8000.0 / 4)
-    other = 1 - first.replica  # nothing ended there yet: the decode guess
-    assert 0 < wait[other] < wait[first.replica]
-    s.observe_hold(first.replica, 4.0)  # an EWMA of the open times
-    assert s.hold_s[first.replica] == pytest.approx(8.0 + HOLD_ALPHA * (4.0 - 8.0))
-    s.observe_hold(first.replica, float("nan"))
-    s.observe_hold(first.replica, -1.0)  # nonsense is ignored
-    assert s.hold_s[first.replica] == pytest.approx(8.0 + HOLD_ALPHA * (4.0 - 8.0))
-    assert r.complete(r.route(f, now=9.0).id)  # a driver that gives no time times nothing
 
 
 def test_admission_counts_in_every_objective_and_steers_away_from_full_replicas() -> None:

@@ -710,18 +710,13 @@ def warmed_up(start: dict, seed: int) -> tuple[Tuner, np.random.Generator, Propo
     return t, rng, t.next_weights(1.5)
 
 
-def one_export_warm_up() -> tuple[Tuner, np.random.Generator, Proposal]:
-    """A tuner from (20, 0.05) whose warm-up samples all came in one export: its first window."""
+def test_no_single_export_replaces_the_start() -> None:
     t = Tuner(START, W(20.0, 0.05), seed=0)
     rng = np.random.default_rng(0)
     warm = t.next_weights(0.0)
     for _ in range(START.model_start_samples):
         t.observe(replace(physical(rng, warm.weights.version), source=7))
-    return t, rng, t.next_weights(1.5)
-
-
-def test_no_single_export_replaces_the_start() -> None:
-    t, _, p = one_export_warm_up()
+    p = t.next_weights(1.5)
     assert p.point == W(20.0, 0.05) and all(h.get("event") != "adopted" for h in t.history)
 
 
@@ -763,36 +758,6 @@ def test_the_start_decision_waits_for_its_own_samples() -> None:
     for _ in range(20):
         t.observe(physical(rng, warm.weights.version))
     assert t.next_weights(1.0).point == W(20.0, 0.05)
-
-
-def test_the_start_rule_is_tried_again_while_the_start_holds() -> None:
-    """A warm-up that cannot decide (here: one export supplied all of it) leaves the start in
-    place; the next evaluation's start, with the fit grown, replaces it."""
-    t, rng, p = one_export_warm_up()
-    assert p.point == W(20.0, 0.05)
-    now, k = 1.5, 0
-    while t.history == [] or t.history[-1].get("event") != "adopted":
-        assert t.evaluations < 5, "the start was never replaced"
-        for _ in range(10):
-            k += 1
-            t.observe(replace(physical(rng, p.weights.version), source=k % 3))
-        now += 0.5
-        p = t.next_weights(now) or p
-    assert t.incumbent == {"rtt": 1.0, "queue": pytest.approx(2.0, rel=0.1)}
-    assert t.history[-1]["from"] == W(20.0, 0.05) and t.evaluations >= 1
-
-
-def test_weights_an_evaluation_chose_are_not_replaced_by_the_start_rule() -> None:
-    """The rule is for the operator's start: once an evaluation moved the incumbent (or after a
-    restart, whose state says evaluations ran), grossly different weights stay evaluations'."""
-    t, _, _ = warmed_up(W(20.0, 0.05), 0)
-    t.incumbent, t.adopted = W(0.05, 0.05), False  # as if an evaluation had accepted it
-    assert t._adopt_fit(2.0) is None and t.incumbent == W(0.05, 0.05)
-    t.evaluations = 3
-    restored = Tuner.restore(START, {**t.snapshot(), "incumbent": W(20.0, 0.05)})
-    assert restored.adopted and restored._adopt_fit(2.0) is None
-    fresh = Tuner.restore(START, {**t.snapshot(), "incumbent": W(20.0, 0.05), "evaluations": 0})
-    assert not fresh.adopted  # a state saved before any evaluation: still the operator's start
 
 
 @pytest.mark.parametrize("start", [W(1.0, 1.4), W(1.0, 0.3)])

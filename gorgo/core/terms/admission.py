@@ -4,17 +4,12 @@ An engine runs at most ``max_running`` requests at once (vLLM's ``--max-num-seqs
 ``--max-running-requests``); a request that arrives when they are all taken waits in the engine's
 queue, not for prefill but for running requests to finish. With ``batch_i`` requests in flight
 there, ``k = batch_i + 1 - max_running`` of them must finish first; running requests finish at
-about ``max_running / hold_i`` per ms, so
+about ``max_running / (out * itl_i)`` per ms (each holds its slot for its decode time), so
 
-    wait_i = max(k, 0) * hold_i / max_running
+    wait_i = max(k, 0) * out * itl_i / max_running
 
-with ``hold_i`` how long requests stay open on replica i as this router measures them (routed to
-stream end, `FleetState.hold_s`), and before any has ended there the decode guess ``out *
-itl_i``: the decode term's typical output length (``output_tokens``: the running requests'
-lengths, not this one's) times its predicted inter-token latency. Under chunked prefill the
-guess was about 1.7x short on the Azure trace (most decode steps carry a prefill chunk), and
-gorgo@ttft walked into full replicas; the measured hold took its p95 TTFT from 979 to 890 ms on
-fleet `paper` at load 0.8 (docs/results.md, "Bursts and the engine view of the queue"). The
+with ``out`` the decode term's typical output length (``output_tokens``: the running requests'
+lengths, not this one's) and ``itl_i`` the decode term's predicted inter-token latency. The
 `queue` term prices only prompt tokens waiting for prefill, so without this term a replica
 whose slots are full looks free. Measured on the Azure conversation trace, where the paper's
 fleet (64 slots per replica) fills them in bursts: gorgo's p95 TTFT went from 1.17x to 0.92x
@@ -48,8 +43,7 @@ def _admission(f: RequestFeatures, s: FleetState) -> np.ndarray:
     if not ahead.any():
         return ahead
     out = s.params["decode"]["output_tokens"]
-    hold_ms = np.where(np.isnan(s.hold_s), out * predicted_itl(f, s), s.hold_s * 1000.0)
-    return ahead * hold_ms / slots
+    return ahead * out * predicted_itl(f, s) / slots
 
 
 TERM = CostTerm(
