@@ -141,9 +141,10 @@ class FleetState:
 
         Our own backlog (`own_backlog`). A fresh scrape of the engine queue also counts requests
         other routers sent, so where it is fresh it is used if larger, with what we sent after it
-        was read queued behind (`engine_backlog`). Both drain at the prefill rate: an engine view
-        that only grew until the next scrape (2,500-3,600 tokens above the engines' true queues on
-        the Azure trace) made the queue term chase the most recently scraped replica.
+        was read queued behind (`engine_backlog`). What we sent drains at the prefill rate: an
+        engine view that only grew until the next scrape (2,500-3,600 tokens above the engines'
+        true queues on the Azure trace) made the queue term chase the most recently scraped
+        replica.
         """
         local = self.own_backlog()
         fresh = (self.now - self.eng_scraped_at) <= self.spec.signals.metrics_stale_s
