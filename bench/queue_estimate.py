@@ -24,6 +24,7 @@ import numpy as np
 
 from gorgo.core.decision import Decision
 from gorgo.core.features import RequestFeatures
+from gorgo.core.policies import make_policy
 from gorgo.core.policies.base import Policy
 from gorgo.core.state import FleetState
 from gorgo.sim.bench import policy_setup, trace_windows
@@ -72,7 +73,6 @@ def run(spec_name: str, trace: str, policy: str, load: float, requests: int, win
     probes: list[Probe] = []
 
     def factory(sim: Simulation) -> Policy:
-        from gorgo.core.policies import make_policy
         probes.append(Probe(sim, make_policy(name, spec)))
         return probes[-1]  # type: ignore[return-value]
 

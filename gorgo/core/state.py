@@ -155,20 +155,23 @@ class FleetState:
         drained at the prefill rate since (`waiting_tokens`). The scraped part is not drained:
         it is the one signal of an engine slower than its hinted rate, which a drain at that
         rate would hide until the tuner's calibration, itself fed by it, caught up."""
-        elapsed = np.maximum(self.now - self.eng_backlog_at[i], 0.0)
-        drained = self.eng_backlog_tokens[i] - self.prefill_rate[i] * elapsed
-        return self.eng_queue_tokens[i] + np.maximum(drained, 0.0)
+        return self.eng_queue_tokens[i] + self._sent_left(i)
 
-    def _sent_since_scrape_left(self, i: int) -> float:
-        """What this router sent to replica i since its last scrape, still undrained."""
-        return float(self.engine_backlog(i) - self.eng_queue_tokens[i])
+    def _sent_left(self, i: int | slice = slice(None)) -> np.ndarray:
+        """What this router sent since each replica's last scrape, still waiting for prefill."""
+        return self._drained(self.eng_backlog_tokens, self.eng_backlog_at, i)
 
     def own_backlog(self, i: int | slice = slice(None)) -> np.ndarray:
         """Uncached tokens this router sent that still wait for prefill, at ``self.now``: booked
         work drains at the prefill rate, and `release_inflight` keeps it within the requests
         still open."""
-        drained = self.backlog_tokens[i] - self.prefill_rate[i] * (self.now - self.backlog_at[i])
-        return np.maximum(drained, 0.0)
+        return self._drained(self.backlog_tokens, self.backlog_at, i)
+
+    def _drained(self, tokens: np.ndarray, at: np.ndarray, i: int | slice) -> np.ndarray:
+        """``tokens`` booked as of ``at``, drained at the prefill rate until ``self.now`` (a time
+        ahead of it, a scrape read after the last decision, drains nothing)."""
+        elapsed = np.maximum(self.now - at[i], 0.0)
+        return np.maximum(tokens[i] - self.prefill_rate[i] * elapsed, 0.0)
 
     def penalty(self) -> np.ndarray:
         """Each replica's anomaly penalty in ms at ``self.now``, decayed."""
@@ -271,7 +274,7 @@ class FleetState:
         self.version += 1
         self.backlog_tokens[i] = self.own_backlog(i) + uncached
         self.backlog_at[i] = self.now
-        self.eng_backlog_tokens[i] = self._sent_since_scrape_left(i) + uncached
+        self.eng_backlog_tokens[i] = self._sent_left(i) + uncached
         self.eng_backlog_at[i] = self.now
         self.sent_since_scrape[i] += uncached
         self.mean_uncached[i] += 0.1 * (uncached - self.mean_uncached[i])
@@ -290,7 +293,7 @@ class FleetState:
         self.inflight_uncached[i] += copies * uncached
         self.backlog_tokens[i] = max(float(self.own_backlog(i)) + copies * uncached, 0.0)
         self.backlog_at[i] = self.now
-        self.eng_backlog_tokens[i] = max(self._sent_since_scrape_left(i) + copies * uncached, 0.0)
+        self.eng_backlog_tokens[i] = max(float(self._sent_left(i)) + copies * uncached, 0.0)
         self.eng_backlog_at[i] = self.now
         self.sent_since_scrape[i] = max(self.sent_since_scrape[i] + copies * uncached, 0)
 
@@ -314,7 +317,7 @@ class FleetState:
         open_tokens = self.inflight_uncached[i]
         self.backlog_tokens[i] = min(self.own_backlog(i), open_tokens)
         self.backlog_at[i] = self.now
-        self.eng_backlog_tokens[i] = min(self._sent_since_scrape_left(i), open_tokens)
+        self.eng_backlog_tokens[i] = min(self._sent_left(i), open_tokens)
         self.eng_backlog_at[i] = self.now
         self.sent_since_scrape[i] = min(self.sent_since_scrape[i], open_tokens)
 
