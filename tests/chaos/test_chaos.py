@@ -423,8 +423,9 @@ def test_five_times_slower_engine_loses_its_share_and_p95_ttft_holds(tmp_path: P
     doc = chaos_fleet(idle_s=30)
     measure, scale = workload(150, rate=rate, max_tokens=16)
     # Warm-up at twice the rate: the tuner needs ~50 samples from the slow replica. It stops as
-    # soon as the rate is calibrated (38-82 s measured); its length only bounds a slow machine's
-    # wait (75 s of warm-up failed once while a whole suite ran on the 2 cores).
+    # soon as the rate is calibrated (after 38 and 59 s on an idle machine); its length only
+    # bounds a slow machine's wait (75 s of warm-up ran out once while a whole suite shared the
+    # 2 cores).
     warm, warm_scale = workload(3000, rate=2 * rate, offset=1000, max_tokens=16)
     with live_stack(tmp_path / "healthy", doc, **opts) as stack:
         ref = drive(stack, measure, scale)
