@@ -193,6 +193,9 @@ def main(args: argparse.Namespace) -> int:
     try:
         spec = resolve_fleet(args.fleet)
         objective = args.objective or spec.objective
+        # The routers score under the objective the tuner minimises: its weights (decode,
+        # interference, reuse) route nothing under another objective's cost.
+        spec = replace(spec, objective=objective)
         config = optimizer_config(args.opt, args.calibrate,
                                   {"objective": objective, "slo_ttft_ms": spec.slo.ttft_ms})
         starts = ([parse_start(s, config.keys) for s in args.start] if args.start
@@ -243,7 +246,7 @@ def main(args: argparse.Namespace) -> int:
     slo = f"slo={config.slo_ttft_ms!r}|" if _CTX["slo_ttft_ms"] else ""
     where = "" if window is None else f"@{workload.trace}"
     slice_key = (f"{args.trace}{where}|{args.fleet}|{spec.name}|n={workload.n}|"
-                 f"scale={scale!r}|{POLICY}|{slo}code={digest}")
+                 f"scale={scale!r}|{POLICY}|objective={spec.objective}|{slo}code={digest}")
     static = load_cache(cache_path, slice_key)
     log(f"bench tune: {workload.n} requests at load {args.load:g} = "
         f"{args.load * capacity:.3f} req/s (time scale {scale:.4f}); " + (
