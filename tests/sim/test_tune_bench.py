@@ -28,7 +28,7 @@ from gorgo.sim.tunebench.run import (
     tuned_run,
     with_weights,
 )
-from gorgo.sim.tunebench.stats import convergence, grid_best, wilson
+from gorgo.sim.tunebench.stats import convergence, grid_best, stretch_interval, wilson
 from gorgo.sim.workload import Workload, simulate, tokenization, workload_from_requests
 from tuner.optimizer import OptimizerConfig
 
@@ -158,6 +158,19 @@ def test_convergence_is_from_when_the_incumbent_stays_within() -> None:
     assert 0.0 <= lo < 0.05 < hi < 0.12
 
 
+def test_a_burst_every_seed_meets_widens_the_a_a_interval() -> None:
+    """20 stretches of 10 verdicts (10 seeds); in one stretch every seed accepts: 10 of 200,
+    but one trial's worth of evidence, not ten."""
+    verdicts = [(250 * k + seed, int(k == 3)) for k in range(20) for seed in range(10)]
+    lo, hi, stretches = stretch_interval(verdicts)
+    whi = wilson(10, 200)[1]
+    assert stretches == 20 and lo == 0.0 and hi > whi and hi >= 0.1
+    spread = [(250 * k + seed, int(seed == k % 10)) for k in range(20) for seed in range(10)]
+    lo, hi, _ = stretch_interval(spread)  # one acceptance per stretch: no stretch differs
+    assert lo == hi == 0.1
+    assert stretch_interval([]) == (0.0, 1.0, 0)
+
+
 def test_cli_tiny_slice_writes_its_outputs(tmp_path: Path) -> None:
     out = tmp_path / "tune"
     argv = ["bench", "tune", "--trace", "chat:seed=2,users=8,rate=3,limit=80", "--fleet", "paper",
@@ -254,8 +267,11 @@ def test_null_only_runs_the_a_a_runs_alone(tmp_path: Path) -> None:
     total = doc["null_total"]
     assert total["evaluations"] == sum(r["evaluations"] for r in doc["null_runs"]) > 0
     assert total["accepted"] == sum(r["accepted"] for r in doc["null_runs"])
+    assert all(len(r["verdicts"]) == r["evaluations"] for r in doc["null_runs"])
+    assert 0.0 <= total["ci95_stretches"][0] <= total["ci95_stretches"][1] <= 1.0
     md = (out / "results.md").read_text()
-    assert "False accepts" in md and not list(out.glob("*.png"))
+    assert "False accepts" in md and "resampling whole stretches" in md
+    assert not list(out.glob("*.png"))
     (out / "results.md").unlink()
     assert cli_main([*argv, "--report-only"]) == 0 and (out / "results.md").read_text() == md
     assert cli_main([*argv, "--skip-null"]) == 2

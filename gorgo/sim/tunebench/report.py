@@ -27,6 +27,7 @@ from gorgo.sim.tunebench.run import NULL_START
 from gorgo.sim.tunebench.stats import (
     LIVE_WINDOW,
     OBJECTIVE_METRIC,
+    STRETCH_SAMPLES,
     GridBest,
     grid_means,
     null_total,
@@ -303,6 +304,11 @@ def null_markdown(doc: Mapping[str, Any]) -> list[str]:
         md += ["", f"Total: {total['accepted']} of {total['evaluations']} accepted = "
                + ("n/a" if rate is None else f"{rate:.1%}") + " (95 % Wilson interval "
                f"{total['ci95'][0]:.1%} to {total['ci95'][1]:.1%})."]
+        if "ci95_stretches" in total:
+            lo, hi = total["ci95_stretches"]
+            md += ["", f"The seeds share the trace, so an evaluation meets the same burst in "
+                   f"every seed: resampling whole stretches of {STRETCH_SAMPLES} samples "
+                   f"({total['stretches']} of them) instead, 95 % interval {lo:.1%} to {hi:.1%}."]
     return md
 
 

@@ -22,6 +22,9 @@ if TYPE_CHECKING:
     from gorgo.sim.tunebench.run import TuneSettings, TuneTrace
 
 LIVE_WINDOW, LIVE_EVERY = 500, 100  # rolling p95 of live traffic, in samples
+# A/A evaluations decided within one stretch of this many samples of the slice, in any seed, met
+# the same part of the trace (seeds vary jitter, never the trace): they resample together.
+STRETCH_SAMPLES = 250
 LEVELS = (0.1, 0.25, 1.0)  # looser tolerances reported beside --tolerance
 LIVE_MAX = "live_p95_max_ms"  # a static run's worst rolling p95, to compare the tuned runs with
 SLO_MISS = "slo_miss"  # a static run's share of requests over the SLO's TTFT target (or failed)
@@ -79,13 +82,37 @@ def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
     return (max(0.0, mid - half), min(1.0, mid + half))
 
 
+def stretch_interval(verdicts: Sequence[tuple[int, int]], stretch: int = STRETCH_SAMPLES,
+                     reps: int = 10_000, seed: int = 0) -> tuple[float, float, int]:
+    """95 % interval of the pooled acceptance rate of (samples at the verdict, accepted)
+    verdicts from runs over one trace slice, resampling whole stretches of the slice (the
+    verdicts of every seed in one ``stretch`` of samples): a burst that fools the test in one
+    seed fools it in all, so counting each verdict as an independent trial (`wilson`) gives an
+    interval too narrow. Returns (low, high, stretches)."""
+    groups: dict[int, list[int]] = {}
+    for at, accepted in verdicts:
+        groups.setdefault(int(at) // stretch, []).append(int(accepted))
+    if not groups:
+        return (0.0, 1.0, 0)
+    k = np.array([sum(g) for g in groups.values()], dtype=float)
+    n = np.array([len(g) for g in groups.values()], dtype=float)
+    pick = np.random.default_rng(seed).integers(0, len(k), size=(reps, len(k)))
+    rate = k[pick].sum(axis=1) / n[pick].sum(axis=1)
+    lo, hi = np.quantile(rate, [0.025, 0.975])
+    return (float(lo), float(hi), len(k))
+
+
 def null_total(nulls: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
     if not nulls:
         return None
     k = sum(r["accepted"] for r in nulls)
     n = sum(r["evaluations"] for r in nulls)
     lo, hi = wilson(k, n)
-    return {"accepted": k, "evaluations": n, "rate": k / n if n else None, "ci95": [lo, hi]}
+    out = {"accepted": k, "evaluations": n, "rate": k / n if n else None, "ci95": [lo, hi]}
+    if all("verdicts" in r for r in nulls):  # results.json of older runs lack them
+        tlo, thi, stretches = stretch_interval([tuple(v) for r in nulls for v in r["verdicts"]])
+        out.update(ci95_stretches=[tlo, thi], stretches=stretches)
+    return out
 
 
 def convergence(ratios: Sequence[float], at: Sequence[int], tolerance: float) -> dict[str, Any]:
@@ -123,6 +150,8 @@ def summarize_null(label: str, settings: TuneSettings, trace: TuneTrace) -> dict
         "accepted": sum(bool(h["accepted"]) for h in evals),
         "rejected_for_e2e": sum(h["reason"] == "e2e_worse" for h in evals),
         "median_gap": float(np.median(gaps)) if gaps else None,
+        # (samples seen at the verdict, accepted): where in the slice each one fell
+        "verdicts": [[h["samples"], int(bool(h["accepted"]))] for h in evals],
     }
 
 
