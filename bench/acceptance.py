@@ -4,9 +4,9 @@ Synthetic windows (2 per arm, 40 requests each, the defaults), TTFTs either inde
 (log-normal, sigma 0.5) or in bursts of 8 that share a queueing factor (log-normal sigma 0.3, times
 an independent sigma 0.2), as Mooncake's simultaneous arrivals queue together. The candidate's
 TTFTs are the incumbent's distribution scaled by the given factor; a factor of 1.00 measures the
-false-positive rate. The "spread" rows widen the test as the tuner does (`spread_history`): by the
-spread factor learnt from the windows of the trials before, as the tuner learns it from its own
-past evaluations. Printed as the Markdown table in docs/tuner.md, "Measured behaviour".
+false-positive rate. The "spread" rows add the noise between windows as the tuner does
+(`spread_history`): learnt from the windows of the trials before, as the tuner learns it from its
+own past evaluations. Printed as the Markdown table in docs/tuner.md, "Measured behaviour".
 
     .venv/bin/python bench/acceptance.py [--trials 300] [--null-trials 1000]
 """
@@ -26,7 +26,7 @@ from tuner.optimizer import (
     compare,
     evaluation_spread,
     score_values,
-    spread_factor,
+    window_noise,
 )
 
 SCALES = (1.0, 1.05, 0.95, 0.9, 0.8, 0.7)
@@ -74,12 +74,11 @@ def main() -> None:
 
 def trial(rng: np.random.Generator, cfg: OptimizerConfig, scale: float, bursty: bool,
           spreads: list[Spread]) -> bool:
-    """One comparison, widened by what the trials before it taught (``spreads``, which it
+    """One comparison, with the window noise the trials before it taught (``spreads``, which it
     extends: every arm's windows, like the tuner's, whatever the verdict)."""
     inc = windows(rng, INCUMBENT, 1.0, bursty)
     cand = windows(rng, CANDIDATE, scale, bursty)
-    accepted = compare(inc, cand, cfg, rng,
-                       spread=spread_factor(spreads, cfg.spread_cap)).accepted
+    accepted = compare(inc, cand, cfg, rng, noise=window_noise(spreads)).accepted
     if cfg.spread_history:
         arms = [[score_values(w, cfg, None) for w in arm] for arm in (inc, cand)]
         spreads.append(evaluation_spread(arms, cfg, rng))

@@ -21,10 +21,12 @@ How one evaluation runs, and why (docs/tuner.md has the full story):
   of one lucky window forever. While an evaluation waits for its slowest requests, the next one
   already routes; a verdict that changes the incumbent drops it.
 * Lower p95 is better and the test is on the difference of p95s: the candidate is accepted only if
-  a seeded, window-stratified block bootstrap puts the upper (1 - fpr) bound of ``p95_c - p95_i``
-  below ``-margin * p95_i``. No score is negated and no multiplicative tolerance is applied to
-  one. Before every request has reported back, only an acceptance that no outcome of the missing
-  ones could undo is taken.
+  the upper (1 - fpr) bound of ``p95_c - p95_i`` is below ``-margin * p95_i``. Its variance is what
+  a seeded, window-stratified block bootstrap sees inside the windows plus a between-window term
+  the tuner learns from how far its past windows of one arm fell apart (a burst that fills a
+  window is one draw, which no resampling inside it sees). No score is negated and no
+  multiplicative tolerance is applied to one. Before every request has reported back, only an
+  acceptance that no outcome of the missing ones could undo is taken.
 * A candidate must also not worsen E2E p95 by more than ``e2e_margin`` nor the error rate by more
   than ``max_error_increase``.
 * Candidates are log-normal steps in log space, reflected at the bounds (a bound is not an
@@ -120,11 +122,10 @@ class OptimizerConfig:
     margin: float = 0.01  # the candidate must beat the incumbent's p95 by this fraction
     bootstrap: int = 2000
     block: int = 8  # bootstrap block (consecutive arrivals): bursts queue together
-    # The bootstrap sees the noise inside a window, not a burst that lands in one window: its
-    # spread is widened by how far apart the windows of the last `spread_history` evaluations
-    # fell against what it predicted for them (0: never widened), by at most `spread_cap`.
+    # The bootstrap sees the noise inside a window, not a burst that lands in one window: the
+    # test adds the variance between windows that the last `spread_history` evaluations showed
+    # beyond what the bootstrap predicted for them (0: none, the bootstrap alone).
     spread_history: int = 20
-    spread_cap: float = 1.5
     e2e_margin: float = 0.05
     max_error_increase: float = 0.02  # absolute error-rate increase a candidate may bring
     monitor_samples: int = 200  # window size once converged
@@ -201,7 +202,6 @@ class OptimizerConfig:
             (self.census_timeout_s > 0, "census_timeout_s must be > 0"),
             (self.block >= 1, "block must be >= 1"),
             (self.spread_history >= 0, "spread_history must be >= 0"),
-            (self.spread_cap >= 1, "spread_cap must be >= 1"),
             (self.model_min_samples >= 10, "model_min_samples must be >= 10"),
             (self.model_retry > 0, "model_retry must be > 0"),
             (self.model_start_factor > 1, "model_start_factor must be > 1"),
@@ -418,19 +418,20 @@ def _row_quantile(a: np.ndarray, q: float) -> np.ndarray:
     return s[:, lo] + (s[:, hi] - s[:, lo]) * (h - lo)
 
 
-Spread = tuple[float, float]  # (between, within) of one evaluation; see `evaluation_spread`
+Spread = tuple[float, float, int]  # (between, within, df) of one evaluation: `evaluation_spread`
 
 
 def evaluation_spread(arms: Sequence[Sequence[np.ndarray]], cfg: OptimizerConfig,
                       rng: np.random.Generator) -> Spread:
     """How far an arm's window scores fell from the arm's mean (``between``: the sum of squared
-    deviations), and how far the within-window bootstrap says they should (``within``:
-    ``(m - 1)`` times its mean variance of a window's score; equal to ``between`` on average if
-    the bootstrap saw all the noise), summed over the arms of one evaluation. On log scores, so
-    calm and loaded stretches of the trace pool on one scale (an arm with a score of 0, a
-    miss rate, says nothing)."""
+    deviations), how far the within-window bootstrap says they should (``within``: ``(m - 1)``
+    times its mean variance of a window's score; equal to ``between`` on average if the bootstrap
+    saw all the noise), and the degrees of freedom (``m - 1`` per arm of ``m`` windows), summed
+    over the arms of one evaluation. On log scores, so calm and loaded stretches of the trace
+    pool on one scale (an arm with a score of 0, a miss rate, says nothing)."""
     bq = None if cfg.objective == SLO else cfg.quantile
     between = within = 0.0
+    df = 0
     for parts in arms:
         parts = [v for v in parts if v.size >= 2]
         if len(parts) < 2:
@@ -442,17 +443,21 @@ def evaluation_spread(arms: Sequence[Sequence[np.ndarray]], cfg: OptimizerConfig
         logs = np.log(x)
         between += float(np.sum((logs - logs.mean()) ** 2))
         within += (len(parts) - 1) * float(np.mean([np.var(np.log(r)) for r in reps]))
-    return between, within
+        df += len(parts) - 1
+    return between, within, df
 
 
-def spread_factor(spreads: Sequence[Spread], cap: float) -> float:
-    """What the bootstrap's spread is widened by: the square root of the pooled ratio of the
-    windows' observed to predicted variance, between 1 (never narrowed) and ``cap``."""
-    between = sum(b for b, _ in spreads)
-    within = sum(w for _, w in spreads)
-    if not within > 0:
-        return 1.0
-    return min(max(math.sqrt(between / within), 1.0), cap)
+Noise = tuple[float, int]  # (variance of a window's log score between windows, its df)
+
+
+def window_noise(spreads: Sequence[Spread]) -> Noise:
+    """The variance of a window's log score that the bootstrap inside the windows does not
+    see (a burst, a calm stretch), pooled over past evaluations: their windows' observed spread
+    less what the bootstrap predicted, per degree of freedom, never below 0."""
+    df = sum(d for _, _, d in spreads)
+    if not df:
+        return 0.0, 0
+    return max(sum(b - w for b, w, _ in spreads) / df, 0.0), df
 
 
 def compare(
@@ -462,13 +467,16 @@ def compare(
     rng: np.random.Generator,
     *,
     fill: tuple[float, float] | None = None,
-    spread: float = 1.0,
+    noise: Noise = (0.0, 0),
 ) -> Verdict:
     """Accept the candidate only if it is better beyond the noise and breaks no guard.
 
     ``fill`` (incumbent, candidate) stands in for requests a window routed that have not reported
-    back yet; None leaves them out. ``spread`` widens the bootstrap's distribution of the
-    difference around its median (`spread_factor`: the noise between windows it cannot see).
+    back yet; None leaves them out. The difference's variance is the bootstrap's (inside the
+    windows, read off its upper quantile) plus ``noise`` (`window_noise`: a window's variance
+    between windows, on the log scale, and its degrees of freedom), scaled to each arm's score
+    and divided among its windows; the bound is Student's t quantile on the sum's
+    effective degrees of freedom (Satterthwaite's: the noise term is an estimate).
     """
     fi, fc = fill if fill is not None else (None, None)
     ti_parts = [score_values(w, cfg, fi) for w in incumbent]
@@ -487,14 +495,24 @@ def compare(
     bq = None if cfg.objective == SLO else q
     diff = (_bootstrap_quantile(tc_parts, bq, cfg.bootstrap, cfg.block, rng)
             - _bootstrap_quantile(ti_parts, bq, cfg.bootstrap, cfg.block, rng))
-    upper = float(np.quantile(diff, 1.0 - cfg.fpr))
-    if spread != 1.0:
-        center = float(np.median(diff))
-        upper = center + spread * (upper - center)
-    # The margin scales with what the incumbent measured, never with a filled-in stand-in: the
-    # test must only get easier to pass as the incumbent's unknown requests get slower.
+    # The margin and the incumbent's noise between windows scale with what it measured, never
+    # with a filled-in stand-in: the test must only get easier to pass as the incumbent's unknown
+    # requests get slower (the candidate's noise scales with its own score, stand-ins and all).
     known = ti if fi is None else _concat([score_values(w, cfg, None) for w in incumbent])
-    margin = cfg.margin * statistic(known, cfg) if known.size else 0.0
+    scale = statistic(known, cfg) if known.size else 0.0
+    margin = cfg.margin * scale
+    # The bootstrap's spread read off its own quantiles (a few resamples full of stand-ins for
+    # missing requests must not blow it up); with no noise learnt, the bound is that quantile.
+    center = float(np.median(diff))
+    z = _t_quantile(1.0 - cfg.fpr, math.inf)
+    inside = (float(np.quantile(diff, 1.0 - cfg.fpr)) - center) / z
+    between, df = noise
+    outside = between * (scale**2 / len(ti_parts) + p95_c**2 / len(tc_parts))
+    var = inside**2 + outside
+    # Only the noise term is an estimate on ``df`` degrees of freedom: Satterthwaite's effective
+    # df for the sum (the bootstrap's part counts as known), so no noise learnt means normal.
+    eff = df * (var / outside) ** 2 if outside > 0 else math.inf
+    upper = center + _t_quantile(1.0 - cfg.fpr, eff) * math.sqrt(var)
     if not upper < -margin:
         reason = "not_better"
     elif e2e_c > e2e_i * (1.0 + cfg.e2e_margin):  # NaN (no stream of an arm ended): no guard
@@ -507,8 +525,16 @@ def compare(
                    erri, errc, int(ti.size), int(tc.size))
 
 
+def _t_quantile(q: float, df: float) -> float:
+    """Student's t quantile on ``df`` degrees of freedom (inf: the normal one). scipy is
+    imported here, not at the top: the tuner needs it for this one number."""
+    from scipy.stats import norm, t
+
+    return float(norm.ppf(q) if math.isinf(df) else t.ppf(q, df))
+
+
 def decide(ev: Evaluation, cfg: OptimizerConfig, rng: np.random.Generator,
-           final: bool, spread: float = 1.0) -> Verdict | None:
+           final: bool, noise: Noise = (0.0, 0)) -> Verdict | None:
     """The verdict once every routed request reported back, or earlier if it is an acceptance
     that no outcome of the missing requests could undo.
 
@@ -519,8 +545,8 @@ def decide(ev: Evaluation, cfg: OptimizerConfig, rng: np.random.Generator,
     """
     inc, cand = ev.arm(INCUMBENT), ev.arm(CANDIDATE)
     if final:
-        return compare(inc, cand, cfg, rng, spread=spread)
-    worst = compare(inc, cand, cfg, rng, fill=(0.0, UNFINISHED_MS), spread=spread)
+        return compare(inc, cand, cfg, rng, noise=noise)
+    worst = compare(inc, cand, cfg, rng, fill=(0.0, UNFINISHED_MS), noise=noise)
     return worst if worst.accepted else None
 
 
@@ -859,7 +885,7 @@ class Tuner:
                               "versions": [w.version for w in ev.windows]}, now)
                 continue
             verdict = decide(ev, self._test_config(ev), self.rng, final,
-                             spread_factor(self.spreads, self.cfg.spread_cap))
+                             window_noise(self.spreads))
             if verdict is None:
                 return None
             self._pending.pop(0)
@@ -1147,7 +1173,9 @@ class Tuner:
             t.rates = {str(k): float(v) for k, v in dict(state.get("prefill_rate") or {}).items()}
             t.history = list(state.get("history") or [])[-config.history:] if config.history else []
             n = config.spread_history
-            spreads = [(float(b), float(w)) for b, w in state.get("spreads") or []]
+            # A state written before the df was kept holds (between, within) of two-window arms.
+            spreads = [(float(x[0]), float(x[1]), int(x[2]) if len(x) > 2 else 2)
+                       for x in state.get("spreads") or []]
             t.spreads = spreads[-n:] if n else []
             if state.get("rng") is not None:
                 t.rng.bit_generator.state = state["rng"]

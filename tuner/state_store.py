@@ -151,11 +151,15 @@ def check_state(state: Mapping[str, Any], max_ms: float) -> None:
         raise ValueError("history: expected a list of objects")
     spreads = state.get("spreads") or []
     if not isinstance(spreads, list) or not all(
-            isinstance(x, list) and len(x) == 2 for x in spreads):
-        raise ValueError("spreads: expected a list of [between, within] pairs")
-    for i, (between, within) in enumerate(spreads):
-        _number(between, f"spreads[{i}][0]", 0.0, 1e6)
-        _number(within, f"spreads[{i}][1]", 0.0, 1e6)
+            isinstance(x, list) and len(x) in (2, 3) for x in spreads):
+        raise ValueError("spreads: expected a list of [between, within, df] (or, written by an "
+                         "older tuner, [between, within])")
+    for i, x in enumerate(spreads):
+        _number(x[0], f"spreads[{i}][0]", 0.0, 1e6)
+        _number(x[1], f"spreads[{i}][1]", 0.0, 1e6)
+        if len(x) == 3 and (isinstance(x[2], bool) or not isinstance(x[2], int)
+                            or not 0 <= x[2] <= 10**6):
+            raise ValueError(f"spreads[{i}][2]: expected an integer in [0, 1000000]")
     rng = state.get("rng")
     if rng is not None:
         try:

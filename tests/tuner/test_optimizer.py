@@ -28,7 +28,7 @@ from tuner.optimizer import (
     compare,
     config_from_mapping,
     evaluation_spread,
-    spread_factor,
+    window_noise,
     window_plan,
 )
 from tuner.samples import Sample
@@ -405,37 +405,42 @@ def loaded(rng: np.random.Generator, sigma: float) -> list[np.ndarray]:
     return [BASE_MS * rng.lognormal(0.0, sigma) * rng.lognormal(0.0, 0.5, 40) for _ in range(2)]
 
 
-def test_the_spread_factor_measures_noise_between_windows_the_bootstrap_cannot_see() -> None:
+def test_the_window_noise_is_the_spread_between_windows_the_bootstrap_cannot_see() -> None:
     cfg = es_config(bootstrap=300)
     rng = np.random.default_rng(4)
 
-    def factor(sigma: float) -> float:
-        return spread_factor([evaluation_spread([loaded(rng, sigma), loaded(rng, sigma)], cfg,
-                                                rng) for _ in range(40)], cap=10.0)
+    def noise(sigma: float) -> tuple[float, int]:
+        return window_noise([evaluation_spread([loaded(rng, sigma), loaded(rng, sigma)], cfg,
+                                               rng) for _ in range(40)])
 
-    calm, load = factor(0.0), factor(0.3)
-    assert calm < 1.2 < 1.5 < load
-    assert spread_factor([], cap=1.5) == 1.0  # nothing learnt yet: the plain bootstrap
-    assert spread_factor([(0.0, 1.0)], cap=1.5) == 1.0  # never narrower than the bootstrap
-    assert spread_factor([(9.0, 1.0)], cap=1.5) == 1.5
+    (calm, calm_df), (load, load_df) = noise(0.0), noise(0.3)
+    assert calm_df == load_df == 80  # one per arm of two windows, two arms, 40 evaluations
+    assert calm < 0.02 and 0.3**2 / 2 < load < 0.3**2 * 2  # the load's variance, on log scale
+    assert window_noise([]) == (0.0, 0)  # nothing learnt yet: the bootstrap alone
+    assert window_noise([(0.0, 1.0, 2)]) == (0.0, 2)  # never below 0
+    assert window_noise([(9.0, 1.0, 2), (1.0, 1.0, 2)]) == (2.0, 4)
     one = [np.full(40, 100.0)]  # one window per arm: no spread to see
-    assert evaluation_spread([one, one], cfg, rng) == (0.0, 0.0)
+    assert evaluation_spread([one, one], cfg, rng) == (0.0, 0.0, 0)
 
 
-def test_compare_widens_the_bootstrap_bound_by_the_spread_factor() -> None:
+def test_compare_adds_the_window_noise_to_the_bootstrap_bound() -> None:
     rng = np.random.default_rng(2)
     inc = windows(INCUMBENT, noisy(rng, 1.0))
     cand = windows(CANDIDATE, noisy(rng, 0.6))
     plain = compare(inc, cand, es_config(), np.random.default_rng(0))
-    wide = compare(inc, cand, es_config(), np.random.default_rng(0), spread=1.5)
+    none = compare(inc, cand, es_config(), np.random.default_rng(0), noise=(0.0, 2))
+    wide = compare(inc, cand, es_config(), np.random.default_rng(0), noise=(0.05, 40))
+    few = compare(inc, cand, es_config(), np.random.default_rng(0), noise=(0.05, 2))
     assert plain.accepted and wide.diff_upper_ms > plain.diff_upper_ms
+    assert none.diff_upper_ms == plain.diff_upper_ms  # no noise learnt: the bootstrap's bound
+    assert few.diff_upper_ms > wide.diff_upper_ms  # the same noise, less sure of it
     assert (wide.p95_incumbent, wide.p95_candidate) == (plain.p95_incumbent, plain.p95_candidate)
 
 
 def test_the_tuner_learns_the_window_spread_and_holds_its_rate_under_window_load() -> None:
     """End to end on a flat landscape where every window has its own load: the plain
-    bootstrap accepts identical weights far more often than ``fpr``; widened by the spread
-    the tuner learnt from its own past evaluations, it holds the rate."""
+    bootstrap accepts identical weights far more often than ``fpr``; with the noise between
+    windows the tuner learnt from its own past evaluations added, it holds the rate."""
     load: dict[int, float] = {}
 
     def windowed(w: Weights, rng: np.random.Generator) -> float:
@@ -445,7 +450,7 @@ def test_the_tuner_learns_the_window_spread_and_holds_its_rate_under_window_load
     rates = {}
     for history in (0, 20):
         cfg = es_config(window_samples=40, max_failures=10_000, bootstrap=300, min_sigma=1e-9,
-                        spread_history=history, spread_cap=2.0)
+                        spread_history=history)
         t = Tuner(cfg, W(1.0, 1.0), seed=5)
         drive(t, windowed, 160 * 150 + 1, np.random.default_rng(5))
         assert t.evaluations == 150
@@ -463,6 +468,9 @@ def test_the_learnt_spread_survives_a_restart() -> None:
     assert Tuner.restore(cfg, snap).spreads == t.spreads
     assert Tuner.restore(replace(cfg, spread_history=2), snap).spreads == t.spreads[-2:]
     assert Tuner.restore(replace(cfg, spread_history=0), snap).spreads == []
+    # A state an older tuner wrote holds (between, within) of two-window arms: 2 df each.
+    snap["spreads"] = [[0.5, 0.25], [0.1, 0.2]]
+    assert Tuner.restore(cfg, snap).spreads == [(0.5, 0.25, 2), (0.1, 0.2, 2)]
 
 
 def test_calibrated_rates_ride_with_the_weights_and_change_only_between_evaluations() -> None:

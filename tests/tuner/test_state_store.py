@@ -101,6 +101,9 @@ BIG = int("1" + "0" * 400)  # parses as JSON; once accepted as a version (issue 
     ({"spreads": {"between": 0.1}}, "spreads"),
     ({"spreads": [[-0.1, 0.1]]}, "spreads[0][0]"),
     ({"spreads": [[0.1, 0.1], [0.1, "wide"]]}, "spreads[1][1]"),
+    ({"spreads": [[0.1, 0.1, 2], [0.1, 0.1, 2.5]]}, "spreads[1][2]"),
+    ({"spreads": [[0.1, 0.1, -1]]}, "spreads[0][2]"),
+    ({"spreads": [[0.1, 0.1, 2, 3]]}, "spreads"),
     ({"rng": {"bit_generator": "MT19937"}}, "rng"),
 ])
 def test_an_untrustworthy_state_is_refused_naming_its_field(tmp_path: Path, over: dict,
