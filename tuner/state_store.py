@@ -82,7 +82,10 @@ def load_state(path: str | Path, max_ms: float) -> dict[str, Any] | None:
 
 
 def _integer(state: Mapping[str, Any], key: str, lo: int, hi: int = VERSION_MAX) -> int:
-    v = state.get(key)
+    return _int(state.get(key), key, lo, hi)
+
+
+def _int(v: Any, key: str, lo: int, hi: int) -> int:
     if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
         raise ValueError(f"{key}: expected an integer in [{lo}, {hi}], got {_short(v)}")
     return v
@@ -157,9 +160,8 @@ def check_state(state: Mapping[str, Any], max_ms: float) -> None:
     for i, x in enumerate(spreads):
         _number(x[0], f"spreads[{i}][0]", 0.0, 1e6)
         _number(x[1], f"spreads[{i}][1]", 0.0, 1e6)
-        if len(x) == 3 and (isinstance(x[2], bool) or not isinstance(x[2], int)
-                            or not 0 <= x[2] <= 10**6):
-            raise ValueError(f"spreads[{i}][2]: expected an integer in [0, 1000000]")
+        if len(x) == 3:
+            _int(x[2], f"spreads[{i}][2]", 0, 10**6)
     rng = state.get("rng")
     if rng is not None:
         try:
