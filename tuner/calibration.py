@@ -19,7 +19,9 @@ trusted. Two kinds of waiting corrupt the slope, and each is kept out its own wa
   5-16 % high at sane weights). Waiting only ever adds time, so we fit a low conditional
   ``quantile`` of TTFT - RTT, the service time of the requests that did not wait.
 
-A fit is also rejected unless the older and newer halves of its rows agree on the slope, and a
+A fit is also rejected unless the older and newer halves of its rows agree on the slope (but a
+fit that only counts when it says slower than the hint takes the faster half's rate when both
+halves say so: a slow engine's backlog grows through its window), and a
 rate is never outside ``[min_rate, max_rate]`` nor more than ``max_hint_factor`` away from the
 fleet file's hint. Spans are evidence only as far as their sender is trusted, so no one export
 (``Sample.source``) may hold more than ``max_source_share`` of a replica's window, and a fit counts
@@ -94,6 +96,11 @@ class RateEstimate:
     window_rows: int  # successful requests in the window
 
 
+# Why a fit published nothing: a short reason, which the tuner's /status shows per replica (an
+# operator whose slow engine is not priced out needs to know which check held the rate back).
+Fit = RateEstimate | str
+
+
 def quantile_fit(x: np.ndarray, y: np.ndarray, tau: float) -> tuple[float, float] | None:
     """(intercept, slope) of the ``tau`` conditional quantile of y on x, by iteratively
     reweighted least squares on the check loss; None when the system is singular."""
@@ -165,43 +172,62 @@ class PrefillCalibrator:
                  and s.terms[ADMISSION] <= cfg.max_queue_share * prefill_ms)
         rows.append((float(s.uncached_tokens), s.ttft_ms - rtt_ms, clean, work, s.source))
 
-    def _slope(self, u: np.ndarray, y: np.ndarray) -> tuple[float, float] | None:
+    def _slope(self, u: np.ndarray, y: np.ndarray) -> tuple[float, float] | str:
+        """(intercept ms, ms per token), or why there is none."""
         if u.std() < self.config.min_spread_tokens:
-            return None
+            return f"token spread {u.std():.0f} under {self.config.min_spread_tokens:.0f}"
         fit = quantile_fit(u / _TOKENS_PER_UNIT, y, self.config.quantile)
-        if fit is None or not fit[1] > 0:
-            return None
+        if fit is None:
+            return "singular fit"
+        if not fit[1] > 0:
+            return "slope not positive"
         return fit[0], fit[1] / _TOKENS_PER_UNIT
 
     def estimate(self, replica: str) -> RateEstimate | None:
+        est = self.verdict(replica)
+        return est if isinstance(est, RateEstimate) else None
+
+    def verdict(self, replica: str) -> Fit:
+        """The replica's estimate, or why it has none (the clean fit's reason, then the
+        queue-dominated fit's)."""
         cfg = self.config
         rows = self._rows.get(replica)
         if rows is None:
-            return None
+            return "no successful requests"
         clean = [(u, y, src) for u, y, ok, _, src in rows if ok]
         if len(clean) >= cfg.min_samples:
             est = self._robust_fit(replica, clean, len(rows))
-            if est is not None:
+            if isinstance(est, RateEstimate):
                 return est
             # Clean rows that do not agree on a slope: a slow engine the router's queue
             # estimate (drained at the too-fast hinted rate) keeps feeding looks just so.
-        return self._slower(replica, rows)
+            why = f"clean rows: {est}"
+        else:
+            why = f"clean rows: {len(clean)} of {cfg.min_samples} needed"
+        slower = self._slower(replica, rows)
+        if isinstance(slower, RateEstimate):
+            return slower
+        return f"{why}; queued rows: {slower}"
 
     def _robust_fit(self, replica: str, data: list[tuple[float, float, int | None]],
-                    window_rows: int) -> RateEstimate | None:
+                    window_rows: int, slower_than: float | None = None) -> Fit:
         """The fit of ``data`` (x, y, source), trusted only if the rows of the export that
         supplied the most of them do not carry it: without them the slope must agree as closely
         as the two halves of a window must."""
         cfg = self.config
-        est = self._fit(replica, data, window_rows)
+        est = self._fit(replica, data, window_rows, slower_than)
         counts = Counter(src for _, _, src in data if src is not None)
-        if est is None or not counts:
+        if isinstance(est, str) or not counts:
             return est
         top = counts.most_common(1)[0][0]
         rest = [row for row in data if row[2] != top]
-        other = self._fit(replica, rest, window_rows) if len(rest) >= cfg.min_samples else None
-        if other is None or abs(est.rate / other.rate - 1.0) > cfg.max_slope_disagreement:
-            return None
+        if len(rest) < cfg.min_samples:
+            return f"{len(rest)} rows without the largest export, {cfg.min_samples} needed"
+        other = self._fit(replica, rest, window_rows, slower_than)
+        if isinstance(other, str):
+            return f"without the largest export: {other}"
+        if abs(est.rate / other.rate - 1.0) > cfg.max_slope_disagreement:
+            return (f"{est.rate:.0f} tokens/s, {other.rate:.0f} without the largest export")
         return est
 
     def _rate_bounds(self, replica: str) -> tuple[float, float]:
@@ -213,28 +239,37 @@ class PrefillCalibrator:
                 min(cfg.max_rate, hint * cfg.max_hint_factor))
 
     def _fit(self, replica: str, data: list[tuple[float, float, int | None]],
-             window_rows: int) -> RateEstimate | None:
+             window_rows: int, slower_than: float | None = None) -> Fit:
+        """The quantile fit of ``data``, if its older and newer halves agree on the slope. With
+        ``slower_than``, halves that disagree still give a fit when both are slower than that
+        rate: then the faster half's, the least the evidence says."""
         cfg = self.config
         arr = np.asarray([(u, y) for u, y, _ in data], dtype=float)
         x, y = arr[:, 0], arr[:, 1]
         fit = self._slope(x, y)
-        if fit is None:
-            return None
+        if isinstance(fit, str):
+            return fit
         intercept, slope = fit
         half = len(x) // 2
         older, newer = self._slope(x[:half], y[:half]), self._slope(x[half:], y[half:])
-        if older is None or newer is None:
-            return None
+        if isinstance(older, str):
+            return f"older half: {older}"
+        if isinstance(newer, str):
+            return f"newer half: {newer}"
         if abs(older[1] - newer[1]) > cfg.max_slope_disagreement * slope:
-            return None
+            halves = (f"halves disagree: {1000.0 / older[1]:.0f} and {1000.0 / newer[1]:.0f} "
+                      "tokens/s")
+            if slower_than is None or 1000.0 / min(older[1], newer[1]) > slower_than:
+                return halves
+            intercept, slope = min(older, newer, key=lambda f: f[1])
         rate = 1000.0 / slope
         lo, hi = self._rate_bounds(replica)
         if not lo <= rate <= hi:
-            return None
+            return f"{rate:.0f} tokens/s is outside [{lo:.0f}, {hi:.0f}]"
         return RateEstimate(rate=rate, intercept_ms=intercept, samples=len(x),
                             window_rows=window_rows)
 
-    def _slower(self, replica: str, rows: deque[_Row]) -> RateEstimate | None:
+    def _slower(self, replica: str, rows: deque[_Row]) -> Fit:
         """A replica that always has a queue never yields clean rows, and the commonest reason is
         the one calibration exists for: an engine slower than its hint, which the router keeps
         feeding because it looks fast. Then the time to first token is the work ahead of the
@@ -248,11 +283,15 @@ class PrefillCalibrator:
         cfg = self.config
         hint = self.hints.get(replica, self._rate_used.get(replica))
         data = [(w, y, src) for _, y, _, w, src in rows if np.isfinite(w)]
-        if hint is None or len(data) < cfg.min_samples:
-            return None
-        est = self._robust_fit(replica, data, len(rows))
-        if est is None or est.rate > (1.0 - cfg.slower_by) * hint:
-            return None
+        if hint is None:
+            return "no rate to compare with"
+        if len(data) < cfg.min_samples:
+            return f"{len(data)} of {cfg.min_samples} needed"
+        est = self._robust_fit(replica, data, len(rows), (1.0 - cfg.slower_by) * hint)
+        if isinstance(est, str):
+            return est
+        if est.rate > (1.0 - cfg.slower_by) * hint:
+            return f"{est.rate:.0f} tokens/s is not {cfg.slower_by:.0%} slower than {hint:.0f}"
         return est
 
     def rates(self) -> dict[str, float]:
@@ -262,4 +301,15 @@ class PrefillCalibrator:
             est = self.estimate(replica)
             if est is not None:
                 out[replica] = est.rate
+        return out
+
+    def report(self) -> dict[str, dict[str, object]]:
+        """Per replica: its window, the rate it would publish now, or why it would not."""
+        out: dict[str, dict[str, object]] = {}
+        for replica in sorted(self._rows):
+            rows = self._rows[replica]
+            est = self.verdict(replica)
+            out[replica] = {"rows": len(rows), "clean": sum(1 for r in rows if r[2]),
+                            "rate": est.rate if isinstance(est, RateEstimate) else None,
+                            "withheld": est if isinstance(est, str) else None}
         return out

@@ -1113,6 +1113,7 @@ class Tuner:
             "other_policy_samples": self.other_policy,
             "baseline_p95_ms": _finite_or_none(self.baseline_p95),
             "prefill_rate": dict(self.rates),
+            "calibration": None if self.calibrator is None else self.calibrator.report(),
             "last": self.history[-1] if self.history else None,
         }
 

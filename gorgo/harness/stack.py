@@ -212,6 +212,12 @@ class LiveStack:
     def control(self, replica: str, action: str, **body: Any) -> dict[str, Any]:
         return self._http("POST", f"{self.control_url}/replicas/{replica}/{action}", body)
 
+    def tuner_status(self) -> dict[str, Any]:
+        """The tuner's GET /status (the stack must run with ``tuner``)."""
+        if not self.tuner_status_url:
+            raise RuntimeError("this stack runs no tuner")
+        return self._http("GET", self.tuner_status_url + "/status")
+
     def fleet_status(self) -> dict[str, Any]:
         return self._http("GET", self.control_url + "/status")
 

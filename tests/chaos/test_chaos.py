@@ -440,7 +440,10 @@ def test_five_times_slower_engine_loses_its_share_and_p95_ttft_holds(tmp_path: P
             return per_replica(stack, "gorgo_prefill_rate_tokens_per_second")[victim] <= hint / 2
 
         warmup = drive(stack, warm, warm_scale, until=calibrated)
-        assert calibrated(), "the tuner did not calibrate the slow replica's prefill rate"
+        tuned = stack.tuner_status()["tuner"]
+        assert calibrated(), ("the tuner did not calibrate the slow replica's prefill rate: "
+                              f"{tuned['calibration'].get(victim)}, published "
+                              f"{tuned['prefill_rate']}, {tuned['evaluations']} evaluations")
         rate_seen = per_replica(stack, "gorgo_prefill_rate_tokens_per_second")[victim]
         assert warmup.stopped is not None
         detect_s = warmup.stopped - warmup.start

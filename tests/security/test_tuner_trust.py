@@ -14,7 +14,6 @@ import itertools
 import json
 import subprocess
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -52,8 +51,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveStack]:
 
 
 def status(stack: LiveStack) -> dict[str, Any]:
-    with urllib.request.urlopen(stack.tuner_status_url + "/status", timeout=5) as r:
-        return json.loads(r.read())
+    return stack.tuner_status()
 
 
 def samples_in(stack: LiveStack) -> int:

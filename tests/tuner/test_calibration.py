@@ -104,11 +104,21 @@ def test_an_overloaded_replica_fits_nothing_faster_than_its_hint() -> None:
     assert cal.rates()["r0"] == pytest.approx(2000.0, rel=0.05)
 
 
-def test_halves_that_disagree_publish_nothing() -> None:
+def test_halves_that_disagree_publish_nothing_unless_both_say_slower_than_the_hint() -> None:
     rng = np.random.default_rng(5)
-    cal = feed(PrefillCalibrator(CalibrationConfig(window=400, min_samples=50)),
-               traffic(rng, 200, rate=1000.0) + traffic(rng, 200, rate=4000.0))
+    cal = feed(PrefillCalibrator(CalibrationConfig(window=400, min_samples=50),
+                                 hints={"r0": 5000.0}),
+               traffic(rng, 200, rate=2000.0) + traffic(rng, 200, rate=4500.0))
     assert cal.rates() == {}
+    assert "halves disagree" in str(cal.verdict("r0"))
+    # A backlog that grows through the window (a slow engine the router still feeds) makes the
+    # halves disagree, but both say the engine is slower than its hint: the faster half's rate,
+    # the least the evidence says, is published, and the router's view moves the safe way.
+    slow = feed(PrefillCalibrator(CalibrationConfig(window=400, min_samples=50),
+                                  hints={"r0": 10_000.0}),
+                traffic(rng, 200, rate=4000.0) + traffic(rng, 200, rate=1500.0))
+    est = slow.estimate("r0")
+    assert est is not None and est.rate == pytest.approx(4000.0, rel=0.05)
 
 
 def test_replicas_are_fitted_separately() -> None:
@@ -128,12 +138,17 @@ def test_nothing_is_published_without_enough_evidence() -> None:
     few = feed(PrefillCalibrator(CalibrationConfig(min_samples=50)),
                traffic(rng, 49, rate=2000.0))
     assert few.estimate("r0") is None and few.rates() == {}
+    # The tuner's /status says which check held each rate back.
+    assert few.report() == {"r0": {
+        "rows": 49, "clean": 49, "rate": None,
+        "withheld": "clean rows: 49 of 50 needed; queued rows: 49 of 50 needed"}}
     # No spread in uncached tokens: the slope is not identifiable.
     flat = feed(PrefillCalibrator(), traffic(rng, 300, rate=2000.0, uncached=(1000, 1001)))
     assert flat.rates() == {}
+    assert "token spread 0 under 64" in str(flat.verdict("r0"))
     # Errors are not latency samples.
     errs = feed(PrefillCalibrator(), traffic(rng, 300, rate=2000.0, status=503))
-    assert errs.rates() == {}
+    assert errs.rates() == {} and errs.verdict("r0") == "no successful requests"
 
 
 def test_insane_fits_are_never_published() -> None:

@@ -5,9 +5,7 @@ decision instead of counting it again. Real Envoy, router, simulated fleet and t
 from __future__ import annotations
 
 import asyncio
-import json
 import time
-import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
@@ -35,8 +33,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveStack]:
 
 
 def receiver(stack: LiveStack) -> dict[str, Any]:
-    with urllib.request.urlopen(stack.tuner_status_url + "/status", timeout=5) as r:
-        return json.loads(r.read())["receiver"]
+    return stack.tuner_status()["receiver"]
 
 
 def test_ttft_samples_reach_the_tuner_before_their_streams_end_and_count_once(
