@@ -61,6 +61,7 @@ from tuner.samples import Sample
 from tuner.weight_fit import FIT_WINDOW, WeightFit
 
 INCUMBENT, CANDIDATE, MONITOR, BRIDGE = "incumbent", "candidate", "monitor", "bridge"
+WARMUP = "warmup"
 # A candidate from a random step, from the weight fit, or the start weights themselves once the
 # fit took their place (`OptimizerConfig.model_start`)
 STEP, MODEL, START = "step", "model", "start"
@@ -625,6 +626,10 @@ class Tuner:
         self._open: Window | None = None  # routing now (None: a bridge or nothing is live)
         self._drift_run = 0  # monitor windows in a row beyond the drift threshold (signed)
         self.spreads: list[Spread] = []  # of the last `spread_history` evaluations scored
+        # The warm-up's requests, until the first evaluation is scored: its window noise
+        # (`_warmup_spread`) is that evaluation's, which has no scored one before it to learn from.
+        self._warmup: Window | None = None
+        self._warmup_memo: tuple[int, Spread | None] = (-1, None)
 
     # --- inputs -------------------------------------------------------------------------------
 
@@ -670,7 +675,7 @@ class Tuner:
 
     def counting(self) -> list[int]:
         """Versions whose decision counts (`routed`) the caller should report."""
-        return [v for v, w in self._windows.items() if w.arm != MONITOR]
+        return [v for v, w in self._windows.items() if w.arm not in (MONITOR, WARMUP)]
 
     def routed(self, version: int, decisions: int) -> None:
         """The routers made ``decisions`` with the tuned policy under ``version`` so far."""
@@ -683,7 +688,7 @@ class Tuner:
         if self.active is None:
             if self.phase == CONVERGED:
                 return self._start_monitor(now)
-            return self._bridge(now) if self._warming_up() else self._start_eval(now)
+            return self._start_warmup(now) if self._warming_up() else self._start_eval(now)
         if self.phase == CONVERGED:
             return self._monitor(now)
         proposal = self._decide_pending(now)
@@ -859,6 +864,34 @@ class Tuner:
                                BRIDGE, self.keys)
         return self.active
 
+    def _start_warmup(self, now: float) -> Proposal:
+        """The bridge of the warm-up, under a window that no arm scores: its requests, cut into
+        evaluation-sized windows, show how much a window's score varies at these weights."""
+        proposal = self._bridge(now)
+        v = proposal.weights.version
+        if self.cfg.spread_history and not self.spreads:
+            self._warmup = Window(WARMUP, v, now, needs_end=self.cfg.needs_end)
+            self._windows[v] = self._warmup
+        return proposal
+
+    def _warmup_spread(self) -> list[Spread]:
+        """The warm-up's window spread (`evaluation_spread` of one arm: its requests in arrival
+        order, cut into windows of ``window_samples``), while the first evaluation is undecided:
+        its test has no other noise estimate, and without one it is the bootstrap's alone, which
+        let a bad start win its place back on a lucky window (docs/tuner.md). Recomputed only
+        when the warm-up's requests changed (under ``e2e`` they end during the evaluation)."""
+        w = self._warmup
+        if w is None:
+            return []
+        values = score_values(w, self.cfg, None)
+        if self._warmup_memo[0] != values.size:
+            k = self.cfg.window_samples
+            parts = [values[i:i + k] for i in range(0, values.size - k + 1, k)]
+            spread = evaluation_spread([parts], self.cfg, np.random.default_rng(values.size))
+            self._warmup_memo = (values.size, spread if spread[2] else None)
+        spread = self._warmup_memo[1]
+        return [] if spread is None else [spread]
+
     def _abandon(self) -> None:
         """Drop every evaluation in flight (the incumbent they measured is no longer live)."""
         self._windows = {}
@@ -885,7 +918,7 @@ class Tuner:
                               "versions": [w.version for w in ev.windows]}, now)
                 continue
             verdict = decide(ev, self._test_config(ev), self.rng, final,
-                             window_noise(self.spreads))
+                             window_noise(self.spreads + self._warmup_spread()))
             if verdict is None:
                 return None
             self._pending.pop(0)
@@ -983,6 +1016,10 @@ class Tuner:
         inc = ev.arm(INCUMBENT)
         candidate = ev.candidate or ev.incumbent
         self.evaluations += 1
+        # The warm-up's noise was the first evaluation's only: at bad weights its queues grow
+        # through it, a trend that kept among the evidence for `spread_history` evaluations
+        # refused every candidate (0 accepted in 21 evaluations, Mooncake window 0).
+        self._warmup = None
         self._learn_spread(ev)
         p95_i = statistic(_concat([score_values(w, self.cfg, None) for w in inc]), self.cfg)
         if self._regressed(p95_i):
@@ -1113,6 +1150,9 @@ class Tuner:
             "other_policy_samples": self.other_policy,
             "baseline_p95_ms": _finite_or_none(self.baseline_p95),
             "prefill_rate": dict(self.rates),
+            "window_noise": dict(zip(("variance", "df"),
+                                     window_noise(self.spreads + self._warmup_spread()),
+                                     strict=True)),
             "calibration": None if self.calibrator is None else self.calibrator.report(),
             "last": self.history[-1] if self.history else None,
         }

@@ -21,6 +21,7 @@ from tuner.optimizer import (
     EVALUATING,
     INCUMBENT,
     MONITOR,
+    WARMUP,
     OptimizerConfig,
     Proposal,
     Tuner,
@@ -666,6 +667,37 @@ def test_requests_that_never_report_back_stop_blocking_after_the_census_timeout(
 # --- the weight fit proposes a candidate -------------------------------------------------------
 
 
+def test_the_warm_up_tells_the_first_evaluation_its_window_noise() -> None:
+    """The first evaluation has no scored one before it to learn the noise between windows
+    from; the warm-up's requests, cut into windows, are that evidence (without it the test is
+    the bootstrap's alone, which let bad starts win their place back on one lucky window)."""
+    cfg = OptimizerConfig(window_samples=10, pairs=1, model_min_samples=30, model_start=False)
+    rng = np.random.default_rng(1)
+    t = Tuner(cfg, W(1.0, 2.0), seed=0)  # the fit agrees (`physical`): a random step next
+    warm = t.next_weights(0.0)
+    assert warm.arm == BRIDGE and t.status()["window_noise"] == {"variance": 0.0, "df": 0}
+    for _ in range(3):  # three windows' worth, each under its own load
+        load = rng.lognormal(0.0, 0.5)
+        for _ in range(10):
+            s = physical(rng, warm.weights.version)
+            t.observe(replace(s, ttft_ms=s.ttft_ms * load, e2e_ms=s.e2e_ms * load))
+    first = t.next_weights(1.0)
+    assert first.arm == INCUMBENT
+    noise = t.status()["window_noise"]
+    assert noise["df"] == 2 and noise["variance"] > 0.0
+    for _ in range(10):
+        t.observe(physical(rng, first.weights.version))
+    cand = t.next_weights(1.5)
+    assert cand.arm == CANDIDATE
+    for _ in range(10):
+        t.observe(physical(rng, cand.weights.version))
+    t.next_weights(2.0)
+    # Scored: from now on the evaluations' own spreads are the evidence. The warm-up's was the
+    # first evaluation's only (at bad weights its queues grow through it: a trend, not noise).
+    assert t.evaluations == 1 and len(t.spreads) == 1 and t._warmup is None
+    assert t.status()["window_noise"]["df"] == t.spreads[0][2]
+
+
 def physical(rng: np.random.Generator, version: int, b: float = 2.0) -> Sample:
     """TTFT = RTT + prefill + b * queue estimate (+ noise): the router's queue is off by b."""
     q = float(rng.uniform(0.0, 2000.0))
@@ -682,7 +714,9 @@ def test_the_fitted_weights_are_the_first_candidate_and_are_not_retried_unchange
     assert warm.arm == BRIDGE  # the first evaluation waits, unscored, for the fit's samples
     for _ in range(10):
         t.observe(physical(rng, warm.weights.version))
-    assert t.next_weights(1.0) is None and t.window_for(warm.weights.version) is None
+    # No arm scores the warm-up: its window only tells the first evaluation its noise.
+    assert t.next_weights(1.0) is None and t.window_for(warm.weights.version).arm == WARMUP
+    assert t.counting() == []
     for _ in range(10):
         t.observe(physical(rng, warm.weights.version))
     p = t.next_weights(1.5)
