@@ -251,6 +251,7 @@ class PrefillCalibrator:
             return fit
         intercept, slope = fit
         half = len(x) // 2
+        rows = len(x)
         older, newer = self._slope(x[:half], y[:half]), self._slope(x[half:], y[half:])
         if isinstance(older, str):
             return f"older half: {older}"
@@ -261,12 +262,13 @@ class PrefillCalibrator:
                       "tokens/s")
             if slower_than is None or 1000.0 / min(older[1], newer[1]) > slower_than:
                 return halves
-            intercept, slope = min(older, newer, key=lambda f: f[1])
+            (intercept, slope), rows = ((older, half) if older[1] < newer[1]
+                                        else (newer, len(x) - half))
         rate = 1000.0 / slope
         lo, hi = self._rate_bounds(replica)
         if not lo <= rate <= hi:
             return f"{rate:.0f} tokens/s is outside [{lo:.0f}, {hi:.0f}]"
-        return RateEstimate(rate=rate, intercept_ms=intercept, samples=len(x),
+        return RateEstimate(rate=rate, intercept_ms=intercept, samples=rows,
                             window_rows=window_rows)
 
     def _slower(self, replica: str, rows: deque[_Row]) -> Fit:

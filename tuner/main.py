@@ -513,12 +513,14 @@ class TunerService:
                      renumbered.weights.version if renumbered else -1)
 
     def log_status(self) -> None:
-        t = self.tuner.status()
+        """A line every ``log_every_s``, from the tuner's fields: not `Tuner.status()`, which
+        also fits every replica's calibration window (`PrefillCalibrator.report`)."""
+        t = self.tuner
         c = self.receiver.counts
         log.info("status: %s v%s, incumbent %s, sigma=%.3g, %d/%d accepted; "
                  "spans %d, samples %d, dropped %s",
-                 t["phase"], (t["active"] or {}).get("version"), _fmt(self.tuner.incumbent),
-                 t["sigma"], t["accepted"], t["evaluations"],
+                 t.phase, None if t.active is None else t.active.weights.version,
+                 _fmt(t.incumbent), t.sigma, t.accepted, t.evaluations,
                  c.get("spans", 0), c.get("samples", 0),
                  {r: c.get(r, 0) for r in DROP_REASONS})
 

@@ -892,6 +892,11 @@ class Tuner:
         spread = self._warmup_memo[1]
         return [] if spread is None else [spread]
 
+    def _noise(self) -> Noise:
+        """The window noise the next verdict adds: the evaluations', or the warm-up's before
+        the first one is scored."""
+        return window_noise(self.spreads + self._warmup_spread())
+
     def _abandon(self) -> None:
         """Drop every evaluation in flight (the incumbent they measured is no longer live)."""
         self._windows = {}
@@ -917,8 +922,7 @@ class Tuner:
                 self._record({"event": "discarded", "reason": "one_export",
                               "versions": [w.version for w in ev.windows]}, now)
                 continue
-            verdict = decide(ev, self._test_config(ev), self.rng, final,
-                             window_noise(self.spreads + self._warmup_spread()))
+            verdict = decide(ev, self._test_config(ev), self.rng, final, self._noise())
             if verdict is None:
                 return None
             self._pending.pop(0)
@@ -1150,9 +1154,7 @@ class Tuner:
             "other_policy_samples": self.other_policy,
             "baseline_p95_ms": _finite_or_none(self.baseline_p95),
             "prefill_rate": dict(self.rates),
-            "window_noise": dict(zip(("variance", "df"),
-                                     window_noise(self.spreads + self._warmup_spread()),
-                                     strict=True)),
+            "window_noise": dict(zip(("variance", "df"), self._noise(), strict=True)),
             "calibration": None if self.calibrator is None else self.calibrator.report(),
             "last": self.history[-1] if self.history else None,
         }

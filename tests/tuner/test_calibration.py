@@ -119,6 +119,7 @@ def test_halves_that_disagree_publish_nothing_unless_both_say_slower_than_the_hi
                 traffic(rng, 200, rate=4000.0) + traffic(rng, 200, rate=1500.0))
     est = slow.estimate("r0")
     assert est is not None and est.rate == pytest.approx(4000.0, rel=0.05)
+    assert est.samples == 200  # the faster (older) half's rows
 
 
 def test_replicas_are_fitted_separately() -> None:
