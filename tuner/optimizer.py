@@ -20,8 +20,9 @@ How one evaluation runs, and why (docs/tuner.md has the full story):
   cancels), so the incumbent is re-measured under the same conditions instead of keeping the score
   of one lucky window forever. While an evaluation waits for its slowest requests, the next one
   already routes; a verdict that changes the incumbent drops it.
-* Lower p95 is better and the test is on the difference of p95s: the candidate is accepted only if
-  the upper (1 - fpr) bound of ``p95_c - p95_i`` is below ``-margin * p95_i``. Its variance is what
+* Lower p95 is better and the test is on the log ratio of the arms' p95s, each arm scored by the
+  mean of its windows' log p95s: the candidate is accepted only if the upper (1 - fpr) bound of
+  that ratio is below ``log(1 - margin)``. Its variance is what
   a seeded, window-stratified block bootstrap sees inside the windows plus a between-window term
   the tuner learns from how far its past windows of one arm fell apart (a burst that fills a
   window is one draw, which no resampling inside it sees). No score is negated and no
@@ -355,7 +356,7 @@ class Verdict:
     reason: str  # better | not_better | e2e_worse | more_errors | no_samples
     p95_incumbent: float
     p95_candidate: float
-    diff_upper_ms: float  # upper (1 - fpr) bootstrap bound of p95_c - p95_i
+    diff_upper_ms: float  # the upper (1 - fpr) bound, as p95_c - p95_i in ms
     margin_ms: float
     e2e_incumbent: float
     e2e_candidate: float
@@ -461,6 +462,26 @@ def window_noise(spreads: Sequence[Spread]) -> Noise:
     return max(sum(b - w for b, w, _ in spreads) / df, 0.0), df
 
 
+_TINY_MS = 1e-3  # the floor of a window's p95 on the log scale (a window of stand-ins of 0 ms)
+
+
+def _arm_replicates(parts: Sequence[np.ndarray], cfg: OptimizerConfig,
+                    rng: np.random.Generator) -> np.ndarray:
+    """Bootstrap replicates of an arm's score, on the scale the test compares arms.
+
+    A latency: the mean of its windows' log p95s, each window resampled within itself. That is
+    the scale the window noise is learnt on (`evaluation_spread`), where an arm's variance is a
+    window's divided by their number. The p95 of the arm's pooled requests is not: it moves with
+    the arm's slowest window (in A/A runs its variance was 1.04-1.56x the mean's), so a burst
+    that filled one window passed for evidence. The SLO's miss rate: the pooled rate (a window
+    may miss nothing, and log 0 is no score)."""
+    if cfg.objective == SLO:
+        return _bootstrap_quantile(parts, None, cfg.bootstrap, cfg.block, rng)
+    return np.mean([np.log(np.maximum(
+        _bootstrap_quantile([v], cfg.quantile, cfg.bootstrap, cfg.block, rng), _TINY_MS))
+        for v in parts], axis=0)
+
+
 def compare(
     incumbent: Sequence[Window],
     candidate: Sequence[Window],
@@ -473,15 +494,17 @@ def compare(
     """Accept the candidate only if it is better beyond the noise and breaks no guard.
 
     ``fill`` (incumbent, candidate) stands in for requests a window routed that have not reported
-    back yet; None leaves them out. The difference's variance is the bootstrap's (inside the
+    back yet; None leaves them out. Each arm is scored as `_arm_replicates` says (for a latency, the
+    mean of its windows' log p95s). The difference's variance is the bootstrap's (inside the
     windows, read off its upper quantile) plus ``noise`` (`window_noise`: a window's variance
-    between windows, on the log scale, and its degrees of freedom), scaled to each arm's score
-    and divided among its windows; the bound is Student's t quantile on the sum's
-    effective degrees of freedom (Satterthwaite's: the noise term is an estimate).
+    between windows, on the log scale, and its degrees of freedom) divided among each arm's
+    windows; the bound is Student's t quantile on the sum's effective degrees of freedom
+    (Satterthwaite's: the noise term is an estimate). The verdict reports that bound in ms, as
+    a difference from the incumbent's p95.
     """
     fi, fc = fill if fill is not None else (None, None)
-    ti_parts = [score_values(w, cfg, fi) for w in incumbent]
-    tc_parts = [score_values(w, cfg, fc) for w in candidate]
+    ti_parts = [v for v in (score_values(w, cfg, fi) for w in incumbent) if v.size]
+    tc_parts = [v for v in (score_values(w, cfg, fc) for w in candidate) if v.size]
     ti, tc = _concat(ti_parts), _concat(tc_parts)
     ei = _concat([w.values("e2e", fi) for w in incumbent])
     ec = _concat([w.values("e2e", fc) for w in candidate])
@@ -493,12 +516,10 @@ def compare(
     q = cfg.quantile
     p95_i, p95_c = statistic(ti, cfg), statistic(tc, cfg)
     e2e_i, e2e_c = _quantile_or_nan(ei, q), _quantile_or_nan(ec, q)
-    bq = None if cfg.objective == SLO else q
-    diff = (_bootstrap_quantile(tc_parts, bq, cfg.bootstrap, cfg.block, rng)
-            - _bootstrap_quantile(ti_parts, bq, cfg.bootstrap, cfg.block, rng))
-    # The margin and the incumbent's noise between windows scale with what it measured, never
-    # with a filled-in stand-in: the test must only get easier to pass as the incumbent's unknown
-    # requests get slower (the candidate's noise scales with its own score, stand-ins and all).
+    reps_i = _arm_replicates(ti_parts, cfg, rng)
+    diff = _arm_replicates(tc_parts, cfg, rng) - reps_i
+    # The margin scales with what the incumbent measured, never with a filled-in stand-in: the
+    # test must only get easier to pass as the incumbent's unknown requests get slower.
     known = ti if fi is None else _concat([score_values(w, cfg, None) for w in incumbent])
     scale = statistic(known, cfg) if known.size else 0.0
     margin = cfg.margin * scale
@@ -508,12 +529,19 @@ def compare(
     z = _t_quantile(1.0 - cfg.fpr, math.inf)
     inside = (float(np.quantile(diff, 1.0 - cfg.fpr)) - center) / z
     between, df = noise
-    outside = between * (scale**2 / len(ti_parts) + p95_c**2 / len(tc_parts))
+    # Learnt on log scores: a latency's test is on that scale; the SLO's pooled miss rate is
+    # linear, so the noise is scaled to each arm's rate (the candidate's with its stand-ins).
+    arms = (1.0 / len(ti_parts), 1.0 / len(tc_parts))
+    if cfg.objective == SLO:
+        arms = (scale**2 * arms[0], p95_c**2 * arms[1])
+    outside = between * (arms[0] + arms[1])
     var = inside**2 + outside
     # Only the noise term is an estimate on ``df`` degrees of freedom: Satterthwaite's effective
     # df for the sum (the bootstrap's part counts as known), so no noise learnt means normal.
     eff = df * (var / outside) ** 2 if outside > 0 else math.inf
     upper = center + _t_quantile(1.0 - cfg.fpr, eff) * math.sqrt(var)
+    if cfg.objective != SLO:  # a bound on the log ratio, in ms off the incumbent's p95
+        upper = scale * math.expm1(upper) if scale > 0 else math.inf
     if not upper < -margin:
         reason = "not_better"
     elif e2e_c > e2e_i * (1.0 + cfg.e2e_margin):  # NaN (no stream of an arm ended): no guard

@@ -438,6 +438,37 @@ def test_compare_adds_the_window_noise_to_the_bootstrap_bound() -> None:
     assert (wide.p95_incumbent, wide.p95_candidate) == (plain.p95_incumbent, plain.p95_candidate)
 
 
+def test_one_slow_window_counts_for_its_share_of_the_arm() -> None:
+    # The incumbent's second window met a burst (every request 3x slower); the candidate's two
+    # windows sit at the geometric mean of the incumbent's. The p95 of the incumbent's pooled
+    # requests is near the burst window's (the candidate's is 0.73x it), and a test of pooled
+    # p95s took the candidate; per window the arms are level, so it is no evidence at all.
+    base = BASE_MS * np.random.default_rng(4).lognormal(0.0, 0.5, 40)
+    inc = windows(INCUMBENT, [base, 3.0 * base])
+    cand = windows(CANDIDATE, [math.sqrt(3.0) * base, math.sqrt(3.0) * base])
+    v = compare(inc, cand, es_config(margin=0.0), np.random.default_rng(0))
+    assert v.p95_candidate < 0.75 * v.p95_incumbent  # what the pooled p95s say
+    assert not v.accepted and v.reason == "not_better"
+    faster = windows(CANDIDATE, [0.5 * base, 1.5 * base])  # half the incumbent's, window by window
+    assert compare(inc, faster, es_config(), np.random.default_rng(0)).accepted
+
+
+@pytest.mark.parametrize(("scale", "lo", "hi"), [(1.0, 0.0, 0.05 + 0.03), (0.5, 0.6, 1.0)])
+def test_under_window_load_the_test_holds_its_rate_and_finds_a_halved_p95(
+    scale: float, lo: float, hi: float
+) -> None:
+    # Each window under its own load (log-normal sigma 0.3), the noise learnt from 40
+    # evaluations before, as the tuner learns it.
+    cfg = es_config(bootstrap=300)
+    rng = np.random.default_rng(5)
+    noise = window_noise([evaluation_spread([loaded(rng, 0.3), loaded(rng, 0.3)], cfg, rng)
+                          for _ in range(40)])
+    taken = [compare(windows(INCUMBENT, loaded(rng, 0.3)),
+                     windows(CANDIDATE, [scale * v for v in loaded(rng, 0.3)]), cfg, rng,
+                     noise=noise).accepted for _ in range(300)]
+    assert lo <= np.mean(taken) <= hi
+
+
 def test_the_tuner_learns_the_window_spread_and_holds_its_rate_under_window_load() -> None:
     """End to end on a flat landscape where every window has its own load: the plain
     bootstrap accepts identical weights far more often than ``fpr``; with the noise between
