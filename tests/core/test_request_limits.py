@@ -99,6 +99,7 @@ def test_an_integer_past_pythons_digit_limit_is_a_client_error() -> None:
     assert err.status == 400 and "not valid JSON" in err.message
 
 
+@pytest.mark.slow
 def test_the_300k_tools_body_costs_about_what_decoding_it_costs() -> None:
     """The attack of finding 2: refused in a small multiple of the bare json.loads of the same
     bytes (it took 15x that before the limits: every entry serialised, the prompt hashed)."""

@@ -161,6 +161,7 @@ def test_trace_windows_are_disjoint_and_spread() -> None:
         trace_windows("azure", len(full) // 2 + 1, 2)
 
 
+@pytest.mark.slow
 def test_bench_cli_writes_table_json_and_plots(tmp_path: Path) -> None:
     out = tmp_path / "bench"
     argv = ["bench", "sim", "--trace", "chat:seed=1", "--requests", "200", "--windows", "2",

@@ -96,6 +96,7 @@ def _rows(res: SimResult) -> list[tuple]:
     return [astuple(r) for r in res.records]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("objective", ["ttft", "e2e"])
 def test_deterministic_and_rollouts_touch_nothing_real(near_far: FleetSpec, chat,
                                                        objective: str) -> None:

@@ -5,6 +5,7 @@ pressure its routing gets the engines at least the prefix hits the approximate v
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from gorgo.core.decision import Decision
 from gorgo.core.fleet import parse_fleet
@@ -39,6 +40,7 @@ def run(cache: str, wl) -> tuple[Simulation, list[tuple[int, int]]]:
     return sim, pairs
 
 
+@pytest.mark.slow
 def test_events_drive_the_router_exactly() -> None:
     wl = build_workload("chat:users=40,rate=6,system_tokens=1024", tokenization(fleet("")), 300)
     sim, precise = run("precise", wl)

@@ -125,6 +125,7 @@ def _requests(n: int, rate: float, session: str | None = None) -> list[TraceRequ
     ]
 
 
+@pytest.mark.slow
 def test_fires_on_schedule_and_measures_latency(server: SSEServer) -> None:
     n = 100  # 2 s at 50 req/s
     reqs = _requests(n, rate=50.0)

@@ -171,6 +171,7 @@ def test_a_burst_every_seed_meets_widens_the_a_a_interval() -> None:
     assert stretch_interval([]) == (0.0, 1.0, 0)
 
 
+@pytest.mark.slow
 def test_cli_tiny_slice_writes_its_outputs(tmp_path: Path) -> None:
     out = tmp_path / "tune"
     argv = ["bench", "tune", "--trace", "chat:seed=2,users=8,rate=3,limit=80", "--fleet", "paper",

@@ -469,6 +469,7 @@ def test_under_window_load_the_test_holds_its_rate_and_finds_a_halved_p95(
     assert lo <= np.mean(taken) <= hi
 
 
+@pytest.mark.slow
 def test_the_tuner_learns_the_window_spread_and_holds_its_rate_under_window_load() -> None:
     """End to end on a flat landscape where every window has its own load: the plain
     bootstrap accepts identical weights far more often than ``fpr``; with the noise between
