@@ -105,7 +105,9 @@ class Live:
     def tuner_status(self) -> dict:
         assert self.tuner is not None
         url = f"http://127.0.0.1:{self.tuner.field('status')}/status"
-        with urllib.request.urlopen(url, timeout=3) as r:
+        # A client timeout, not a bound on the tuner: its one event loop also runs the verdicts'
+        # bootstraps, and on a loaded machine (the suite on every core) /status waited over 3 s.
+        with urllib.request.urlopen(url, timeout=30) as r:
             return json.loads(r.read())
 
     def weights(self) -> dict:
