@@ -15,13 +15,17 @@ from gorgo._xds.envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 im
 from gorgo._xds.envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from gorgo._xds.envoy.type.v3.http_status_pb2 import HttpStatus
 from gorgo.core.contract import (
+    ATTRIBUTES_FILTER,
+    CLUSTER_FIELD,
     CLUSTER_HEADER,
     DECISION_HEADER,
+    ENDPOINTS_FIELD,
     ENDPOINTS_HEADER,
     METADATA_NAMESPACE,
     PICKER_HEADER,
     PICKER_NAMESPACE,
     REPLICA_HEADER,
+    REQUEST_ATTRIBUTES,
 )
 
 CONTINUE_REQUEST_HEADERS = pb.ProcessingResponse(request_headers=pb.HeadersResponse())
@@ -66,8 +70,13 @@ def _struct(fields: dict[str, Any]) -> Struct:
     return Struct(fields={k: _value(v) for k, v in fields.items()})
 
 
-def _metadata(fields: dict[str, Any], endpoint: str | None) -> Struct:
-    namespaces = {METADATA_NAMESPACE: Value(struct_value=_struct(fields))}
+def _metadata(fields: dict[str, Any], endpoint: str | None, cluster: str,
+              endpoints: Sequence[str] | None) -> Struct:
+    """The decision's fields, plus where it routes: with the request headers skipped, Envoy sets
+    the routing headers from these once the body is answered."""
+    routing = {CLUSTER_FIELD: cluster, **({ENDPOINTS_FIELD: ",".join(endpoints)} if endpoints
+                                          else {})}
+    namespaces = {METADATA_NAMESPACE: Value(struct_value=_struct({**fields, **routing}))}
     if endpoint is not None:
         namespaces[PICKER_NAMESPACE] = Value(struct_value=_struct({PICKER_HEADER: endpoint}))
     return Struct(fields=namespaces)
@@ -82,7 +91,7 @@ def route_on_body(
     decision as metadata."""
     return pb.ProcessingResponse(
         request_body=pb.BodyResponse(response=_route_common(cluster, endpoint, endpoints)),
-        dynamic_metadata=_metadata(fields, endpoint),
+        dynamic_metadata=_metadata(fields, endpoint, cluster, endpoints),
     )
 
 
@@ -93,7 +102,7 @@ def route_on_headers(
     """Answer the headers of a body-less request (GET /v1/models, /health)."""
     return pb.ProcessingResponse(
         request_headers=pb.HeadersResponse(response=_route_common(cluster, endpoint, endpoints)),
-        dynamic_metadata=_metadata(fields, endpoint),
+        dynamic_metadata=_metadata(fields, endpoint, cluster, endpoints),
     )
 
 
@@ -139,3 +148,13 @@ def header_dict(headers: pb.HttpHeaders) -> dict[str, str]:
     for h in headers.headers.headers:
         out[h.key.lower()] = h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value
     return out
+
+
+def attribute_headers(req: pb.ProcessingRequest) -> dict[str, str]:
+    """The request headers the router reads, from the request attributes Envoy sends with the
+    body when the headers message is skipped (an absent header is no attribute)."""
+    attrs = req.attributes.get(ATTRIBUTES_FILTER)
+    if attrs is None:
+        return {}
+    return {REQUEST_ATTRIBUTES[k]: v.string_value for k, v in attrs.fields.items()
+            if k in REQUEST_ATTRIBUTES and v.HasField("string_value")}

@@ -49,10 +49,11 @@ class _Stream:
     """Per-request state carried between the messages of one ext_proc stream."""
 
     __slots__ = ("answered", "chunks", "decided_at", "decision", "duplex", "fallback", "headers",
-                 "path", "served", "size", "trace")
+                 "opened", "path", "served", "size", "trace")
     # The replicas are kept by name: a fleet reload may re-index them mid-stream.
 
     def __init__(self) -> None:
+        self.opened = False  # the request's headers were read (from either message)
         self.headers: dict[str, str] = {}
         self.path = "/"
         self.decision: Decision | None = None
@@ -125,7 +126,7 @@ class ExtProcService(ExternalProcessorServicer):
                 elif kind == "request_headers":
                     yield self._on_request_headers(st, req.request_headers)
                 elif kind == "request_body":
-                    yield self._on_request_body(st, req.request_body)
+                    yield self._on_request_body(st, req)
                 elif kind == "response_headers":
                     yield self._on_response_headers(st, req.response_headers)
                 elif kind == "request_trailers":
@@ -144,13 +145,21 @@ class ExtProcService(ExternalProcessorServicer):
 
     # --- message handlers ---------------------------------------------------------------------
 
-    def _on_request_headers(self, st: _Stream, msg: pb.HttpHeaders) -> pb.ProcessingResponse:
-        st.headers = messages.header_dict(msg)
-        st.path = st.headers.get(":path", "/")
+    def _open(self, st: _Stream, headers: dict[str, str]) -> pb.ProcessingResponse | None:
+        """Take the request's headers: the router's own answer to /v1/models, else None."""
+        st.opened = True
+        st.headers = headers
+        st.path = headers.get(":path", "/")
         # Envoy forwards no :method (ROUTER_READS): any method of /v1/models gets the list.
-        if (self._models is not None and st.headers.get(":method", "GET") == "GET"
+        if (self._models is not None and headers.get(":method", "GET") == "GET"
                 and st.path.split("?", 1)[0] == MODELS_PATH):
             return messages.immediate(200, self._models, "gorgo_models")
+        return None
+
+    def _on_request_headers(self, st: _Stream, msg: pb.HttpHeaders) -> pb.ProcessingResponse:
+        answer = self._open(st, messages.header_dict(msg))
+        if answer is not None:
+            return answer
         length = st.headers.get("content-length", "")
         if length.isdigit() and int(length) > self.max_body:
             return self._reject(RequestError(
@@ -160,7 +169,12 @@ class ExtProcService(ExternalProcessorServicer):
             return self._decide(st, b"", on_headers=True)
         return messages.CONTINUE_REQUEST_HEADERS
 
-    def _on_request_body(self, st: _Stream, msg: pb.HttpBody) -> pb.ProcessingResponse:
+    def _on_request_body(self, st: _Stream, req: pb.ProcessingRequest) -> pb.ProcessingResponse:
+        if not st.opened:  # extproc.request_headers: skip: the headers came as its attributes
+            answer = self._open(st, messages.attribute_headers(req))
+            if answer is not None:
+                return answer
+        msg = req.request_body
         if len(msg.body) > self.max_body:
             return self._too_large()
         return self._decide(st, msg.body, on_headers=False)

@@ -32,10 +32,12 @@ import yaml
 
 from gorgo.core.contract import (
     API_PATHS,
+    CLUSTER_FIELD,
     CLUSTER_HEADER,
     CONTROL_HEADERS,
     DECISION_FIELDS,
     DECISION_HEADER,
+    ENDPOINTS_FIELD,
     ENDPOINTS_HEADER,
     HEALTH_PATH,
     LOG_END,
@@ -43,8 +45,10 @@ from gorgo.core.contract import (
     LOG_TYPE_ATTR,
     METADATA_NAMESPACE,
     PICKER_HEADER,
+    PICKER_NAMESPACE,
     PROXY_REGION_ATTR,
     REPLICA_HEADER,
+    REQUEST_ATTRIBUTES,
     REQUEST_FIELDS,
     ROUTER_READS,
     SPAN_PREFIX,
@@ -118,6 +122,33 @@ TAG_FROM_METADATA = [
      "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}
     for header, field in ((REPLICA_HEADER, "replica"), (DECISION_HEADER, "decision_id"))
 ]
+# With the request-headers message skipped (fleet extproc.request_headers: skip), the ext_proc
+# filter lets the headers through at once (Envoy 1.40 applies no header mutation of a body
+# answer then), so a buffer filter holds them until the body is answered, and a header-mutation
+# filter then sets the routing headers from the decision's metadata; an unrouted request has none
+# and takes the default route. A request without a body (a GET) would send the router nothing:
+# its route still sends the headers (_routes).
+def _routing_from_metadata(spec: FleetSpec, picker: bool) -> list[dict]:
+    headers = [(CLUSTER_HEADER, METADATA_NAMESPACE, CLUSTER_FIELD)]
+    if spec.retries.enabled:
+        headers.append((ENDPOINTS_HEADER, METADATA_NAMESPACE, ENDPOINTS_FIELD))
+    if picker:
+        headers.append((PICKER_HEADER, PICKER_NAMESPACE, PICKER_HEADER))
+    return [{
+        "name": "envoy.filters.http.buffer",
+        "typed_config": {"@type": _T + "envoy.extensions.filters.http.buffer.v3.Buffer",
+                         "max_request_bytes": spec.limits.max_body_bytes + 65536},
+    }, {
+        "name": "envoy.filters.http.header_mutation",
+        "typed_config": {
+            "@type": _T + "envoy.extensions.filters.http.header_mutation.v3.HeaderMutation",
+            "mutations": {"request_mutations": [{"append": {
+                "header": {"key": h, "value": f"%DYNAMIC_METADATA({ns}:{field})%"},
+                "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}} for h, ns, field in headers]},
+        },
+    }]
+
+
 OUTLIER_DETECTION = {
     "consecutive_5xx": 5, "interval": "1s", "base_ejection_time": "10s",
     "max_ejection_percent": 100,
@@ -241,6 +272,18 @@ def _routes(spec: FleetSpec, picker: bool) -> list[dict]:
         })
     routes.append({"match": on(CLUSTER_HEADER),
                    "route": {"cluster_header": CLUSTER_HEADER, **limits}})
+    if spec.extproc.skip_request_headers:
+        # Requests other than POSTs (a GET of /v1/models or /health has no body) are matched
+        # here before they are routed, and still send their headers to the router.
+        not_post = {"name": ":method", "string_match": {"exact": "POST"}, "invert_match": True}
+        mode = _processing_mode(spec, "buffered", request_headers=True)
+        routes.append({
+            "match": {**paths, "headers": [not_post]},
+            "route": {"cluster": spec.default_cluster, **limits},
+            "typed_per_filter_config": {"envoy.filters.http.ext_proc": {
+                "@type": _T + "envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute",
+                "overrides": {"processing_mode": mode}}},
+        })
     routes.append({"match": on(None), "route": {"cluster": spec.default_cluster, **limits}})
     # Everything else is Envoy's own 404, decided before the router is asked (ext_proc off).
     routes.append({
@@ -344,6 +387,19 @@ def _access_log(path: str) -> dict:
     }
 
 
+def _processing_mode(spec: FleetSpec, body_mode: str, *, request_headers: bool) -> dict[str, str]:
+    duplex = body_mode == "full-duplex"
+    return {
+        "request_header_mode": "SEND" if request_headers else "SKIP",
+        "request_body_mode": BODY_MODES[body_mode],
+        "response_header_mode": "SKIP" if spec.extproc.skip_response_headers else "SEND",
+        "response_body_mode": "NONE",
+        # Envoy requires trailers to be sent in full-duplex mode.
+        "request_trailer_mode": "SEND" if duplex else "SKIP",
+        "response_trailer_mode": "SKIP",
+    }
+
+
 def render_bootstrap(
     spec: FleetSpec,
     *,
@@ -367,6 +423,10 @@ def render_bootstrap(
         raise ValueError(f"body_mode must be one of {sorted(BODY_MODES)}, not {body_mode!r}")
     duplex = body_mode == "full-duplex"
     skip = spec.extproc.skip_response_headers
+    skip_request = spec.extproc.skip_request_headers
+    if duplex and skip_request:
+        raise UserError("the full-duplex body mode streams the body after the request headers: "
+                        "it needs the fleet's extproc.request_headers: send")
     picker = picker or spec.endpoint_picker
     lhost, lport = _hostport(listen)
     ahost, aport = _hostport(admin)
@@ -383,13 +443,9 @@ def render_bootstrap(
             # Only what the router reads: never a client's authorization or cookies.
             "forward_rules": {"allowed_headers": {"patterns": [
                 {"exact": h} for h in ROUTER_READS]}},
-            "processing_mode": {
-                "request_header_mode": "SEND", "request_body_mode": BODY_MODES[body_mode],
-                "response_header_mode": "SKIP" if skip else "SEND", "response_body_mode": "NONE",
-                # Envoy requires trailers to be sent in full-duplex mode.
-                "request_trailer_mode": "SEND" if duplex else "SKIP",
-                "response_trailer_mode": "SKIP",
-            },
+            "processing_mode": _processing_mode(spec, body_mode,
+                                                request_headers=not skip_request),
+            **({"request_attributes": list(REQUEST_ATTRIBUTES)} if skip_request else {}),
         },
     }
     hcm: dict[str, Any] = {
@@ -428,7 +484,8 @@ def render_bootstrap(
                                "include_attempt_count_in_response": True,
                                **({"response_headers_to_add": TAG_FROM_METADATA} if skip else {})}],
         },
-        "http_filters": [ext_proc, {
+        "http_filters": [ext_proc, *(_routing_from_metadata(spec, picker) if skip_request
+                                     else []), {
             "name": "envoy.filters.http.router",
             "typed_config": {
                 "@type": _T + "envoy.extensions.filters.http.router.v3.Router"},

@@ -42,6 +42,7 @@ from . import ROOT
 from .stats import Dist, metric_values
 from .workload import (
     CHAT_PATH,
+    EXTPROC_MODES,
     KB,
     N_REPLICAS,
     PATHS,
@@ -94,7 +95,7 @@ class InProcess:
 def _route_and_release(svc: ExtProcService, body: bytes) -> pb.ProcessingResponse:
     st = _Stream()
     svc._on_request_headers(st, headers_msg(body).request_headers)
-    answer = svc._on_request_body(st, body_msg(body).request_body)
+    answer = svc._on_request_body(st, body_msg(body))
     if st.decision is not None:
         svc.router.complete(st.decision.id)
     return answer
@@ -126,13 +127,13 @@ def run_in_process(spec: FleetSpec, wl: Workload, iterations: int) -> InProcess:
             svc._on_request_headers(st, hdr_msgs[j])
             if k % 2 == 0:  # the handler alone, on the request gRPC already decoded
                 t0 = time.perf_counter_ns()
-                answer = svc._on_request_body(st, body_reqs[j].request_body)
+                answer = svc._on_request_body(st, body_reqs[j])
                 handler_ns.append(time.perf_counter_ns() - t0)
             else:  # plus what gRPC does around it: decode the message, encode the answer
                 c0 = time.thread_time_ns()
                 t0 = time.perf_counter_ns()
                 req = pb.ProcessingRequest.FromString(raw_reqs[j])
-                answer = svc._on_request_body(st, req.request_body)
+                answer = svc._on_request_body(st, req)
                 answer.SerializeToString()
                 wire_ns.append(time.perf_counter_ns() - t0)
                 cpu_ns.append(time.thread_time_ns() - c0)
@@ -293,13 +294,13 @@ def start_stack(stack: contextlib.ExitStack, tmp: Path) -> Stack:
     for path in ROUTED_PATHS:
         fleets[path] = tmp / f"fleet-{path}.yaml"
         fleets[path].write_text(yaml.safe_dump(
-            bench_fleet(addresses, probe_s=1.0, skip=path == "skip")))
+            bench_fleet(addresses, probe_s=1.0, extproc=EXTPROC_MODES.get(path))))
     with _signals_deferred():  # the processes exist before their handles: register them first
         for path in ROUTED_PATHS:
             args = ["extproc", "--fleet", str(fleets[path]), "--port", "0",
                     "--metrics-port", "0", "--log-level", "WARNING",
                     "--workers", str(WORKERS[path])]
-            if path == "skip":
+            if path in EXTPROC_MODES:  # the response headers are skipped: Envoy's errors
                 args += ["--envoy-admin", f"127.0.0.1:{admins[path]}"]
             extprocs[path] = GorgoProcess(args, timeout=60)
             stack.callback(extprocs[path].stop)

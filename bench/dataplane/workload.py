@@ -18,11 +18,17 @@ REGIONS = ("us-east", "eu-frankfurt", "ap-seoul")
 N_REPLICAS = 6
 CHAT_PATH = "/v1/chat/completions"
 # The front Envoys, measured side by side: no ext_proc, a do-nothing one, the router (one worker),
-# the router with two workers (`--workers 2`), and one worker with the response-headers round trip
-# skipped (fleet extproc.response_headers: skip).
-PATHS = ("alone", "noop", "routed", "workers2", "skip")
-ROUTED_PATHS = ("routed", "workers2", "skip")
-WORKERS = {"routed": 1, "workers2": 2, "skip": 1}
+# the router with two workers (`--workers 2`), one worker with the response-headers round trip
+# skipped (fleet extproc.response_headers: skip), and one with both headers messages skipped
+# (request_headers: skip too: one ext_proc message per request, the body).
+PATHS = ("alone", "noop", "routed", "workers2", "skip", "skip-both")
+ROUTED_PATHS = ("routed", "workers2", "skip", "skip-both")
+WORKERS = {"routed": 1, "workers2": 2, "skip": 1, "skip-both": 1}
+# The extproc section of each routed path's fleet.
+EXTPROC_MODES: dict[str, dict[str, str]] = {
+    "skip": {"response_headers": "skip"},
+    "skip-both": {"response_headers": "skip", "request_headers": "skip"},
+}
 _PROSE = (
     "the router sends each request to the replica with the lowest predicted time to first "
     "token which adds network round trip queue wait and prefill of the uncached prompt prefix "
@@ -132,11 +138,12 @@ def cached_share(answer: pb.ProcessingResponse) -> float:
     return 1.0 - fields["uncached_tokens"].number_value / prompt if prompt else 0.0
 
 
-def bench_fleet(addresses: list[str], probe_s: float = 2.0, skip: bool = False) -> dict[str, Any]:
-    """Six replicas, two per region, with the regions' preset link RTTs; ``skip``: Envoy skips
-    the response-headers round trip."""
+def bench_fleet(addresses: list[str], probe_s: float = 2.0,
+                extproc: dict[str, str] | None = None) -> dict[str, Any]:
+    """Six replicas, two per region, with the regions' preset link RTTs; ``extproc``: the
+    fleet's extproc section (which headers messages Envoy skips)."""
     return {
-        **({"extproc": {"response_headers": "skip"}} if skip else {}),
+        **({"extproc": extproc} if extproc else {}),
         "name": "dataplane-bench",
         "regions": {r: {"sim": {"link": r}} for r in REGIONS},
         "replicas": [{"name": f"r{k}", "region": REGIONS[k // 2], "address": a,

@@ -73,6 +73,17 @@ ATTEMPT_COUNT_HEADER = "x-envoy-attempt-count"
 # Every header the router reads, request and response: the only ones Envoy forwards to it.
 ROUTER_READS = (":path", "content-length", SESSION_HEADER, *CONTROL_HEADERS, ":status",
                 ATTEMPT_COUNT_HEADER)
+# With the request-headers message skipped (fleet extproc.request_headers: skip), the body message
+# carries the request headers the router reads as ext_proc request attributes (CEL expressions,
+# keyed by the expression in the attributes' struct), under this filter name. content-length is
+# not among them: Envoy drops it in that mode, and the router measures the body itself.
+ATTRIBUTES_FILTER = "envoy.filters.http.ext_proc"
+REQUEST_ATTRIBUTES = {"request.path": ":path",
+                      **{f"request.headers['{h}']": h for h in (SESSION_HEADER, *CONTROL_HEADERS)}}
+# ... and Envoy sets the routing headers from these fields of the decision's metadata once the body
+# is answered (an absent field sets no header: the request fails open to the default route).
+CLUSTER_FIELD = "cluster"
+ENDPOINTS_FIELD = "endpoints"
 # What Envoy forwards: the OpenAI-style inference API and the engines' health path (exact paths,
 # plus the fleet's routes.extra_paths); any other path is a 404 from Envoy itself.
 API_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models")

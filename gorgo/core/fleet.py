@@ -233,7 +233,7 @@ class Sharing:
     subject: str
 
 
-RESPONSE_HEADER_MODES = ("send", "skip")
+HEADER_MODES = ("send", "skip")
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,13 +242,24 @@ class ExtProcMode:
     response's headers back to the router, which reads the status (penalties, retries) and tags
     the response; ``skip`` saves that round trip: Envoy tags the response from the decision's
     metadata, ejects failing replicas by outlier detection, and the router reads each replica's
-    errors and ejections from Envoy's admin API instead (`gorgo extproc --envoy-admin`)."""
+    errors and ejections from Envoy's admin API instead (`gorgo extproc --envoy-admin`).
+
+    ``request_headers: send`` (the default) opens each stream with the request's headers;
+    ``skip`` saves that round trip too: the body message carries what the router reads of the
+    headers as ext_proc request attributes, and Envoy holds the headers until the body is
+    answered, then sets the routing headers from the decision's metadata (`gorgo envoy-config`).
+    Body-less GETs still send their headers: they have no body message to route on."""
 
     response_headers: str = "send"
+    request_headers: str = "send"
 
     @property
     def skip_response_headers(self) -> bool:
         return self.response_headers == "skip"
+
+    @property
+    def skip_request_headers(self) -> bool:
+        return self.request_headers == "skip"
 
 
 @dataclass(frozen=True, slots=True)
@@ -683,11 +694,13 @@ def _sharing(raw: Mapping[str, Any], path: str, fleet: str) -> Sharing | None:
 def _extproc(raw: Mapping[str, Any], path: str) -> ExtProcMode:
     eraw = _mapping(raw.get("extproc") or {}, path)
     _check_keys(eraw, set(ExtProcMode.__dataclass_fields__), path)
-    mode = _str(eraw, "response_headers", path, "send")
-    if mode not in RESPONSE_HEADER_MODES:
-        raise FleetError(f"{path}.response_headers: must be one of "
-                         f"{', '.join(RESPONSE_HEADER_MODES)}, got {mode!r}")
-    return ExtProcMode(response_headers=mode)
+    modes = {}
+    for key in ExtProcMode.__dataclass_fields__:
+        modes[key] = _str(eraw, key, path, "send")
+        if modes[key] not in HEADER_MODES:
+            raise FleetError(f"{path}.{key}: must be one of {', '.join(HEADER_MODES)}, "
+                             f"got {modes[key]!r}")
+    return ExtProcMode(**modes)
 
 
 def _policy(raw: Mapping[str, Any], source: str, default: str = "gorgo") -> str:

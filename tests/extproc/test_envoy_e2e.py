@@ -1,9 +1,15 @@
-"""Real Envoy + `gorgo extproc` + streaming upstreams + an OTLP receiver, all on dynamic ports."""
+"""Real Envoy + `gorgo extproc` + streaming upstreams + an OTLP receiver, all on dynamic ports.
+
+Every test runs twice: with Envoy's three ext_proc messages per request (the default), and with
+one (the fleet's extproc.request_headers and response_headers both skip: the body message
+carries the headers as attributes, Envoy routes from the decision's metadata)."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,16 +27,24 @@ from tests.support.e2e import (
     Stack,
     chat,
     get,
+    post,
     start_stack,
     stop_stack,
 )
 
 pytestmark = pytest.mark.envoy
+MODES = {"three-messages": {},
+         "one-message": {"extproc": {"request_headers": "skip", "response_headers": "skip"}}}
+
+
+@pytest.fixture(scope="module", params=list(MODES))
+def mode(request: pytest.FixtureRequest) -> dict:
+    return MODES[request.param]
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory) -> Iterator[Stack]:
-    st = start_stack(tmp_path_factory.mktemp("stack"))
+def stack(tmp_path_factory, mode: dict) -> Iterator[Stack]:
+    st = start_stack(tmp_path_factory.mktemp("stack"), **mode)
     yield st
     stop_stack(st)
 
@@ -113,13 +127,44 @@ def test_chunked_body_over_limit_is_413_json(stack: Stack) -> None:
     assert json.loads(body)["error"]["code"] == "request_too_large"
 
 
-def test_in_flight_returns_to_zero(stack: Stack) -> None:
-    assert wait_for(lambda: sum(GorgoMetrics(stack).values("gorgo_inflight_requests").values())
-                    == 0, 5)
+def test_a_request_is_in_flight_until_its_stream_ends(stack: Stack) -> None:
+    """Envoy holds the ext_proc stream open for the whole HTTP stream, in either mode: the
+    router books a request from its decision to its last byte."""
+    inflight = lambda: sum(GorgoMetrics(stack).values("gorgo_inflight_requests").values())  # noqa: E731
+    assert wait_for(lambda: inflight() == 0, 5)
+    hold = stack.lt.run(_event())
+    for u in stack.upstreams:
+        u.hold = hold
+    try:
+        answer = asyncio.run_coroutine_threadsafe(
+            post(stack.url + "/v1/chat/completions", chat("a long answer"), {}), stack.lt.loop)
+        assert wait_for(lambda: any(u.served for u in stack.upstreams) and inflight() == 1, 10)
+        time.sleep(0.3)  # the stream is held open: the booking stays
+        assert inflight() == 1 and not answer.done()
+    finally:
+        stack.lt.loop.call_soon_threadsafe(hold.set)
+        for u in stack.upstreams:
+            u.hold = None
+    status, headers, body, _ = answer.result(timeout=30)
+    assert status == 200 and headers["x-gorgo-replica"] == headers["x-served-by"]
+    assert body.count(b"data: ") == CHUNKS + 1
+    assert wait_for(lambda: inflight() == 0, 5)
 
 
-def test_no_healthy_replica_is_503_with_retry_after(tmp_path: Path) -> None:
-    st = start_stack(tmp_path, n=2)
+async def _event() -> asyncio.Event:
+    return asyncio.Event()
+
+
+def test_the_router_reads_the_session_and_policy_headers(stack: Stack) -> None:
+    session = {"x-gorgo-policy": "session-affinity", "x-session-id": "user-42"}
+    served = {stack.post(chat(f"turn {k}"), session)[1]["x-served-by"] for k in range(4)}
+    assert len(served) == 1
+    rr = {"x-gorgo-policy": "round-robin"}
+    assert len({stack.post(chat(f"rr {k}"), rr)[1]["x-served-by"] for k in range(6)}) > 1
+
+
+def test_no_healthy_replica_is_503_with_retry_after(tmp_path: Path, mode: dict) -> None:
+    st = start_stack(tmp_path, n=2, **mode)
     try:
         for u in st.upstreams:
             u.healthy = False
@@ -137,8 +182,8 @@ def test_no_healthy_replica_is_503_with_retry_after(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_killing_extproc_fails_open_to_default_cluster(tmp_path: Path) -> None:
-    st = start_stack(tmp_path, n=3)
+def test_killing_extproc_fails_open_to_default_cluster(tmp_path: Path, mode: dict) -> None:
+    st = start_stack(tmp_path, n=3, **mode)
     try:
         assert st.post(chat("before"))[0] == 200
         st.extproc.kill()

@@ -257,6 +257,16 @@ def test_skip_mode_with_workers_passes_envoy_validate(tmp_path: Path) -> None:
     _validate(tmp_path, render_yaml(_skip_spec(), extproc="127.0.0.1:50051,127.0.0.1:50052"))
 
 
+# Runs `envoy --mode validate`: the one-message mode with every routing header it can set.
+@pytest.mark.envoy
+def test_skipped_request_headers_with_picker_and_retries_pass_envoy_validate(
+        tmp_path: Path) -> None:
+    doc = yaml.safe_load(EXAMPLE.read_text())
+    spec = parse_fleet({**doc, "retries": {"enabled": True},
+                        "extproc": {"request_headers": "skip", "response_headers": "skip"}})
+    _validate(tmp_path, render_yaml(spec, picker=True, otlp="127.0.0.1:4317"))
+
+
 # Runs `envoy --mode validate`.
 @pytest.mark.envoy
 def test_the_ttft_log_goes_to_the_tuner_with_the_token(tmp_path: Path) -> None:

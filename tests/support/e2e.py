@@ -38,6 +38,8 @@ class Upstream:
     failing: bool = False  # answer every chat completion with a 500
     served: list[str] = field(default_factory=list)
     runner: web.AppRunner | None = None
+    # When set, every answer holds its last chunk until the event is set (on the stack's loop).
+    hold: asyncio.Event | None = None
 
     async def start(self) -> None:
         async def chat(req: web.Request) -> web.StreamResponse:
@@ -58,6 +60,8 @@ class Upstream:
                 chunk = {"choices": [{"index": 0, "delta": {"content": f"t{k} "}}]}
                 await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
                 await asyncio.sleep(CHUNK_GAP_S)
+            if self.hold is not None:
+                await self.hold.wait()
             await resp.write(b"data: [DONE]\n\n")
             return resp
 
