@@ -41,11 +41,18 @@ def _powers(base: int, n: int) -> np.ndarray:
     return out
 
 
+# The powers of P and P^-1 for up to this many blocks, computed once (a 256 KB prompt has about
+# a thousand blocks); a longer chain computes its own.
+_CACHED_POWERS = 4096
+_POW_P, _POW_P_INV = _powers(_P, _CACHED_POWERS), _powers(_P_INV, _CACHED_POWERS)
+_POW_P.flags.writeable = _POW_P_INV.flags.writeable = False
+
+
 def block_digests(blocks: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """One 64-bit digest per row of a zero-padded ``(n, 8*w)`` uint8 array of block bytes."""
     words = blocks.view("<u8")
     w = words.shape[1]
-    mult = np.resize(_MULT, w)
+    mult = _MULT[:w] if w <= _WORDS else np.resize(_MULT, w)
     mixed = (words * mult).sum(axis=1, dtype=np.uint64) + lengths.astype(np.uint64)
     return splitmix64(mixed)
 
@@ -53,8 +60,12 @@ def block_digests(blocks: np.ndarray, lengths: np.ndarray) -> np.ndarray:
 def chain(digests: np.ndarray) -> np.ndarray:
     """Chained hashes: element k depends on digests 0..k in order."""
     n = len(digests)
-    scaled = np.cumsum(digests * _powers(_P_INV, n), dtype=np.uint64)
-    return splitmix64(scaled * _powers(_P, n))
+    if n <= _CACHED_POWERS:
+        pow_inv, pow_p = _POW_P_INV[:n], _POW_P[:n]
+    else:
+        pow_inv, pow_p = _powers(_P_INV, n), _powers(_P, n)
+    scaled = np.cumsum(digests * pow_inv, dtype=np.uint64)
+    return splitmix64(scaled * pow_p)
 
 
 def chain_hashes(data: bytes, block_len: int) -> np.ndarray:

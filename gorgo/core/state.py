@@ -9,6 +9,7 @@ clock.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import numpy as np
 
@@ -28,7 +29,7 @@ BACKOFF_MAX_S = 30.0
 DEMAND_TAU_S = 10.0  # time constant of the demand estimate (request rate, prompt size)
 # Per-replica arrays that follow the new fleet file, never the old state (`reindexed`): where a
 # replica is, what it is configured to be, and per-request memos.
-_PER_SPEC = frozenset({"region_idx", "prefill_rate", "draining", "_match"})
+_PER_SPEC = frozenset({"region_idx", "prefill_rate", "draining", "_match", "_uncached"})
 
 
 class FleetState:
@@ -101,7 +102,8 @@ class FleetState:
         self.prefix = PrefixIndex(n, None if unbounded_prefix else blocks)
         # The engines' own block sets, for `cache: precise` replicas (None when there is none).
         self.precise = PreciseCache(spec) if any(r.precise for r in spec.replicas) else None
-        # Bumped by every writer, so per-request memos (prefix match, cost terms) never go stale.
+        # Bumped by every writer, so the memos keyed on it (prefix match, uncached tokens, cost
+        # terms, `derived`) never go stale: code that writes the arrays directly must bump it.
         self.version = 0
         self.terms_memo: tuple | None = None
         # Demand this router has seen: arrivals and their prompt tokens, each decayed with
@@ -112,6 +114,10 @@ class FleetState:
         self._first_arrival: float | None = None
         self._match_for: tuple | None = None
         self._match: np.ndarray = np.zeros(n, dtype=np.int64)
+        self._uncached_for: tuple | None = None
+        self._uncached: np.ndarray = np.zeros(n, dtype=np.int64)
+        self._derived_for: tuple[float, int] | None = None
+        self._derived: dict[str, np.ndarray] = {}
 
     # --- derived per-request and per-replica quantities -------------------------------------
 
@@ -127,8 +133,26 @@ class FleetState:
         return self._match
 
     def uncached_tokens(self, features: RequestFeatures) -> np.ndarray:
-        cached = self.matched_blocks(features) * self.spec.block_tokens
-        return np.maximum(features.prompt_tokens - cached, 0)
+        """Prompt tokens each replica would prefill for this request (memoised like the match;
+        several terms read it)."""
+        key = (features, self.version)
+        if self._uncached_for != key:
+            cached = self.matched_blocks(features) * self.spec.block_tokens
+            self._uncached = np.maximum(features.prompt_tokens - cached, 0)
+            self._uncached_for = key
+        return self._uncached
+
+    def derived(self, name: str, compute: Callable[[FleetState], np.ndarray]) -> np.ndarray:
+        """``compute(self)`` once per state version and time: a per-replica quantity that
+        several cost terms derive alike (the decode batch, the slowdown). Read-only."""
+        key = (self.now, self.version)
+        if self._derived_for != key:
+            self._derived.clear()
+            self._derived_for = key
+        out = self._derived.get(name)
+        if out is None:
+            out = self._derived[name] = compute(self)
+        return out
 
     def rtt_or_default(self) -> np.ndarray:
         """RTT in ms with unprobed replicas priced at the worst known RTT (never as free)."""

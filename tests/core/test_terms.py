@@ -195,6 +195,7 @@ def test_admission_waits_only_where_the_running_slots_are_full() -> None:
     wait = BY_NAME["admission"].compute(f, s)
     assert wait[0] == 0.0 and wait[1] > 0.0
     s.inflight_reqs[:] = [2, 6]  # three must finish before b admits it
+    s.version += 1  # as FleetState's own writers do: the terms' per-state memos key on it
     assert BY_NAME["admission"].compute(f, s)[1] == pytest.approx(3 * wait[1], rel=0.2)
 
 

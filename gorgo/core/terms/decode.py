@@ -46,6 +46,10 @@ def expected_output(f: RequestFeatures, s: FleetState) -> np.ndarray:
 
 def batch(s: FleetState) -> np.ndarray:
     """Requests in flight per replica: ours, or the engine's own count when fresher and larger."""
+    return s.derived("decode.batch", _batch)
+
+
+def _batch(s: FleetState) -> np.ndarray:
     ours = s.inflight_reqs.astype(float)
     fresh = (s.now - s.eng_scraped_at) <= s.spec.signals.metrics_stale_s
     engine = np.nan_to_num(s.eng_running_reqs) + np.nan_to_num(s.eng_queue_reqs)
@@ -54,6 +58,10 @@ def batch(s: FleetState) -> np.ndarray:
 
 def slowdown(s: FleetState) -> np.ndarray:
     """How much slower than the fleet's fastest replica each one computes (prefill as the proxy)."""
+    return s.derived("decode.slowdown", _slowdown)
+
+
+def _slowdown(s: FleetState) -> np.ndarray:
     return s.prefill_rate.max() / s.prefill_rate
 
 
