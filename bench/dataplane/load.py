@@ -19,9 +19,9 @@ from .run import Stack
 from .stats import Dist, cpu_s, machine_busy_s, metric_values, self_cpu
 from .workload import CHAT_PATH, ROUTED_PATHS, Plan
 
-PROCESSORS = {"noop": "no-op ext_proc", "routed": "gorgo extproc",
-              "workers2": "gorgo extproc (supervisor + 2 workers)", "skip": "gorgo extproc",
-              "skip-both": "gorgo extproc"}
+PROCESSORS = {"noop": "no-op ext_proc", "noop-skip-both": "no-op ext_proc",
+              "routed": "gorgo extproc", "workers2": "gorgo extproc (supervisor + 2 workers)",
+              "skip": "gorgo extproc", "skip-both": "gorgo extproc"}
 
 
 @dataclass

@@ -27,7 +27,9 @@ PATH_LABELS = {"alone": "Envoy alone", "noop": "Envoy + no-op Python ext_proc",
                "routed": "Envoy + gorgo ext_proc",
                "workers2": "Envoy + gorgo ext_proc, 2 workers",
                "skip": "Envoy + gorgo ext_proc, response headers skipped",
-               "skip-both": "Envoy + gorgo ext_proc, request and response headers skipped"}
+               "skip-both": "Envoy + gorgo ext_proc, request and response headers skipped",
+               "noop-skip-both": "Envoy + no-op Python ext_proc, request and response headers "
+                                 "skipped"}
 TARGET_DECISION_P99_MS = 1.0
 TARGET_ADDED_P50_MS = 1.5
 TARGET_ROUTED_RPS = 1000.0
@@ -141,7 +143,9 @@ def render(r: Results, command: str) -> str:
         f"(and the order within each round); {ad.dists['alone'].n} requests per path after 50 "
         "warm-up rounds. Non-streaming tiny JSON response. The no-op row is the same Envoy "
         "config pointed at a Python gRPC ext_proc that answers every message with 'continue' "
-        "(same server options as `gorgo extproc`): the floor of any Python ext_proc here.",
+        "(same server options as `gorgo extproc`): the floor of any Python ext_proc here; "
+        "with both headers messages skipped it answers the one body message, the floor of the "
+        "one-message mode (it routes nothing: its requests take the default route).",
         "",
         "| path | p50 | p90 | p99 | added p50 | added p90 | added p99 |",
         "|---|---|---|---|---|---|---|",

@@ -45,6 +45,7 @@ from .workload import (
     EXTPROC_MODES,
     KB,
     N_REPLICAS,
+    NOOP_PATHS,
     PATHS,
     RESPONSE_HEADERS,
     ROUTED_PATHS,
@@ -270,7 +271,7 @@ class Stack:
 
     def processor_pids(self, path: str) -> list[int]:
         """The processes that serve ``path``'s ext_proc: a router and its workers, or the no-op."""
-        if path == "noop":
+        if path in NOOP_PATHS:
             return [self.noop.p.pid]
         if path not in self.extprocs:
             return []
@@ -291,7 +292,7 @@ def start_stack(stack: contextlib.ExitStack, tmp: Path) -> Stack:
     noop_port = free_port()
     extprocs: dict[str, GorgoProcess] = {}
     fleets: dict[str, Path] = {}
-    for path in ROUTED_PATHS:
+    for path in (*ROUTED_PATHS, *NOOP_PATHS):
         fleets[path] = tmp / f"fleet-{path}.yaml"
         fleets[path].write_text(yaml.safe_dump(
             bench_fleet(addresses, probe_s=1.0, extproc=EXTPROC_MODES.get(path))))

@@ -20,14 +20,17 @@ CHAT_PATH = "/v1/chat/completions"
 # The front Envoys, measured side by side: no ext_proc, a do-nothing one, the router (one worker),
 # the router with two workers (`--workers 2`), one worker with the response-headers round trip
 # skipped (fleet extproc.response_headers: skip), and one with both headers messages skipped
-# (request_headers: skip too: one ext_proc message per request, the body).
-PATHS = ("alone", "noop", "routed", "workers2", "skip", "skip-both")
+# (request_headers: skip too: one ext_proc message per request, the body); and the do-nothing one
+# with both skipped, the floor of a one-message Python ext_proc (it routes nothing: default route).
+PATHS = ("alone", "noop", "routed", "workers2", "skip", "skip-both", "noop-skip-both")
+NOOP_PATHS = ("noop", "noop-skip-both")
 ROUTED_PATHS = ("routed", "workers2", "skip", "skip-both")
 WORKERS = {"routed": 1, "workers2": 2, "skip": 1, "skip-both": 1}
 # The extproc section of each routed path's fleet.
 EXTPROC_MODES: dict[str, dict[str, str]] = {
     "skip": {"response_headers": "skip"},
     "skip-both": {"response_headers": "skip", "request_headers": "skip"},
+    "noop-skip-both": {"response_headers": "skip", "request_headers": "skip"},
 }
 _PROSE = (
     "the router sends each request to the replica with the lowest predicted time to first "
