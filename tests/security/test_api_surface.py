@@ -129,40 +129,16 @@ def test_clients_cannot_choose_their_priority_or_policy(stack: LiveStack) -> Non
     assert "Traceback" not in "".join(stack.procs["extproc"].lines)
 
 
-def test_a_trusted_peer_sets_bounded_control_headers(stack: LiveStack) -> None:
+@pytest.mark.parametrize(("request_headers", "trusted"),
+                         [("send", True), ("skip", True), ("skip", False)])
+def test_a_trusted_peer_sets_bounded_control_headers(
+        stack: LiveStack, request_headers: str, trusted: bool) -> None:
     """The operator's way (control_headers.trusted_peers): a second Envoy in front of the same
     router trusts loopback; its control headers reach the router, which bounds them (400, clean
-    OpenAI-style errors) and names an unknown policy instead of ignoring it."""
-    spec = replace(stack.spec, control_headers=replace(
-        stack.spec.control_headers, trusted_peers=("127.0.0.0/8",)))
-    listen, admin = free_ports(2)
-    extproc = stack.procs["extproc"].args[stack.procs["extproc"].args.index("--port") + 1]
-    envoy = EnvoyProcess(render_bootstrap(spec, listen=f"127.0.0.1:{listen}",
-                                          extproc=f"127.0.0.1:{extproc}",
-                                          admin=f"127.0.0.1:{admin}")).start()
-    try:
-        url = f"http://127.0.0.1:{listen}/v1/chat/completions"
-        want = {"no-such-policy": "unknown_policy"}
-        for headers in FORGED:
-            status, _, body = call(url, "POST", chat(), headers)
-            value = next(iter(headers.values()))
-            if value in ("session-affinity", "100"):
-                assert status == 200, (headers, body[:300])
-            else:
-                assert status == 400 and is_openai_error(body, want.get(value, "invalid_priority"))
-    finally:
-        envoy.stop()
-    assert "Traceback" not in "".join(stack.procs["extproc"].lines)
-
-
-@pytest.mark.parametrize("trusted", [False, True])
-def test_with_the_request_headers_skipped_control_headers_arrive_only_from_trusted_peers(
-        stack: LiveStack, trusted: bool) -> None:
-    """extproc.request_headers: skip hands the router its headers as request attributes, read
-    after Envoy stripped an untrusted client's control headers: an Envoy in that mode in front of
-    the same router lets a trusted peer's through (an unknown policy is then the router's 400)
-    and no one else's."""
-    spec = replace(stack.spec, extproc=replace(stack.spec.extproc, request_headers="skip"),
+    OpenAI-style errors) and names an unknown policy instead of ignoring it. With the request
+    headers skipped (extproc.request_headers: skip) they reach it as request attributes, read
+    after Envoy stripped an untrusted client's: from a peer it does not trust, none arrive."""
+    spec = replace(stack.spec, extproc=replace(stack.spec.extproc, request_headers=request_headers),
                    control_headers=replace(stack.spec.control_headers,
                                            trusted_peers=("127.0.0.0/8",) if trusted else ()))
     listen, admin = free_ports(2)
@@ -172,14 +148,14 @@ def test_with_the_request_headers_skipped_control_headers_arrive_only_from_trust
                                           admin=f"127.0.0.1:{admin}")).start()
     try:
         url = f"http://127.0.0.1:{listen}/v1/chat/completions"
+        want = {"no-such-policy": "unknown_policy"}
         for headers in FORGED:
             status, got, body = call(url, "POST", chat(), headers)
             value = next(iter(headers.values()))
-            if trusted and value not in ("session-affinity", "100"):
-                assert status == 400 and is_openai_error(
-                    body, {"no-such-policy": "unknown_policy"}.get(value, "invalid_priority"))
-            else:
+            if not trusted or value in ("session-affinity", "100"):
                 assert status == 200 and "x-gorgo-decision-id" in got, (headers, body[:300])
+            else:
+                assert status == 400 and is_openai_error(body, want.get(value, "invalid_priority"))
     finally:
         envoy.stop()
     assert "Traceback" not in "".join(stack.procs["extproc"].lines)
