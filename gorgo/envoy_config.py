@@ -122,13 +122,14 @@ TAG_FROM_METADATA = [
      "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}
     for header, field in ((REPLICA_HEADER, "replica"), (DECISION_HEADER, "decision_id"))
 ]
-# With the request-headers message skipped (fleet extproc.request_headers: skip), the ext_proc
-# filter lets the headers through at once (Envoy 1.40 applies no header mutation of a body
-# answer then), so a buffer filter holds them until the body is answered, and a header-mutation
-# filter then sets the routing headers from the decision's metadata; an unrouted request has none
-# and takes the default route. A request without a body (a GET) would send the router nothing:
-# its route still sends the headers (_routes).
 def _routing_from_metadata(spec: FleetSpec, picker: bool) -> list[dict]:
+    """The filters between ext_proc and the router when the request-headers message is skipped
+    (fleet extproc.request_headers: skip). The ext_proc filter then lets the headers through at
+    once, and Envoy 1.40 applies no header mutation of a body answer, so a buffer filter holds
+    the headers until the body is answered and a header-mutation filter sets the routing headers
+    from the decision's metadata; an unrouted request has none and takes the default route. A
+    request without a body (a GET) would send the router nothing: its route still sends the
+    headers (`_routes`)."""
     headers = [(CLUSTER_HEADER, METADATA_NAMESPACE, CLUSTER_FIELD)]
     if spec.retries.enabled:
         headers.append((ENDPOINTS_HEADER, METADATA_NAMESPACE, ENDPOINTS_FIELD))
