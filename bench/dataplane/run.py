@@ -301,7 +301,7 @@ def start_stack(stack: contextlib.ExitStack, tmp: Path) -> Stack:
             args = ["extproc", "--fleet", str(fleets[path]), "--port", "0",
                     "--metrics-port", "0", "--log-level", "WARNING",
                     "--workers", str(WORKERS[path])]
-            if path in EXTPROC_MODES:  # the response headers are skipped: Envoy's errors
+            if path in EXTPROC_MODES:  # response headers skipped: errors from Envoy's admin API
                 args += ["--envoy-admin", f"127.0.0.1:{admins[path]}"]
             extprocs[path] = GorgoProcess(args, timeout=60)
             stack.callback(extprocs[path].stop)

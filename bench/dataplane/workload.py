@@ -26,11 +26,10 @@ PATHS = ("alone", "noop", "routed", "workers2", "skip", "skip-both", "noop-skip-
 NOOP_PATHS = ("noop", "noop-skip-both")
 ROUTED_PATHS = ("routed", "workers2", "skip", "skip-both")
 WORKERS = {"routed": 1, "workers2": 2, "skip": 1, "skip-both": 1}
-# The extproc section of each routed path's fleet.
+# The extproc section of each path's fleet that skips a headers message (the others send all).
+ONE_MESSAGE = {"response_headers": "skip", "request_headers": "skip"}
 EXTPROC_MODES: dict[str, dict[str, str]] = {
-    "skip": {"response_headers": "skip"},
-    "skip-both": {"response_headers": "skip", "request_headers": "skip"},
-    "noop-skip-both": {"response_headers": "skip", "request_headers": "skip"},
+    "skip": {"response_headers": "skip"}, "skip-both": ONE_MESSAGE, "noop-skip-both": ONE_MESSAGE,
 }
 _PROSE = (
     "the router sends each request to the replica with the lowest predicted time to first "
