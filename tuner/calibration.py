@@ -20,7 +20,7 @@ trusted. Two kinds of waiting corrupt the slope, and each is kept out its own wa
   ``quantile`` of TTFT - RTT, the service time of the requests that did not wait.
 
 A fit is also rejected unless the older and newer halves of its rows agree on the slope (but a
-fit that only counts when it says slower than the hint takes the faster half's rate when both
+fit that only counts when it says slower than the hint takes the newer half's rate when both
 halves say so: a slow engine's backlog grows through its window), and a
 rate is never outside ``[min_rate, max_rate]`` nor more than ``max_hint_factor`` away from the
 fleet file's hint. Spans are evidence only as far as their sender is trusted, so no one export
@@ -241,8 +241,8 @@ class PrefillCalibrator:
     def _fit(self, replica: str, data: list[tuple[float, float, int | None]],
              window_rows: int, slower_than: float | None = None) -> Fit:
         """The quantile fit of ``data``, if its older and newer halves agree on the slope. With
-        ``slower_than``, halves that disagree still give a fit when both are slower than that
-        rate: then the faster half's, the least the evidence says."""
+        ``slower_than``, halves that disagree still give the newer half's fit when both are slower
+        than that rate."""
         cfg = self.config
         arr = np.asarray([(u, y) for u, y, _ in data], dtype=float)
         x, y = arr[:, 0], arr[:, 1]
@@ -262,8 +262,12 @@ class PrefillCalibrator:
                       "tokens/s")
             if slower_than is None or 1000.0 / min(older[1], newer[1]) > slower_than:
                 return halves
-            (intercept, slope), rows = ((older, half) if older[1] < newer[1]
-                                        else (newer, len(x) - half))
+            # Both halves say slower: the newer half's, what the engine does now. A backlog
+            # growing through the window makes it the slower one, an error that steers traffic
+            # away and corrects itself as the backlog drains. The faster half, published here
+            # before, held a 5x slower engine at 1.6-1.9x its true rate for 110 of its requests
+            # (docs/tuner.md, "Prefill-rate calibration").
+            (intercept, slope), rows = newer, len(x) - half
         rate = 1000.0 / slope
         lo, hi = self._rate_bounds(replica)
         if not lo <= rate <= hi:

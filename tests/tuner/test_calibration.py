@@ -111,15 +111,19 @@ def test_halves_that_disagree_publish_nothing_unless_both_say_slower_than_the_hi
                traffic(rng, 200, rate=2000.0) + traffic(rng, 200, rate=4500.0))
     assert cal.rates() == {}
     assert "halves disagree" in str(cal.verdict("r0"))
-    # A backlog that grows through the window (a slow engine the router still feeds) makes the
-    # halves disagree, but both say the engine is slower than its hint: the faster half's rate,
-    # the least the evidence says, is published, and the router's view moves the safe way.
+    # An engine that slowed down through the window (or a backlog growing through it: a slow
+    # engine the router still feeds) makes the halves disagree, but both say the engine is slower
+    # than its hint: the newer half's rate, what the engine does now, is published.
     slow = feed(PrefillCalibrator(CalibrationConfig(window=400, min_samples=50),
                                   hints={"r0": 10_000.0}),
                 traffic(rng, 200, rate=4000.0) + traffic(rng, 200, rate=1500.0))
     est = slow.estimate("r0")
-    assert est is not None and est.rate == pytest.approx(4000.0, rel=0.05)
-    assert est.samples == 200  # the faster (older) half's rows
+    assert est is not None and est.rate == pytest.approx(1500.0, rel=0.05)
+    assert est.samples == 200  # the newer half's rows
+    # Sped up again (still slower than the hint): the newer half follows it back.
+    feed(slow, traffic(rng, 200, rate=4000.0))
+    back = slow.estimate("r0")
+    assert back is not None and back.rate == pytest.approx(4000.0, rel=0.05)
 
 
 def test_replicas_are_fitted_separately() -> None:
