@@ -37,7 +37,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -334,7 +334,13 @@ def _hints(docs: list[Any]) -> dict[str, float]:
 
 
 class TunerService:
-    """The running tuner: receiver, optimizer, publisher and state file, on one event loop."""
+    """The running tuner: receiver, optimizer, publisher and state file, on one event loop.
+
+    The optimiser's verdicts and the calibration fits take up to hundreds of milliseconds (a
+    verdict 460 ms at worst in an offline run): they run in a worker thread, so that the loop
+    keeps taking spans meanwhile. One party at a time touches the tuner (`_exclusive`): samples
+    that arrive while it is busy are held and handed to it in their order once it is free.
+    """
 
     def __init__(self, cfg: TunerConfig) -> None:
         self.cfg = cfg
@@ -351,6 +357,8 @@ class TunerService:
         self._saved = -1
         self._loaded = False  # never overwrite a state file this process could not read
         self._http: web.AppRunner | None = None
+        self._busy = asyncio.Lock()
+        self._held: list[tuple[str, Sample]] = []  # (join kind, sample) while the tuner is busy
 
     def _on_samples(self, samples: list[Sample]) -> None:
         """Samples of the replicas the routers reported (none until one has): a name a span
@@ -362,16 +370,32 @@ class TunerService:
                 counts[UNKNOWN_REPLICA] += 1
                 continue
             kind = self.join.admit(s)
-            if kind == FIRST:
-                counts[EARLY_TTFT if s.early else LATE_TTFT] += 1
-                self.tuner.observe(s)
-            elif kind == END:
-                counts[ENDS_JOINED] += 1
-                self.tuner.observe_end(s)
-            else:
-                assert kind == DUPLICATE
-                counts[DUPLICATES] += 1
             self.max_version_seen = max(self.max_version_seen, s.weights_version)
+            if kind == DUPLICATE:
+                counts[DUPLICATES] += 1
+                continue
+            counts[ENDS_JOINED if kind == END else EARLY_TTFT if s.early else LATE_TTFT] += 1
+            if self._busy.locked():
+                self._held.append((kind, s))
+            else:
+                self._give(kind, s)
+
+    def _give(self, kind: str, s: Sample) -> None:
+        if kind == FIRST:  # else END: the join's one end of a decision already counted
+            self.tuner.observe(s)
+        else:
+            self.tuner.observe_end(s)
+
+    @contextlib.asynccontextmanager
+    async def _exclusive(self) -> AsyncIterator[None]:
+        """The tuner to this caller alone (its thread included); then the held samples."""
+        async with self._busy:
+            try:
+                yield
+            finally:
+                held, self._held = self._held, []
+                for kind, s in held:
+                    self._give(kind, s)
 
     async def _initial_tuner(self) -> Tuner:
         cfg = self.cfg
@@ -433,11 +457,15 @@ class TunerService:
         registry.register(_StatusCollector(self))
 
         async def status(_: web.Request) -> web.Response:
-            return web.json_response(self.status(), dumps=lambda o: json.dumps(o, default=str))
+            async with self._exclusive():
+                tuner = await asyncio.to_thread(self.tuner.status)  # fits every replica's rate
+            return web.json_response(self._status(tuner),
+                                     dumps=lambda o: json.dumps(o, default=str))
 
         async def metrics(_: web.Request) -> web.Response:
-            return web.Response(body=generate_latest(registry),
-                                headers={"content-type": CONTENT_TYPE_LATEST})
+            async with self._exclusive():
+                body = generate_latest(registry)
+            return web.Response(body=body, headers={"content-type": CONTENT_TYPE_LATEST})
 
         app = web.Application()
         app.router.add_get("/status", status)
@@ -445,7 +473,10 @@ class TunerService:
         return app
 
     def status(self) -> dict[str, Any]:
-        return {"tuner": self.tuner.status(), "ticks": self.ticks,
+        return self._status(self.tuner.status())
+
+    def _status(self, tuner: dict[str, Any]) -> dict[str, Any]:
+        return {"tuner": tuner, "ticks": self.ticks,
                 "receiver": {**self.receiver.counts, "max_version_seen": self.max_version_seen,
                              "join_ids": len(self.join)},
                 "routers": self.publisher.status()}
@@ -496,21 +527,22 @@ class TunerService:
 
     async def tick(self, now: float) -> None:
         self.ticks += 1
-        await self.follow_routers()
-        proposal = self.tuner.next_weights(now)
-        if proposal is not None:
-            w = proposal.weights
-            log.info("publishing v%d (%s): %s", w.version, proposal.arm, _fmt(w))
-        for _ in range(MAX_RENUMBERS_PER_TICK):
-            self.save()  # before publishing: a version is never issued twice
-            if self.tuner.active is None:
-                return
-            floor = await self.publisher.sync(self.tuner.active)
-            if floor is None:
-                return
-            renumbered = self.tuner.renumber(floor)
-            log.info("a router holds version %d: republishing as v%d", floor,
-                     renumbered.weights.version if renumbered else -1)
+        async with self._exclusive():
+            await self.follow_routers()
+            proposal = await asyncio.to_thread(self.tuner.next_weights, now)
+            if proposal is not None:
+                w = proposal.weights
+                log.info("publishing v%d (%s): %s", w.version, proposal.arm, _fmt(w))
+            for _ in range(MAX_RENUMBERS_PER_TICK):
+                self.save()  # before publishing: a version is never issued twice
+                if self.tuner.active is None:
+                    return
+                floor = await self.publisher.sync(self.tuner.active)
+                if floor is None:
+                    return
+                renumbered = self.tuner.renumber(floor)
+                log.info("a router holds version %d: republishing as v%d", floor,
+                         renumbered.weights.version if renumbered else -1)
 
     def log_status(self) -> None:
         """A line every ``log_every_s``, from the tuner's fields: not `Tuner.status()`, which

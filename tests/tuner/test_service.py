@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -366,3 +367,41 @@ def test_the_fleet_file_sets_the_objective_target_and_timeout(tmp_path: Path) ->
     path = write_config(tmp_path, [router], fleet="fleet.yaml", optimizer={"objective": "ttft"})
     with pytest.raises(ConfigError, match="contradicts the fleet file"):
         load_config(path)
+
+
+def test_spans_are_taken_while_a_verdict_computes_and_reach_the_tuner_after_it(
+    tmp_path: Path, span_builders,
+) -> None:
+    """The verdict runs in a thread: the OTLP intake answers meanwhile, and what it took waits
+    for the tuner to be free, then reaches it in order (the next tick acts on it)."""
+    async def body() -> None:
+        entered, release = threading.Event(), threading.Event()
+        async with two_routers(tmp_path) as (svc, a, b):
+            try:
+                await svc.tick(0.0)
+                assert a.weights.version == 1
+                verdict = svc.tuner.next_weights
+
+                def held_verdict(now: float) -> Proposal | None:
+                    entered.set()
+                    release.wait(60)
+                    return verdict(now)
+
+                svc.tuner.next_weights = held_verdict  # type: ignore[method-assign]
+                tick = asyncio.create_task(svc.tick(1.0))
+                assert await asyncio.to_thread(entered.wait, 60)
+                await export_samples(svc.otlp_port, 1, 5, 100_000, span_builders)
+                assert svc.receiver.counts["samples"] == 5
+                assert len(svc._held) == 5  # taken, not yet given: the tuner is busy
+                release.set()
+                await tick
+                assert svc._held == []
+                assert a.weights.version == 1  # that verdict saw none of them
+                await svc.tick(2.0)  # the next one has all five: the window closed
+                assert a.weights.version == b.weights.version == 2
+                assert svc.tuner.active.arm == "candidate"
+            finally:
+                release.set()
+                await b.stop()
+
+    run(body)
