@@ -155,7 +155,9 @@ def summary(args: argparse.Namespace, run: dict) -> str:
         "regions, each request at a router of its client's region, clients dealt evenly "
         "(`gorgo/sim/routers.py`)"
         + ("; with `sharing:` each router also applies the others' bookings one delay later "
-           "(`gorgo.core.peers`: 1 ms in one region, half the link's RTT between two)"
+           "(`gorgo.core.peers`: 1 ms in one region, half the link's RTT between two) and "
+           "decides in turns, the one ranked r among its live peers r x `stagger_ms` (2 ms) "
+           "after a request arrives"
            if args.share else "") + ". Cells are "
         f"{bench.CI_NOTE.replace('the best peer', 'K = 1')}. Goal: K = {GOAL_K} within "
         f"{(GOAL - 1) * 100:.0f} % of one router (ratio mean <= {GOAL:g}). {run['code']}.", "",

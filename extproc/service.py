@@ -13,6 +13,7 @@ Decisions, metrics and error answers are the same in both.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -43,6 +44,16 @@ from gorgo.core.router import Router
 log = logging.getLogger("gorgo.extproc")
 # The request messages that FULL_DUPLEX_STREAMED mode answers differently (see _on_duplex).
 _DUPLEX_KINDS = frozenset({"request_headers", "request_body", "request_trailers"})
+
+
+def _decides(kind: str | None, req: pb.ProcessingRequest, duplex: bool) -> bool:
+    """Whether this message may bring the routing decision: a buffered body, the last of a
+    streamed one (or its trailers), or headers with no body to follow."""
+    if kind == "request_body":
+        return not duplex or req.request_body.end_of_stream
+    if kind == "request_headers":
+        return req.request_headers.end_of_stream
+    return kind == "request_trailers" and duplex
 
 
 class _Stream:
@@ -120,6 +131,11 @@ class ExtProcService(ExternalProcessorServicer):
                 kind = req.WhichOneof("request")
                 if req.HasField("protocol_config"):  # Envoy 1.34+ sends it on the first message
                     st.duplex = req.protocol_config.request_body_mode == messages.FULL_DUPLEX
+                if not st.answered and _decides(kind, req, st.duplex):
+                    # This router's turn among its peers (shared bookings; 0 otherwise).
+                    hold = self.router.stagger_s(self.clock())
+                    if hold > 0.0:
+                        await asyncio.sleep(hold)
                 if st.duplex and kind in _DUPLEX_KINDS:
                     for answer in self._on_duplex(st, kind, req):
                         yield answer

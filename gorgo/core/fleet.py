@@ -223,16 +223,27 @@ class ControlHeaders:
     trusted_peers: tuple[str, ...] = ()
 
 
+# `Sharing.stagger_ms` unless set: twice the bus's one-way delay within a region (about 1 ms,
+# `sim.offline.PEER_LOCAL_S`).
+DEFAULT_STAGGER_MS = 2.0
+
+
 @dataclass(frozen=True, slots=True)
 class Sharing:
     """Bookings shared between the routers of this fleet (`gorgo.core.peers`): each publishes
     what it routes and what ends on ``subject`` of the NATS server at ``nats``, and counts the
-    others' as its own. Every router of the fleet names the same server and subject."""
+    others' as its own. Every router of the fleet names the same server and subject.
+
+    ``stagger_ms``: a router ranked r among its live peers (by router id) decides each request
+    r x this later, so that what its lower-ranked peers routed at the same moment has reached it
+    (`Router.stagger_s`). Above the bus's one-way delay between routers of one region; 0: off."""
 
     nats: str
     subject: str
+    stagger_ms: float = DEFAULT_STAGGER_MS
 
 
+MAX_STAGGER_MS = 50.0  # `Sharing.stagger_ms`: beyond a region's bus delay, latency for nothing
 HEADER_MODES = ("send", "skip")
 
 
@@ -678,7 +689,7 @@ def _sharing(raw: Mapping[str, Any], path: str, fleet: str) -> Sharing | None:
     if raw.get("sharing") is None:
         return None
     sraw = _mapping(raw["sharing"], path)
-    _check_keys(sraw, {"nats", "subject"}, path)
+    _check_keys(sraw, {"nats", "subject", "stagger_ms"}, path)
     url = _str(sraw, "nats", path, "")
     parts = urlsplit(url)
     if parts.scheme not in ("nats", "tls") or not parts.hostname:
@@ -688,7 +699,11 @@ def _sharing(raw: Mapping[str, Any], path: str, fleet: str) -> Sharing | None:
     if not subject or any(c in subject for c in " *>\t") or "" in subject.split("."):
         raise FleetError(f"{path}.subject: expected a NATS subject of dot-separated tokens "
                          f"without wildcards, got {subject!r}")
-    return Sharing(nats=url, subject=subject)
+    stagger = _num(sraw, "stagger_ms", path, DEFAULT_STAGGER_MS)
+    if stagger > MAX_STAGGER_MS:
+        raise FleetError(f"{path}.stagger_ms: at most {MAX_STAGGER_MS:g} ms (each router ranked "
+                         f"r waits r x this for every request), got {stagger!r}")
+    return Sharing(nats=url, subject=subject, stagger_ms=stagger)
 
 
 def _extproc(raw: Mapping[str, Any], path: str) -> ExtProcMode:

@@ -48,9 +48,10 @@ from gorgo.sim.kv_publish import HASH_ALGO, SimHashing
 from gorgo.sim.profiles import replica_profile
 from gorgo.sim.routers import SAME, assign_routers, link_from, router_regions, view_from
 
-# Event kinds, in tie-break order at equal times (completions before new arrivals; hooks last).
+# Event kinds, in tie-break order at equal times (completions before new arrivals; hooks last; a
+# held decision after the peers' bookings of its moment).
 (STEP_END, FIRST_TOKEN, CLOSE, PROBE_DONE, SCRAPE_DONE, KV_EVENTS, SCRAPE_AT, SUBMIT, ARRIVE, PROBE,
- TICK, CALL, PEER) = range(13)
+ TICK, CALL, PEER, DECIDE) = range(14)
 # Shared bookings (fleet `sharing:`): between routers of one region, this one-way delay (a message
 # bus in the same data centre); between regions, half the RTT of their link (`link_from`).
 PEER_LOCAL_S = 1e-3
@@ -236,7 +237,7 @@ class Simulation:
 
     def _push(self, t: float, kind: int, payload: object) -> None:
         heapq.heappush(self._heap, (t, kind, next(self._seq), payload))
-        if kind in (ARRIVE, SUBMIT):
+        if kind in (ARRIVE, SUBMIT, DECIDE):
             heapq.heappush(self._inputs, t)
 
     def run(
@@ -279,7 +280,7 @@ class Simulation:
             CLOSE: self._close, PROBE: self._probe, PROBE_DONE: self._probe_done,
             SCRAPE_AT: self._scrape_at, SCRAPE_DONE: self._scrape_done, TICK: self._tick,
             CALL: self._call, KV_EVENTS: self._kv_events, FIRST_TOKEN: self._first_token,
-            PEER: self._peer,
+            PEER: self._peer, DECIDE: self._decide,
         }
         self._open = n
         while heap and self._open > 0:
@@ -301,6 +302,15 @@ class Simulation:
     # --- request path --------------------------------------------------------------------------
 
     def _arrive(self, k: int) -> None:
+        """A request at its router, held there for the router's turn among its peers
+        (`Router.stagger_s`: 0 without shared bookings), then decided."""
+        hold = self.sides[self.home[k]].router.stagger_s(self.now)
+        if hold > 0.0:
+            self._push(self.now + hold, DECIDE, k)
+        else:
+            self._decide(k)
+
+    def _decide(self, k: int) -> None:
         rec = self.records[k]
         side = self.sides[self.home[k]]
         d = side.router.route(self.features[k], self.now)

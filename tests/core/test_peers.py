@@ -96,6 +96,33 @@ def test_no_echo_without_live_peers_or_sharing() -> None:
     assert quiet.route(f, 0.0) and quiet.state.inflight_reqs.sum() == 1
 
 
+@pytest.mark.parametrize(("me", "peers", "now", "turn_ms"), [
+    ("b", {"a": 0.0, "c": 0.0}, 1.0, 2.0),  # one live peer ranks before it
+    ("d", {"a": 0.0, "b": 0.5, "c": 0.9}, 1.0, 6.0),  # three do
+    ("a", {"b": 0.0, "c": 0.0}, 1.0, 0.0),  # first in turn: no wait
+    ("d", {"a": 0.0, "c": 0.0}, PEER_LIVE_S + 0.5, 0.0),  # they fell silent
+])
+def test_the_routers_of_one_moment_decide_in_turns_by_id(
+    me: str, peers: dict[str, float], now: float, turn_ms: float,
+) -> None:
+    r = Router(parse_fleet(DOC), id_prefix=me)
+    r.share()
+    for peer, at in peers.items():
+        heard_from(r, peer, at)
+    assert r.stagger_s(now) == pytest.approx(turn_ms / 1000.0)
+
+
+def test_no_turns_without_sharing_or_with_no_stagger() -> None:
+    quiet = Router(parse_fleet(DOC), id_prefix="z")  # sharing not started
+    heard_from(quiet, "a", 0.0)
+    assert quiet.stagger_s(0.0) == 0.0
+    off = Router(parse_fleet({**DOC, "sharing": {"nats": "nats://127.0.0.1:4222",
+                                                 "stagger_ms": 0}}), id_prefix="z")
+    off.share()
+    heard_from(off, "a", 0.0)
+    assert off.stagger_s(0.0) == 0.0
+
+
 def test_a_reload_takes_the_echoes_back() -> None:
     a, _ = pair()
     heard_from(a, "b", 0.0)
@@ -188,6 +215,9 @@ def test_a_malformed_message_is_refused_whole(data: bytes) -> None:
     ({"nats": "nats://bus:4222", "subject": "gorgo.*"}, "without wildcards"),
     ({"nats": "nats://bus:4222", "subject": "a..b"}, "without wildcards"),
     ({"nats": "nats://bus:4222", "topic": "x"}, "unknown field"),
+    ({"nats": "nats://bus:4222", "stagger_ms": -1}, "must be >= 0"),
+    ({"nats": "nats://bus:4222", "stagger_ms": 51}, "at most 50 ms"),
+    ({"nats": "nats://bus:4222", "stagger_ms": "2ms"}, "expected a number"),
 ])
 def test_fleet_sharing_errors(sharing: dict, message: str) -> None:
     with pytest.raises(FleetError, match=message):
@@ -196,4 +226,5 @@ def test_fleet_sharing_errors(sharing: dict, message: str) -> None:
 
 def test_fleet_sharing_defaults_to_the_fleets_subject() -> None:
     assert parse_fleet(DOC).sharing.subject == "gorgo.bookings.f"  # type: ignore[union-attr]
+    assert parse_fleet(DOC).sharing.stagger_ms == 2.0  # type: ignore[union-attr]
     assert parse_fleet({k: v for k, v in DOC.items() if k != "sharing"}).sharing is None

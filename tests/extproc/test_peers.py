@@ -11,11 +11,14 @@ import nats
 import pytest
 
 import tests.support.e2e as e2e
+from extproc import service as service_mod
 from extproc.peers import PeerLink
 from extproc.telemetry import RouterMetrics
+from gorgo._xds.envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from gorgo.core.decision import Decision
 from gorgo.core.features import extract_features
 from gorgo.core.fleet import parse_fleet
+from gorgo.core.peers import CLOSED, OPENED, Booking
 from gorgo.core.router import Router
 from gorgo.harness.nats_proc import NatsProcess
 from gorgo.harness.procs import GorgoProcess, LoopThread, wait_for
@@ -173,3 +176,38 @@ def test_a_peer_router_counts_requests_routed_behind_envoy(
         e2e.CHUNK_GAP_S = slow
     assert wait_for(lambda: peer_metric("gorgo_peer_open_bookings") == 0, 10)
     assert peer_metric("gorgo_inflight_requests") == 0
+
+
+@pytest.mark.parametrize(("peer", "held"), [("a", [0.002]), ("z", [])])
+def test_the_service_holds_a_decision_for_its_routers_turn(
+    monkeypatch: pytest.MonkeyPatch, peer: str, held: list[float],
+) -> None:
+    """A router ranked second among its live peers waits ``stagger_ms`` before it decides (the
+    offline simulation's `Router.stagger_s`, awaited on the loop); ranked first, not at all."""
+    router = Router(parse_fleet(fleet("nats://127.0.0.1:4222")), id_prefix="m")
+    router.share()
+    router.apply_peer(Booking(peer, f"{peer}-1", OPENED, "r0", 5, 5), 0.0)
+    router.apply_peer(Booking(peer, f"{peer}-1", CLOSED, "r0"), 0.0)
+    waits: list[float] = []
+    real_sleep = asyncio.sleep
+
+    async def sleep(s: float) -> None:
+        waits.append(s)
+        await real_sleep(0)
+
+    monkeypatch.setattr(service_mod.asyncio, "sleep", sleep)
+    svc = service_mod.ExtProcService(router, RouterMetrics(router.state, lambda: 0),
+                                     clock=lambda: 1.0)
+    body = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]}'
+    msgs = [pb.ProcessingRequest(request_headers=pb.HttpHeaders()),
+            pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=True))]
+
+    async def go() -> list[pb.ProcessingResponse]:
+        async def it():
+            for m in msgs:
+                yield m
+        return [a async for a in svc.Process(it(), None)]
+
+    answers = asyncio.run(go())
+    assert answers[-1].HasField("request_body")  # routed after the wait
+    assert waits == pytest.approx(held)  # the headers message decided nothing: no wait there

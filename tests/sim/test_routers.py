@@ -11,12 +11,14 @@ import numpy as np
 import pytest
 
 from gorgo.cli import main as cli_main
-from gorgo.core.decision import Decision
+from gorgo.core.decision import Decision, Rejection
+from gorgo.core.features import RequestFeatures
 from gorgo.core.fleet import FleetSpec, Sharing, parse_fleet
+from gorgo.sim import offline
 from gorgo.sim.offline import RequestRecord, SimResult, Simulation
 from gorgo.sim.presets import fleet_document
 from gorgo.sim.routers import SAME, SPREAD, assign_routers, link_from, router_regions, view_from
-from gorgo.sim.traces import chat_trace
+from gorgo.sim.traces import TraceRequest, chat_trace
 from gorgo.sim.workload import Workload, simulate, tokenization, workload_from_requests
 
 PROFILE = "h100-llama3-8b"
@@ -186,3 +188,41 @@ def test_bench_sim_refuses_bad_router_options(tmp_path: Path, extra: list[str],
             str(tmp_path), "--jobs", "1", *extra]
     assert cli_main(argv) == 2
     assert "routers" in capsys.readouterr().err
+
+
+def _burst_pairs(stagger_ms: float) -> tuple[list[float], int]:
+    """Two routers in one region sharing bookings, two equal replicas, unique prompts of one
+    size: after a warm-up every arrival is a pair at one instant, one request at each router.
+    (router 1's hold before each decision, pairs split over the two replicas)"""
+    doc = fleet_document({"home": 2}, profile=PROFILE, links=LINKS)
+    doc["sharing"] = {"nats": "nats://127.0.0.1:4222", "stagger_ms": stagger_ms}
+    spec = parse_fleet(doc)
+    arrivals = [0.1 * k for k in range(20)] + [3.0 + 0.5 * (k // 2) for k in range(40)]
+    work = workload_from_requests("pairs", [TraceRequest(k, t, 2000, 8)
+                                            for k, t in enumerate(arrivals)], tokenization(spec))
+    sim = Simulation(spec, "gorgo", seed=3, routers=2, placement=SAME)
+    route, held = sim.sides[1].router.route, []
+
+    def timed(f: RequestFeatures, now: float) -> Decision | Rejection:
+        held.append(now - arrivals[work.features.index(f)])
+        return route(f, now)
+
+    sim.sides[1].router.route = timed  # type: ignore[method-assign]
+    with pytest.MonkeyPatch.context() as mp:  # request k at router k % 2
+        mp.setattr(offline, "assign_routers", lambda *_a: np.arange(60) % 2)
+        res = sim.run(arrivals, work.features, work.output_tokens)
+    assert all(r.status == 200 for r in res.records)
+    rec = res.records
+    return held, sum(rec[k].replica != rec[k + 1].replica for k in range(20, 60, 2))
+
+
+def test_routers_of_one_region_take_turns_and_split_a_burst() -> None:
+    """With shared bookings the router ranked second holds each request ``stagger_ms`` once it
+    has heard from its peer, so the pair of one instant goes to two replicas; without the
+    stagger both routers see the same state at the same moment and pairs collide."""
+    held, split = _burst_pairs(2.0)
+    # Router 0's first booking reached it before its first request: every one waited its turn.
+    assert held == pytest.approx([0.002] * 30)
+    held_off, split_off = _burst_pairs(0.0)
+    assert held_off == [0.0] * 30
+    assert split == 20 > split_off, (split, split_off)
