@@ -238,11 +238,14 @@ class Router:
         """How long to hold a request before `route`: this router's rank among its live peers
         times the fleet's ``sharing.stagger_ms`` (0 without sharing or live peers), so the
         routers of one moment decide in turns, each after the earlier ones' bookings arrived
-        (`gorgo.core.peers`). The driver waits (the simulator, the ext_proc service)."""
+        (`gorgo.core.peers`). The driver waits (the simulator, the ext_proc service). At most a
+        quarter of Envoy's ext_proc message timeout: a hold past it would fail the request open
+        to the default route."""
         sharing = self.spec.sharing
         if self.outbox is None or sharing is None or not sharing.stagger_ms:
             return 0.0
-        return self.peers.rank(self._id_prefix, now) * sharing.stagger_ms / 1000.0
+        hold = self.peers.rank(self._id_prefix, now) * sharing.stagger_ms / 1000.0
+        return min(hold, self.spec.timeouts.message_ms / 4000.0)
 
     @property
     def router_id(self) -> str:

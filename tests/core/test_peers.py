@@ -112,6 +112,16 @@ def test_the_routers_of_one_moment_decide_in_turns_by_id(
     assert r.stagger_s(now) == pytest.approx(turn_ms / 1000.0)
 
 
+def test_a_turn_never_outlasts_a_quarter_of_envoys_message_timeout() -> None:
+    doc = {**DOC, "timeouts": {"request_s": 60, "message_ms": 200},
+           "sharing": {"nats": "nats://127.0.0.1:4222", "stagger_ms": 40}}
+    r = Router(parse_fleet(doc), id_prefix="z")
+    r.share()
+    for peer in "abcd":
+        heard_from(r, peer, 0.0)
+    assert r.stagger_s(0.0) == pytest.approx(0.05)  # 4 x 40 ms held to 200 / 4
+
+
 def test_no_turns_without_sharing_or_with_no_stagger() -> None:
     quiet = Router(parse_fleet(DOC), id_prefix="z")  # sharing not started
     heard_from(quiet, "a", 0.0)
