@@ -122,6 +122,8 @@ TAG_FROM_METADATA = [
      "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}
     for header, field in ((REPLICA_HEADER, "replica"), (DECISION_HEADER, "decision_id"))
 ]
+
+
 def _routing_from_metadata(spec: FleetSpec, picker: bool) -> list[dict]:
     """The filters between ext_proc and the router when the request-headers message is skipped
     (fleet extproc.request_headers: skip). The ext_proc filter then lets the headers through at
