@@ -3,7 +3,7 @@
 One simulated fleet (the demo's three regions), and per region a real Envoy and a `gorgo extproc`
 whose probes, scrapes and requests go over that region's links (`gorgo.harness.multiproxy`).
 The slice's clients are dealt over the regions as the offline multi-router simulation deals them
-(`gorgo.sim.routers.assign_routers`, ``spread``: a session stays with one region), and each
+(`gorgo.sim.routers.client_regions`: a session stays with one region), and each
 region's clients replay their requests through their own proxy, all at once. The same slice
 runs again with the routers sharing their bookings over a real NATS server (the fleet's
 ``sharing:``, `gorgo.core.peers`), then through a single proxy in us-east, each on a fresh stack
@@ -32,7 +32,7 @@ from gorgo.harness.multiproxy import ProxyPerRegion
 from gorgo.harness.nats_proc import NatsProcess
 from gorgo.harness.stack import LiveStack, StackOptions, with_free_ports
 from gorgo.progress import StatusLine
-from gorgo.sim.routers import SPREAD, assign_routers, link_from
+from gorgo.sim import routers
 from gorgo.sim.stats import summarize
 from gorgo.sim.workload import tokenization, workload_from_requests
 
@@ -77,11 +77,11 @@ def _run(plan: list[tuple[LiveRun, list, str]], args: argparse.Namespace, tok: T
 
 
 def client_regions(doc: dict, requests, seed: int) -> list[str]:
-    """Each request's client region, dealt as the offline ``spread`` placement deals them."""
+    """Each request's client region, dealt as the offline simulation deals them."""
     spec = parse_fleet(doc)
     features = workload_from_requests("demo", requests, tokenization(spec)).features
-    home = assign_routers(features, list(REGIONS), SPREAD, seed)
-    return [REGIONS[int(h)] for h in home]
+    names = routers.fleet_regions(spec)
+    return [names[int(c)] for c in routers.client_regions(features, spec, seed)]
 
 
 def _options(args: argparse.Namespace) -> StackOptions:
@@ -137,7 +137,7 @@ def write_report(out: Path, args: argparse.Namespace, runs: list[LiveRun], share
     merged_shared = LiveRun(f"all proxies {SHARED}", [r for run in shared for r in run.records])
     rows = [*runs, merged, *(shared and [*shared, merged_shared]), *([single] if single else [])]
     table = live_table(rows, region_of)
-    links = "; ".join(f"{g}: " + ", ".join(f"{h} {link_from(spec, g, h)[0]:.0f}"
+    links = "; ".join(f"{g}: " + ", ".join(f"{h} {routers.link_from(spec, g, h)[0]:.0f}"
                                            for h in REGIONS) for g in REGIONS)
     lines = [
         "# GORGO demo report: a proxy per region", "",

@@ -115,6 +115,8 @@ def run_metrics(res: SimResult, spec: FleetSpec) -> tuple[dict[str, float], np.n
     ok = np.array([r.status == 200 for r in recs], dtype=bool)
     ttft = np.array([r.ttft * 1000.0 if r.status == 200 else math.inf for r in recs])
     e2e = np.array([r.e2e * 1000.0 if r.status == 200 else math.inf for r in recs])
+    # As the client feels them: plus its way to the router and back (`sim.routers`).
+    leg = np.array([r.client_ms for r in recs])
     served = [r for r in recs if r.status == 200]
     itl = np.array([r.itl * 1000.0 for r in served if math.isfinite(r.itl)])
     prompt = sum(r.prompt_tokens for r in served)
@@ -138,6 +140,8 @@ def run_metrics(res: SimResult, spec: FleetSpec) -> tuple[dict[str, float], np.n
         "ttft_p99_ms": pct(ttft, 99),
         "e2e_p50_ms": pct(e2e, 50),
         "e2e_p95_ms": pct(e2e, 95),
+        "client_ttft_p95_ms": pct(ttft + leg, 95),
+        "client_e2e_p95_ms": pct(e2e + leg, 95),
         "itl_p50_ms": pct(itl, 50),
         "itl_p95_ms": pct(itl, 95),
         "cache_hit": 100.0 * cached / prompt if prompt else 0.0,

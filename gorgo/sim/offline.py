@@ -46,7 +46,14 @@ from gorgo.core.router import TICK_INTERVAL_S, Router
 from gorgo.sim.engine import Engine, EngineRejected, EngineRequest, StepResult
 from gorgo.sim.kv_publish import HASH_ALGO, SimHashing
 from gorgo.sim.profiles import replica_profile
-from gorgo.sim.routers import SAME, assign_routers, link_from, router_regions, view_from
+from gorgo.sim.routers import (
+    SAME,
+    assign_routers,
+    client_legs,
+    link_from,
+    router_regions,
+    view_from,
+)
 
 # Event kinds, in tie-break order at equal times (completions before new arrivals; hooks last; a
 # held decision after the peers' bookings of its moment).
@@ -83,6 +90,7 @@ class RequestRecord:
     predicted_ms: float = math.nan
     back_delay: float = 0.0
     first_at: float = math.nan
+    client_ms: float = 0.0  # the client's way to its router and back (`sim.routers.client_legs`)
 
 
 @dataclass
@@ -253,8 +261,13 @@ class Simulation:
             for k in range(n)
         ]
         self.features = features
-        self.home = assign_routers(features, [s.region for s in self.sides], self.placement,
+        regions = [s.region for s in self.sides]
+        self.home = assign_routers(features, self.spec, regions, self.placement,
                                    self.seed)  # the router each request arrives at
+        for rec, leg in zip(self.records,
+                            client_legs(features, self.spec, regions, self.home, self.seed),
+                            strict=True):
+            rec.client_ms = float(leg)
         # Requests that arrive at the same instant (Mooncake quantises its timestamps to ~3 s, up
         # to 28 per value) reach the router shortest body first, as they do live: Envoy reads all
         # the bodies at once and the router sees each when its body is complete. Arrival order

@@ -15,9 +15,20 @@ from gorgo.core.decision import Decision, Rejection
 from gorgo.core.features import RequestFeatures
 from gorgo.core.fleet import FleetSpec, Sharing, parse_fleet
 from gorgo.sim import offline
+from gorgo.sim.bench import pct, run_metrics
 from gorgo.sim.offline import RequestRecord, SimResult, Simulation
 from gorgo.sim.presets import fleet_document
-from gorgo.sim.routers import SAME, SPREAD, assign_routers, link_from, router_regions, view_from
+from gorgo.sim.routers import (
+    SAME,
+    SPREAD,
+    assign_routers,
+    client_legs,
+    client_regions,
+    fleet_regions,
+    link_from,
+    router_regions,
+    view_from,
+)
 from gorgo.sim.traces import TraceRequest, chat_trace
 from gorgo.sim.workload import Workload, simulate, tokenization, workload_from_requests
 
@@ -67,20 +78,26 @@ def test_placement_regions(fleet: FleetSpec) -> None:
         router_regions(fleet, 2, "everywhere")
 
 
-def test_same_region_arrivals_split_evenly_and_follow_the_seed(chat: Workload) -> None:
+def test_same_region_arrivals_split_evenly_and_follow_the_seed(fleet: FleetSpec,
+                                                                chat: Workload) -> None:
     f = chat.features
-    a = assign_routers(f, ["home"] * 4, SAME, seed=1)
-    assert a.tolist() == assign_routers(f, ["home"] * 4, SAME, seed=1).tolist()
-    assert a.tolist() != assign_routers(f, ["home"] * 4, SAME, seed=2).tolist()
+    a = assign_routers(f, fleet, ["home"] * 4, SAME, seed=1)
+    assert a.tolist() == assign_routers(f, fleet, ["home"] * 4, SAME, seed=1).tolist()
+    assert a.tolist() != assign_routers(f, fleet, ["home"] * 4, SAME, seed=2).tolist()
     counts = Counter(a.tolist())
     assert set(counts) == {0, 1, 2, 3}
     assert max(counts.values()) < 2 * min(counts.values())
 
 
-def test_spread_arrivals_come_from_each_region_and_keep_sessions(chat: Workload) -> None:
+def test_spread_arrivals_come_from_each_region_and_keep_sessions(fleet: FleetSpec,
+                                                                  chat: Workload) -> None:
     regions = ["home", "mid", "far", "home", "mid"]
-    a = assign_routers(chat.features, regions, SPREAD, seed=3)
-    assert a.tolist() == assign_routers(chat.features, regions, SPREAD, seed=3).tolist()
+    a = assign_routers(chat.features, fleet, regions, SPREAD, seed=3)
+    assert a.tolist() == assign_routers(chat.features, fleet, regions, SPREAD, seed=3).tolist()
+    # Every request reaches a router of its client's region.
+    names = fleet_regions(fleet)
+    clients = client_regions(chat.features, fleet, seed=3)
+    assert [regions[j] for j in a] == [names[c] for c in clients]
     region = [regions[j] for j in a]
     # A session's requests all come from one region (one client) ...
     of_session: dict[str | None, set[str]] = {}
@@ -94,6 +111,47 @@ def test_spread_arrivals_come_from_each_region_and_keep_sessions(chat: Workload)
     assert max(clients.values()) - min(clients.values()) <= 1
     # Both routers of a region get its clients' requests.
     assert {int(j) for j in a if regions[j] == "home"} == {0, 3}
+
+
+def test_clients_of_a_region_without_a_router_go_to_the_nearest(fleet: FleetSpec,
+                                                               chat: Workload) -> None:
+    # Two spread routers cover home and mid; far's clients (400 ms from home, max(400, 200) from
+    # mid) reach home, the nearer. The clients themselves are the same whatever the routers.
+    regions = router_regions(fleet, 2, SPREAD)
+    assert regions == ["home", "mid"]
+    names = fleet_regions(fleet)
+    clients = [names[c] for c in client_regions(chat.features, fleet, seed=3)]
+    assert Counter(clients).keys() == {"home", "mid", "far"}
+    a = assign_routers(chat.features, fleet, regions, SPREAD, seed=3)
+    for c, j in zip(clients, a, strict=True):
+        assert regions[j] == ("home" if c == "far" else c)
+
+
+@pytest.mark.parametrize(("routers", "placement"), [(1, SAME), (4, SAME), (4, SPREAD)])
+def test_a_clients_leg_is_the_rtt_between_its_region_and_its_routers(
+        fleet: FleetSpec, chat: Workload, routers: int, placement: str) -> None:
+    regions = router_regions(fleet, routers, placement)
+    home = assign_routers(chat.features, fleet, regions, placement, seed=3)
+    legs = client_legs(chat.features, fleet, regions, home, seed=3)
+    names = fleet_regions(fleet)
+    clients = client_regions(chat.features, fleet, seed=3)
+    assert legs.tolist() == [link_from(fleet, names[c], regions[j])[0]
+                             for c, j in zip(clients, home, strict=True)]
+    if placement == SPREAD:  # every client has a router in its own region
+        assert set(legs.tolist()) == {10.0}
+    else:  # one proxy: the far clients pay the far link
+        assert set(legs.tolist()) == {10.0, 200.0, 400.0}
+
+
+def test_the_client_figures_add_the_leg(fleet: FleetSpec, chat: Workload) -> None:
+    head = chat.head(60)
+    res = simulate(fleet, "gorgo", head, 1.0, seed=2)
+    legs = np.array([r.client_ms for r in res.records])
+    assert set(legs.tolist()) == {10.0, 200.0, 400.0}
+    m, _ = run_metrics(res, fleet)
+    ttft = np.array([r.ttft * 1000.0 for r in res.records])
+    assert m["client_ttft_p95_ms"] == pytest.approx(pct(ttft + legs, 95))
+    assert m["client_ttft_p95_ms"] > m["ttft_p95_ms"]
 
 
 def test_each_router_sees_only_its_own_decisions(fleet: FleetSpec, chat: Workload) -> None:
