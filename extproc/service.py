@@ -131,8 +131,11 @@ class ExtProcService(ExternalProcessorServicer):
                 kind = req.WhichOneof("request")
                 if req.HasField("protocol_config"):  # Envoy 1.34+ sends it on the first message
                     st.duplex = req.protocol_config.request_body_mode == messages.FULL_DUPLEX
-                if not st.answered and _decides(kind, req, st.duplex):
-                    # This router's turn among its peers (shared bookings; 0 otherwise).
+                if not st.answered and _decides(kind, req, st.duplex) and not (
+                        kind == "request_headers"
+                        and self._lists_models(messages.header_dict(req.request_headers))):
+                    # This router's turn among its peers (shared bookings; 0 otherwise); the
+                    # router's own answer to /v1/models books nothing and waits for no turn.
                     hold = self.router.stagger_s(self.clock())
                     if hold > 0.0:
                         await asyncio.sleep(hold)
@@ -166,11 +169,15 @@ class ExtProcService(ExternalProcessorServicer):
         st.opened = True
         st.headers = headers
         st.path = headers.get(":path", "/")
-        # Envoy forwards no :method (ROUTER_READS): any method of /v1/models gets the list.
-        if (self._models is not None and headers.get(":method", "GET") == "GET"
-                and st.path.split("?", 1)[0] == MODELS_PATH):
+        if self._lists_models(headers):
             return messages.immediate(200, self._models, "gorgo_models")
         return None
+
+    def _lists_models(self, headers: dict[str, str]) -> bool:
+        """Whether the router answers this request itself, with the fleet's model list."""
+        # Envoy forwards no :method (ROUTER_READS): any method of /v1/models gets the list.
+        return (self._models is not None and headers.get(":method", "GET") == "GET"
+                and headers.get(":path", "/").split("?", 1)[0] == MODELS_PATH)
 
     def _on_request_headers(self, st: _Stream, msg: pb.HttpHeaders) -> pb.ProcessingResponse:
         answer = self._open(st, messages.header_dict(msg))

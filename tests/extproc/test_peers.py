@@ -211,3 +211,41 @@ def test_the_service_holds_a_decision_for_its_routers_turn(
     answers = asyncio.run(go())
     assert answers[-1].HasField("request_body")  # routed after the wait
     assert waits == pytest.approx(held)  # the headers message decided nothing: no wait there
+
+
+def test_the_routers_own_model_list_waits_for_no_turn(monkeypatch: pytest.MonkeyPatch) -> None:
+    """GET /v1/models, which the router answers itself and books nothing for, is not held for
+    the router's turn; any other headers-only request goes to the router, and is."""
+    doc = fleet("nats://127.0.0.1:4222")
+    for r in doc["replicas"]:
+        r["models"] = ["m"]
+    router = Router(parse_fleet(doc), id_prefix="m")
+    router.share()
+    router.apply_peer(Booking("a", "a-1", OPENED, "r0", 5, 5), 0.0)  # ranked second: holds
+    router.apply_peer(Booking("a", "a-1", CLOSED, "r0"), 0.0)
+    waits: list[float] = []
+    real_sleep = asyncio.sleep
+
+    async def sleep(s: float) -> None:
+        waits.append(s)
+        await real_sleep(0)
+
+    monkeypatch.setattr(service_mod.asyncio, "sleep", sleep)
+    svc = service_mod.ExtProcService(router, RouterMetrics(router.state, lambda: 0),
+                                     clock=lambda: 1.0)
+
+    def headers_only(path: str) -> list[pb.ProcessingResponse]:
+        hdrs = pb.HttpHeaders(end_of_stream=True)
+        hdrs.headers.headers.add(key=":path", raw_value=path.encode())
+
+        async def go() -> list[pb.ProcessingResponse]:
+            async def it():
+                yield pb.ProcessingRequest(request_headers=hdrs)
+            return [a async for a in svc.Process(it(), None)]
+        return asyncio.run(go())
+
+    listed = headers_only("/v1/models")
+    assert listed[0].HasField("immediate_response") and waits == []
+    other = headers_only("/v1/chat/completions")  # no body: refused, after its turn
+    assert other[0].immediate_response.status.code == 400
+    assert waits == pytest.approx([0.002])
