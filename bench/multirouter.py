@@ -123,16 +123,11 @@ def rows(trace: str, out: Path, runs: list[tuple[int, str]]) -> tuple[list[str],
             continue
         for p in policies():
             cells = []
-            for m in METRICS:
-                head, unit = bench.TABLE_METRICS[m]
-                cells.append(bench.fmt_stat(bench.nested_ci(mine[p][m]), unit))
-                ratio = bench.paired_ratio(mine[p][m], base[p][m])
-                cells.append("1" if k == 1 else bench.fmt_ratio(ratio))
-                if k == GOAL_K:
-                    ok = ratio.mean <= GOAL
-                    goal.append(f"- {trace}, {p}, {placement}: {head} {bench.fmt_ratio(ratio)} "
-                                f"x one router's: {'met' if ok else 'NOT met'}")
-            for m, head in CLIENT_METRICS.items():
+            # The router's figures with their values, then the client's as ratios only.
+            for m, (head, unit) in [*((m, bench.TABLE_METRICS[m]) for m in METRICS),
+                                    *((m, (head, None)) for m, head in CLIENT_METRICS.items())]:
+                if unit is not None:
+                    cells.append(bench.fmt_stat(bench.nested_ci(mine[p][m]), unit))
                 ratio = bench.paired_ratio(mine[p][m], base[p][m])
                 cells.append("1" if k == 1 else bench.fmt_ratio(ratio))
                 if k == GOAL_K:

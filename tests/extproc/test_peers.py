@@ -178,13 +178,12 @@ def test_a_peer_router_counts_requests_routed_behind_envoy(
     assert peer_metric("gorgo_inflight_requests") == 0
 
 
-@pytest.mark.parametrize(("peer", "held"), [("a", [0.002]), ("z", [])])
-def test_the_service_holds_a_decision_for_its_routers_turn(
-    monkeypatch: pytest.MonkeyPatch, peer: str, held: list[float],
-) -> None:
-    """A router ranked second among its live peers waits ``stagger_ms`` before it decides (the
-    offline simulation's `Router.stagger_s`, awaited on the loop); ranked first, not at all."""
-    router = Router(parse_fleet(fleet("nats://127.0.0.1:4222")), id_prefix="m")
+def _turn_taking_service(
+    monkeypatch: pytest.MonkeyPatch, peer: str, doc: dict | None = None,
+) -> tuple[service_mod.ExtProcService, list[float]]:
+    """A service whose router has heard from ``peer`` (ranked before it when ``peer`` < "m"),
+    and the holds it awaits."""
+    router = Router(parse_fleet(doc or fleet("nats://127.0.0.1:4222")), id_prefix="m")
     router.share()
     router.apply_peer(Booking(peer, f"{peer}-1", OPENED, "r0", 5, 5), 0.0)
     router.apply_peer(Booking(peer, f"{peer}-1", CLOSED, "r0"), 0.0)
@@ -196,19 +195,31 @@ def test_the_service_holds_a_decision_for_its_routers_turn(
         await real_sleep(0)
 
     monkeypatch.setattr(service_mod.asyncio, "sleep", sleep)
-    svc = service_mod.ExtProcService(router, RouterMetrics(router.state, lambda: 0),
-                                     clock=lambda: 1.0)
-    body = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]}'
-    msgs = [pb.ProcessingRequest(request_headers=pb.HttpHeaders()),
-            pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=True))]
+    return service_mod.ExtProcService(router, RouterMetrics(router.state, lambda: 0),
+                                      clock=lambda: 1.0), waits
 
+
+def _process(svc: service_mod.ExtProcService,
+             msgs: list[pb.ProcessingRequest]) -> list[pb.ProcessingResponse]:
     async def go() -> list[pb.ProcessingResponse]:
         async def it():
             for m in msgs:
                 yield m
         return [a async for a in svc.Process(it(), None)]
+    return asyncio.run(go())
 
-    answers = asyncio.run(go())
+
+@pytest.mark.parametrize(("peer", "held"), [("a", [0.002]), ("z", [])])
+def test_the_service_holds_a_decision_for_its_routers_turn(
+    monkeypatch: pytest.MonkeyPatch, peer: str, held: list[float],
+) -> None:
+    """A router ranked second among its live peers waits ``stagger_ms`` before it decides (the
+    offline simulation's `Router.stagger_s`, awaited on the loop); ranked first, not at all."""
+    svc, waits = _turn_taking_service(monkeypatch, peer)
+    body = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]}'
+    answers = _process(svc, [
+        pb.ProcessingRequest(request_headers=pb.HttpHeaders()),
+        pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=True))])
     assert answers[-1].HasField("request_body")  # routed after the wait
     assert waits == pytest.approx(held)  # the headers message decided nothing: no wait there
 
@@ -219,30 +230,12 @@ def test_the_routers_own_model_list_waits_for_no_turn(monkeypatch: pytest.Monkey
     doc = fleet("nats://127.0.0.1:4222")
     for r in doc["replicas"]:
         r["models"] = ["m"]
-    router = Router(parse_fleet(doc), id_prefix="m")
-    router.share()
-    router.apply_peer(Booking("a", "a-1", OPENED, "r0", 5, 5), 0.0)  # ranked second: holds
-    router.apply_peer(Booking("a", "a-1", CLOSED, "r0"), 0.0)
-    waits: list[float] = []
-    real_sleep = asyncio.sleep
-
-    async def sleep(s: float) -> None:
-        waits.append(s)
-        await real_sleep(0)
-
-    monkeypatch.setattr(service_mod.asyncio, "sleep", sleep)
-    svc = service_mod.ExtProcService(router, RouterMetrics(router.state, lambda: 0),
-                                     clock=lambda: 1.0)
+    svc, waits = _turn_taking_service(monkeypatch, "a", doc)  # ranked second: holds
 
     def headers_only(path: str) -> list[pb.ProcessingResponse]:
         hdrs = pb.HttpHeaders(end_of_stream=True)
         hdrs.headers.headers.add(key=":path", raw_value=path.encode())
-
-        async def go() -> list[pb.ProcessingResponse]:
-            async def it():
-                yield pb.ProcessingRequest(request_headers=hdrs)
-            return [a async for a in svc.Process(it(), None)]
-        return asyncio.run(go())
+        return _process(svc, [pb.ProcessingRequest(request_headers=hdrs)])
 
     listed = headers_only("/v1/models")
     assert listed[0].HasField("immediate_response") and waits == []
