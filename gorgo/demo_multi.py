@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import sys
 import threading
 import time
@@ -25,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from gorgo.core.fleet import parse_fleet
+from gorgo.core.fleet import FleetSpec, parse_fleet
 from gorgo.core.tokens import Tokenization
 from gorgo.demo import REGIONS, LiveRun, live_table, replay_all
 from gorgo.harness.multiproxy import ProxyPerRegion
@@ -33,7 +34,7 @@ from gorgo.harness.nats_proc import NatsProcess
 from gorgo.harness.stack import LiveStack, StackOptions, with_free_ports
 from gorgo.progress import StatusLine
 from gorgo.sim import routers
-from gorgo.sim.stats import summarize
+from gorgo.sim.stats import percentile, summarize
 from gorgo.sim.workload import tokenization, workload_from_requests
 
 SINGLE = "single proxy"
@@ -129,7 +130,7 @@ def _fmt(v: float, unit: str = "") -> str:
 
 
 def write_report(out: Path, args: argparse.Namespace, runs: list[LiveRun], shared: list[LiveRun],
-                 single: LiveRun | None, doc: dict, n_requests: int) -> Path:
+                 single: LiveRun | None, doc: dict, client_of: dict[int, str]) -> Path:
     spec = parse_fleet(doc)
     region_of = {r.name: r.region for r in spec.replicas}
     replicas = [r.name for r in spec.replicas]
@@ -142,7 +143,7 @@ def write_report(out: Path, args: argparse.Namespace, runs: list[LiveRun], share
     lines = [
         "# GORGO demo report: a proxy per region", "",
         f"- date: {datetime.now().isoformat(timespec='seconds')}",
-        f"- trace: `{args.trace}`, slice offset {args.offset:g} s, {n_requests} requests, "
+        f"- trace: `{args.trace}`, slice offset {args.offset:g} s, {len(client_of)} requests, "
         f"time scale {args.time_scale:g} ({args.duration:g} s of replay per run)",
         f"- fleet: 3 regions x 2 simulated `{args.profile}` replicas; one Envoy + one "
         "`gorgo extproc` (policy gorgo, no tuner) per region, each probing, scraping and "
@@ -176,7 +177,8 @@ def write_report(out: Path, args: argparse.Namespace, runs: list[LiveRun], share
     lines += [f"| {run.policy} | " + " | ".join(str(counts[run.policy][n]) for n in replicas)
               + " |" for run in rows]
     lines += ["", "## Do the routers agree", "",
-              *agreement(runs, merged, merged_shared if shared else None, single, table)]
+              *agreement(runs, merged, merged_shared if shared else None, single, table),
+              *client_felt(spec, runs, shared, single, client_of)]
     report = out / "report.md"
     report.write_text("\n".join(lines) + "\n")
     for run in rows:
@@ -229,9 +231,42 @@ def agreement(runs: list[LiveRun], merged: LiveRun, merged_shared: LiveRun | Non
     return out
 
 
+def client_felt(spec: FleetSpec, runs: list[LiveRun], shared: list[LiveRun],
+                single: LiveRun | None, client_of: dict[int, str]) -> list[str]:
+    """p95 TTFT and E2E with each client's way to its proxy added. Every client here sends over
+    loopback, so the one proxy's far clients do not pay their link to it: the mean RTT between
+    the client's region and its proxy's is added (`gorgo.sim.routers.link_from`, as the offline
+    simulation's client figures)."""
+    def p95s(pairs: list[tuple[LiveRun, str]]) -> tuple[float, float]:
+        ttft, e2e = [], []  # of the served requests, as the table's figures
+        for run, proxy in pairs:
+            for r in run.ok():
+                leg = routers.link_from(spec, client_of[r.index], proxy)[0]
+                ttft.append(None if r.ttft_ms is None else r.ttft_ms + leg)
+                e2e.append(None if r.e2e_ms is None else r.e2e_ms + leg)
+        return percentile(ttft, 95) or math.nan, percentile(e2e, 95) or math.nan
+
+    if single is None or not runs:
+        return []
+    one = p95s([(single, REGIONS[0])])
+    arms = [("a proxy per region", runs), ("the same, bookings shared", shared)]
+    out = ["- As the clients feel it, each client's way to its proxy added (the mean RTT between "
+           "their regions, computed: every client here sends over loopback):"]
+    for label, arm in arms:
+        if not arm:
+            continue
+        mine = p95s(list(zip(arm, REGIONS, strict=True)))
+        out.append(f"  {label}: p95 TTFT {mine[0]:.0f} ms ({mine[0] / one[0]:.2f}x one "
+                   f"proxy's {one[0]:.0f}), E2E p95 {mine[1]:.0f} ms ({mine[1] / one[1]:.2f}x "
+                   f"one proxy's {one[1]:.0f}).")
+    return out
+
+
 def main(args: argparse.Namespace, requests, doc: dict, out: Path,
          stop_flag: threading.Event) -> Path:
     print(f"gorgo demo --proxy-per-region: {len(requests)} requests of {args.trace}, "
           f"{args.duration:g} s per run", file=sys.stderr)
     runs, shared, single = run_multi(args, doc, requests, out, stop_flag)
-    return write_report(out, args, runs, shared, single, doc, len(requests))
+    client_of = dict(zip((r.index for r in requests), client_regions(doc, requests, args.seed),
+                         strict=True))
+    return write_report(out, args, runs, shared, single, doc, client_of)

@@ -7,14 +7,19 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from gorgo.cli import main
-from gorgo.demo import REGIONS
+from gorgo.core.fleet import parse_fleet
+from gorgo.demo import REGIONS, LiveRun
+from gorgo.demo_multi import client_felt
+from gorgo.sim.presets import fleet_document
+from gorgo.sim.replay import RequestRecord
 
-pytestmark = [pytest.mark.envoy, pytest.mark.slow]  # seven real Envoys; about 35 s
 
-
+@pytest.mark.envoy
+@pytest.mark.slow  # seven real Envoys; about 35 s
 def test_proxy_per_region_demo_reports_each_proxy(tmp_path: Path) -> None:
     out = tmp_path / "demo"
     # Short chat turns: every request finishes in seconds on the demo's engines.
@@ -29,6 +34,7 @@ def test_proxy_per_region_demo_reports_each_proxy(tmp_path: Path) -> None:
     assert "With the bookings shared:" in report
     assert "TTFT p95 (ms) | E2E p95 (ms)" in per_proxy
     assert "## Do the routers agree" in report and "with one proxy" in report
+    assert "As the clients feel it" in report and "bookings shared: p95 TTFT" in report
     served = {"": 0, "-shared": 0}
     for suffix in served:
         for g in REGIONS:  # every region's clients were served through their own proxy
@@ -37,3 +43,24 @@ def test_proxy_per_region_demo_reports_each_proxy(tmp_path: Path) -> None:
             served[suffix] += len(lines)
     single = (out / "live-single-proxy.jsonl").read_text().splitlines()
     assert len(single) == served[""] == served["-shared"]  # the same clients each time
+
+
+def _served(index: int, ttft_ms: float) -> RequestRecord:
+    return RequestRecord(index=index, session=None, input_tokens=10, max_tokens=10,
+                         scheduled_s=0.0, outcome="ok", ttft_ms=ttft_ms, e2e_ms=ttft_ms + 1000)
+
+
+def test_the_clients_way_to_their_proxy_is_added() -> None:
+    # One client per region, each served in 100 ms: through its own region's proxy it pays the
+    # in-region link (37 ms); through the one proxy in us-east, its region's link from there.
+    spec = parse_fleet(fleet_document({r: 2 for r in REGIONS}, profile="h100-llama3-8b"))
+    client_of = dict(enumerate(REGIONS))
+    runs = [LiveRun(f"proxy {g}", [_served(k, 100.0)]) for k, g in enumerate(REGIONS)]
+    single = LiveRun("single proxy", [_served(k, 100.0) for k in range(3)])
+    lines = client_felt(spec, runs, [], single, client_of)
+    assert len(lines) == 2  # the heading, then the proxies' own bookings (no shared run)
+    per_region = float(lines[1].split("p95 TTFT ")[1].split(" ms")[0])
+    one = float(lines[1].split("one proxy's ")[1].split(")")[0])
+    assert per_region == pytest.approx(137.0, abs=1)  # the report gives whole milliseconds
+    assert one == pytest.approx(float(np.percentile([137.0, 379.0, 556.0], 95)), abs=1)
+    assert client_felt(spec, runs, [], None, client_of) == []
