@@ -131,13 +131,12 @@ class ExtProcService(ExternalProcessorServicer):
                 kind = req.WhichOneof("request")
                 if req.HasField("protocol_config"):  # Envoy 1.34+ sends it on the first message
                     st.duplex = req.protocol_config.request_body_mode == messages.FULL_DUPLEX
-                if not st.answered and _decides(kind, req, st.duplex) and not (
-                        kind == "request_headers"
-                        and self._lists_models(messages.header_dict(req.request_headers))):
+                if not st.answered and _decides(kind, req, st.duplex):
                     # This router's turn among its peers (shared bookings; 0 otherwise); the
                     # router's own answer to /v1/models books nothing and waits for no turn.
                     hold = self.router.stagger_s(self.clock())
-                    if hold > 0.0:
+                    if hold > 0.0 and not (kind == "request_headers" and self._lists_models(
+                            messages.header_dict(req.request_headers))):
                         await asyncio.sleep(hold)
                 if st.duplex and kind in _DUPLEX_KINDS:
                     for answer in self._on_duplex(st, kind, req):
