@@ -339,7 +339,9 @@ class TunerService:
     The optimiser's verdicts and the calibration fits take up to hundreds of milliseconds (a
     verdict 460 ms at worst in an offline run): they run in a worker thread, so that the loop
     keeps taking spans meanwhile. One party at a time touches the tuner (`_exclusive`): samples
-    that arrive while it is busy are held and handed to it in their order once it is free.
+    that arrive while it is busy are held and handed to it in their order once it is free. No
+    one holds it across a router's answer, so a router that hangs until the publish timeout
+    delays neither the samples nor /status and /metrics.
     """
 
     def __init__(self, cfg: TunerConfig) -> None:
@@ -487,14 +489,19 @@ class TunerService:
         router is republished to, `Publisher.observe`), and count the decisions made under the
         versions the optimiser scores (a window is complete once all of them reported back). A
         router that does not answer keeps what it said last."""
-        targets = self.cfg.routers
-        self._heard(await asyncio.gather(*(self.publisher.fetch(t, quiet=True)
-                                           for t in targets)))
+        docs = await asyncio.gather(*(self.publisher.fetch(t, quiet=True)
+                                      for t in self.cfg.routers))
+        async with self._exclusive():
+            self._heard(docs)
+            self._count_routed()
+
+    def _count_routed(self) -> None:
+        """The tuner's decision counts per scored version, from the routers' last answers."""
         self._follow()
         versions = self.tuner.counting()
         policy = self.cfg.optimizer.policy
         wanted = set(versions)
-        for t in targets:
+        for t in self.cfg.routers:
             counts = self._routed[t.url]
             doc = self._docs.get(t.url)
             routed = doc.get("routed") if isinstance(doc, dict) else None
@@ -527,22 +534,26 @@ class TunerService:
 
     async def tick(self, now: float) -> None:
         self.ticks += 1
+        await self.follow_routers()
         async with self._exclusive():
-            await self.follow_routers()
             proposal = await asyncio.to_thread(self.tuner.next_weights, now)
             if proposal is not None:
                 w = proposal.weights
                 log.info("publishing v%d (%s): %s", w.version, proposal.arm, _fmt(w))
-            for _ in range(MAX_RENUMBERS_PER_TICK):
-                self.save()  # before publishing: a version is never issued twice
-                if self.tuner.active is None:
-                    return
-                floor = await self.publisher.sync(self.tuner.active)
-                if floor is None:
-                    return
+            self.save()  # before publishing: a version is never issued twice
+            active = self.tuner.active
+        for _ in range(MAX_RENUMBERS_PER_TICK):
+            if active is None:
+                return
+            floor = await self.publisher.sync(active)
+            if floor is None:
+                return
+            async with self._exclusive():
                 renumbered = self.tuner.renumber(floor)
-                log.info("a router holds version %d: republishing as v%d", floor,
-                         renumbered.weights.version if renumbered else -1)
+                self.save()
+                active = self.tuner.active
+            log.info("a router holds version %d: republishing as v%d", floor,
+                     renumbered.weights.version if renumbered else -1)
 
     def log_status(self) -> None:
         """A line every ``log_every_s``, from the tuner's fields: not `Tuner.status()`, which

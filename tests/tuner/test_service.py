@@ -231,6 +231,72 @@ def test_conflicting_version_is_renumbered_and_an_outage_does_not_block_others(
     run(body)
 
 
+class StuckRouter:
+    """A router's admin API that refuses (503) until `stuck`, then answers nothing until
+    `release` is set: a hung router, held for as long as the test needs, no clock involved."""
+
+    def __init__(self) -> None:
+        self.stuck = False
+        self.arrived = asyncio.Event()
+        self.release = asyncio.Event()
+        self.runner: web.AppRunner | None = None
+        self.url = ""
+
+    async def handle(self, _: web.Request) -> web.Response:
+        if self.stuck:
+            self.arrived.set()
+            await self.release.wait()
+        return web.json_response({"error": {"message": "down"}}, status=503)
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_route("*", "/admin/weights", self.handle)
+        self.runner = web.AppRunner(app, access_log=None)
+        await self.runner.setup()
+        await web.TCPSite(self.runner, "127.0.0.1", 0).start()
+        self.url = f"http://127.0.0.1:{self.runner.addresses[0][1]}"
+
+    async def stop(self) -> None:
+        self.release.set()
+        if self.runner is not None:
+            await self.runner.cleanup()
+
+
+def test_a_hung_router_holds_neither_status_nor_samples(tmp_path: Path, span_builders) -> None:
+    """A tick waits for a hung router up to the publish timeout; the probes and the spans must
+    not wait with it (a liveness probe's timeout is shorter than a publish timeout)."""
+    async def body() -> None:
+        a, hung = RouterApp(), StuckRouter()
+        await a.start()
+        await hung.start()
+        svc = TunerService(load_config(write_config(tmp_path, [a, hung],
+                                                    publish_timeout_s=3600)))
+        await svc.start()
+        try:
+            await svc.tick(0.0)
+            v = svc.tuner.active.weights.version
+            hung.stuck = True
+            tick = asyncio.create_task(svc.tick(1.0))
+            await hung.arrived.wait()
+            base = f"http://127.0.0.1:{svc.status_port}"
+            # (a bound only so that the code before fails rather than hangs: it never answered)
+            status, doc = await asyncio.wait_for(get_json(f"{base}/status"), 60)
+            assert status == 200 and doc["ticks"] == 2
+            status, text = await asyncio.wait_for(get_json(f"{base}/metrics"), 60)
+            assert status == 200 and "gorgo_tuner_active_version" in text
+            await export_samples(svc.otlp_port, v, 2, 100_000, span_builders)
+            assert svc.tuner.status()["window"]["samples"] == 2  # handed over, not held
+            assert not tick.done()  # all of it while the tick waited for the hung router
+            hung.release.set()
+            await tick
+        finally:
+            await svc.stop()
+            await a.stop()
+            await hung.stop()
+
+    run(body)
+
+
 def test_publisher_reports_auth_failures_without_acking(tmp_path: Path) -> None:
     async def body() -> None:
         a = RouterApp()
