@@ -35,12 +35,13 @@ from gorgo.core.contract import (
     TTFT_ATTR,
     VERSION_MAX,
 )
-from gorgo.core.terms import TERMS, TTFT
+from gorgo.core.terms import EXCLUDED, TERMS, TTFT
 
 # (term name, span tag) for every term of the registry: each decision carries each of them.
-# (term, span tag, required): a TTFT term is on every span; a term only another objective counts
-# (decode) is read where the router tags it, so spans of a router older than the term still parse.
-_TERM_TAGS = tuple((t.name, SPAN_PREFIX + f, TTFT in t.objectives)
+# (term, span tag, required): a term of the predicted TTFT is on every span; any other (decode,
+# congestion, the penalty) is read where the router tags it, so spans of a router older than the
+# term still parse.
+_TERM_TAGS = tuple((t.name, SPAN_PREFIX + f, TTFT in t.objectives and t.fit != EXCLUDED)
                    for t, f in zip(TERMS, TERM_FIELDS, strict=True))
 FOREIGN = "foreign"
 NO_TTFT = "no_ttft"

@@ -54,7 +54,7 @@ def explain(router: Router, f: RequestFeatures, now: float) -> Explanation:
     s.now = now
     try:
         terms = cost_terms(f, s)
-        total = terms.total(s.weights)
+        total = terms.total(s.weights, latency_only=True)  # as the decision predicts it
         try:
             d = policy.choose(f, s)
             winner: int | None = d.replica

@@ -201,9 +201,11 @@ class Router:
         # its own weights and objective where the fleet file sets them (FleetState.scoring).
         s.candidates, s.model_settings = mask, self.settings_for(f)
         weights, _ = s.scoring()
-        total = terms.total(weights)  # predicted TTFT: what the span reports
+        # Predicted TTFT, what the span reports and admission compares with the SLO: the TTFT
+        # terms that are latencies of this request (not the penalty or congestion).
+        predicted = terms.total(weights, latency_only=True)
         try:
-            shed = self._admit(f, terms.total(weights, latency_only=True))
+            shed = self._admit(f, predicted)
             if shed is not None:
                 return shed
             d = self.policy_for(f).choose(f, s)
@@ -213,7 +215,7 @@ class Router:
             s.candidates = s.model_settings = None
         i = d.replica
         d.terms = terms.at(i)
-        d.predicted_ms = float(total[i])
+        d.predicted_ms = float(predicted[i])
         d.uncached_tokens = int(terms.uncached_tokens[i])
         d.prompt_tokens = f.prompt_tokens
         d.weights_version = weights.version  # 0 for a model's fixed weights: not the tuner's

@@ -168,8 +168,11 @@ class FleetState:
         was read queued behind (`engine_backlog`). What we sent drains at the prefill rate: an
         engine view that only grew until the next scrape (2,500-3,600 tokens above the engines'
         true queues on the Azure trace) made the queue term chase the most recently scraped
-        replica.
+        replica. Computed once per state version and time (`derived`): several terms read it.
         """
+        return self.derived("waiting_tokens", FleetState._waiting_tokens)
+
+    def _waiting_tokens(self) -> np.ndarray:
         local = self.own_backlog()
         fresh = (self.now - self.eng_scraped_at) <= self.spec.signals.metrics_stale_s
         return np.where(fresh, np.maximum(local, self.engine_backlog()), local)

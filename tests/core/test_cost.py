@@ -48,9 +48,13 @@ def test_exact_terms() -> None:
     np.testing.assert_allclose(t["queue"], [500.0, 150.0])  # 500/1000 s, 300/2000 s
     np.testing.assert_array_equal(t.uncached_tokens, [20, 12])
     np.testing.assert_allclose(t["prefill"], [20.0, 6.0])  # 20/1000 s, 12/2000 s
-    np.testing.assert_allclose(t.total(Weights()), [530.0, 206.0])
-    np.testing.assert_allclose(t.total(Weights({"rtt": 2.0, "queue": 0.5})), [290.0, 181.0])
-    np.testing.assert_allclose(t.total(Weights({"rtt": 0.0, "queue": 0.0})), [20.0, 6.0])
+    # The predicted TTFT (latency terms only); the objective's total adds the congestion term.
+    np.testing.assert_allclose(t.total(Weights(), latency_only=True), [530.0, 206.0])
+    np.testing.assert_allclose(t.total(Weights({"rtt": 2.0, "queue": 0.5}), latency_only=True),
+                               [290.0, 181.0])
+    np.testing.assert_allclose(t.total(Weights({"rtt": 0.0, "queue": 0.0}), latency_only=True),
+                               [20.0, 6.0])
+    np.testing.assert_allclose(t.total(Weights()), np.array([530.0, 206.0]) + t["congestion"])
 
 
 def test_queue_term_follows_the_clock() -> None:
@@ -94,7 +98,7 @@ def test_total_is_weighted_sum() -> None:
     t = CostTerms(
         values={"rtt": np.array([1.0, 2.0]), "queue": np.array([10.0, 20.0]),
                 "admission": np.array([0.0, 50.0]), "prefill": np.array([100.0, 200.0]),
-                "penalty": np.array([0.0, 1000.0])},
+                "congestion": np.array([0.0, 5.0]), "penalty": np.array([0.0, 1000.0])},
         uncached_tokens=np.array([1, 2]),
     )
-    np.testing.assert_allclose(t.total(Weights({"rtt": 3.0, "queue": 0.1})), [104.0, 1258.0])
+    np.testing.assert_allclose(t.total(Weights({"rtt": 3.0, "queue": 0.1})), [104.0, 1263.0])

@@ -52,15 +52,16 @@ def test_decision_carries_terms() -> None:
     assert d.replica == 0
     assert d.policy == "gorgo"
     ttft_terms = {k: v for k, v in d.terms.items()
-                  if k not in ("decode", "interference", "reuse")}
+                  if k not in ("decode", "interference", "reuse", "congestion")}
     assert ttft_terms == pytest.approx({"rtt": 10.0, "queue": 100.0, "admission": 0.0,
                                         "prefill": 20.0, "penalty": 0.0})
     assert d.terms["decode"] > 0  # reported, though the ttft objective does not count it
-    assert d.predicted_ms == pytest.approx(130.0)
+    assert d.predicted_ms == pytest.approx(130.0)  # what the others' wait adds is no latency
+    assert d.scores[0] == pytest.approx(130.0 + d.terms["congestion"])
     assert d.uncached_tokens == 20 and d.prompt_tokens == 20
     assert d.weights_version == 5
     assert d.id == "d-1"
-    np.testing.assert_allclose(d.scores, [130.0, 250.0])
+    assert d.scores[1] > 250.0
 
 
 def test_weights_applied_to_predicted_ms() -> None:

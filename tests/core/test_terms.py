@@ -283,3 +283,68 @@ def test_reuse_keeps_a_session_where_its_cache_is_under_e2e_only() -> None:
         assert d.predicted_ms == pytest.approx(sum(
             d.terms[k] for k in ("rtt", "queue", "admission", "prefill", "penalty")))
     assert winners == {(TTFT, 1.0): 1, (E2E, 0.05): 1, (E2E, 1.0): 0}
+
+
+def test_congestion_is_zero_before_any_arrival_and_prices_the_wait_it_adds() -> None:
+    s = FleetState(_spec())
+    s.now = 0.0
+    f = _req(s, "y" * 1000)  # 1,000 uncached tokens: 100 ms on either 10,000 tokens/s replica
+    np.testing.assert_array_equal(BY_NAME["congestion"].compute(f, s), [0.0, 0.0])
+    for k in range(10):  # 10 requests within 0.1 s, 5,000 tokens queued on a
+        s.now = 0.9 + k / 100
+        s.add_inflight(0, 500, 500)
+    s.now = 1.0
+    s.version += 1
+    rate, _ = s.demand()
+    u = s.uncached_tokens(f)
+    wait = s.waiting_tokens() * 1000.0 / s.prefill_rate
+    rho = rate * float(s.mean_uncached.mean()) / 20_000
+    expected = u * rate / 20_000 * (wait + 100.0) / (1 - rho)
+    got = BY_NAME["congestion"].compute(f, s)
+    np.testing.assert_allclose(got, expected)
+    assert got[0] > got[1] > 0  # a's queue keeps the requests behind this one waiting longer
+    # a cached prompt adds no prefill, so no wait for anyone
+    s.version += 1
+    assert BY_NAME["congestion"].compute(_req(s, ""), s).max() == 0.0
+
+
+
+def test_congestion_counts_under_ttft_only_and_is_no_part_of_the_prediction() -> None:
+    assert BY_NAME["congestion"].objectives == frozenset({TTFT})
+    assert BY_NAME["congestion"].weight is None  # in no tuner's search space
+    for objective in (TTFT, E2E):
+        r = Router(_spec(objective=objective))
+        r.state.observe_rtt(0, 10.0)
+        r.state.observe_rtt(1, 10.0)
+        for k in range(20):
+            r.state.now = 0.9 + k / 200
+            r.state.add_inflight(k % 2, 2000, 2000)
+        d = r.route(_req(r.state, "z" * 3000), now=1.0)
+        t, i = d.terms, d.replica
+        assert t["congestion"] > 0
+        ttft = t["rtt"] + t["queue"] + t["admission"] + t["prefill"]
+        assert d.predicted_ms == pytest.approx(ttft)
+        if objective == TTFT:
+            assert d.scores[i] == pytest.approx(ttft + t["penalty"] + t["congestion"])
+        else:
+            w = r.state.weights
+            e2e = (ttft + t["penalty"] + t["decode"] + t["reuse"]
+                   + w.factor(BY_NAME["interference"]) * t["interference"])
+            assert d.scores[i] == pytest.approx(e2e)
+
+
+def test_congestion_keeps_the_near_replica_from_filling_up_to_the_far_ones_round_trip() -> None:
+    """Greedy on its own TTFT, a request joins a near queue as long as it is shorter than the far
+    replica's round trip; priced for the requests behind it, the idle far replica wins sooner."""
+    r = Router(_spec())
+    r.state.observe_rtt(0, 10.0)
+    r.state.observe_rtt(1, 300.0)
+    for k in range(20):  # 20 requests/s arriving (cached prompts: nothing queued) ...
+        r.state.now = k / 20
+        r.state.add_inflight(k % 2, 1000, 0)
+    r.state.now = 1.0
+    r.state.add_inflight(0, 2000, 2000)  # ... and 200 ms of prefill queued on the near one
+    f = _req(r.state, "q" * 1000)  # 100 ms of prefill: near 10 + 200 + 100, far 300 + 100
+    t = cost_terms(f, r.state)
+    assert (t["rtt"] + t["queue"] + t["prefill"])[0] < (t["rtt"] + t["queue"] + t["prefill"])[1]
+    assert r.route(f, now=1.0).replica == 1

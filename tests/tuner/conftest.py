@@ -24,7 +24,7 @@ def envoy_attrs(**over: Any) -> dict[str, Any]:
         "gorgo.replica": "r0", "gorgo.region": "near", "gorgo.policy": "gorgo",
         "gorgo.weights_version": "3", "gorgo.predicted_ttft_ms": "101.5",
         "gorgo.rtt_ms": "40.25", "gorgo.queue_ms": "10", "gorgo.prefill_ms": "51.25",
-        "gorgo.admission_ms": "0",
+        "gorgo.admission_ms": "0", "gorgo.congestion_ms": "3.5",
         "gorgo.penalty_ms": "0", "gorgo.uncached_tokens": "512", "gorgo.prompt_tokens": "1024",
         "upstream_cluster": "r0", "component": "proxy",
     }

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from gorgo.core.contract import SPAN_PREFIX, TERM_FIELDS, TTFT_ATTR
-from gorgo.core.terms import TERMS, TTFT
+from gorgo.core.terms import EXCLUDED, TERMS, TTFT
 from tuner.samples import (
     FOREIGN,
     MALFORMED,
@@ -33,7 +33,7 @@ def test_envoy_span_becomes_a_sample(span_builders) -> None:
     assert s.weights_version == 3
     assert s.predicted_ttft_ms == 101.5
     assert s.terms == {"rtt": 40.25, "queue": 10.0, "admission": 0.0, "prefill": 51.25,
-                       "penalty": 0.0}
+                       "congestion": 3.5, "penalty": 0.0}
     assert (s.uncached_tokens, s.prompt_tokens) == (512, 1024)
     assert s.end_unix_s == pytest.approx(1_700_000_000.8125)
 
@@ -53,10 +53,10 @@ def test_every_term_of_the_registry_is_read_from_its_contract_tag(span_builders)
     s = parse(span({**attrs(), **tags}))
     assert s.terms == {t.name: 7.5 + k for k, t in enumerate(TERMS)}
     for t, field in zip(TERMS, TERM_FIELDS, strict=True):
-        if TTFT in t.objectives:  # a TTFT term is required, strictly
+        if TTFT in t.objectives and t.fit != EXCLUDED:  # the predicted TTFT's: strictly
             with pytest.raises(SpanDropped, match=MALFORMED):
                 parse(span(attrs(**{SPAN_PREFIX + field: None})))
-        else:  # a term only e2e counts may be absent (a router older than the term)
+        else:  # any other term may be absent (a router older than the term)
             assert t.name not in parse(span(attrs(**{SPAN_PREFIX + field: None}))).terms
 
 
@@ -80,7 +80,7 @@ def test_every_term_of_the_registry_is_read_from_its_contract_tag(span_builders)
     ({"gorgo__region": None}, MALFORMED),
     ({"gorgo__rtt_ms": "fast"}, MALFORMED),
     ({"gorgo__queue_ms": True}, MALFORMED),
-    ({"gorgo__penalty_ms": "-"}, MALFORMED),
+    ({"gorgo__admission_ms": "-"}, MALFORMED),
     ({"gorgo__uncached_tokens": "1e400"}, MALFORMED),
     ({"gorgo__prompt_tokens": "-1"}, MALFORMED),
 ])

@@ -36,7 +36,8 @@ class Gorgo(PolicyBase):
         weights, objective = s.scoring()  # the request's model's, where the fleet sets them
         cost = terms.total(weights, objective)
         if objective == SLO:
-            cost = self._slo_scores(f, s, terms.total(weights, TTFT), cost)
+            cost = self._slo_scores(f, s, terms.total(weights, TTFT, latency_only=True),
+                                     cost)
         return self.pick_lowest(cost, s)
 
     def _slo_scores(self, f: RequestFeatures, s: FleetState, ttft: np.ndarray,

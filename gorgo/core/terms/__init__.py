@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from gorgo.core.terms import (
     admission,
+    congestion,
     decode,
     interference,
     penalty,
@@ -30,8 +31,8 @@ from gorgo.core.terms.base import (
 )
 
 TERMS: tuple[CostTerm, ...] = (
-    rtt.TERM, queue.TERM, admission.TERM, prefill.TERM, penalty.TERM, decode.TERM,
-    interference.TERM, reuse.TERM)
+    rtt.TERM, queue.TERM, admission.TERM, prefill.TERM, congestion.TERM, penalty.TERM,
+    decode.TERM, interference.TERM, reuse.TERM)
 BY_NAME: dict[str, CostTerm] = {t.name: t for t in TERMS}
 # Terms that carry a weight, keyed by weight name (what Weights holds).
 WEIGHTED: dict[str, CostTerm] = {t.weight: t for t in TERMS if t.weight is not None}
