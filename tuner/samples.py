@@ -37,7 +37,6 @@ from gorgo.core.contract import (
 )
 from gorgo.core.terms import EXCLUDED, TERMS, TTFT
 
-# (term name, span tag) for every term of the registry: each decision carries each of them.
 # (term, span tag, required): a term of the predicted TTFT is on every span; any other (decode,
 # congestion, the penalty) is read where the router tags it, so spans of a router older than the
 # term still parse.
