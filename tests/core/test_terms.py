@@ -308,7 +308,6 @@ def test_congestion_is_zero_before_any_arrival_and_prices_the_wait_it_adds() -> 
     assert BY_NAME["congestion"].compute(_req(s, ""), s).max() == 0.0
 
 
-
 def test_congestion_counts_under_ttft_only_and_is_no_part_of_the_prediction() -> None:
     assert BY_NAME["congestion"].objectives == frozenset({TTFT})
     assert BY_NAME["congestion"].weight is None  # in no tuner's search space
