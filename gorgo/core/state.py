@@ -360,8 +360,11 @@ class FleetState:
     ) -> None:
         """A scrape of replica i's engine, read at ``now``. An idle engine (nothing waiting or
         running) owes no prefill but for what was sent after it was read: our backlog is cut to
-        that (tokens sent since the previous scrape, a bound that errs on the high side)."""
+        that (tokens sent since the previous scrape, a bound that errs on the high side). A
+        count the engine reports as NaN reads as 0: NaN stands for "never scraped"."""
         self.version += 1
+        queue_reqs = 0.0 if math.isnan(queue_reqs) else queue_reqs
+        running_reqs = 0.0 if math.isnan(running_reqs) else running_reqs
         if queue_reqs == 0 and running_reqs == 0:
             self.backlog_tokens[i] = min(self.backlog_tokens[i], self.sent_since_scrape[i])
         self.eng_queue_reqs[i] = queue_reqs

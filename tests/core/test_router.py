@@ -64,6 +64,24 @@ def test_decision_carries_terms() -> None:
     assert d.scores[1] > 250.0
 
 
+@pytest.mark.parametrize("objective", ["ttft", "e2e", "slo"])
+def test_an_engine_reporting_nan_counts_is_still_routed(objective: str) -> None:
+    """A scrape whose queue or running count is NaN (a Prometheus sample may say so) reads as
+    0: it once made every cost NaN, and the router refused every request with a 503."""
+    r = Router(spec(objective=objective))
+    r.state.observe_rtt(0, 10.0)
+    r.state.observe_rtt(1, 40.0)
+    r.state.observe_engine(0, 0.0, queue_reqs=float("nan"), running_reqs=float("nan"),
+                           kv_usage=float("nan"))
+    r.state.observe_engine(1, 0.0, queue_reqs=2.0, running_reqs=float("nan"), kv_usage=0.5)
+    d = r.route(req("x" * 20), now=0.5)
+    assert isinstance(d, Decision)
+    assert np.isfinite(d.scores).all()
+    assert d.terms["queue"] == (0.0 if d.replica == 0 else 1000.0)  # 2 x 1,000 tokens / 2,000
+    assert (r.state.eng_queue_reqs[0], r.state.eng_running_reqs[0]) == (0.0, 0.0)
+    assert (r.state.eng_queue_reqs[1], r.state.eng_running_reqs[1]) == (2.0, 0.0)
+
+
 def test_weights_applied_to_predicted_ms() -> None:
     r = Router(spec(weights={"rtt": 2.0, "queue": 0.5}))
     r.state.observe_rtt(0, 10.0)

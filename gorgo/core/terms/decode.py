@@ -52,7 +52,8 @@ def batch(s: FleetState) -> np.ndarray:
 def _batch(s: FleetState) -> np.ndarray:
     ours = s.inflight_reqs.astype(float)
     fresh = (s.now - s.eng_scraped_at) <= s.spec.signals.metrics_stale_s
-    engine = np.nan_to_num(s.eng_running_reqs) + np.nan_to_num(s.eng_queue_reqs)
+    # A replica never scraped holds NaN counts, but is never fresh: `where` drops them.
+    engine = s.eng_running_reqs + s.eng_queue_reqs
     return np.where(fresh, np.maximum(ours, engine), ours)
 
 
