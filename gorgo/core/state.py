@@ -27,9 +27,17 @@ FAILURES_TO_EJECT = 3
 BACKOFF_BASE_S = 1.0
 BACKOFF_MAX_S = 30.0
 DEMAND_TAU_S = 10.0  # time constant of the demand estimate (request rate, prompt size)
+# A scraped request count is read within [0, this]: an engine that reports NaN, a negative or an
+# absurd count (inf, 1e308) must not turn the cost terms' products into NaN.
+MAX_ENGINE_REQS = 1e6
 # Per-replica arrays that follow the new fleet file, never the old state (`reindexed`): where a
 # replica is, what it is configured to be, and per-request memos.
 _PER_SPEC = frozenset({"region_idx", "prefill_rate", "draining", "_match", "_uncached"})
+
+
+def engine_count(value: float) -> float:
+    """A scraped request count within [0, MAX_ENGINE_REQS]; NaN reads as 0."""
+    return min(max(value, 0.0), MAX_ENGINE_REQS) if value == value else 0.0
 
 
 class FleetState:
@@ -360,11 +368,10 @@ class FleetState:
     ) -> None:
         """A scrape of replica i's engine, read at ``now``. An idle engine (nothing waiting or
         running) owes no prefill but for what was sent after it was read: our backlog is cut to
-        that (tokens sent since the previous scrape, a bound that errs on the high side). A
-        count the engine reports as NaN reads as 0: NaN stands for "never scraped"."""
+        that (tokens sent since the previous scrape, a bound that errs on the high side). The
+        counts are bounded (`engine_count`): NaN, which stands for "never scraped", reads as 0."""
         self.version += 1
-        queue_reqs = 0.0 if math.isnan(queue_reqs) else queue_reqs
-        running_reqs = 0.0 if math.isnan(running_reqs) else running_reqs
+        queue_reqs, running_reqs = engine_count(queue_reqs), engine_count(running_reqs)
         if queue_reqs == 0 and running_reqs == 0:
             self.backlog_tokens[i] = min(self.backlog_tokens[i], self.sent_since_scrape[i])
         self.eng_queue_reqs[i] = queue_reqs

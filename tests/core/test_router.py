@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import replace
 
 import numpy as np
 import pytest
 
 from gorgo.core.contract import POLICY_HEADER
-from gorgo.core.decision import NO_REPLICA, Decision, Rejection
+from gorgo.core.decision import NO_REPLICA, Decision, NoReplicaAvailable, Rejection
 from gorgo.core.features import RequestFeatures, extract_features
 from gorgo.core.fleet import FleetError, FleetSpec, parse_fleet
 from gorgo.core.policies.base import PolicyBase
 from gorgo.core.router import Router
-from gorgo.core.state import FAILURES_TO_EJECT, FleetState
+from gorgo.core.state import FAILURES_TO_EJECT, MAX_ENGINE_REQS, FleetState
 from gorgo.core.weights import Weights
 
 
@@ -65,21 +66,31 @@ def test_decision_carries_terms() -> None:
 
 
 @pytest.mark.parametrize("objective", ["ttft", "e2e", "slo"])
-def test_an_engine_reporting_nan_counts_is_still_routed(objective: str) -> None:
-    """A scrape whose queue or running count is NaN (a Prometheus sample may say so) reads as
-    0: it once made every cost NaN, and the router refused every request with a 503."""
+@pytest.mark.parametrize("garbage", [math.nan, math.inf, -3.0, 1e308])
+def test_an_engine_reporting_garbage_counts_is_still_routed(objective: str, garbage: float) -> None:
+    """Scraped queue and running counts are read within [0, MAX_ENGINE_REQS], NaN as 0: a NaN
+    count once made every cost NaN (the router then answered every request 503 while the scrape
+    was fresh), and an absurd one turned a term's product into NaN (0 x inf)."""
     r = Router(spec(objective=objective))
     r.state.observe_rtt(0, 10.0)
     r.state.observe_rtt(1, 40.0)
-    r.state.observe_engine(0, 0.0, queue_reqs=float("nan"), running_reqs=float("nan"),
-                           kv_usage=float("nan"))
-    r.state.observe_engine(1, 0.0, queue_reqs=2.0, running_reqs=float("nan"), kv_usage=0.5)
-    d = r.route(req("x" * 20), now=0.5)
-    assert isinstance(d, Decision)
-    assert np.isfinite(d.scores).all()
-    assert d.terms["queue"] == (0.0 if d.replica == 0 else 1000.0)  # 2 x 1,000 tokens / 2,000
-    assert (r.state.eng_queue_reqs[0], r.state.eng_running_reqs[0]) == (0.0, 0.0)
+    r.state.observe_engine(0, 0.0, queue_reqs=garbage, running_reqs=garbage, kv_usage=math.nan)
+    r.state.observe_engine(1, 0.0, queue_reqs=2.0, running_reqs=math.nan, kv_usage=0.5)
+    for now in (0.2, 0.5):  # the second sees the first's prefix cached (0 uncached tokens)
+        d = r.route(req("x" * 20), now=now)
+        assert isinstance(d, Decision)
+        assert not np.isnan(d.scores).any()
+    expected = 0.0 if math.isnan(garbage) else min(max(garbage, 0.0), MAX_ENGINE_REQS)
+    assert (r.state.eng_queue_reqs[0], r.state.eng_running_reqs[0]) == (expected, expected)
     assert (r.state.eng_queue_reqs[1], r.state.eng_running_reqs[1]) == (2.0, 0.0)
+
+
+def test_a_nan_score_never_wins_nor_hides_the_others() -> None:
+    s = FleetState(spec())
+    d = PolicyBase(s.spec).pick_lowest(np.array([np.nan, 5.0]), s)
+    assert d.replica == 1
+    with pytest.raises(NoReplicaAvailable):
+        PolicyBase(s.spec).pick_lowest(np.array([np.nan, np.nan]), s)
 
 
 def test_weights_applied_to_predicted_ms() -> None:

@@ -55,7 +55,7 @@ class PolicyBase:
         its lowest value before the rotation.
         """
         masked = np.where(s.routable(), scores.astype(float), np.inf)
-        best = masked.min()
+        best = np.fmin.reduce(masked)  # a NaN score never wins, nor hides the others
         if not np.isfinite(best):
             raise NoReplicaAvailable(retry_after(s))
         ties = np.flatnonzero(masked <= best + 1e-9 * max(1.0, abs(best)))
