@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Sequence
 from typing import Any
@@ -49,6 +50,15 @@ def _set(key: str, value: str) -> HeaderValueOption:
 def _route_common(
     cluster: str, endpoint: str | None, endpoints: Sequence[str] | None
 ) -> pb.CommonResponse:
+    return _routing(cluster, endpoint, tuple(endpoints) if endpoints else None)
+
+
+@functools.lru_cache(maxsize=4096)
+def _routing(
+    cluster: str, endpoint: str | None, endpoints: tuple[str, ...] | None
+) -> pb.CommonResponse:
+    """The routing headers, built once per destination: a fleet has few, and the answers copy
+    them (never change them)."""
     headers = [_set(CLUSTER_HEADER, cluster)]
     if endpoint is not None:
         headers.append(_set(PICKER_HEADER, endpoint))

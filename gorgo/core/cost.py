@@ -14,7 +14,7 @@ import numpy as np
 
 from gorgo.core.features import RequestFeatures
 from gorgo.core.state import FleetState
-from gorgo.core.terms import EXCLUDED, TERMS, TTFT
+from gorgo.core.terms import EXCLUDED, OBJECTIVES, TERMS, TTFT, CostTerm
 from gorgo.core.weights import Weights
 
 
@@ -36,14 +36,22 @@ class CostTerms:
         out the terms that are no latency prediction (fit EXCLUDED, such as the failure penalty):
         what admission control compares with the SLO."""
         out = np.zeros(len(self.uncached_tokens))
-        for t in TERMS:
-            if objective in t.objectives and not (latency_only and t.fit == EXCLUDED):
-                out += w.factor(t) * self.values[t.name]
+        for t in _COUNTED[objective, latency_only]:
+            factor = w.factor(t)
+            out += self.values[t.name] if factor == 1.0 else factor * self.values[t.name]
         return out
 
     def at(self, i: int) -> dict[str, float]:
         """Replica i's terms as plain floats (a decision's breakdown)."""
         return {t.name: float(self.values[t.name][i]) for t in TERMS}
+
+
+# The terms each objective's total counts, with and without the ones that are no latency.
+_COUNTED: dict[tuple[str, bool], tuple[CostTerm, ...]] = {
+    (objective, latency_only): tuple(
+        t for t in TERMS
+        if objective in t.objectives and not (latency_only and t.fit == EXCLUDED))
+    for objective in OBJECTIVES for latency_only in (False, True)}
 
 
 def cost_terms(f: RequestFeatures, s: FleetState) -> CostTerms:

@@ -26,10 +26,13 @@ _MULT = _MULT * np.uint64(2) + np.uint64(1)
 
 def splitmix64(x: np.ndarray) -> np.ndarray:
     """The splitmix64 finaliser on a uint64 array (wrapping arithmetic, no warnings)."""
-    z = x + _GAMMA
-    z = (z ^ (z >> _S30)) * _MUL1
-    z = (z ^ (z >> _S27)) * _MUL2
-    return z ^ (z >> _S31)
+    z = x + _GAMMA  # a new array: the rest works in place on it
+    z ^= z >> _S30
+    z *= _MUL1
+    z ^= z >> _S27
+    z *= _MUL2
+    z ^= z >> _S31
+    return z
 
 
 def _powers(base: int, n: int) -> np.ndarray:
@@ -48,12 +51,14 @@ _POW_P, _POW_P_INV = _powers(_P, _CACHED_POWERS), _powers(_P_INV, _CACHED_POWERS
 _POW_P.flags.writeable = _POW_P_INV.flags.writeable = False
 
 
-def block_digests(blocks: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """One 64-bit digest per row of a zero-padded ``(n, 8*w)`` uint8 array of block bytes."""
+def block_digests(blocks: np.ndarray, lengths: np.ndarray | int) -> np.ndarray:
+    """One 64-bit digest per row of a zero-padded ``(n, 8*w)`` uint8 array of block bytes, of
+    the given byte ``lengths`` (one for all rows, or one per row)."""
     words = blocks.view("<u8")
     w = words.shape[1]
     mult = _MULT[:w] if w <= _WORDS else np.resize(_MULT, w)
-    mixed = (words * mult).sum(axis=1, dtype=np.uint64) + lengths.astype(np.uint64)
+    mixed = (words * mult).sum(axis=1, dtype=np.uint64)
+    mixed += np.asarray(lengths, dtype=np.uint64)
     return splitmix64(mixed)
 
 
@@ -65,7 +70,8 @@ def chain(digests: np.ndarray) -> np.ndarray:
     else:
         pow_inv, pow_p = _powers(_P_INV, n), _powers(_P, n)
     scaled = np.cumsum(digests * pow_inv, dtype=np.uint64)
-    return splitmix64(scaled * pow_p)
+    scaled *= pow_p
+    return splitmix64(scaled)
 
 
 def chain_hashes(data: bytes, block_len: int) -> np.ndarray:
@@ -77,7 +83,7 @@ def chain_hashes(data: bytes, block_len: int) -> np.ndarray:
     width = -(-block_len // 8) * 8
     if width != block_len:
         arr = np.pad(arr, ((0, 0), (0, width - block_len)))
-    return chain(block_digests(np.ascontiguousarray(arr), np.full(n, block_len)))
+    return chain(block_digests(np.ascontiguousarray(arr), block_len))
 
 
 def chain_hashes_of(blocks: list[bytes]) -> np.ndarray:

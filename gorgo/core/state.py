@@ -164,9 +164,8 @@ class FleetState:
 
     def rtt_or_default(self) -> np.ndarray:
         """RTT in ms with unprobed replicas priced at the worst known RTT (never as free)."""
-        known = ~np.isnan(self.rtt_ms)
-        fill = float(self.rtt_ms[known].max()) if known.any() else 0.0
-        return np.where(known, self.rtt_ms, fill)
+        fill = float(np.fmax.reduce(self.rtt_ms, initial=np.nan))  # NaN: none probed yet
+        return np.where(np.isnan(self.rtt_ms), fill if fill == fill else 0.0, self.rtt_ms)
 
     def waiting_tokens(self) -> np.ndarray:
         """Prompt tokens waiting for prefill per replica, at ``self.now``.
@@ -185,26 +184,29 @@ class FleetState:
         fresh = (self.now - self.eng_scraped_at) <= self.spec.signals.metrics_stale_s
         return np.where(fresh, np.maximum(local, self.engine_backlog()), local)
 
-    def engine_backlog(self, i: int | slice = slice(None)) -> np.ndarray:
+    def engine_backlog(self, i: int | slice = slice(None)) -> np.ndarray | float:
         """The scraped queue, held until the next scrape, plus what this router sent after it,
         drained at the prefill rate since (`waiting_tokens`). The scraped part is not drained:
         it is the one signal of an engine slower than its hinted rate, which a drain at that
         rate would hide until the tuner's calibration, itself fed by it, caught up."""
         return self.eng_queue_tokens[i] + self._sent_left(i)
 
-    def _sent_left(self, i: int | slice = slice(None)) -> np.ndarray:
+    def _sent_left(self, i: int | slice = slice(None)) -> np.ndarray | float:
         """What this router sent since each replica's last scrape, still waiting for prefill."""
         return self._drained(self.eng_backlog_tokens, self.eng_backlog_at, i)
 
-    def own_backlog(self, i: int | slice = slice(None)) -> np.ndarray:
+    def own_backlog(self, i: int | slice = slice(None)) -> np.ndarray | float:
         """Uncached tokens this router sent that still wait for prefill, at ``self.now``: booked
         work drains at the prefill rate, and `release_inflight` keeps it within the requests
         still open."""
         return self._drained(self.backlog_tokens, self.backlog_at, i)
 
-    def _drained(self, tokens: np.ndarray, at: np.ndarray, i: int | slice) -> np.ndarray:
+    def _drained(self, tokens: np.ndarray, at: np.ndarray, i: int | slice) -> np.ndarray | float:
         """``tokens`` booked as of ``at``, drained at the prefill rate until ``self.now`` (a time
         ahead of it, a scrape read after the last decision, drains nothing)."""
+        if isinstance(i, int):  # one replica (a booking): plain floats, no numpy scalars
+            elapsed = max(self.now - float(at[i]), 0.0)
+            return max(float(tokens[i]) - float(self.prefill_rate[i]) * elapsed, 0.0)
         elapsed = np.maximum(self.now - at[i], 0.0)
         return np.maximum(tokens[i] - self.prefill_rate[i] * elapsed, 0.0)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Protocol
 
@@ -54,9 +55,9 @@ class PolicyBase:
         ``tiebreak`` (evaluated only when there is a tie) narrows the tied replicas to those with
         its lowest value before the rotation.
         """
-        masked = np.where(s.routable(), scores.astype(float), np.inf)
-        best = np.fmin.reduce(masked)  # a NaN score never wins, nor hides the others
-        if not np.isfinite(best):
+        masked = np.where(s.routable(), scores, np.inf).astype(float, copy=False)
+        best = float(np.fmin.reduce(masked))  # a NaN score never wins, nor hides the others
+        if not math.isfinite(best):
             raise NoReplicaAvailable(retry_after(s))
         ties = np.flatnonzero(masked <= best + 1e-9 * max(1.0, abs(best)))
         if tiebreak is not None and len(ties) > 1:

@@ -37,10 +37,11 @@ PARAMS = {"itl_base_ms": 6.0, "itl_per_seq_ms": 0.03, "itl_per_kctx_ms": 0.04,
           "output_tokens": 256.0}
 
 
-def expected_output(f: RequestFeatures, s: FleetState) -> np.ndarray:
-    """Output tokens expected per replica: the request's max_tokens, else the parameter."""
+def expected_output(f: RequestFeatures, s: FleetState) -> np.ndarray | float:
+    """Output tokens expected per replica: the request's max_tokens (one for all), else the
+    parameter."""
     if f.max_tokens:
-        return np.full(s.n, float(f.max_tokens))
+        return float(f.max_tokens)
     return s.params["decode"]["output_tokens"]
 
 
