@@ -371,14 +371,15 @@ class FleetState:
         """A scrape of replica i's engine, read at ``now``. An idle engine (nothing waiting or
         running) owes no prefill but for what was sent after it was read: our backlog is cut to
         that (tokens sent since the previous scrape, a bound that errs on the high side). The
-        counts are bounded (`engine_count`): NaN, which stands for "never scraped", reads as 0."""
+        counts are bounded (`engine_count`): NaN, which stands for "never scraped", reads as 0;
+        the KV use is a share, within [0, 1] (NaN: not reported)."""
         self.version += 1
         queue_reqs, running_reqs = engine_count(queue_reqs), engine_count(running_reqs)
         if queue_reqs == 0 and running_reqs == 0:
             self.backlog_tokens[i] = min(self.backlog_tokens[i], self.sent_since_scrape[i])
         self.eng_queue_reqs[i] = queue_reqs
         self.eng_running_reqs[i] = running_reqs
-        self.eng_kv_usage[i] = kv_usage
+        self.eng_kv_usage[i] = min(max(kv_usage, 0.0), 1.0) if kv_usage == kv_usage else math.nan
         self.eng_scraped_at[i] = now
         self.eng_queue_tokens[i] = queue_reqs * self.mean_uncached[i]
         self.eng_backlog_tokens[i] = 0.0  # what this router sends from now on

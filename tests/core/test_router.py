@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import random
+import warnings
 from dataclasses import replace
 
 import numpy as np
@@ -13,6 +15,7 @@ from gorgo.core.contract import POLICY_HEADER
 from gorgo.core.decision import NO_REPLICA, Decision, NoReplicaAvailable, Rejection
 from gorgo.core.features import RequestFeatures, extract_features
 from gorgo.core.fleet import FleetError, FleetSpec, parse_fleet
+from gorgo.core.policies import REGISTRY
 from gorgo.core.policies.base import PolicyBase
 from gorgo.core.router import Router
 from gorgo.core.state import FAILURES_TO_EJECT, MAX_ENGINE_REQS, FleetState
@@ -83,6 +86,47 @@ def test_an_engine_reporting_garbage_counts_is_still_routed(objective: str, garb
     expected = 0.0 if math.isnan(garbage) else min(max(garbage, 0.0), MAX_ENGINE_REQS)
     assert (r.state.eng_queue_reqs[0], r.state.eng_running_reqs[0]) == (expected, expected)
     assert (r.state.eng_queue_reqs[1], r.state.eng_running_reqs[1]) == (2.0, 0.0)
+
+
+GARBAGE = (math.nan, math.inf, -math.inf, -5.0, 0.0, 1.0, 7.0, 1e6, 1e308)
+
+
+@pytest.mark.parametrize("objective", ["ttft", "e2e", "slo"])
+@pytest.mark.parametrize("policy", sorted(REGISTRY))
+def test_no_policy_is_broken_by_garbage_engine_signals(policy: str, objective: str) -> None:
+    """Any mix of scrapes (NaN, infinite, negative or absurd counts and KV use), RTTs, failures
+    and ends between the decisions: every request is routed or refused for a reason (never a
+    503 while a replica is routable), no choice has a NaN score, and no arithmetic overflows."""
+    rng = random.Random(f"{policy}/{objective}")
+    r = Router(spec(policy=policy, objective=objective))
+    s, now, opened = r.state, 0.0, []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        for _ in range(300):
+            now += rng.choice((0.0, 0.001, 0.5, 3.0))
+            r.tick(now)
+            op = rng.random()
+            if op < 0.2:
+                s.observe_engine(rng.randrange(s.n), now, rng.choice(GARBAGE),
+                                 rng.choice(GARBAGE), rng.choice(GARBAGE))
+            elif op < 0.3:
+                s.observe_rtt(rng.randrange(s.n), rng.choice((0.0, 1.0, 50.0, 1e9)))
+            elif op < 0.35:
+                s.record_failed_response(rng.randrange(s.n), now)
+            elif op < 0.5 and opened:
+                r.complete(opened.pop(rng.randrange(len(opened))))
+            else:
+                body = {"prompt": "x" * rng.choice((0, 3, 40, 400)) + str(rng.randrange(5))}
+                if rng.random() < 0.5:
+                    body["max_tokens"] = rng.choice((1, 64, 4000))
+                f = extract_features("/v1/completions", {}, json.dumps(body).encode(), s.tok)
+                d = r.route(f, now)
+                if isinstance(d, Decision):
+                    opened.append(d.id)
+                    assert d.scores is None or not np.isnan(d.scores[d.replica])
+                else:
+                    assert d.status != 503 or not s.routable().any(), d
+    assert ((s.eng_kv_usage >= 0) & (s.eng_kv_usage <= 1) | np.isnan(s.eng_kv_usage)).all()
 
 
 def test_a_nan_score_never_wins_nor_hides_the_others() -> None:
