@@ -35,9 +35,9 @@ MAX_ENGINE_REQS = 1e6
 _PER_SPEC = frozenset({"region_idx", "prefill_rate", "draining", "_match", "_uncached"})
 
 
-def engine_count(value: float) -> float:
-    """A scraped request count within [0, MAX_ENGINE_REQS]; NaN reads as 0."""
-    return min(max(value, 0.0), MAX_ENGINE_REQS) if value == value else 0.0
+def scraped(value: float, most: float, if_nan: float) -> float:
+    """A scraped reading within [0, ``most``], ``if_nan`` for NaN."""
+    return min(max(value, 0.0), most) if value == value else if_nan
 
 
 class FleetState:
@@ -371,15 +371,16 @@ class FleetState:
         """A scrape of replica i's engine, read at ``now``. An idle engine (nothing waiting or
         running) owes no prefill but for what was sent after it was read: our backlog is cut to
         that (tokens sent since the previous scrape, a bound that errs on the high side). The
-        counts are bounded (`engine_count`): NaN, which stands for "never scraped", reads as 0;
-        the KV use is a share, within [0, 1] (NaN: not reported)."""
+        counts are read within [0, MAX_ENGINE_REQS], NaN (which stands for "never scraped") as
+        0; the KV use is a share, within [0, 1] (NaN: not reported)."""
         self.version += 1
-        queue_reqs, running_reqs = engine_count(queue_reqs), engine_count(running_reqs)
+        queue_reqs = scraped(queue_reqs, MAX_ENGINE_REQS, 0.0)
+        running_reqs = scraped(running_reqs, MAX_ENGINE_REQS, 0.0)
         if queue_reqs == 0 and running_reqs == 0:
             self.backlog_tokens[i] = min(self.backlog_tokens[i], self.sent_since_scrape[i])
         self.eng_queue_reqs[i] = queue_reqs
         self.eng_running_reqs[i] = running_reqs
-        self.eng_kv_usage[i] = min(max(kv_usage, 0.0), 1.0) if kv_usage == kv_usage else math.nan
+        self.eng_kv_usage[i] = scraped(kv_usage, 1.0, math.nan)
         self.eng_scraped_at[i] = now
         self.eng_queue_tokens[i] = queue_reqs * self.mean_uncached[i]
         self.eng_backlog_tokens[i] = 0.0  # what this router sends from now on

@@ -46,7 +46,8 @@ def running_requests(s: FleetState) -> np.ndarray:
     """Requests running per replica: our own count, or a fresh scrape where it shows more."""
     own = s.inflight_reqs.astype(float)
     fresh = (s.now - s.eng_scraped_at) <= s.spec.signals.metrics_stale_s
-    return np.where(fresh, np.maximum(own, np.nan_to_num(s.eng_running_reqs)), own)
+    # A replica never scraped holds a NaN count, but is never fresh: `where` drops it.
+    return np.where(fresh, np.maximum(own, s.eng_running_reqs), own)
 
 
 class PrefixCache(PolicyBase):
