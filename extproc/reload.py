@@ -14,7 +14,6 @@ the source of truth: an admin change lasts until the file itself changes (or SIG
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import logging
 import os
@@ -73,7 +72,7 @@ class FleetReloader:
                 "last_error": self.last_error, "models": list(self.router.spec.models),
                 "replicas": replicas}
 
-    def _failed(self, reason: str, exc: FleetError) -> None:
+    def _failed(self, reason: str, exc: Exception) -> None:
         self.last_error = str(exc)
         self.metrics.fleet_reloads.labels("error").inc()
         log_event(log, "fleet_reload_failed", logging.ERROR, reason=reason, error=str(exc))
@@ -124,8 +123,13 @@ class FleetReloader:
             return
         stamp = _stamp(self.path)
         if stamp is not None and stamp != self._stamp:
-            with contextlib.suppress(FleetError):  # logged and counted; the old fleet stays
+            try:
                 self.reload_file("file changed")
+            except FleetError:  # logged and counted; the old fleet stays
+                pass
+            except Exception as exc:  # a bug in a reload must not end the watch: the old fleet
+                self._failed("file changed", exc)  # stays, and the next change is read again
+                log.exception("fleet reload raised %s", type(exc).__name__)
 
     # --- admin changes: each is a new document, validated whole ---------------------------------
 

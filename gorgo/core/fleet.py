@@ -9,6 +9,7 @@ router config shows up much later as bad routing.
 from __future__ import annotations
 
 import ipaddress
+import math
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -120,21 +121,26 @@ class ReplicaSpec:
         return self.sim.flavor if self.sim is not None else self.engine
 
 
+# A section field's bounds beyond ">= 0", as keyword arguments of `_num` (`_section` reads them).
+POSITIVE = {"strict": True}  # 0 would time out at once, or spin a loop
+
+
 @dataclass(frozen=True, slots=True)
 class Timeouts:
-    message_ms: int = 1000  # Envoy's ext_proc message_timeout
-    connect_ms: int = 2000
+    message_ms: int = field(default=1000, metadata=POSITIVE)  # Envoy's ext_proc message_timeout
+    connect_ms: int = field(default=2000, metadata=POSITIVE)
     request_s: float = 600.0  # a whole request, stream included (Envoy route timeout)
     idle_s: float = 60.0  # no byte either way for this long ends the stream (stalled links)
-    probe_ms: int = 2000
+    probe_ms: int = field(default=2000, metadata=POSITIVE)
 
 
 @dataclass(frozen=True, slots=True)
 class Signals:
-    probe_interval_s: float = 2.0
-    scrape_interval_s: float = 1.0
-    metrics_stale_s: float = 5.0
-    rtt_ewma_alpha: float = 0.3
+    probe_interval_s: float = field(default=2.0, metadata=POSITIVE)
+    scrape_interval_s: float = field(default=1.0, metadata=POSITIVE)
+    metrics_stale_s: float = field(default=5.0, metadata=POSITIVE)
+    # the new sample's share of the RTT average: above 1 would extrapolate (a negative RTT)
+    rtt_ewma_alpha: float = field(default=0.3, metadata={"strict": True, "maximum": 1.0})
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,7 +186,7 @@ class Penalties:
     with ``half_life_s``, as does any penalty the tuner publishes."""
 
     error_ms: float = 1000.0
-    half_life_s: float = 10.0
+    half_life_s: float = field(default=10.0, metadata=POSITIVE)  # 0: a 0/0 decay
 
 
 @dataclass(frozen=True, slots=True)
@@ -354,16 +360,29 @@ def _check_keys(obj: Mapping[str, Any], allowed: set[str], path: str) -> None:
         )
 
 
+# Above this an integer is no longer exact as a float, nor safe in the state's int64 arithmetic.
+MAX_INT = 2**53
+
+
 def _num(
     obj: Mapping[str, Any], key: str, path: str, default: float, *, minimum: float = 0.0,
-    strict: bool = False, cast: Callable[[Any], float] = float,
+    strict: bool = False, maximum: float = math.inf, cast: Callable[[Any], float] = float,
 ) -> Any:
+    """A finite number within bounds: YAML's .nan and .inf are numbers too, and a NaN passes
+    every comparison, so one would reach the router's arrays and make every cost NaN."""
     value = obj.get(key, default)
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise FleetError(f"{path}.{key}: expected a number, got {value!r}")
+    if not math.isfinite(value):
+        raise FleetError(f"{path}.{key}: expected a finite number, got {value!r}")
     if value < minimum or (strict and value == minimum):
         op = ">" if strict else ">="
         raise FleetError(f"{path}.{key}: must be {op} {minimum}, got {value!r}")
+    if cast is int:
+        maximum = min(maximum, MAX_INT)
+    if value > maximum:
+        most = str(int(maximum)) if cast is int else f"{maximum:g}"
+        raise FleetError(f"{path}.{key}: must be <= {most}, got {value!r}")
     if cast is int and value != int(value):
         raise FleetError(f"{path}.{key}: expected an integer, got {value!r}")
     return cast(value)
@@ -583,7 +602,8 @@ def _section(raw: Mapping[str, Any], key: str, cls: type, path: str) -> Any:
     for name in names:
         default = getattr(defaults, name)
         cast = int if isinstance(default, int) else float
-        values[name] = _num(sraw, name, f"{path}.{key}", default, cast=cast)
+        bounds = cls.__dataclass_fields__[name].metadata
+        values[name] = _num(sraw, name, f"{path}.{key}", default, cast=cast, **bounds)
     return cls(**values)
 
 
@@ -745,10 +765,7 @@ def _weights(raw: Mapping[str, Any], path: str, base: Weights | None = None) -> 
     _check_keys(wraw, set(WEIGHT_BOUNDS), path)
     values = {}
     for key, (lo, hi) in WEIGHT_BOUNDS.items():
-        value = _num(wraw, key, path, base[key], minimum=lo)
-        if value > hi:
-            raise FleetError(f"{path}.{key}: must be <= {hi:g}, got {value!r}")
-        values[key] = value
+        values[key] = _num(wraw, key, path, base[key], minimum=lo, maximum=hi)
     return Weights(values)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 import re
 from pathlib import Path
 from typing import Any
@@ -235,9 +236,34 @@ def _del(path: list) -> Any:
         (_set(["block_tokens"], 2.5), "fleet.block_tokens: expected an integer"),
         (_set(["chars_per_token"], 0), "fleet.chars_per_token: must be > 0"),
         (_set(["timeouts"], {"message_ms": 1.5}), "fleet.timeouts.message_ms: expected an integer"),
-        (_set(["signals"], {"metrics_stale_s": -1}), "fleet.signals.metrics_stale_s: must be >="),
+        (_set(["signals"], {"metrics_stale_s": -1}), "fleet.signals.metrics_stale_s: must be > 0"),
         (_set(["regions", "us-east"], {"sim": {"rtt_ms": "far"}}),
          "fleet.regions.us-east.sim.rtt_ms: expected a number"),
+        # YAML's .nan and .inf are numbers: a NaN passes every comparison and would make every
+        # cost NaN (a 503 for everyone); an int cast of either raised outside FleetError
+        (_set(["replicas", 0, "prefill_rate"], math.nan),
+         "fleet.replicas[0].prefill_rate: expected a finite number, got nan"),
+        (_set(["replicas", 0, "prefill_rate"], math.inf),
+         "fleet.replicas[0].prefill_rate: expected a finite number, got inf"),
+        (_set(["replicas", 0, "kv_capacity_tokens"], math.inf),
+         "fleet.replicas[0].kv_capacity_tokens: expected a finite number"),
+        (_set(["replicas", 0, "kv_capacity_tokens"], 2**64),
+         "fleet.replicas[0].kv_capacity_tokens: must be <= 9007199254740992"),
+        (_set(["weights"], {"rtt": math.nan}), "fleet.weights.rtt: expected a finite number"),
+        (_set(["chars_per_token"], math.nan), "fleet.chars_per_token: expected a finite number"),
+        (_set(["penalties"], {"error_ms": math.nan}),
+         "fleet.penalties.error_ms: expected a finite number"),
+        (_set(["limits"], {"max_body_bytes": math.inf}),
+         "fleet.limits.max_body_bytes: expected a finite number"),
+        # bounds a zero or an extrapolating average would break
+        (_set(["signals"], {"rtt_ewma_alpha": 5}), "fleet.signals.rtt_ewma_alpha: must be <= 1"),
+        (_set(["signals"], {"rtt_ewma_alpha": 0}), "fleet.signals.rtt_ewma_alpha: must be > 0"),
+        (_set(["signals"], {"probe_interval_s": 0}),
+         "fleet.signals.probe_interval_s: must be > 0"),
+        (_set(["signals"], {"scrape_interval_s": 0}),
+         "fleet.signals.scrape_interval_s: must be > 0"),
+        (_set(["penalties"], {"half_life_s": 0}), "fleet.penalties.half_life_s: must be > 0"),
+        (_set(["timeouts"], {"probe_ms": 0}), "fleet.timeouts.probe_ms: must be > 0"),
         # others
         (_set(["replicas"], []), "fleet.replicas: expected a non-empty list"),
         (_set(["replicas"], {"a": 1}), "fleet.replicas: expected a non-empty list"),

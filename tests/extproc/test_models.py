@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
 from extproc.http_api import make_app
@@ -123,6 +125,31 @@ def test_a_changed_file_reloads_and_a_broken_one_keeps_the_old_fleet(tmp_path: P
         assert server.router.state is state
     assert _reloads(server, "error") == 2
     assert "policy: unknown policy 'nope'" in (r.last_error or "")
+
+
+def test_a_reload_that_raises_leaves_the_watch_reading_the_next_change(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    server = _server(tmp_path)
+    r = server.reloader
+    doc = json.loads(json.dumps(DOC))
+    doc["replicas"][0]["prefill_rate"] = math.nan  # YAML's .nan: a FleetError, not a crash
+    _write(r.path, doc)
+    r.poll()
+    assert "prefill_rate: expected a finite number" in (r.last_error or "")
+
+    def broken(spec: object) -> None:
+        raise RuntimeError("a bug in a reload")
+
+    doc["replicas"][0]["prefill_rate"] = 9000.0
+    _write(r.path, doc)
+    with monkeypatch.context() as m:
+        m.setattr(server.router, "reload", broken)
+        r.poll()  # logged and counted, not raised: the watch task would end with it
+    assert r.last_error == "a bug in a reload" and _reloads(server, "error") == 2
+    doc["replicas"][0]["prefill_rate"] = 8000.0
+    _write(r.path, doc)
+    r.poll()
+    assert server.router.spec.replicas[0].prefill_rate == 8000.0 and r.last_error is None
 
 
 def test_admin_adds_drains_and_removes_a_replica_and_its_series(tmp_path: Path) -> None:
