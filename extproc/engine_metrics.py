@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from gorgo.core.kv_events import MAX_GPU_BLOCKS, block_size_ok
+
 NAMES = {
     "sglang": ("sglang:num_queue_reqs", "sglang:num_running_reqs", "sglang:token_usage"),
     "vllm": ("vllm:num_requests_waiting", "vllm:num_requests_running",
@@ -41,12 +43,19 @@ class EngineLoad:
     cache: CacheConfig | None = None
 
 
+def _count(label: str) -> int:
+    """A label's decimal count, 0 when it is not one (``isdigit`` takes '²', which int refuses;
+    past 20 digits it is no count of ours, and int refuses past 4,300)."""
+    return int(label) if len(label) <= 20 and label.isascii() and label.isdigit() else 0
+
+
 def _cache_config(labels: dict[str, str]) -> CacheConfig | None:
     """The config of one cache_config_info sample; None without a usable block size and pool."""
-    size, blocks = labels.get("block_size", ""), labels.get("num_gpu_blocks", "")
-    if not (size.isdigit() and blocks.isdigit() and int(size) > 0 and int(blocks) > 0):
+    size = _count(labels.get("block_size", ""))
+    blocks = _count(labels.get("num_gpu_blocks", ""))
+    if not (block_size_ok(size) and 0 < blocks <= MAX_GPU_BLOCKS):
         return None
-    return CacheConfig(int(size), int(blocks), labels.get("prefix_caching_hash_algo") or None)
+    return CacheConfig(size, blocks, labels.get("prefix_caching_hash_algo") or None)
 
 
 class MetricsFormatError(ValueError):

@@ -13,7 +13,6 @@ one failure more. The signal arrives up to one scrape interval late instead of w
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Mapping
@@ -25,6 +24,26 @@ from extproc.telemetry import log_event
 from gorgo.core.router import Router
 
 log = logging.getLogger("gorgo.envoy_admin")
+# More new failures than this in one poll are applied as this many: a counter that jumped by
+# billions (not an Envoy's, or a corrupt answer) must not hold the router's loop in a loop.
+MAX_FAILURES_PER_POLL = 10_000
+
+
+def _dict(value: Any) -> Mapping[str, Any]:
+    return value if isinstance(value, Mapping) else {}
+
+
+def _list(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else []
+
+
+def _counter(value: Any) -> int | None:
+    """A counter as Envoy's JSON writes it (a uint64: a decimal string, or a number)."""
+    if isinstance(value, str) and value.isascii() and value.isdigit() and len(value) <= 20:
+        return int(value)
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    return None
 
 
 class EnvoyOutcomes:
@@ -45,6 +64,8 @@ class EnvoyOutcomes:
         self._task: asyncio.Task | None = None
         self._session: aiohttp.ClientSession | None = None
         self.polls = 0  # successful polls, for tests and readiness of the signal
+        self.failed_polls = 0
+        self._last_error = ""
 
     async def start(self) -> None:
         timeout = aiohttp.ClientTimeout(total=self.router.spec.timeouts.probe_ms / 1000)
@@ -61,9 +82,22 @@ class EnvoyOutcomes:
     async def _run(self) -> None:
         interval = self.router.spec.signals.scrape_interval_s
         while True:
-            with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError, ValueError):
+            try:
                 await self.poll()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # Envoy down, a bad answer: poll again, never stop
+                self._failed(exc)
             await asyncio.sleep(interval)
+
+    def _failed(self, exc: Exception) -> None:
+        """Counted always; a warning when it differs from the last failure, not every poll."""
+        self.failed_polls += 1
+        text = f"{type(exc).__name__}: {exc}"[:300]
+        level = logging.DEBUG if text == self._last_error else logging.WARNING
+        self._last_error = text
+        log_event(log, "envoy_admin_poll_failed", level, url=self.url, error=text,
+                  failed_polls=self.failed_polls)
 
     async def poll(self) -> None:
         assert self._session is not None
@@ -77,24 +111,30 @@ class EnvoyOutcomes:
         """A replica's own cluster, else a replica's address in a shared one (the retries'
         fleet cluster, the endpoint picker's original-destination cluster)."""
         i = self._by_cluster.get(cluster)
-        if i is None:
-            i = self._by_host.get((address.get("address"), address.get("port_value")))
+        host, port = address.get("address"), address.get("port_value")
+        if i is None and isinstance(host, str) and isinstance(port, int):
+            i = self._by_host.get((host, port))
         return i
 
     def apply(self, data: Mapping[str, Any], now: float) -> None:
         """Apply one /clusters?format=json answer; the first sight of a host (or a counter that
         went back, Envoy restarted) only sets the baseline."""
         s = self.router.state
-        for cluster in data.get("cluster_statuses", ()):
-            name = cluster.get("name", "")
-            for host in cluster.get("host_statuses", ()):
-                address = host.get("address", {}).get("socket_address", {})
+        for cluster in map(_dict, _list(_dict(data).get("cluster_statuses"))):
+            name = cluster.get("name")
+            if not isinstance(name, str):
+                continue
+            for host in map(_dict, _list(cluster.get("host_statuses"))):
+                address = _dict(_dict(host.get("address")).get("socket_address"))
                 i = self._replica(name, address)
                 if i is None:
                     continue
-                stats = {st.get("name"): int(st.get("value", 0)) for st in host.get("stats", ())}
+                stats = {st.get("name"): _counter(st.get("value", 0))
+                         for st in map(_dict, _list(host.get("stats")))}
                 errors, ok = stats.get("rq_error", 0), stats.get("rq_success", 0)
-                ejected = bool(host.get("health_status", {}).get("failed_outlier_check"))
+                if errors is None or ok is None:  # unreadable: this host waits for the next
+                    continue
+                ejected = bool(_dict(host.get("health_status")).get("failed_outlier_check"))
                 key = (name, f"{address.get('address')}:{address.get('port_value')}")
                 prev = self._last.get(key)
                 self._last[key] = (errors, ok, ejected)
@@ -103,7 +143,7 @@ class EnvoyOutcomes:
                 new_errors, new_ok = errors - prev[0], ok - prev[1]
                 if new_ok and not new_errors:
                     s.record_success(i)
-                for _ in range(new_errors):
+                for _ in range(min(new_errors, MAX_FAILURES_PER_POLL)):
                     s.record_failed_response(i, now)
                 if ejected and not prev[2]:
                     s.record_failed_response(i, now)

@@ -106,6 +106,11 @@ class KVEventsClient:
         self.replicas = [i for i, r in enumerate(router.spec.replicas) if r.precise is not None]
         self.streams: dict[int, EventStream] = {i: EventStream() for i in self.replicas}
         self.batches: dict[int, int] = dict.fromkeys(self.replicas, 0)
+        # failures that dropped a replica to its approximate view, by kind: "format" (what the
+        # engine sent could not be read), "subscribe" (no publisher, engine down, a bind refused)
+        self.errors: dict[int, dict[str, int]] = {
+            i: {"format": 0, "subscribe": 0} for i in self.replicas}
+        self._last_error: dict[int, str] = {}
         self._loop: asyncio.AbstractEventLoop | None = None  # the router's
         self._thread = LoopThread("gorgo-kv-events")
         self._ctx: zmq.asyncio.Context | None = None
@@ -161,12 +166,23 @@ class KVEventsClient:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # no publisher yet, engine down, bad payload: start over
-                log.debug("kv events of %s: %s", replica.name, exc)
+                self._failed(i, replica, exc)
             self.streams[i] = EventStream(gaps=self.streams[i].gaps,
                                           restarts=self.streams[i].restarts,
                                           lost=self.streams[i].lost)
             self._post(i, [], False)
             await asyncio.sleep(RETRY_S)
+
+    def _failed(self, i: int, replica: ReplicaSpec, exc: Exception) -> None:
+        """Counted always; logged as a warning when it differs from the replica's last failure
+        (a publisher that is not up yet retries every second: one line, not one a second)."""
+        kind = "format" if isinstance(exc, EventFormatError) else "subscribe"
+        self.errors[i][kind] += 1
+        text = f"{type(exc).__name__}: {exc}"
+        level = logging.DEBUG if self._last_error.get(i) == text else logging.WARNING
+        self._last_error[i] = text
+        log_event(log, "kv_events_failed", level, replica=replica.name, kind=kind,
+                  error=text[:300], retry_s=RETRY_S)
 
     async def _sources(self, replica: ReplicaSpec) -> KVEventsSpec:
         assert replica.precise is not None
@@ -306,6 +322,10 @@ class _KVCollector(Collector):
         gaps = CounterMetricFamily("gorgo_kv_event_gaps", "Sequence gaps filled by replay "
                                    "(gap), engine restarts, gaps the replay could not fill (lost)",
                                    labels=[*REPLICA_LABELS, "kind"])
+        errors = CounterMetricFamily(
+            "gorgo_kv_event_errors", "Failures that dropped a precise replica to its approximate "
+            "view until the next subscription: format (an event that could not be read), "
+            "subscribe (no publisher, engine down, bind refused)", labels=[*REPLICA_LABELS, "kind"])
         config = GaugeMetricFamily(
             "gorgo_kv_cache_config_info", "A precise replica's cache as its engine reports it "
             "(cache_config_info): block size, hash algorithm, capacity in tokens",
@@ -325,4 +345,6 @@ class _KVCollector(Collector):
             batches.add_metric(where, c.batches[i])
             for kind, n in (("gap", st.gaps), ("restart", st.restarts), ("lost", st.lost)):
                 gaps.add_metric([*where, kind], n)
-        yield from (synced, blocks, batches, gaps, config)
+            for kind, n in c.errors[i].items():
+                errors.add_metric([*where, kind], n)
+        yield from (synced, blocks, batches, gaps, errors, config)

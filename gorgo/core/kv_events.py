@@ -22,6 +22,14 @@ from typing import Any
 STORED, REMOVED, CLEARED = "BlockStored", "BlockRemoved", "AllBlocksCleared"
 END_SEQ = -1  # the replay's end marker
 MEDIUM = "GPU"
+# Bounds on an engine's cache geometry (KV events and `cache_config_info`): far above any real
+# engine's, low enough that tokens = blocks x block size stays exact in int64 arithmetic.
+MAX_BLOCK_SIZE = 1 << 16
+MAX_GPU_BLOCKS = 1 << 40
+
+
+def block_size_ok(size: object) -> bool:
+    return isinstance(size, int) and not isinstance(size, bool) and 1 <= size <= MAX_BLOCK_SIZE
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,16 +87,22 @@ def decode_event(raw: Any) -> KVEvent | None:
         return KVEvent(REMOVED, tuple(map(_hash, hashes)))
     parent = raw.get("parent_block_hash")
     size = raw.get("block_size")
-    if not isinstance(size, int) or size < 1:
-        raise EventFormatError(f"BlockStored.block_size must be a positive int, got {size!r}")
+    if not block_size_ok(size):
+        raise EventFormatError(f"BlockStored.block_size must be an int in [1, {MAX_BLOCK_SIZE}], "
+                               f"got {size!r:.40}")
+    tokens = raw.get("token_ids") or []
+    if not isinstance(tokens, list):
+        raise EventFormatError(f"BlockStored.token_ids must be a list, got {tokens!r:.40}")
     return KVEvent(STORED, tuple(map(_hash, hashes)), None if parent is None else _hash(parent),
-                   tuple(raw.get("token_ids") or ()), size)
+                   tuple(tokens), size)
 
 
 def decode_batch(seq: int, raw: Any) -> EventBatch:
     """A batch from its seq and unpacked payload ``[ts, events, dp_rank]``."""
     if not isinstance(raw, list | tuple) or len(raw) < 2 or not isinstance(raw[1], list):
         raise EventFormatError("a batch must be [ts, events, ...]")
+    if isinstance(raw[0], bool) or not isinstance(raw[0], int | float):
+        raise EventFormatError(f"a batch's ts must be a number, got {raw[0]!r:.40}")
     events = (decode_event(e) for e in raw[1])
     return EventBatch(seq, float(raw[0]), tuple(e for e in events if e is not None))
 

@@ -46,9 +46,19 @@ def test_bytes_hashes_read_as_low_64_bits() -> None:
     assert decode_batch(0, raw).events[0].block_hashes == (9,)
 
 
+def _stored(**fields: object) -> list[object]:
+    return [0.0, [{"type": "BlockStored", "block_hashes": [1], "block_size": 16, **fields}]]
+
+
 @pytest.mark.parametrize("raw", [None, [], [0.0, "x"], [0.0, [3]],
                                  [0.0, [{"type": "BlockStored", "block_hashes": [1]}]],
-                                 [0.0, [{"type": "BlockRemoved", "block_hashes": ["a"]}]]])
+                                 [0.0, [{"type": "BlockRemoved", "block_hashes": ["a"]}]],
+                                 # a block size past any engine's overflowed the cache view's
+                                 # int64 tokens and failed every request open
+                                 _stored(block_size=2**63), _stored(block_size=1 << 17),
+                                 _stored(block_size=0), _stored(block_size=True),
+                                 _stored(token_ids=5), _stored(token_ids="abc"),
+                                 ["x", []], [None, []], [True, []]])
 def test_bad_payloads(raw: object) -> None:
     with pytest.raises(EventFormatError):
         decode_batch(0, raw)

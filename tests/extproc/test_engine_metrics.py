@@ -55,3 +55,20 @@ def test_missing_usage_is_nan_and_missing_queue_is_an_error() -> None:
     with pytest.raises(MetricsFormatError):
         parse_engine_metrics(VLLM, "sglang")
 
+
+
+@pytest.mark.parametrize(("labels", "expected"), [
+    ('block_size="16",num_gpu_blocks="2048"', (16, 2048)),
+    ('block_size="²",num_gpu_blocks="2048"', None),  # isdigit's, not int's: lost the scrape
+    ('block_size="99999999999999999999",num_gpu_blocks="2048"', None),  # overflowed the view
+    ('block_size="16",num_gpu_blocks="' + "9" * 5000 + '"', None),  # int refuses past 4,300
+    ('block_size="0",num_gpu_blocks="2048"', None),
+    ('block_size="16"', None),
+])
+def test_a_cache_config_out_of_any_engines_range_is_no_config_and_the_load_stands(
+        labels: str, expected: tuple[int, int] | None) -> None:
+    text = VLLM + f'vllm:cache_config_info{{{labels},prefix_caching_hash_algo="sha256"}} 1.0\n'
+    load = parse_engine_metrics(text, "vllm")
+    assert (load.queue_reqs, load.running_reqs) == (5.0, 17.0)
+    got = None if load.cache is None else (load.cache.block_size, load.cache.num_blocks)
+    assert got == expected

@@ -75,6 +75,61 @@ def test_an_ejection_by_envoy_counts_once() -> None:
     assert s.failures.tolist() == [0, 1]
 
 
+@pytest.mark.parametrize("answer", [
+    [], None, "x", {"cluster_statuses": {"r0": 1}}, {"cluster_statuses": [None, 3, "r0"]},
+    {"cluster_statuses": [{"name": ["r0"], "host_statuses": []}]},
+    _clusters(("r0", [{"address": None}])), _clusters(("r0", [None, 7])),
+    _clusters(("gorgo_fleet", [{"address": {"socket_address": {"address": ["h"],
+                                                               "port_value": {}}}}])),
+    _clusters(("r0", [{**_host(20000, 1, 1), "stats": [{"name": "rq_error", "value": None}]}])),
+    _clusters(("r0", [{**_host(20000, 1, 1), "stats": [{"name": "rq_error", "value": "-4"}]}])),
+    _clusters(("r0", [{**_host(20000, 1, 1), "health_status": "bad"}])),
+])
+def test_an_answer_of_another_shape_is_skipped_and_the_next_one_applies(answer: object) -> None:
+    router, out = _outcomes()
+    s = router.state
+    out.apply(_clusters(("r0", [_host(20000, 0, 1)])), 100.0)
+    out.apply(answer, 100.0)  # type: ignore[arg-type]  # raised and ended the poller before
+    out.apply(_clusters(("r0", [_host(20000, 3, 1)])), 100.0)
+    assert not s.healthy[0] and s.failures[0] == 3
+
+
+def test_a_counter_that_jumps_by_billions_is_applied_bounded() -> None:
+    router, out = _outcomes()
+    out.apply(_clusters(("r0", [_host(20000, 0, 1)])), 100.0)
+    out.apply(_clusters(("r0", [_host(20000, 10**19, 1)])), 100.0)  # returns, not a 1e19 loop
+    assert not router.state.healthy[0]
+
+
+def test_the_poller_outlives_any_failure_and_warns_once_per_kind(
+        caplog: pytest.LogCaptureFixture) -> None:
+    fleet = {**FLEET, "signals": {"scrape_interval_s": 0.001}}
+    router = Router(parse_fleet(fleet))
+    out = EnvoyOutcomes(router, "127.0.0.1:9901")
+    answers = iter([AttributeError("odd"), AttributeError("odd"), OSError("refused"), None])
+
+    async def poll() -> None:
+        answer = next(answers)
+        if answer is not None:
+            raise answer
+        out.polls += 1
+
+    out.poll = poll  # type: ignore[method-assign]
+
+    async def go() -> None:
+        task = asyncio.create_task(out._run())
+        while out.polls == 0:
+            await asyncio.sleep(0.001)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    with caplog.at_level("WARNING", logger="gorgo.envoy_admin"):
+        asyncio.run(go())
+    assert out.failed_polls == 3 and out.polls == 1
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 2 and "AttributeError: odd" in warned[0], warned
+
+
 @pytest.fixture(scope="module")
 def skip_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     st = start_stack(tmp_path_factory.mktemp("skip"), n=2,

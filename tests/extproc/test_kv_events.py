@@ -135,6 +135,45 @@ def test_history_live_gap_restart_and_lost() -> None:
     asyncio.run(go())
 
 
+def test_an_unreadable_batch_is_counted_and_warned_and_the_view_comes_back(
+        caplog: pytest.LogCaptureFixture) -> None:
+    async def go() -> None:
+        pub_port, replay_port, http_port = free_ports(3)
+        pub, replay = f"tcp://127.0.0.1:{pub_port}", f"tcp://127.0.0.1:{replay_port}"
+        spec = parse_fleet({"regions": {"a": None}, "block_tokens": BT, "replicas": [{
+            "name": "v", "region": "a", "address": f"127.0.0.1:{http_port}", "engine": "vllm",
+            "cache": "precise", "tokenizer": "sim",
+            "kv_events": {"endpoint": pub, "replay_endpoint": replay, "topic": "kv"}}]})
+        router = Router(spec)
+        s = router.state
+        assert s.precise is not None
+        s.observe_cache_config(0, BT, 10_000, "sha256_cbor")
+        fake = FakePublisher(pub, replay)
+        await fake.publish([1, 2])
+        client = KVEventsClient(router, RouterMetrics(s, lambda: 0))
+        await client.start()
+        try:
+            await until(lambda: s.precise.live(0) and s.precise.blocks_held(0) == 2, "history")
+            await asyncio.sleep(0.3)  # the SUB connection is up by now (it joined late)
+            bad = msgpack.packb([1.0, [{"type": STORED, "block_hashes": [3], "token_ids": 5,
+                                        "block_size": BT}], 0])
+            await fake.pub.send_multipart([b"kv", fake.seq.to_bytes(8, "big"), bad])
+            await until(lambda: client.errors[0]["format"] == 1, "the failure counted")
+            # the next subscription replays the engine's (good) history: live again
+            await until(lambda: s.precise.live(0) and s.precise.blocks_held(0) == 2, "resync")
+            text = (await asyncio.to_thread(_metrics, client))
+            assert 'gorgo_kv_event_errors_total{kind="format",region="a",replica="v"} 1.0' in text
+        finally:
+            await client.stop()
+            await fake.close()
+
+    with caplog.at_level("WARNING", logger="gorgo.kv_events"):
+        asyncio.run(go())
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any("event=kv_events_failed replica=v kind=format" in m and "token_ids" in m
+               for m in warned), warned
+
+
 async def _chat(port: int, text: str) -> dict:
     body = {"model": "m", "messages": [{"role": "user", "content": text}], "max_tokens": 2}
     async with aiohttp.ClientSession() as http, http.post(
