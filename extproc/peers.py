@@ -162,7 +162,8 @@ class _PeerCollector:
             msgs.add_metric([direction], n)
         books = CounterMetricFamily("gorgo_peer_bookings",
                                     "Other routers' bookings: applied, ignored (unknown replica, "
-                                    "a repeat, a close without its open), expired",
+                                    "a repeat, a close without its open, a prompt longer than "
+                                    "this router admits), expired",
                                     labels=["outcome"])
         for outcome, n in (("applied", peers.applied), ("ignored", peers.ignored),
                            ("expired", peers.expired)):

@@ -48,6 +48,9 @@ LATE_SHARE_OF_TIMEOUT = 0.25
 # An answered probe is no RTT sample when its loop was late by more than this, or this share of it.
 RTT_LATE_S = 0.02
 RTT_LATE_SHARE = 0.25
+# A metrics page is read up to this size (a vLLM page is tens of kilobytes); past it the scrape
+# is an error: the page would be held in memory whole, on every replica, every interval.
+MAX_METRICS_BYTES = 16 * 1024 * 1024
 
 
 class LoopLag:
@@ -280,10 +283,14 @@ class Signals:
         replica = self.spec.replicas[i]
         try:
             async with self._session.get(replica.metrics_url) as resp:
-                text = await resp.text()
                 if resp.status != 200:
                     raise ValueError(f"status {resp.status}")
-            load = parse_engine_metrics(text, replica.metrics_flavor)
+                page = bytearray()
+                async for chunk in resp.content.iter_chunked(1 << 16):
+                    page += chunk
+                    if len(page) > MAX_METRICS_BYTES:
+                        raise ValueError(f"metrics page over {MAX_METRICS_BYTES} bytes")
+            load = parse_engine_metrics(page.decode(), replica.metrics_flavor)
         except Exception as exc:  # stale values age out on their own
             self.metrics.scrape_errors.labels(*self.metrics.replica(i)).inc()
             log.debug("scrape of %s failed: %s", replica.name, exc)

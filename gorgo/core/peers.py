@@ -95,7 +95,8 @@ def decode(data: bytes) -> list[Booking]:
             raise ValueError("a booking is [id, kind, replica, prompt, uncached, hashes]")
         did, kind, replica, prompt, uncached, hashes = row
         if not (isinstance(did, str) and kind in (OPENED, CLOSED) and isinstance(replica, str)
-                and _count(prompt) and _count(uncached) and isinstance(hashes, list)
+                and _count(prompt) and _count(uncached) and uncached <= prompt
+                and isinstance(hashes, list)
                 and len(hashes) <= MAX_BLOCKS
                 and all(type(h) is int and 0 <= h < 1 << 64 for h in hashes)):
             raise ValueError(f"bad booking {str(row)[:80]}")
@@ -151,7 +152,11 @@ class PeerBookings:
             self.applied += 1
             return
         i = s.index.get(b.replica)
-        if b.kind != OPENED or i is None or key in self._open:
+        # A prompt longer than any this router admits (its prompt limit counts characters, and a
+        # token holds at least one) is no request: its tokens would sit in the replica's queue
+        # average long after it closed, pricing the replica out.
+        too_long = b.prompt_tokens > s.spec.limits.max_prompt_chars
+        if b.kind != OPENED or i is None or key in self._open or too_long:
             self.ignored += 1
             return
         hashes = np.asarray(b.block_hashes, dtype=np.uint64)

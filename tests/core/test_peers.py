@@ -148,6 +148,9 @@ def test_a_reload_takes_the_echoes_back() -> None:
     Booking("x", "1", CLOSED, "r0"),  # a close without its open
     Booking("x", "2", OPENED, "elsewhere", 10, 10),  # a replica b does not know
     Booking("b", "3", OPENED, "r0", 10, 10),  # its own, echoed back by the bus
+    # a prompt longer than the router admits: its tokens would stay in the replica's average
+    # queue after it closed and price the replica out
+    Booking("x", "4", OPENED, "r0", 2**40 - 1, 2**40 - 1),
 ])
 def test_what_cannot_be_applied_changes_nothing(booking: Booking) -> None:
     _, b = pair()
@@ -213,6 +216,7 @@ def test_the_wire_format_round_trips() -> None:
     b'{"v": 1, "router": "r", "b": [["d", "open", "r0", 1, 1, [1.5]]]}',
     b'{"v": 1, "router": "r", "b": [["d", "open", "r0", 1, 1, [18446744073709551616]]]}',
     b'{"v": 1, "router": "r", "b": [["d", "open", "r0", true, 1, []]]}',
+    b'{"v": 1, "router": "r", "b": [["d", "open", "r0", 10, 11, []]]}',  # more uncached
     b"\xff\xfe",
 ])
 def test_a_malformed_message_is_refused_whole(data: bytes) -> None:

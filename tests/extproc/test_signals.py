@@ -5,13 +5,17 @@ from __future__ import annotations
 import asyncio
 
 import numpy as np
+import pytest
+from aiohttp import web
 
+import extproc.signals as signals_module
 from extproc.signals import Signals
 from extproc.telemetry import RouterMetrics
 from gorgo.core.fleet import parse_fleet
 from gorgo.core.router import Router
 from gorgo.harness.procs import free_port
 from gorgo.sim.fleet import SimFleet
+from tests.extproc.test_engine_metrics import VLLM
 
 
 def test_router_probes_rtt_and_scrapes_sglang_and_vllm_metrics() -> None:
@@ -61,5 +65,42 @@ def test_router_probes_rtt_and_scrapes_sglang_and_vllm_metrics() -> None:
         finally:
             await signals.stop()
             await fleet.stop()
+
+    asyncio.run(asyncio.wait_for(go(), 60))
+
+
+def test_a_page_over_the_size_limit_is_a_scrape_error_and_the_next_one_applies(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    page = VLLM + "".join(f'vllm:iteration_tokens_total_bucket{{le="{k}"}} 1\n' for k in range(20))
+
+    async def metrics(request: web.Request) -> web.Response:
+        return web.Response(text=page, content_type="text/plain")
+
+    async def go() -> None:
+        app = web.Application()
+        app.router.add_get("/metrics", metrics)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        router = Router(parse_fleet({
+            "regions": {"a": None}, "signals": {"scrape_interval_s": 3600},
+            "replicas": [{"name": "v", "region": "a", "address": f"127.0.0.1:{port}",
+                          "engine": "vllm"}]}))
+        m = RouterMetrics(router.state, lambda: 0)
+        signals = Signals(router, m)
+        errors = m.scrape_errors.labels(*m.replica(0))
+        monkeypatch.setattr(signals_module, "MAX_METRICS_BYTES", len(page) - 1)
+        try:
+            await signals.start()
+            await signals.scrape_all()
+            assert router.state.eng_scraped_at[0] == -np.inf  # never applied
+            assert errors._value.get() >= 1
+            monkeypatch.setattr(signals_module, "MAX_METRICS_BYTES", len(page))
+            await signals.scrape_all()
+            assert router.state.eng_queue_reqs[0] == 5.0 and router.state.eng_running_reqs[0] == 17
+        finally:
+            await signals.stop()
+            await runner.cleanup()
 
     asyncio.run(asyncio.wait_for(go(), 60))
