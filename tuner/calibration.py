@@ -34,12 +34,14 @@ published until a new fit replaces it: with only trustworthy fits published, "un
 
 from __future__ import annotations
 
+import math
 from collections import Counter, deque
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 import numpy as np
 
+from gorgo.core.contract import PREFILL_RATE_BOUNDS
 from gorgo.core.terms import admission, prefill, queue, rtt
 from tuner.samples import Sample
 
@@ -70,8 +72,10 @@ class CalibrationConfig:
     def validate(self) -> None:
         if self.window < 3 or self.min_samples < 3 or self.min_samples > self.window:
             raise ValueError("calibration: need 3 <= min_samples <= window")
-        if not 0 < self.min_rate < self.max_rate:
-            raise ValueError("calibration: need 0 < min_rate < max_rate")
+        lo, hi = PREFILL_RATE_BOUNDS
+        if not lo <= self.min_rate < self.max_rate <= hi:  # else the routers refuse every publish
+            raise ValueError(f"calibration: need {lo:g} <= min_rate < max_rate <= {hi:g} "
+                             "(the routers' bounds on a prefill rate)")
         if self.min_spread_tokens < 0:
             raise ValueError("calibration: min_spread_tokens must be >= 0")
         if not self.max_queue_share >= 0:
@@ -149,6 +153,10 @@ class PrefillCalibrator:
         if not s.ok:
             return
         cfg = self.config
+        priced = s.uncached_tokens > 0 and s.terms[PREFILL] > 0
+        used = s.uncached_tokens * 1000.0 / s.terms[PREFILL] if priced else math.nan
+        if priced and not cfg.min_rate <= used <= cfg.max_rate:
+            return  # priced at a rate no calibration publishes: no evidence for this fit
         rows = self._rows.setdefault(s.replica, deque())
         sources = self._sources.setdefault(s.replica, Counter())
         if s.source is not None:
@@ -162,8 +170,8 @@ class PrefillCalibrator:
                 if not sources[gone]:
                     del sources[gone]
         rtt_ms, queue_ms, prefill_ms = (s.terms[name] for name in (RTT, QUEUE, PREFILL))
-        if s.uncached_tokens > 0 and prefill_ms > 0:
-            self._rate_used[s.replica] = s.uncached_tokens * 1000.0 / prefill_ms
+        if priced:
+            self._rate_used[s.replica] = used
         rate_used = self._rate_used.get(s.replica)
         work = float("nan") if rate_used is None else (
             (queue_ms + prefill_ms) * rate_used / 1000.0)

@@ -6,7 +6,10 @@ again in the span when it ends. `Join` says, for each parsed sample, what it add
 first TTFT (`FIRST`: a new sample, early or complete), the E2E of a decision whose TTFT was already
 counted (`END`), or nothing (`DUPLICATE`). Its memory is bounded: a decision is forgotten once no
 record of it can still come (the fleet's request timeout after it was first seen; Envoy ends
-every request by then), and at most ``max_ids`` are held (the oldest go first).
+every request by then), and at most ``max_ids`` are held. Past that bound the ended decisions go
+first, oldest first: forgetting one only lets a duplicate through, and Envoy sends none that
+late. A decision still streaming is forgotten only when more than ``max_ids`` stream at once
+(`evicted_open` counts them): its end would then count as a new sample.
 """
 
 from __future__ import annotations
@@ -28,30 +31,35 @@ class Join:
         self.ttl_s = ttl_s
         self.max_ids = max_ids
         self._clock = clock
-        self._seen: OrderedDict[str, tuple[float, bool]] = OrderedDict()  # id -> (at, ended)
+        # id -> when first seen: TTFT counted, the end still to come; and both counted
+        self._open: OrderedDict[str, float] = OrderedDict()
+        self._ended: OrderedDict[str, float] = OrderedDict()
+        self.evicted_open = 0
 
     def __len__(self) -> int:
-        return len(self._seen)
+        return len(self._open) + len(self._ended)
 
     def admit(self, s: Sample) -> str:
         """FIRST, END or DUPLICATE for ``s`` (see the module docstring)."""
         now = self._clock()
-        self._expire(now)
-        seen = self._seen.get(s.decision_id)
-        if seen is None:
-            self._seen[s.decision_id] = (now, not s.early)
-            if len(self._seen) > self.max_ids:
-                self._seen.popitem(last=False)
-            return FIRST
-        at, ended = seen
-        if ended or s.early:
+        for held in (self._open, self._ended):
+            while held and now - next(iter(held.values())) >= self.ttl_s:
+                held.popitem(last=False)
+        did = s.decision_id
+        if did in self._ended:
             return DUPLICATE
-        self._seen[s.decision_id] = (at, True)
-        return END
-
-    def _expire(self, now: float) -> None:
-        while self._seen:
-            at = next(iter(self._seen.values()))[0]
-            if now - at < self.ttl_s:
-                return
-            self._seen.popitem(last=False)
+        at = self._open.get(did)
+        if at is not None:
+            if s.early:
+                return DUPLICATE
+            del self._open[did]
+            self._ended[did] = at
+            return END
+        (self._open if s.early else self._ended)[did] = now
+        while len(self) > self.max_ids:
+            if self._ended:
+                self._ended.popitem(last=False)
+            else:
+                self._open.popitem(last=False)
+                self.evicted_open += 1
+        return FIRST

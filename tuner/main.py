@@ -480,7 +480,8 @@ class TunerService:
     def _status(self, tuner: dict[str, Any]) -> dict[str, Any]:
         return {"tuner": tuner, "ticks": self.ticks,
                 "receiver": {**self.receiver.counts, "max_version_seen": self.max_version_seen,
-                             "join_ids": len(self.join)},
+                             "join_ids": len(self.join),
+                             "join_evicted_open": self.join.evicted_open},
                 "routers": self.publisher.status()}
 
     async def follow_routers(self) -> None:

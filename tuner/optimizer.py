@@ -1306,8 +1306,10 @@ def config_from_mapping(raw: dict[str, Any], path: str = "optimizer") -> Optimiz
             raise ValueError(f"{path}.{key}: unknown field (allowed: {', '.join(sorted(known))})")
         default = getattr(defaults, key)
         if key == "bounds":
-            try:
-                value = normalize_bounds(value)
+            objective = raw.get("objective", defaults.objective)
+            try:  # for the weights the configured objective searches, not the default's
+                value = normalize_bounds(
+                    value, weight_keys(objective) if objective in OBJECTIVES else KEYS)
             except ValueError as exc:  # names bounds or bounds.<key>
                 raise ValueError(f"{path}.{exc}") from None
         elif isinstance(default, bool):

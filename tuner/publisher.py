@@ -140,9 +140,11 @@ class Publisher:
                     body = await r.json(content_type=None)
                 except ValueError:
                     body = {}
+                if not isinstance(body, dict):  # a proxy's answer, not the router's
+                    body = {}
                 if r.status == 200:
                     return PublishResult(t.url, 200, body.get("version"))
-                err = body.get("error", {}) if isinstance(body, dict) else {}
+                err = body.get("error", {})
                 active = err.get("active_version") if isinstance(err, dict) else None
                 message = err.get("message", "") if isinstance(err, dict) else ""
                 return PublishResult(t.url, r.status, active if isinstance(active, int) else None,

@@ -32,6 +32,7 @@ from gorgo.core.contract import (
     SPAN_PREFIX,
     STATUS_ATTR,
     TERM_FIELDS,
+    TOKENS_MAX,
     TTFT_ATTR,
     VERSION_MAX,
 )
@@ -203,6 +204,8 @@ def parse_attributes(attrs: dict[str, Any], start: int, end: int | None, max_ms:
         raise SpanDropped(OUT_OF_RANGE, f"a cost term above {TERM_SLACK * max_ms:g} ms")
     if s.uncached_tokens > s.prompt_tokens or s.weights_version > VERSION_MAX:
         raise SpanDropped(MALFORMED, "uncached tokens above the prompt's, or version above int64")
+    if s.prompt_tokens > TOKENS_MAX:
+        raise SpanDropped(OUT_OF_RANGE, f"{s.prompt_tokens} prompt tokens > {TOKENS_MAX}")
     return s
 
 

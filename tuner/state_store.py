@@ -58,6 +58,10 @@ def save_state(path: str | Path, state: dict[str, Any]) -> None:
             os.close(dir_fd)
 
 
+def _not_json(token: str) -> Any:
+    raise ValueError(f"{token} is not JSON")
+
+
 def load_state(path: str | Path, max_ms: float) -> dict[str, Any] | None:
     """The saved state, or None if there is none yet; ``max_ms`` is the fleet's request timeout
     (no p95 can be longer)."""
@@ -68,9 +72,9 @@ def load_state(path: str | Path, max_ms: float) -> dict[str, Any] | None:
         return None
     except OSError as exc:
         raise StateError(f"{path}: cannot read state file: {exc.strerror}") from None
-    try:
-        state = json.loads(text)
-    except json.JSONDecodeError as exc:
+    try:  # strict JSON, as it was saved: a NaN in it could never be saved again
+        state = json.loads(text, parse_constant=_not_json)
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError is a ValueError
         raise StateError(f"{path}: not valid JSON ({exc}); move it away to start afresh") from None
     if not isinstance(state, dict):
         raise StateError(f"{path}: expected a JSON object")

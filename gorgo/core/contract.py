@@ -104,6 +104,9 @@ MODEL_MAX_CHARS = 256  # a client's model name, cut to this length in metadata a
 WEIGHT_BOUNDS: dict[str, tuple[float, float]] = {k: t.bounds for k, t in WEIGHTED.items()}
 PREFILL_RATE_BOUNDS = (1.0, 1e9)  # tokens/s
 VERSION_MAX = 2**63 - 1  # versions are int64 everywhere (Prometheus, JSON, Envoy metadata)
+# A decision's prompt and uncached tokens as spans carry them: far above any context window, low
+# enough that a forged count cannot dwarf every real one in the tuner's fits.
+TOKENS_MAX = 1 << 30
 
 
 def decision_fields(

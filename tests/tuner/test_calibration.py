@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -187,9 +189,21 @@ def test_config_is_validated() -> None:
     for bad in (CalibrationConfig(window=10, min_samples=20), CalibrationConfig(min_rate=0),
                 CalibrationConfig(min_spread_tokens=-1), CalibrationConfig(max_queue_share=-0.1),
                 CalibrationConfig(quantile=0.0), CalibrationConfig(quantile=1.0),
-                CalibrationConfig(max_slope_disagreement=0.0)):
+                CalibrationConfig(max_slope_disagreement=0.0),
+                CalibrationConfig(max_rate=1e12)):  # above what the routers take: 400 each time
         with pytest.raises(ValueError):
             PrefillCalibrator(bad)
+
+
+def test_a_span_priced_at_an_impossible_rate_is_no_evidence() -> None:
+    rng = np.random.default_rng(3)
+    forged = dataclasses.replace(traffic(rng, 1, rate=5000.0)[0], uncached_tokens=10**9,
+                                 prompt_tokens=10**9)  # as priced: at 1e10 tokens/s or more
+    cal = feed(PrefillCalibrator(CalibrationConfig(window=400, min_samples=50)),
+               [*traffic(rng, 200, rate=5000.0), forged, *traffic(rng, 200, rate=5000.0)])
+    est = cal.estimate("r0")  # one such row held the fit back for the whole window before
+    assert est is not None and est.rate == pytest.approx(5000.0, rel=0.05)
+    assert est.window_rows == 400
 
 
 def busy(rng: np.random.Generator, n: int, *, rate: float, router_rate: float) -> list[Sample]:

@@ -75,3 +75,15 @@ def test_the_join_forgets_a_decision_after_the_request_timeout_and_is_bounded() 
     assert len(j) == 3  # the oldest went first
     with pytest.raises(ValueError):
         Join(ttl_s=0.0)
+
+
+def test_at_the_bound_the_ended_go_before_the_streaming() -> None:
+    j = Join(ttl_s=600.0, max_ids=3, clock=lambda: 0.0)
+    assert j.admit(early("long")) == FIRST  # a long stream's TTFT, its end minutes away
+    for k in range(10):  # many short requests end meanwhile
+        assert j.admit(end(f"short{k}")) == FIRST
+    assert len(j) == 3 and j.evicted_open == 0
+    assert j.admit(end("long")) == END  # counted once: it was FIRST again before
+    for k in range(4):
+        j.admit(early(f"open{k}"))  # more streaming at once than the bound
+    assert len(j) == 3 and j.evicted_open == 1

@@ -591,6 +591,11 @@ def test_config_from_mapping_checks_types_and_ranges() -> None:
     assert named.bounds == {"rtt": (0.05, 20.0), "queue": (0.2, 5.0)}  # the rest: the contract's
     assert OptimizerConfig(bounds=(0.01, 50.0)).search_bounds() == {
         "rtt": (0.05, 20.0), "queue": (0.05, 20.0)}  # never beyond what the routers accept
+    # the objective's own weights: the default objective's keys dropped `decode` before
+    e2e = config_from_mapping({"objective": "e2e", "bounds": {"decode": [0.5, 2]}})
+    assert e2e.bounds["decode"] == (0.5, 2.0) and e2e.bounds["rtt"] == (0.05, 20.0)
+    with pytest.raises(ValueError, match=r"bounds\.decode"):
+        config_from_mapping({"objective": "e2e", "bounds": {"decode": [5, 1]}})
     for raw, match in (({"windows": 3}, "unknown"), ({"window_samples": 2.5}, "integer"),
                        ({"fpr": "x"}, "number"), ({"fpr": 0.7}, "fpr"),
                        ({"bounds": [5, 1]}, "bounds"), ({"bounds": {"warp": [1, 2]}},

@@ -83,6 +83,9 @@ def test_every_term_of_the_registry_is_read_from_its_contract_tag(span_builders)
     ({"gorgo__admission_ms": "-"}, MALFORMED),
     ({"gorgo__uncached_tokens": "1e400"}, MALFORMED),
     ({"gorgo__prompt_tokens": "-1"}, MALFORMED),
+    # a forged count past any context window, which would dwarf every real row in the fits
+    ({"gorgo__prompt_tokens": "1e30", "gorgo__uncached_tokens": "1e30"}, OUT_OF_RANGE),
+    ({"gorgo__prompt_tokens": str(2**31)}, OUT_OF_RANGE),
 ])
 def test_unusable_spans_are_dropped_with_a_reason(span_builders, over, reason) -> None:
     attrs, span, _ = span_builders

@@ -315,6 +315,30 @@ def test_publisher_reports_auth_failures_without_acking(tmp_path: Path) -> None:
     run(body)
 
 
+@pytest.mark.parametrize(("status", "acked"), [(200, 5), (502, -1)])
+def test_an_answer_that_is_not_a_json_object_is_read_as_no_body(status: int, acked: int) -> None:
+    """A proxy in front of a router may answer a list or a string: the tick must go on."""
+    async def body() -> None:
+        async def put(request: web.Request) -> web.Response:
+            return web.json_response(["ok"], status=status)
+
+        app = web.Application()
+        app.router.add_put("/admin/weights", put)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        try:
+            async with Publisher([RouterTarget(f"http://127.0.0.1:{port}", "t")]) as pub:
+                await pub.sync(Proposal(Weights(W(2.0, 2.0), 5), {}, "incumbent"))
+                assert pub.status()[0]["acked_version"] == acked
+        finally:
+            await runner.cleanup()
+
+    run(body)
+
+
 def test_unreadable_state_file_is_not_overwritten(tmp_path: Path) -> None:
     async def body() -> None:
         a = RouterApp()

@@ -45,7 +45,13 @@ def test_failed_write_keeps_the_old_state(tmp_path: Path) -> None:
     assert [p.name for p in tmp_path.iterdir()] == ["state.json"]
 
 
-@pytest.mark.parametrize(("text", "match"), [("{half", "not valid JSON"), ("[1]", "object")])
+@pytest.mark.parametrize(("text", "match"), [
+    ("{half", "not valid JSON"), ("[1]", "object"),
+    # Python reads these, but no save writes them: the first save after the start raised
+    ('{"history": [{"event": "evaluation", "p95_candidate": NaN}]}', "NaN is not JSON"),
+    ('{"sigma": Infinity}', "Infinity is not JSON"),
+    ("[" * 100_000, "not valid JSON"),  # a RecursionError escaped the state error
+])
 def test_unusable_state_file_is_an_error(tmp_path: Path, text: str, match: str) -> None:
     path = tmp_path / "state.json"
     path.write_text(text)
