@@ -37,7 +37,7 @@ from gorgo.core.contract import (
     request_fields,
 )
 from gorgo.core.decision import SHED, UNKNOWN_MODEL, Decision, Rejection
-from gorgo.core.features import RequestError, extract_features
+from gorgo.core.features import RequestError, RequestFeatures, extract_features
 from gorgo.core.fleet import FleetSpec
 from gorgo.core.router import Router
 
@@ -183,7 +183,7 @@ class ExtProcService(ExternalProcessorServicer):
         if answer is not None:
             return answer
         length = st.headers.get("content-length", "")
-        if length.isdigit() and int(length) > self.max_body:
+        if length.isascii() and length.isdigit() and int(length) > self.max_body:
             return self._reject(RequestError(
                 413, f"Request body of {length} bytes exceeds the limit of {self.max_body}.",
                 code="request_too_large"))
@@ -196,7 +196,9 @@ class ExtProcService(ExternalProcessorServicer):
             answer = self._open(st, messages.attribute_headers(req))
             if answer is not None:
                 return answer
-        msg = req.request_body
+        if st.decision is not None:  # a body chunk after the decision (STREAMED mode, or a body
+            return messages.CONTINUE_REQUEST_BODY  # after headers that ended the stream): one
+        msg = req.request_body  # decision, one booking per request
         if len(msg.body) > self.max_body:
             return self._too_large()
         return self._decide(st, msg.body, on_headers=False)
@@ -278,15 +280,28 @@ class ExtProcService(ExternalProcessorServicer):
                        {OUTCOME_ATTR: "invalid_request", ROUTER_STATUS_ATTR: err.status})
             return self._reject(err)
         except Exception:
-            log.exception("routing failed; failing open to the default route")
-            self.metrics.fail_open.inc()
-            self._span(st, t0, wall0, {OUTCOME_ATTR: "fail_open"}, error=True)
-            return (messages.CONTINUE_REQUEST_HEADERS if on_headers
-                    else messages.CONTINUE_REQUEST_BODY)
+            return self._fail_open(st, t0, wall0, on_headers)
         if isinstance(d, Rejection):
             self._span(st, t0, wall0, {OUTCOME_ATTR: d.reason, ROUTER_STATUS_ATTR: d.status})
             return self._refuse(d)
         st.decision = d
+        try:
+            return self._answer(st, f, d, on_headers, t0, wall0)
+        except Exception:  # the decision cannot be told to Envoy: released, never half-booked
+            self.router.complete(d.id)
+            st.decision = None
+            return self._fail_open(st, t0, wall0, on_headers)
+
+    def _fail_open(self, st: _Stream, t0: float, wall0: int,
+                   on_headers: bool) -> pb.ProcessingResponse:
+        log.exception("routing failed; failing open to the default route")
+        self.metrics.fail_open.inc()
+        self._span(st, t0, wall0, {OUTCOME_ATTR: "fail_open"}, error=True)
+        return messages.CONTINUE_REQUEST_HEADERS if on_headers else messages.CONTINUE_REQUEST_BODY
+
+    def _answer(self, st: _Stream, f: RequestFeatures, d: Decision, on_headers: bool, t0: float,
+                wall0: int) -> pb.ProcessingResponse:
+        """The routing answer for decision ``d``: route, headers, metadata, metrics, span."""
         s = self.router.state
         st.served = s.names[d.replica]
         if self._warm is not None:

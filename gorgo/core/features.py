@@ -210,6 +210,18 @@ def _tools_text(tools: Any, max_tools: int) -> list[str]:
             for t in _bounded(tools, max_tools, "tools")]
 
 
+def _token_ids(prompt: Any, limits: Limits) -> bool:
+    """Whether ``prompt`` is a completions prompt of token ids (bounded before it is scanned: as
+    text each id takes at least two characters)."""
+    if not (isinstance(prompt, list) and prompt and type(prompt[0]) is int):
+        return False
+    if 2 * len(prompt) - 1 > limits.max_prompt_chars:
+        raise RequestError(
+            413, f"The prompt has {len(prompt)} token ids; the limit is "
+            f"{(limits.max_prompt_chars + 1) // 2}.", code="request_too_large")
+    return all(type(p) is int and p >= 0 for p in prompt)
+
+
 def prompt_text(endpoint: str, body: Mapping[str, Any], limits: Limits = DEFAULT_LIMITS) -> str:
     """The prompt as the engine's template sees it (see module docstring for the order), at most
     ``limits.max_prompt_chars`` long; every list is bounded before its elements are read."""
@@ -226,11 +238,12 @@ def prompt_text(endpoint: str, body: Mapping[str, Any], limits: Limits = DEFAULT
             pieces = [prompt]
         elif isinstance(prompt, list) and all(isinstance(p, str) for p in prompt):
             pieces = _bounded(prompt, limits.max_messages, "prompt")
-        elif isinstance(prompt, list) and all(isinstance(p, int) for p in prompt):
-            # Token ids: keep them hashable and countable as text of the same length class.
+        elif _token_ids(prompt, limits):
+            # Token ids: hashed as their text (the same ids, the same blocks); counted as ids
             pieces = [" ".join(map(str, prompt))]
         else:
-            raise RequestError(400, "'prompt' must be a string or a list.", param="prompt")
+            raise RequestError(400, "'prompt' must be a string, a list of strings or a list of "
+                               "token ids (a batch of token lists is not routed).", param="prompt")
     elif endpoint == "responses":
         if "input" not in body:
             raise RequestError(400, "Missing required parameter: 'input'.", param="input")
@@ -332,12 +345,20 @@ def extract_features(
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise RequestError(400, "'model' must be a string.", param="model")
+    if model is not None and not model.isascii():
+        try:  # JSON's "\ud800" escape decodes to a string no protobuf or span can carry
+            model.encode("utf-8")
+        except UnicodeEncodeError:
+            raise RequestError(400, "'model' is not valid Unicode text.", param="model") from None
     stream = body.get("stream")
     stream = False if stream is None else stream
     if not isinstance(stream, bool):
         raise RequestError(400, "'stream' must be a boolean.", param="stream")
     max_tokens = positive_int(body, "max_tokens", "max_completion_tokens", "max_output_tokens",
                               maximum=limits.max_output_tokens)
+    # a completions prompt of token ids (prompt_text checked every element): counted as ids
+    ids = body["prompt"] if endpoint == "completions" and isinstance(body["prompt"], list) \
+        and body["prompt"] and type(body["prompt"][0]) is int else None
     session = headers.get(SESSION_HEADER) or None
     for key in ("prompt_cache_key", "user"):
         if session is None and isinstance(body.get(key), str) and body[key]:
@@ -349,7 +370,7 @@ def extract_features(
         max_tokens=max_tokens,
         session_key=session,
         prompt_chars=len(text),
-        prompt_tokens=tok.count_tokens(len(text)),
+        prompt_tokens=len(ids) if ids else tok.count_tokens(len(text)),
         block_hashes=tok.block_hashes(text),
         policy=policy,
         priority=priority,

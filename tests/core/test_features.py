@@ -23,6 +23,7 @@ from gorgo.core.features import (
     parse_json_body,
     prompt_text,
 )
+from gorgo.core.fleet import Limits
 from gorgo.core.tokens import Tokenization
 
 TOK = Tokenization(chars_per_token=1.0, block_tokens=4)
@@ -214,8 +215,23 @@ def test_completions_string_and_lists() -> None:
     assert (f.endpoint, f.max_tokens, f.model) == ("completions", 7, "m")
 
 
+def test_a_prompt_of_token_ids_counts_its_ids_not_their_digits() -> None:
+    # its decimal text once counted 7 "tokens" per six-digit id (at 1 char a token here): a
+    # prompt that fits was refused as too large, one that did not was booked at a fraction
+    assert feats(COMPLETIONS, {"prompt": [128000] * 50}).prompt_tokens == 50
+    assert feats(COMPLETIONS, {"prompt": [1, 2, 3]}).prompt_tokens == 3
+    assert feats(COMPLETIONS, {"prompt": "1 2 3"}).prompt_tokens == 5  # text stays text
+    a, b = (feats(COMPLETIONS, {"prompt": p}) for p in ([7, 8, 9, 10] * 4, [7, 8, 9, 10] * 5))
+    assert a.block_hashes[:2].tolist() == b.block_hashes[:2].tolist()  # same ids, same blocks
+    long = json.dumps({"prompt": [1] * 6}).encode()
+    with pytest.raises(RequestError) as info:  # bounded before the scan and the join
+        extract_features(COMPLETIONS, {}, long, TOK, limits=Limits(max_prompt_chars=10))
+    assert info.value.status == 413
+
+
 @pytest.mark.parametrize(
-    "body", [{}, {"prompt": 5}, {"prompt": ["a", 1]}, {"prompt": [[1, 2]]}, {"prompt": None}]
+    "body", [{}, {"prompt": 5}, {"prompt": ["a", 1]}, {"prompt": [[1, 2]]}, {"prompt": None},
+             {"prompt": [1, True]}, {"prompt": [True]}, {"prompt": [1, -2]}, {"prompt": [1, 2.5]}]
 )
 def test_completions_bad_prompt(body: dict) -> None:
     err = error(COMPLETIONS, body)
@@ -365,6 +381,14 @@ def test_max_tokens_aliases_and_precedence() -> None:
 
 def test_model_null_is_no_model() -> None:
     assert feats(COMPLETIONS, {"prompt": "x", "model": None}).model is None
+
+
+def test_a_model_no_protobuf_can_carry_is_a_400() -> None:
+    # JSON's escape of a lone surrogate decodes; encoding the decision's metadata then raised
+    # after the request was booked, and the stream died without a counted fail-open
+    err = error(CHAT, b'{"model": "\\ud800", "messages": [{"role": "user", "content": "x"}]}')
+    assert (err.status, err.param) == (400, "model")
+    assert feats(CHAT, {"model": "llama-3 \u00e9\u4e2d", "messages": []}).model == "llama-3 é中"
 
 
 def test_stream_null_means_not_streaming() -> None:

@@ -228,3 +228,38 @@ def test_buffered_mode_is_unchanged_without_protocol_config() -> None:
     answers, _ = _run(_router(), reqs)
     assert answers[0] == messages.CONTINUE_REQUEST_HEADERS
     assert messages.CLUSTER_HEADER in _set(answers[1].request_body.response)
+
+
+def test_one_decision_per_request_whatever_the_body_chunks() -> None:
+    # STREAMED or BUFFERED_PARTIAL (a hand-written Envoy config): each chunk a body message; a
+    # second decision once overwrote the first, whose booking then never closed
+    body = _body()
+    reqs = [_request_headers(ProcessingMode.STREAMED),
+            pb.ProcessingRequest(request_body=pb.HttpBody(body=body)),
+            pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=True))]
+    router = _router()
+    answers, service = _run(router, reqs)
+    assert messages.CLUSTER_HEADER in _set(answers[1].request_body.response)
+    assert answers[2] == messages.CONTINUE_REQUEST_BODY
+    assert router.open_requests == 0 and _sample(service, "gorgo_decisions_total") == 1
+
+
+def test_an_answer_that_cannot_be_built_fails_open_counted_and_releases_its_booking(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(*_: Any) -> None:
+        raise UnicodeEncodeError("utf-8", "\ud800", 0, 1, "surrogates not allowed")
+
+    monkeypatch.setattr(messages, "route_on_body", broken)
+    router = _router()
+    booked: list[int] = []
+    complete = router.complete
+
+    def spy(decision_id: str) -> None:
+        booked.append(router.open_requests)
+        complete(decision_id)
+
+    router.complete = spy  # type: ignore[method-assign]
+    answers, service = _run(router, _buffered(_body()))
+    assert answers[1] == messages.CONTINUE_REQUEST_BODY  # the default route, as Envoy fails open
+    assert _sample(service, "gorgo_fail_open_total") == 1
+    assert booked == [1] and router.open_requests == 0  # released once, by the failure
