@@ -91,19 +91,24 @@ def test_endpoint_rules() -> None:
         parse_sources({})
 
 
+def _precise_replica() -> tuple[Router, FakePublisher]:
+    """A router of one precise vLLM replica "v" and its publisher (call on a running loop)."""
+    pub_port, replay_port, http_port = free_ports(3)
+    pub, replay = f"tcp://127.0.0.1:{pub_port}", f"tcp://127.0.0.1:{replay_port}"
+    spec = parse_fleet({"regions": {"a": None}, "block_tokens": BT, "replicas": [{
+        "name": "v", "region": "a", "address": f"127.0.0.1:{http_port}", "engine": "vllm",
+        "cache": "precise", "tokenizer": "sim",
+        "kv_events": {"endpoint": pub, "replay_endpoint": replay, "topic": "kv"}}]})
+    router = Router(spec)
+    assert router.state.precise is not None
+    router.state.observe_cache_config(0, BT, 10_000, "sha256_cbor")
+    return router, FakePublisher(pub, replay)
+
+
 def test_history_live_gap_restart_and_lost() -> None:
     async def go() -> None:
-        pub_port, replay_port, http_port = free_ports(3)
-        pub, replay = f"tcp://127.0.0.1:{pub_port}", f"tcp://127.0.0.1:{replay_port}"
-        spec = parse_fleet({"regions": {"a": None}, "block_tokens": BT, "replicas": [{
-            "name": "v", "region": "a", "address": f"127.0.0.1:{http_port}", "engine": "vllm",
-            "cache": "precise", "tokenizer": "sim",
-            "kv_events": {"endpoint": pub, "replay_endpoint": replay, "topic": "kv"}}]})
-        router = Router(spec)
+        router, fake = _precise_replica()
         s = router.state
-        assert s.precise is not None
-        s.observe_cache_config(0, BT, 10_000, "sha256_cbor")
-        fake = FakePublisher(pub, replay)
         await fake.publish([1, 2])  # before the router subscribed: only the replay has it
         client = KVEventsClient(router, RouterMetrics(s, lambda: 0))
         await client.start()
@@ -138,17 +143,8 @@ def test_history_live_gap_restart_and_lost() -> None:
 def test_an_unreadable_batch_is_counted_and_warned_and_the_view_comes_back(
         caplog: pytest.LogCaptureFixture) -> None:
     async def go() -> None:
-        pub_port, replay_port, http_port = free_ports(3)
-        pub, replay = f"tcp://127.0.0.1:{pub_port}", f"tcp://127.0.0.1:{replay_port}"
-        spec = parse_fleet({"regions": {"a": None}, "block_tokens": BT, "replicas": [{
-            "name": "v", "region": "a", "address": f"127.0.0.1:{http_port}", "engine": "vllm",
-            "cache": "precise", "tokenizer": "sim",
-            "kv_events": {"endpoint": pub, "replay_endpoint": replay, "topic": "kv"}}]})
-        router = Router(spec)
+        router, fake = _precise_replica()
         s = router.state
-        assert s.precise is not None
-        s.observe_cache_config(0, BT, 10_000, "sha256_cbor")
-        fake = FakePublisher(pub, replay)
         await fake.publish([1, 2])
         client = KVEventsClient(router, RouterMetrics(s, lambda: 0))
         await client.start()
