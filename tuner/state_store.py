@@ -58,10 +58,6 @@ def save_state(path: str | Path, state: dict[str, Any]) -> None:
             os.close(dir_fd)
 
 
-def _not_json(token: str) -> Any:
-    raise ValueError(f"{token} is not JSON")
-
-
 def load_state(path: str | Path, max_ms: float) -> dict[str, Any] | None:
     """The saved state, or None if there is none yet; ``max_ms`` is the fleet's request timeout
     (no p95 can be longer)."""
@@ -72,14 +68,17 @@ def load_state(path: str | Path, max_ms: float) -> dict[str, Any] | None:
         return None
     except OSError as exc:
         raise StateError(f"{path}: cannot read state file: {exc.strerror}") from None
-    try:  # strict JSON, as it was saved: a NaN in it could never be saved again
-        state = json.loads(text, parse_constant=_not_json)
+    try:
+        state = json.loads(text)
     except (ValueError, RecursionError) as exc:  # JSONDecodeError is a ValueError
         raise StateError(f"{path}: not valid JSON ({exc}); move it away to start afresh") from None
     if not isinstance(state, dict):
         raise StateError(f"{path}: expected a JSON object")
     try:
         check_state(state, max_ms)
+        # Beyond the checked fields (the history, say): Python reads NaN and Infinity, but the
+        # first save after the start would refuse them, and the tuner with it.
+        json.dumps(state, allow_nan=False)
     except ValueError as exc:
         raise StateError(f"{path}: {exc}; fix or move it away to start afresh") from None
     return state
