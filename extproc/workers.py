@@ -118,7 +118,7 @@ class Supervisor:
         self.token = token
         base = args.port
         self.workers = [Worker(k, base + k if base > 0 else 0) for k in range(n)]
-        self.replay: bytes | None = None  # the weights every worker runs, once one was PUT
+        self.replay: dict[str, Any] | None = None  # the weights every worker runs, once PUT
         self.stopping = False
         self.metrics_port = 0
         self.registry = CollectorRegistry()
@@ -194,11 +194,26 @@ class Supervisor:
         w.port, w.metrics_port = int(ready["grpc"]), int(ready["metrics"])
         w.tasks = [asyncio.create_task(self._drain(w.proc)), asyncio.create_task(self._watch(w))]
         async with self._lock:
-            if self.replay is not None:
-                await self._send(w, "PUT", "/admin/weights", self.replay, self._auth())
-            w.up = True
+            status, body = (200, b"") if self.replay is None else await self._replay_to(w)
+            w.up = status == 200
         self._count_up()
+        if not w.up:  # it routes, on other weights than its peers: not ready, and said loudly
+            log_event(log, "worker_replay_failed", logging.ERROR, worker=w.index, status=status,
+                      error=body.decode(errors="replace")[:300])
         log_event(log, "worker_started", worker=w.index, pid=w.proc.pid, grpc=w.port)
+
+    async def _replay_to(self, w: Worker) -> tuple[int, bytes]:
+        """PUT the weights every worker runs to ``w``, with the prefill rates of the replicas it
+        knows: a reload or a DNS answer since the PUT may have dropped one, and a rate for an
+        unknown replica fails the whole PUT."""
+        assert self.replay is not None
+        body = dict(self.replay)
+        status, raw = await self._send(w, "GET", "/admin/weights", None, self._auth())
+        if status == 200:
+            known = json.loads(raw).get("prefill_rate_hint") or {}
+            body["prefill_rate"] = {k: v for k, v in body["prefill_rate"].items() if k in known}
+        return await self._send(w, "PUT", "/admin/weights", json.dumps(body).encode(),
+                                self._auth())
 
     async def _drain(self, proc: asyncio.subprocess.Process) -> None:
         while raw := await proc.stdout.readline():
@@ -319,7 +334,7 @@ class Supervisor:
             async with self._lock:
                 if self.replay is not None:
                     for w in self._live():
-                        await self._send(w, "PUT", "/admin/weights", self.replay, self._auth())
+                        await self._replay_to(w)
         task = asyncio.get_running_loop().create_task(resync())
         self._background.add(task)
         task.add_done_callback(self._background.discard)
@@ -392,11 +407,10 @@ async def _down() -> tuple[int, bytes]:
     return 503, b""
 
 
-def _replay_body(current: dict[str, Any]) -> bytes:
+def _replay_body(current: dict[str, Any]) -> dict[str, Any]:
     """A PUT body that sets a fresh worker to exactly what ``current`` (a GET answer) holds."""
-    return json.dumps({**{k: current[k] for k in WEIGHT_BOUNDS if k in current},
-                       "version": current["version"],
-                       "prefill_rate": current.get("prefill_rate") or {}}).encode()
+    return {**{k: current[k] for k in WEIGHT_BOUNDS if k in current},
+            "version": current["version"], "prefill_rate": current.get("prefill_rate") or {}}
 
 
 async def supervise(args: argparse.Namespace, n: int, token: str | None) -> int:

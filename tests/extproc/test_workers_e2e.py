@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import yaml
 
 from gorgo.core.contract import REPLICA_HEADER
 from gorgo.harness.procs import wait_for
@@ -114,6 +115,30 @@ def test_weights_reach_every_worker_and_a_killed_worker_comes_back_with_them(
     assert got["rtt"] == 2.5
     # Envoy routes to the restarted worker again once its health check passes.
     assert wait_for(lambda: all(REPLICA_HEADER in h for _, h in _burst(stack, 8)), 20, 0.5)
+
+
+def test_a_worker_restarted_after_a_replica_left_takes_the_weights_without_its_rate(
+        stack: Stack) -> None:
+    """The kept weights named a replica the fleet has since lost: replayed whole, the restarted
+    worker refused them (unknown replica) and routed on version 0 while counted as up."""
+    status, _ = _http(stack, "PUT", "/admin/weights",
+                      {"rtt": 3.0, "version": 9, "prefill_rate": {"r0": 9000, "r1": 8000}})
+    assert status == 200
+    doc = yaml.safe_load(stack.fleet_path.read_text())  # the operator takes r1 out of the file
+    doc["replicas"] = [r for r in doc["replicas"] if r["name"] != "r1"]
+    tmp = stack.fleet_path.with_suffix(".tmp")
+    tmp.write_text(yaml.safe_dump(doc))
+    os.replace(tmp, stack.fleet_path)
+    assert wait_for(lambda: _metric(stack, "gorgo_fleet_reloads_total").get(
+        '{result="applied",worker="1"}', 0) >= 1, 30, 0.2)
+    victim = _workers(stack)[1]
+    os.kill(victim, signal.SIGKILL)
+    assert wait_for(lambda: victim not in _workers(stack) and len(_workers(stack)) == 2
+                    and _metric(stack, "gorgo_workers_up").get("", 0) == 2, 60, 0.2)
+    _, got = _http(stack, "GET", "/admin/weights")
+    assert got["workers"] == [{"worker": 0, "version": 9}, {"worker": 1, "version": 9}]
+    status, ready = _http(stack, "GET", "/readyz")
+    assert status == 200 and ready["checks"] == {"worker0": True, "worker1": True}
 
 
 def test_sigterm_stops_every_worker(stack: Stack) -> None:
