@@ -20,6 +20,7 @@ request pays on Envoy's pooled upstream connection.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import deque
@@ -29,6 +30,7 @@ from typing import Any
 
 import aiohttp
 import numpy as np
+from prometheus_client import Counter
 
 from extproc.engine_metrics import EngineLoad, parse_engine_metrics
 from extproc.loop_thread import LoopThread
@@ -241,12 +243,20 @@ class Signals:
             if ctx.new_connection and not warm and s.rtt_samples[i] == 0:
                 await self.probe(i, warm=True, generation=generation)  # sample at once
         elif timed_out and late > LATE_SHARE_OF_TIMEOUT * self.spec.timeouts.probe_ms / 1000:
-            self.metrics.probe_inconclusive.labels(*self.metrics.replica(i)).inc()
+            self._count(self.metrics.probe_inconclusive, generation, i)
             log.debug("probe of %s timed out while the signal loop was %.3f s late: not counted",
                       replica.name, late)
         else:
-            self.metrics.probe_errors.labels(*self.metrics.replica(i)).inc()
+            self._count(self.metrics.probe_errors, generation, i)
             self._apply(generation, self.apply_failed_probe, i)
+
+    def _count(self, counter: Counter, generation: int, i: int) -> None:
+        """One more on replica ``i``'s series, unless a reload renumbered the replicas while its
+        probe or scrape was out (``i`` would name another replica, or none)."""
+        if generation != self.router.generation:
+            return
+        with contextlib.suppress(IndexError):  # a reload on the router's loop at this instant
+            counter.labels(*self.metrics.replica(i)).inc()
 
     def apply_probe(self, i: int, rtt_ms: float | None) -> None:
         """A probe answered: the replica is healthy, and ``rtt_ms`` (if a sample) updates its RTT.
@@ -292,7 +302,7 @@ class Signals:
                         raise ValueError(f"metrics page over {MAX_METRICS_BYTES} bytes")
             load = parse_engine_metrics(page.decode(), replica.metrics_flavor)
         except Exception as exc:  # stale values age out on their own
-            self.metrics.scrape_errors.labels(*self.metrics.replica(i)).inc()
+            self._count(self.metrics.scrape_errors, generation, i)
             log.debug("scrape of %s failed: %s", replica.name, exc)
             return
         self._apply(generation, self.apply_scrape, i, load)

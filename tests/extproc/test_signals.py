@@ -9,9 +9,10 @@ import pytest
 from aiohttp import web
 
 import extproc.signals as signals_module
+from extproc.main import ExtProcServer
 from extproc.signals import Signals
 from extproc.telemetry import RouterMetrics
-from gorgo.core.fleet import parse_fleet
+from gorgo.core.fleet import FleetSpec, parse_fleet
 from gorgo.core.router import Router
 from gorgo.harness.procs import free_port
 from gorgo.sim.fleet import SimFleet
@@ -102,5 +103,51 @@ def test_a_page_over_the_size_limit_is_a_scrape_error_and_the_next_one_applies(
         finally:
             await signals.stop()
             await runner.cleanup()
+
+    asyncio.run(asyncio.wait_for(go(), 60))
+
+
+def test_a_probe_out_when_a_reload_renumbers_the_replicas_is_charged_to_no_one() -> None:
+    """Its index named the removed replica; after the reload it named another (or none)."""
+    async def go() -> None:
+        async def slow_fail(_: web.Request) -> web.Response:
+            await asyncio.sleep(0.5)
+            return web.Response(status=503)
+
+        async def ok(_: web.Request) -> web.Response:
+            return web.Response(text="ok")
+
+        ports, runners = {}, []
+        for name, health in (("old", slow_fail), ("b", ok)):
+            app = web.Application()
+            app.router.add_get("/health", health)
+            runner = web.AppRunner(app)
+            await runner.setup()
+            ports[name] = free_port()
+            await web.TCPSite(runner, "127.0.0.1", ports[name]).start()
+            runners.append(runner)
+
+        def fleet(names: list[str]) -> FleetSpec:
+            return parse_fleet({
+                "regions": {"a": None},
+                "signals": {"probe_interval_s": 3600, "scrape_interval_s": 3600},
+                "replicas": [{"name": n, "region": "a", "address": f"127.0.0.1:{ports[n]}",
+                              "engine": "vllm"} for n in names]})
+
+        server = ExtProcServer(Router(fleet(["old", "b"])))
+        errors = server.metrics.probe_errors
+        try:
+            await server.signals.start()
+            probe = asyncio.create_task(server.signals._on_thread(server.signals.probe(0)))
+            await asyncio.sleep(0.1)
+            server.apply_fleet(fleet(["b"]))  # "old" removed while its probe is out
+            await probe
+            charged = {s.labels["replica"]: s.value for m in errors.collect()
+                       for s in m.samples if s.name.endswith("_total")}
+            assert charged.get("b", 0) == 0, charged
+        finally:
+            await server.signals.stop()
+            for runner in runners:
+                await runner.cleanup()
 
     asyncio.run(asyncio.wait_for(go(), 60))
