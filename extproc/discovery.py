@@ -71,10 +71,12 @@ class DnsDiscovery:
 
     def parse(self, doc: Any, source: str) -> FleetSpec:
         """``doc`` with its ``discover:`` entries resolved, for a fleet reload: a name already
-        resolved keeps its last answer (the interval refreshes it); a new one, or one that never
-        answered, is resolved now (blocking, as at start: a changed entry is rare)."""
+        resolved keeps its last answer (the interval refreshes it), even an empty one; a name
+        new to the fleet is resolved now (blocking, as at start: a changed entry is rare). A
+        name that does not answer is never resolved again here: each reload, admin change and
+        SIGHUP would hold the router's loop for the resolver's whole timeout."""
         sources = dns_sources(doc, source)
-        missing = [s for s in sources if not self.answers.get(s.dns)]
+        missing = [s for s in sources if s.dns not in self.answers]
         if missing:
             self.answers.update(resolve_sources(missing, self.resolve))
         return parse_discovered(doc, self.answers, source)

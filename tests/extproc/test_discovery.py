@@ -168,6 +168,26 @@ def test_a_file_reload_resolves_discover_entries_and_follows_a_changed_name(
     assert [src.dns for src in d.sources] == ["other.llm.svc"]
 
 
+def test_a_name_that_does_not_answer_is_left_to_its_interval_on_reloads(
+        tmp_path: Path) -> None:
+    """Each reload, admin change or SIGHUP re-resolved it on the router's loop, holding every
+    decision for the resolver's timeout while the name stayed unanswered."""
+    asked: list[str] = []
+
+    def resolve(name: str, port: int) -> list[str]:
+        asked.append(name)
+        raise socket.gaierror(socket.EAI_AGAIN, "temporary failure in name resolution")
+
+    d = DnsDiscovery(_mixed_fleet(tmp_path), resolve=resolve)
+    server = ExtProcServer(Router(d.spec), fleet_path=str(d.path), discovery=d)
+    assert server.router.state.names == ["static-0"] and asked == [DNS]
+    for name in ("one", "two"):
+        _mixed_fleet(tmp_path, name=name)
+        server.reloader.poll()
+        assert server.router.spec.name == name
+    assert asked == [DNS]  # resolved at start only: the interval retries it, off the loop
+
+
 def test_discovered_replicas_are_drained_by_their_entry_and_named_in_the_error(
         tmp_path: Path) -> None:
     server, _ = _server(tmp_path, [["10.0.0.5", "10.0.0.6"]])
