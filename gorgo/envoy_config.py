@@ -90,6 +90,10 @@ TOO_LARGE_BODY = (
     '{"error":{"message":"Request body too large.","type":"invalid_request_error",'
     '"param":null,"code":"request_too_large"}}'
 )
+TIMEOUT_BODY = (
+    '{"error":{"message":"The request timed out at the proxy (timeouts.request_s, or no byte '
+    'either way for timeouts.idle_s).","type":"server_error","param":null,"code":"timeout"}}'
+)
 TOO_MANY_HEADERS_BODY = (
     '{"error":{"message":"Too many request headers.","type":"invalid_request_error",'
     '"param":null,"code":"request_header_fields_too_large"}}'
@@ -159,6 +163,7 @@ OUTLIER_DETECTION = {
 # Envoy's own 503s for a failed upstream (connect failure, no host, reset, retries exhausted);
 # the router's immediate 503 (no_healthy_replica) carries none of these flags and keeps its body.
 UPSTREAM_FAILURE_FLAGS = ("UF", "UH", "UR", "UC", "URX")
+TIMEOUT_FLAGS = ("UT", "SI")  # upstream request timeout, stream idle timeout
 
 
 def _hostport(value: str) -> tuple[str, int]:
@@ -488,7 +493,16 @@ def render_bootstrap(
                                **({"response_headers_to_add": TAG_FROM_METADATA} if skip else {})}],
         },
         "http_filters": [ext_proc, *(_routing_from_metadata(spec, picker) if skip_request
-                                     else []), {
+                                     else []),
+                         # The body limit without the router too: failing open, ext_proc holds
+                         # nothing and any body went on to the default replica (a 40 MiB one was
+                         # measured). Buffered mode holds the body anyway; full duplex hands it
+                         # on in chunks and must not hold it.
+                         *([] if duplex else [{
+                             "name": "envoy.filters.http.buffer",
+                             "typed_config": {
+                                 "@type": _T + "envoy.extensions.filters.http.buffer.v3.Buffer",
+                                 "max_request_bytes": spec.limits.max_body_bytes}}]), {
             "name": "envoy.filters.http.router",
             "typed_config": {
                 "@type": _T + "envoy.extensions.filters.http.router.v3.Router"},
@@ -503,6 +517,13 @@ def render_bootstrap(
             "filter": {"response_flag_filter": {"flags": list(UPSTREAM_FAILURE_FLAGS)}},
             "body_format_override": {
                 "text_format_source": {"inline_string": UPSTREAM_FAILED_BODY},
+                "content_type": "application/json"},
+        }, {
+            # Envoy's own timeouts: the route's (a whole request) and the idle one (no byte
+            # either way for timeouts.idle_s; a non-streamed answer sends none while it is made)
+            "filter": {"response_flag_filter": {"flags": list(TIMEOUT_FLAGS)}},
+            "body_format_override": {
+                "text_format_source": {"inline_string": TIMEOUT_BODY},
                 "content_type": "application/json"},
         }, {
             # Envoy's own 431 (over max_headers_count), and the request that fits only until the
@@ -672,6 +693,10 @@ def main(args: argparse.Namespace) -> int:
         except OSError as exc:
             raise UserError(f"cannot write {args.cds_file}: {exc.strerror}") from None
     if args.output == "-":
+        if token:  # a redirect is world-readable under the usual umask; -o writes it 0600
+            print("gorgo envoy-config: warning: the output holds the OTLP token: keep it owner-"
+                  "only (-o FILE writes it so); Envoy's admin /config_dump shows it too",
+                  file=sys.stderr)
         sys.stdout.write(text)
         return 0
     try:

@@ -43,10 +43,10 @@ DROPIN = "deploy/envoy.dropin.yaml"
 RENDERS: dict[str, list[str]] = {
     ENVOY_MAIN: ["envoy-config", "deploy/fleet.compose.yaml", "--listen", "0.0.0.0:10000",
                  "--extproc", "extproc:50051", "--otlp", "otel-collector:4317",
-                 "--admin", "0.0.0.0:9901"],
+                 "--admin", "127.0.0.1:9901"],
     ENVOY_GPU: ["envoy-config", "deploy/fleet.gpu.yaml", "--listen", "0.0.0.0:10000",
                 "--extproc", "extproc-gpu:50051", "--otlp", "otel-collector:4319",
-                "--admin", "0.0.0.0:9901"],
+                "--admin", "127.0.0.1:9901"],
 }
 # Profile multi: a proxy per region. Each other region's view of the compose fleet (written by
 # `gorgo sim view` with these port offsets) and its Envoy config, rendered like the main one.
@@ -55,7 +55,7 @@ for _region in VIEWS:
     RENDERS[f"deploy/envoy.compose.{_region}.yaml"] = [
         "envoy-config", f"deploy/fleet.compose.{_region}.yaml", "--listen", "0.0.0.0:10000",
         "--extproc", f"extproc-{_region}:50051", "--otlp", "otel-collector:4317",
-        "--admin", "0.0.0.0:9901"]
+        "--admin", "127.0.0.1:9901"]
 SIM_SERVICES = ("sim-us-east", "sim-eu-frankfurt", "sim-ap-seoul")
 OTLP_TOKEN_FILE = "/run/gorgo/otlp-token"
 CORE_SERVICES = {"envoy", "extproc", "tuner", "otel-collector", "jaeger", "prometheus", "grafana",
@@ -374,7 +374,8 @@ def test_envoy_service_matches_its_config_and_peers(services: dict[str, Any],
     boot = yaml.safe_load(config.read_text())
     listen = boot["static_resources"]["listeners"][0]["address"]["socket_address"]["port_value"]
     admin = boot["admin"]["address"]["socket_address"]["port_value"]
-    assert {c for _, _, c in _published(svc)} == {listen, admin}
+    assert {c for _, _, c in _published(svc)} == {listen}  # its admin: no other container's
+    assert boot["admin"]["address"]["socket_address"]["address"] == "127.0.0.1" and admin
     clusters = _clusters(boot)
     # ext_proc: the extproc service that serves this config's fleet, on its gRPC port.
     host, port = _cluster_address(clusters[EXTPROC_CLUSTER])
@@ -601,7 +602,8 @@ def test_dropin_envoy_validates_and_agrees_with_the_renderer() -> None:
     hcm, ref_hcm = _hcm(boot), _hcm(ref)
     ext, ref_ext = hcm["http_filters"][0], ref_hcm["http_filters"][0]
     assert [f["name"] for f in hcm["http_filters"]] == [
-        "envoy.filters.http.ext_proc", "envoy.filters.http.router"]
+        "envoy.filters.http.ext_proc", "envoy.filters.http.buffer", "envoy.filters.http.router"]
+    assert hcm["http_filters"][1] == ref_hcm["http_filters"][1]  # the body limit, router down
     for key in ("processing_mode", "failure_mode_allow", "metadata_options", "message_timeout",
                 "forward_rules"):
         assert ext["typed_config"][key] == ref_ext["typed_config"][key], key

@@ -191,5 +191,8 @@ def test_killing_extproc_fails_open_to_default_cluster(tmp_path: Path, mode: dic
         assert all(s[0] == 200 for s in statuses)
         assert {s[1]["x-served-by"] for s in statuses} == {"r0"}  # the default cluster
         assert "x-gorgo-replica" not in statuses[0][1]
+        # The body limit holds without the router: any size went on to r0 before.
+        status, _, body, _ = st.post(chat("x" * 70_000))
+        assert status == 413 and json.loads(body)["error"]["code"] == "request_too_large"
     finally:
         stop_stack(st)

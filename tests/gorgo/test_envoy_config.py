@@ -78,7 +78,8 @@ def test_bootstrap_shape() -> None:
     hcm = boot["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0][
         "typed_config"]
     names = [f["name"] for f in hcm["http_filters"]]
-    assert names == ["envoy.filters.http.ext_proc", "envoy.filters.http.router"]
+    assert names == ["envoy.filters.http.ext_proc", "envoy.filters.http.buffer",
+                     "envoy.filters.http.router"]
     # Routing headers are never a client's; control headers only a trusted peer's (none here).
     removed = hcm["early_header_mutation_extensions"][0]["typed_config"]["mutations"]
     assert [m["remove"] for m in removed] == [CLUSTER_HEADER, PICKER_HEADER, ENDPOINTS_HEADER]
@@ -295,3 +296,22 @@ def test_the_ttft_log_goes_to_the_tuner_with_the_token(tmp_path: Path) -> None:
     off = _hcm(render_bootstrap(parse_fleet(doc), otlp="127.0.0.1:4317"))
     assert "access_log" not in off and "access_log_options" not in off
     assert len(_hcm(render_bootstrap(spec))["access_log"]) == 1  # no tuner, no TTFT log
+
+
+def test_envoys_own_timeouts_and_the_fail_open_body_limit_answer_as_the_api_does() -> None:
+    """A 504 of Envoy's timeouts carries the OpenAI-style error the router's answers carry, and
+    the body limit holds while the router is down (buffered mode; full duplex must not hold)."""
+    spec = load_fleet(EXAMPLE)
+    hcm = render_bootstrap(spec)["static_resources"]["listeners"][0]["filter_chains"][0][
+        "filters"][0]["typed_config"]
+    mappers = hcm["local_reply_config"]["mappers"]
+    timeout = [m for m in mappers
+               if m["filter"].get("response_flag_filter", {}).get("flags") == ["UT", "SI"]]
+    assert len(timeout) == 1
+    body = timeout[0]["body_format_override"]["text_format_source"]["inline_string"]
+    assert json.loads(body)["error"]["code"] == "timeout"
+    buffer = next(f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.buffer")
+    assert buffer["typed_config"]["max_request_bytes"] == spec.limits.max_body_bytes
+    duplex = render_bootstrap(spec, body_mode="full-duplex")["static_resources"]["listeners"][0][
+        "filter_chains"][0]["filters"][0]["typed_config"]
+    assert "envoy.filters.http.buffer" not in [f["name"] for f in duplex["http_filters"]]
