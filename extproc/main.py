@@ -34,7 +34,14 @@ from gorgo.core.fleet import FleetError, FleetSpec, parse_fleet
 from gorgo.core.membership import FleetDiff
 from gorgo.core.router import Router
 from gorgo.envoy_config import write_cds
-from gorgo.errors import UserError, bind_error, check_port
+from gorgo.errors import (
+    LOG_LEVELS,
+    UserError,
+    bind_error,
+    check_port,
+    port_number,
+    port_or_off,
+)
 
 log = logging.getLogger("gorgo.extproc")
 GRPC_HINT = "free it or pick another --port (0 = any free port)"
@@ -50,9 +57,9 @@ HEALTH_INTERVAL_S = 1.0
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fleet", required=True, help="fleet YAML file")
     p.add_argument("--host", default="127.0.0.1", help="gRPC bind address (default loopback)")
-    p.add_argument("--port", type=int, default=50051, help="gRPC port for Envoy (0 = any)")
+    p.add_argument("--port", type=port_number, default=50051, help="gRPC port for Envoy (0 = any)")
     p.add_argument("--metrics-host", default="127.0.0.1", help="HTTP bind address")
-    p.add_argument("--metrics-port", type=int, default=METRICS_PORT,
+    p.add_argument("--metrics-port", type=port_or_off, default=METRICS_PORT,
                    help="HTTP port for /metrics and /admin (0 = any, -1 = off)")
     p.add_argument("--admin-token-file", default=None,
                    help="file holding the bearer token of /admin/weights (else $GORGO_ADMIN_TOKEN;"
@@ -71,7 +78,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cds-file", default=None,
                    help="cluster mode with membership changes: the clusters file Envoy watches "
                         "(`gorgo envoy-config --cds-file`), rewritten atomically on each reload")
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS)
 
 
 class ExtProcServer:

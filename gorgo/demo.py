@@ -34,11 +34,12 @@ import numpy as np
 from gorgo import shutdown
 from gorgo.core.fleet import parse_fleet
 from gorgo.core.tokens import Tokenization
-from gorgo.errors import UserError
+from gorgo.errors import UserError, at_least
 from gorgo.harness.stack import LiveStack, StackOptions, with_free_ports
 from gorgo.progress import StatusLine
 from gorgo.sim import bench
 from gorgo.sim.presets import fleet_document
+from gorgo.sim.profiles import PROFILES
 from gorgo.sim.replay import RequestRecord, replay, select_window
 from gorgo.sim.stats import summarize
 from gorgo.sim.traces import load_trace
@@ -54,7 +55,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="start of the slice in trace seconds")
     p.add_argument("--duration", type=float, default=60.0,
                    help="replay seconds per live run (the slice is duration/time-scale long)")
-    p.add_argument("--time-scale", type=float, default=0.5,
+    p.add_argument("--time-scale", type=at_least(0.0, float), default=0.5,
                    help="multiply trace times by this (0.5 = twice the trace's rate)")
     p.add_argument("--baselines", default="round-robin",
                    help="comma-separated policies to replay live after gorgo ('' for none)")
@@ -63,7 +64,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "names as for `gorgo bench sim --policies`)")
     p.add_argument("--offline-seeds", type=int, default=3,
                    help="link and policy seeds per policy offline (the intervals' runs)")
-    p.add_argument("--profile", default=DEMO_PROFILE, help="engine profile of the replicas")
+    p.add_argument("--profile", default=DEMO_PROFILE, choices=sorted(PROFILES),
+                   help="engine profile of the replicas")
     p.add_argument("--stream-interval", type=int, default=8, help="tokens per streamed chunk")
     p.add_argument("--no-tuner", action="store_true", help="run without the online tuner")
     p.add_argument("--cache", default="approximate", choices=("approximate", "precise"),

@@ -168,6 +168,8 @@ TIMEOUT_FLAGS = ("UT", "SI")  # upstream request timeout, stream idle timeout
 
 def _hostport(value: str) -> tuple[str, int]:
     host, _, port = value.rpartition(":")
+    if not (host and port.isascii() and port.isdigit() and int(port) <= 65535):
+        raise UserError(f"expected HOST:PORT with a port of 0 to 65535, got {value!r}")
     return host, int(port)
 
 

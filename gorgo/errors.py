@@ -9,12 +9,48 @@ Anything else escaping a command is a bug and keeps its traceback. Stdlib only, 
 
 from __future__ import annotations
 
+import argparse
 import os
 import socket
+from collections.abc import Callable
+from typing import Any
 
 
 class UserError(Exception):
     """Bad input or environment; the message says what is wrong and, where it helps, what to do."""
+
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")  # --log-level's choices
+
+
+def port_number(text: str, lowest: int = 0) -> int:
+    """An argparse type: a TCP port, 0 (any free one) to 65535 (a bind of more raised an
+    OverflowError, a traceback); ``port_or_off`` also takes -1."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not lowest <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is {lowest} to 65535, got {port}")
+    return port
+
+
+def port_or_off(text: str) -> int:
+    return port_number(text, lowest=-1)
+
+
+def at_least(lo: float, cast: type = int) -> Callable[[str], Any]:
+    """An argparse type: a number (``cast``) of at least ``lo``; a plain ValueError from deeper
+    down would be a traceback."""
+    def parse(text: str) -> Any:
+        try:
+            value = cast(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not value >= lo:  # NaN too
+            raise argparse.ArgumentTypeError(f"must be >= {lo:g}, got {text}")
+        return value
+    return parse
 
 
 def bind_error(exc: OSError, what: str, hint: str) -> UserError:

@@ -51,7 +51,7 @@ from prometheus_client.registry import Collector
 from gorgo import shutdown
 from gorgo.core.contract import WEIGHT_BOUNDS
 from gorgo.core.fleet import Timeouts, load_fleet
-from gorgo.errors import UserError, check_port
+from gorgo.errors import LOG_LEVELS, UserError, check_port
 from tuner.calibration import CalibrationConfig
 from tuner.join import DUPLICATE, END, FIRST, Join
 from tuner.optimizer import OptimizerConfig, Tuner, config_from_mapping
@@ -252,6 +252,8 @@ def load_config(path: str | Path) -> TunerConfig:
         raise ConfigError(f"{path}: cannot read config: {exc.strerror}") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not UTF-8 text") from None
     return parse_config(raw, path.parent)
 
 
@@ -609,7 +611,7 @@ async def serve(cfg: TunerConfig) -> int:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", required=True, help="tuner YAML config")
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS)
 
 
 def main(args: argparse.Namespace) -> int:

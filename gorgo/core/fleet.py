@@ -882,6 +882,8 @@ def read_fleet(path: str | Path) -> Any:
         raise FleetError(f"{path}: cannot read fleet file: {exc.strerror}") from None
     except yaml.YAMLError as exc:
         raise FleetError(f"{path}: not valid YAML: {exc}") from None
+    except UnicodeDecodeError:
+        raise FleetError(f"{path}: not UTF-8 text") from None
 
 
 def load_fleet(path: str | Path) -> FleetSpec:

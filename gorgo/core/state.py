@@ -359,6 +359,10 @@ class FleetState:
         self.sent_since_scrape[i] = min(self.sent_since_scrape[i], open_tokens)
 
     def observe_rtt(self, i: int, rtt_ms: float) -> None:
+        """An RTT sample of replica i; one that no clock could measure (negative, infinite, NaN)
+        is dropped: an infinite RTT priced every replica out (a 503) and broke irb's solver."""
+        if not 0.0 <= rtt_ms < math.inf:
+            return
         self.version += 1
         alpha = self.spec.signals.rtt_ewma_alpha
         old = self.rtt_ms[i]

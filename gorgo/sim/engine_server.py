@@ -45,7 +45,7 @@ from gorgo.core.features import (
 )
 from gorgo.core.prompt_tokens import SimTokenizer
 from gorgo.core.tokens import DEFAULT_BLOCK_TOKENS, DEFAULT_CHARS_PER_TOKEN, Tokenization
-from gorgo.errors import UserError, bind_error
+from gorgo.errors import UserError, bind_error, port_number
 from gorgo.sim.engine import ITL_BUCKETS_S, Engine, EngineRejected, EngineRequest, StepResult
 from gorgo.sim.kv_publish import HASH_ALGO, KVEventPublisher, SimHashing
 from gorgo.sim.profiles import PROFILES, get_profile
@@ -763,7 +763,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile", default="h100-llama3-8b", choices=sorted(PROFILES),
                         help="engine performance profile")
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
+    parser.add_argument("--port", type=port_number, default=0, help="0 picks a free port")
     parser.add_argument("--flavor", default="sglang", choices=FLAVORS,
                         help="whose metric names and stream shape to imitate")
     parser.add_argument("--speed", type=float, default=1.0,

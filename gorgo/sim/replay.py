@@ -30,7 +30,7 @@ import aiohttp
 
 from gorgo import shutdown
 from gorgo.core.tokens import Tokenization
-from gorgo.errors import UserError
+from gorgo.errors import UserError, at_least
 from gorgo.progress import StatusLine
 from gorgo.sim.stats import percentile, rate_per_s, summarize
 from gorgo.sim.traces import DESCRIPTION, TraceRequest, load_trace, parse_spec
@@ -468,14 +468,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--url", required=True, help="base URL (endpoint path added) or full URL")
     parser.add_argument(
-        "--time-scale", type=float, default=1.0,
+        "--time-scale", type=at_least(0.0, float), default=1.0,
         help="multiply trace times by this (0.5 = twice the rate)",
     )
     parser.add_argument(
         "--duration", type=float, default=None, metavar="S",
         help="replay only requests scheduled in the first S (scaled) seconds",
     )
-    parser.add_argument("--max-requests", type=int, default=None, metavar="N")
+    parser.add_argument("--max-requests", type=at_least(1), default=None, metavar="N")
     parser.add_argument(
         "--offset", type=float, default=0.0, metavar="S",
         help="skip the first S seconds of the trace (trace time)",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -65,6 +66,11 @@ def test_rtt_ewma() -> None:
     assert s.rtt_ms[0] == pytest.approx(100.0)
     assert s.rtt_samples[0] == 3
     assert np.isnan(s.rtt_ms[1])
+    for bad in (math.inf, -5.0, math.nan):  # no clock measures these: an inf priced every
+        s.observe_rtt(0, bad)  # replica out (503) and broke irb's solver
+        s.observe_rtt(1, bad)
+    assert s.rtt_ms[0] == pytest.approx(100.0) and s.rtt_samples[0] == 3
+    assert np.isnan(s.rtt_ms[1]) and s.rtt_samples[1] == 0
 
 
 def test_unprobed_replicas_priced_at_worst_known_rtt() -> None:

@@ -116,7 +116,20 @@ def test_explain_router_that_is_down(body: Path, capsys: pytest.CaptureFixture[s
 
 @pytest.mark.parametrize(("argv", "command", "says"), [
     (["extproc"], "extproc", "--fleet"),  # argparse: a required option
-    (["sim", "engine", "--port", "x"], "sim engine", "invalid int value"),
+    (["sim", "engine", "--port", "x"], "sim engine", "expected a port number"),
+    # each of these was a traceback (a review, 2026-12-04)
+    (["sim", "engine", "--port", "99999"], "sim engine", "a port is 0 to 65535"),
+    (["extproc", "--fleet", str(EXAMPLE), "--port", "70000"], "extproc", "0 to 65535"),
+    (["extproc", "--fleet", str(EXAMPLE), "--log-level", "LOUD"], "extproc", "invalid choice"),
+    (["extproc", "--fleet", "{tmp}/binary.yaml"], "extproc", "not UTF-8 text"),
+    (["tuner", "--config", "{tmp}/binary.yaml"], "tuner", "not UTF-8 text"),
+    (["replay", "--trace", "mooncake", "--url", "http://127.0.0.1:1", "--time-scale", "-1"],
+     "replay", "must be >= 0"),
+    (["replay", "--trace", "mooncake", "--url", "http://127.0.0.1:1", "--max-requests", "0"],
+     "replay", "must be >= 1"),  # sent one request and exited 0
+    (["demo", "--profile", "nosuch"], "demo", "invalid choice"),
+    (["envoy-config", str(EXAMPLE), "--listen", "0.0.0.0:99999"], "envoy-config",
+     "port of 0 to 65535"),  # rendered as it was
     (["explain"], "explain", "--fleet"),
     (["replay", "--trace", "nonexist", "--url", "http://127.0.0.1:1"], "replay", "nonexist"),
     (["bench", "sim", "--trace", "nonexist", "--capacity", "1", "--out", "{tmp}"], "bench sim",
@@ -126,6 +139,7 @@ def test_explain_router_that_is_down(body: Path, capsys: pytest.CaptureFixture[s
 def test_other_user_errors_are_one_line(argv: list[str], command: str, says: str,
                                         tmp_path: Path,
                                         capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "binary.yaml").write_bytes(b"\xff\xfe\x00fleet")
     assert main([a.format(tmp=tmp_path) for a in argv]) == 2
     assert says in _one_line(capsys, command)
 
