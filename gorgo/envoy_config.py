@@ -144,7 +144,8 @@ def _routing_from_metadata(spec: FleetSpec, picker: bool) -> list[dict]:
     return [{
         "name": "envoy.filters.http.buffer",
         "typed_config": {"@type": _T + "envoy.extensions.filters.http.buffer.v3.Buffer",
-                         "max_request_bytes": spec.limits.max_body_bytes + 65536},
+                         # also the body limit while the router is down (`render_bootstrap`)
+                         "max_request_bytes": spec.limits.max_body_bytes},
     }, {
         "name": "envoy.filters.http.header_mutation",
         "typed_config": {
@@ -499,8 +500,9 @@ def render_bootstrap(
                          # The body limit without the router too: failing open, ext_proc holds
                          # nothing and any body went on to the default replica (a 40 MiB one was
                          # measured). Buffered mode holds the body anyway; full duplex hands it
-                         # on in chunks and must not hold it.
-                         *([] if duplex else [{
+                         # on in chunks and must not hold it; skipping the request headers has
+                         # its own buffer filter above.
+                         *([] if duplex or skip_request else [{
                              "name": "envoy.filters.http.buffer",
                              "typed_config": {
                                  "@type": _T + "envoy.extensions.filters.http.buffer.v3.Buffer",

@@ -166,6 +166,7 @@ def test_the_default_render_sends_the_request_headers() -> None:
     assert ext["processing_mode"]["request_header_mode"] == "SEND"
     assert "request_attributes" not in ext
     assert [f["name"] for f in _filters(boot)] == ["envoy.filters.http.ext_proc",
+                                                   "envoy.filters.http.buffer",
                                                    "envoy.filters.http.router"]
 
 
