@@ -91,8 +91,11 @@ class Router:
         # Each name a request may ask for (aliases too) -> its model's settings (`models:`).
         self._settings = {n: m for r in spec.replicas for n in r.model_names
                           if (m := spec.settings_for(n)) is not None}
-        # The most tokens (prompt plus output) any replica can hold: a longer request fits nowhere.
-        self.max_request_tokens = max(r.kv_capacity_tokens for r in spec.replicas)
+        # The most tokens (prompt plus output) each replica can hold: a request goes only where it
+        # fits, and one longer than the largest candidate fits nowhere.
+        self.capacity = np.array([r.kv_capacity_tokens for r in spec.replicas], dtype=np.int64)
+        self.max_request_tokens = int(self.capacity.max())
+        self._fits_all = int(self.capacity.min())
         self._refresh_due: dict[str, float] = {}
         # weights version -> policy -> decisions: the tuner scores a version on every request it
         # routed, so it must know how many there were (its spans arrive only as they complete).
@@ -145,6 +148,26 @@ class Router:
                              f"{asked}; this fleet serves: {', '.join(known)}.")
         return mask
 
+    def _fitting(self, f: RequestFeatures,
+                 mask: np.ndarray | None) -> np.ndarray | Rejection | None:
+        """``mask`` (None: every replica) narrowed to the replicas whose KV pool holds the request
+        (prompt plus output), or the 400 when none of them does: a smaller replica was chosen
+        whenever a larger one existed anywhere in the fleet, and its engine refused."""
+        wanted = f.prompt_tokens + (f.max_tokens or 0)
+        if wanted <= self._fits_all:  # the usual case: no array work
+            return mask
+        fits = self.capacity >= wanted
+        if mask is not None:
+            fits &= mask
+        if not fits.any():
+            most = int(self.capacity[mask].max()) if mask is not None else self.max_request_tokens
+            return Rejection(
+                400, TOO_LARGE, 0.0,
+                f"This request needs {wanted} tokens ({f.prompt_tokens} in the prompt, "
+                f"{f.max_tokens or 0} for the completion); the largest replica "
+                f"{'of its model ' if mask is not None else ''}holds {most}.")
+        return fits
+
     def settings_for(self, f: RequestFeatures) -> ModelSettings | None:
         """The fleet file's settings for the request's model (the fleet's one model when it
         names none), or None."""
@@ -186,14 +209,10 @@ class Router:
         s = self.state
         s.now = now
         self.echoes.expire(s, now)
-        wanted = f.prompt_tokens + (f.max_tokens or 0)
-        if wanted > self.max_request_tokens:
-            return Rejection(
-                400, TOO_LARGE, 0.0,
-                f"This request needs {wanted} tokens ({f.prompt_tokens} in the prompt, "
-                f"{f.max_tokens or 0} for the completion); the largest replica holds "
-                f"{self.max_request_tokens}.")
         mask = self.candidates(f)
+        if isinstance(mask, Rejection):
+            return mask
+        mask = self._fitting(f, mask)
         if isinstance(mask, Rejection):
             return mask
         terms = cost_terms(f, s)

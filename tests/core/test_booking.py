@@ -9,6 +9,7 @@ it, and a request no replica can hold is refused before anything is booked.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -133,8 +134,16 @@ def test_capacity_is_the_largest_replicas() -> None:
     ]
     r = Router(spec(replicas=doc_replicas))
     assert r.max_request_tokens == 5000
-    assert isinstance(r.route(req(r, 4000), 0.0), Decision)
     assert isinstance(r.route(req(r, 5001), 0.0), Rejection)
+    # A request goes only where it fits, under every policy: a replica too small for it was
+    # chosen whenever a larger one existed, and its engine refused it.
+    r = Router(spec(replicas=doc_replicas, allow_policy_override=True))
+    for policy in r.policies:
+        for k in range(4):
+            f = dataclasses.replace(req(r, 4000, f"{policy}-{k}"), policy=policy)
+            d = r.route(f, 0.0)
+            assert isinstance(d, Decision) and r.state.names[d.replica] == "large", policy
+            r.complete(d.id)
 
 
 def test_many_refused_prompts_do_not_accumulate() -> None:
