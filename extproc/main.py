@@ -234,7 +234,8 @@ async def serve(args: argparse.Namespace, spec: FleetSpec, token: str | None,
                 discovery: DnsDiscovery | None = None) -> int:
     stop = asyncio.Event()
     shutdown.on_stop(stop.set)  # first: a signal during the start still stops in order
-    router = Router(spec, id_prefix=os.urandom(3).hex())
+    # bounded whatever the policy models: an unbounded prefix index grows with every prompt
+    router = Router(spec, id_prefix=os.urandom(3).hex(), unbounded_prefix=False)
     server = ExtProcServer(router, admin_token=token, otlp=args.otlp,
                            envoy_admin=args.envoy_admin, fleet_path=args.fleet,
                            cds_file=args.cds_file, discovery=discovery)

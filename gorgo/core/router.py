@@ -54,7 +54,7 @@ class Router:
         spec: FleetSpec,
         *,
         id_prefix: str = "d",
-        unbounded_prefix: bool = False,
+        unbounded_prefix: bool | None = None,
         extra_policies: dict[str, Policy] | None = None,
     ) -> None:
         if spec.policy not in REGISTRY and spec.policy not in (extra_policies or {}):
@@ -62,10 +62,12 @@ class Router:
                 f"policy: unknown policy {spec.policy!r} (known: {', '.join(REGISTRY)})"
             )
         self.spec = spec
-        # A default policy that models an unbounded cache (gorgo-paper) gets an unbounded index;
+        # A default policy that models an unbounded cache (gorgo-paper) gets an unbounded index
+        # unless the driver says (False: the live router, whose memory it would fill);
         # per-request overrides share whatever index the default chose.
         default_cls = (extra_policies or {}).get(spec.policy) or REGISTRY.get(spec.policy)
-        unbounded_prefix = unbounded_prefix or bool(getattr(default_cls, "unbounded_prefix", False))
+        if unbounded_prefix is None:
+            unbounded_prefix = bool(getattr(default_cls, "unbounded_prefix", False))
         self.state = FleetState(spec, unbounded_prefix=unbounded_prefix)
         self._extra_policies = dict(extra_policies or {})
         self._use(spec)

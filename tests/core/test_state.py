@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -294,3 +295,11 @@ def test_late_failures_of_an_ejected_replica_do_not_extend_its_backoff() -> None
     assert s.penalty()[0] > before  # ... but the failure is still priced
     s.record_failed_probe(0, now=retry_at)  # a failed re-probe does extend it
     assert s.retry_at[0] > retry_at
+
+
+def test_the_live_router_bounds_the_index_whatever_the_policy_models() -> None:
+    from gorgo.core.router import Router
+
+    paper = dataclasses.replace(spec(), policy="gorgo-paper")
+    assert Router(paper).state.prefix.capacity is None  # the simulator: the paper's trie
+    assert Router(paper, unbounded_prefix=False).state.prefix.capacity is not None  # live
