@@ -44,16 +44,16 @@ class EngineLoad:
     cache: CacheConfig | None = None
 
 
-def _count(label: str) -> int:
-    """A label's decimal count, 0 when it is not one (``isdigit`` takes '²', which int refuses;
-    past 20 digits it is no count of ours, and int refuses past 4,300)."""
-    return int(label) if len(label) <= 20 and label.isascii() and label.isdigit() else 0
+def decimal_count(text: str) -> int | None:
+    """A scraped counter's decimal text (a uint64 at most), None when it is not one
+    (``isdigit`` takes '²', which int refuses; int refuses past 4,300 digits)."""
+    return int(text) if len(text) <= 20 and text.isascii() and text.isdigit() else None
 
 
 def _cache_config(labels: dict[str, str]) -> CacheConfig | None:
     """The config of one cache_config_info sample; None without a usable block size and pool."""
-    size = _count(labels.get("block_size", ""))
-    blocks = _count(labels.get("num_gpu_blocks", ""))
+    size = decimal_count(labels.get("block_size", "")) or 0
+    blocks = decimal_count(labels.get("num_gpu_blocks", "")) or 0
     if not (block_size_ok(size) and 0 < blocks <= MAX_GPU_BLOCKS):
         return None
     return CacheConfig(size, blocks, labels.get("prefix_caching_hash_algo") or None)

@@ -20,7 +20,8 @@ from typing import Any
 
 import aiohttp
 
-from extproc.telemetry import log_event
+from extproc.engine_metrics import decimal_count
+from extproc.telemetry import RepeatedFailures, log_event
 from gorgo.core.router import Router
 
 log = logging.getLogger("gorgo.envoy_admin")
@@ -39,8 +40,8 @@ def _list(value: Any) -> list[Any]:
 
 def _counter(value: Any) -> int | None:
     """A counter as Envoy's JSON writes it (a uint64: a decimal string, or a number)."""
-    if isinstance(value, str) and value.isascii() and value.isdigit() and len(value) <= 20:
-        return int(value)
+    if isinstance(value, str):
+        return decimal_count(value)
     if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
         return value
     return None
@@ -65,7 +66,7 @@ class EnvoyOutcomes:
         self._session: aiohttp.ClientSession | None = None
         self.polls = 0  # successful polls, for tests and readiness of the signal
         self.failed_polls = 0
-        self._last_error = ""
+        self._log_failure = RepeatedFailures(log, "envoy_admin_poll_failed")
 
     async def start(self) -> None:
         timeout = aiohttp.ClientTimeout(total=self.router.spec.timeouts.probe_ms / 1000)
@@ -91,13 +92,9 @@ class EnvoyOutcomes:
             await asyncio.sleep(interval)
 
     def _failed(self, exc: Exception) -> None:
-        """Counted always; a warning when it differs from the last failure, not every poll."""
+        """Counted always; logged once per distinct failure (`RepeatedFailures`)."""
         self.failed_polls += 1
-        text = f"{type(exc).__name__}: {exc}"[:300]
-        level = logging.DEBUG if text == self._last_error else logging.WARNING
-        self._last_error = text
-        log_event(log, "envoy_admin_poll_failed", level, url=self.url, error=text,
-                  failed_polls=self.failed_polls)
+        self._log_failure(exc, url=self.url, failed_polls=self.failed_polls)
 
     async def poll(self) -> None:
         assert self._session is not None

@@ -34,7 +34,7 @@ from prometheus_client.registry import Collector
 from zmq.utils.monitor import parse_monitor_message
 
 from extproc.loop_thread import LoopThread
-from extproc.telemetry import REPLICA_LABELS, RouterMetrics, log_event
+from extproc.telemetry import REPLICA_LABELS, RepeatedFailures, RouterMetrics, log_event
 from gorgo.core.features import RequestFeatures
 from gorgo.core.fleet import KVEventsSpec, ReplicaSpec
 from gorgo.core.kv_events import (
@@ -110,7 +110,7 @@ class KVEventsClient:
         # engine sent could not be read), "subscribe" (no publisher, engine down, a bind refused)
         self.errors: dict[int, dict[str, int]] = {
             i: {"format": 0, "subscribe": 0} for i in self.replicas}
-        self._last_error: dict[int, str] = {}
+        self._log_failure = RepeatedFailures(log, "kv_events_failed")
         self._loop: asyncio.AbstractEventLoop | None = None  # the router's
         self._thread = LoopThread("gorgo-kv-events")
         self._ctx: zmq.asyncio.Context | None = None
@@ -174,15 +174,11 @@ class KVEventsClient:
             await asyncio.sleep(RETRY_S)
 
     def _failed(self, i: int, replica: ReplicaSpec, exc: Exception) -> None:
-        """Counted always; logged as a warning when it differs from the replica's last failure
-        (a publisher that is not up yet retries every second: one line, not one a second)."""
+        """Counted always; logged once per distinct failure (`RepeatedFailures`: a publisher
+        that is not up yet retries every second)."""
         kind = "format" if isinstance(exc, EventFormatError) else "subscribe"
         self.errors[i][kind] += 1
-        text = f"{type(exc).__name__}: {exc}"
-        level = logging.DEBUG if self._last_error.get(i) == text else logging.WARNING
-        self._last_error[i] = text
-        log_event(log, "kv_events_failed", level, replica=replica.name, kind=kind,
-                  error=text[:300], retry_s=RETRY_S)
+        self._log_failure(exc, i, replica=replica.name, kind=kind, retry_s=RETRY_S)
 
     async def _sources(self, replica: ReplicaSpec) -> KVEventsSpec:
         assert replica.precise is not None

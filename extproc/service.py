@@ -196,9 +196,11 @@ class ExtProcService(ExternalProcessorServicer):
             answer = self._open(st, messages.attribute_headers(req))
             if answer is not None:
                 return answer
-        if st.decision is not None:  # a body chunk after the decision (STREAMED mode, or a body
-            return messages.CONTINUE_REQUEST_BODY  # after headers that ended the stream): one
-        msg = req.request_body  # decision, one booking per request
+        # One decision, one booking per request: a body chunk after the decision (STREAMED mode,
+        # or a body after headers that ended the stream) goes on as it is.
+        if st.decision is not None:
+            return messages.CONTINUE_REQUEST_BODY
+        msg = req.request_body
         if len(msg.body) > self.max_body:
             return self._too_large()
         return self._decide(st, msg.body, on_headers=False)

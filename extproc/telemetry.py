@@ -67,6 +67,23 @@ def log_event(logger: logging.Logger, event: str, level: int = logging.INFO, **f
     logger.log(level, " ".join(f"{k}={text(v)}" for k, v in {"event": event, **fields}.items()))
 
 
+class RepeatedFailures:
+    """A retry loop's failures as ``event`` lines: a warning when a failure differs from the
+    last one of its ``key`` (a replica, say), debug while it repeats (a loop retrying every
+    second would otherwise print one warning a second, or, at debug, none an operator sees)."""
+
+    def __init__(self, logger: logging.Logger, event: str) -> None:
+        self.logger = logger
+        self.event = event
+        self._last: dict[object, str] = {}
+
+    def __call__(self, exc: Exception, key: object = None, **fields: Any) -> None:
+        text = f"{type(exc).__name__}: {exc}"[:300]
+        level = logging.DEBUG if self._last.get(key) == text else logging.WARNING
+        self._last[key] = text
+        log_event(self.logger, self.event, level, **fields, error=text)
+
+
 class _StateCollector(Collector):
     def __init__(self, state: FleetState, open_requests) -> None:
         self.state = state

@@ -58,7 +58,7 @@ from gorgo.core.contract import (
 )
 from gorgo.core.fleet import FleetSpec, load_fleet
 from gorgo.envoy_typed import check_bootstrap
-from gorgo.errors import UserError
+from gorgo.errors import MAX_PORT, UserError
 
 _T = "type.googleapis.com/"
 EXTPROC_CLUSTER = "gorgo_extproc"
@@ -169,8 +169,8 @@ TIMEOUT_FLAGS = ("UT", "SI")  # upstream request timeout, stream idle timeout
 
 def _hostport(value: str) -> tuple[str, int]:
     host, _, port = value.rpartition(":")
-    if not (host and port.isascii() and port.isdigit() and int(port) <= 65535):
-        raise UserError(f"expected HOST:PORT with a port of 0 to 65535, got {value!r}")
+    if not (host and port.isascii() and port.isdigit() and int(port) <= MAX_PORT):
+        raise UserError(f"expected HOST:PORT with a port of 0 to {MAX_PORT}, got {value!r}")
     return host, int(port)
 
 

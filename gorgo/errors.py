@@ -21,6 +21,7 @@ class UserError(Exception):
 
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")  # --log-level's choices
+MAX_PORT = 65535
 
 
 def port_number(text: str, lowest: int = 0) -> int:
@@ -30,8 +31,8 @@ def port_number(text: str, lowest: int = 0) -> int:
         port = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
-    if not lowest <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"a port is {lowest} to 65535, got {port}")
+    if not lowest <= port <= MAX_PORT:
+        raise argparse.ArgumentTypeError(f"a port is {lowest} to {MAX_PORT}, got {port}")
     return port
 
 

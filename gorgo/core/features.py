@@ -210,10 +210,15 @@ def _tools_text(tools: Any, max_tools: int) -> list[str]:
             for t in _bounded(tools, max_tools, "tools")]
 
 
+def _ids_shaped(prompt: Any) -> bool:
+    """Whether a completions ``prompt`` is a list that starts with a token id."""
+    return isinstance(prompt, list) and bool(prompt) and type(prompt[0]) is int
+
+
 def _token_ids(prompt: Any, limits: Limits) -> bool:
     """Whether ``prompt`` is a completions prompt of token ids (bounded before it is scanned: as
     text each id takes at least two characters)."""
-    if not (isinstance(prompt, list) and prompt and type(prompt[0]) is int):
+    if not _ids_shaped(prompt):
         return False
     if 2 * len(prompt) - 1 > limits.max_prompt_chars:
         raise RequestError(
@@ -357,8 +362,7 @@ def extract_features(
     max_tokens = positive_int(body, "max_tokens", "max_completion_tokens", "max_output_tokens",
                               maximum=limits.max_output_tokens)
     # a completions prompt of token ids (prompt_text checked every element): counted as ids
-    ids = body["prompt"] if endpoint == "completions" and isinstance(body["prompt"], list) \
-        and body["prompt"] and type(body["prompt"][0]) is int else None
+    ids = body["prompt"] if endpoint == "completions" and _ids_shaped(body["prompt"]) else None
     session = headers.get(SESSION_HEADER) or None
     for key in ("prompt_cache_key", "user"):
         if session is None and isinstance(body.get(key), str) and body[key]:

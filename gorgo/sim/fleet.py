@@ -32,7 +32,7 @@ from aiohttp import web
 from gorgo import shutdown
 from gorgo.core.fleet import FleetSpec, ReplicaSpec, load_fleet
 from gorgo.core.tokens import Tokenization
-from gorgo.errors import LOG_LEVELS, UserError, bind_error, check_port
+from gorgo.errors import LOG_LEVELS, UserError, bind_error, check_port, port_or_off
 from gorgo.sim.engine import Engine
 from gorgo.sim.engine_server import EngineServer
 from gorgo.sim.kv_publish import KVEventPublisher
@@ -209,7 +209,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--view", action="append", default=[], metavar="FLEET",
                    help="another proxy's view of this fleet (same replica names, its own "
                         "addresses and RTTs): one more link per replica (repeatable)")
-    p.add_argument("--control-port", type=int, default=-1,
+    p.add_argument("--control-port", type=port_or_off, default=-1,
                    help="loopback port of the chaos control API (0 = any, -1 = off)")
     p.add_argument("--log-level", default="WARNING", type=str.upper, choices=LOG_LEVELS)
 
