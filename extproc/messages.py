@@ -27,6 +27,8 @@ from gorgo.core.contract import (
     PICKER_NAMESPACE,
     REPLICA_HEADER,
     REQUEST_ATTRIBUTES,
+    STREAM_FIELD,
+    STREAM_HEADER,
 )
 
 CONTINUE_REQUEST_HEADERS = pb.ProcessingResponse(request_headers=pb.HeadersResponse())
@@ -48,18 +50,20 @@ def _set(key: str, value: str) -> HeaderValueOption:
 
 
 def _route_common(
-    cluster: str, endpoint: str | None, endpoints: Sequence[str] | None
+    cluster: str, endpoint: str | None, endpoints: Sequence[str] | None, stream: str | None
 ) -> pb.CommonResponse:
-    return _routing(cluster, endpoint, tuple(endpoints) if endpoints else None)
+    return _routing(cluster, endpoint, tuple(endpoints) if endpoints else None, stream)
 
 
 @functools.lru_cache(maxsize=4096)
 def _routing(
-    cluster: str, endpoint: str | None, endpoints: tuple[str, ...] | None
+    cluster: str, endpoint: str | None, endpoints: tuple[str, ...] | None, stream: str | None
 ) -> pb.CommonResponse:
-    """The routing headers, built once per destination: a fleet has few, and the answers copy
-    them (never change them)."""
+    """The routing headers, built once per destination and stream mode: a fleet has few, and the
+    answers copy them (never change them)."""
     headers = [_set(CLUSTER_HEADER, cluster)]
+    if stream is not None:
+        headers.append(_set(STREAM_HEADER, stream))
     if endpoint is not None:
         headers.append(_set(PICKER_HEADER, endpoint))
     if endpoints:
@@ -99,10 +103,11 @@ def route_on_body(
     endpoints: Sequence[str] | None = None,
 ) -> pb.ProcessingResponse:
     """Answer the request body: send it to ``cluster`` (and, in endpoint-picker mode, name the
-    endpoint too; with retries, the ordered ``endpoints`` the attempts go to) and publish the
-    decision as metadata."""
+    endpoint too; with retries, the ordered ``endpoints`` the attempts go to; an inference
+    request's stream mode picks its route's idle timeout) and publish the decision as metadata."""
     return pb.ProcessingResponse(
-        request_body=pb.BodyResponse(response=_route_common(cluster, endpoint, endpoints)),
+        request_body=pb.BodyResponse(
+            response=_route_common(cluster, endpoint, endpoints, fields.get(STREAM_FIELD))),
         dynamic_metadata=_metadata(fields, endpoint, cluster, endpoints),
     )
 
@@ -113,7 +118,8 @@ def route_on_headers(
 ) -> pb.ProcessingResponse:
     """Answer the headers of a body-less request (GET /v1/models, /health)."""
     return pb.ProcessingResponse(
-        request_headers=pb.HeadersResponse(response=_route_common(cluster, endpoint, endpoints)),
+        request_headers=pb.HeadersResponse(
+            response=_route_common(cluster, endpoint, endpoints, fields.get(STREAM_FIELD))),
         dynamic_metadata=_metadata(fields, endpoint, cluster, endpoints),
     )
 

@@ -53,6 +53,8 @@ from gorgo.core.contract import (
     ROUTER_READS,
     SPAN_PREFIX,
     STATUS_ATTR,
+    STREAM_FIELD,
+    STREAM_HEADER,
     TTFT_ATTR,
     TTFT_LOG_NAME,
 )
@@ -136,7 +138,8 @@ def _routing_from_metadata(spec: FleetSpec, picker: bool) -> list[dict]:
     from the decision's metadata; an unrouted request has none and takes the default route. A
     request without a body (a GET) would send the router nothing: its route still sends the
     headers (`_routes`)."""
-    headers = [(CLUSTER_HEADER, METADATA_NAMESPACE, CLUSTER_FIELD)]
+    headers = [(CLUSTER_HEADER, METADATA_NAMESPACE, CLUSTER_FIELD),
+               (STREAM_HEADER, METADATA_NAMESPACE, STREAM_FIELD)]
     if spec.retries.enabled:
         headers.append((ENDPOINTS_HEADER, METADATA_NAMESPACE, ENDPOINTS_FIELD))
     if picker:
@@ -267,22 +270,27 @@ def _routes(spec: FleetSpec, picker: bool) -> list[dict]:
         present = [{"name": header, "present_match": True}] if header else []
         return {**paths, **({"headers": present} if present else {})}
 
+    def routed(header: str, action: dict) -> list[dict]:
+        """A route the router's header selects, first for a non-streamed answer: it sends no
+        byte until it is whole, so only the request timeout bounds its wait (with idle_s, an
+        answer longer to make than that was cut at idle_s)."""
+        whole = on(header)
+        whole["headers"].append({"name": STREAM_HEADER, "string_match": {"exact": "false"}})
+        return [{"match": whole, "route": {**action, **limits,
+                                           "idle_timeout": f"{t.request_s:g}s"}},
+                {"match": on(header), "route": {**action, **limits}}]
+
     routes = []
     if picker:
-        routes.append({"match": on(PICKER_HEADER),
-                       "route": {"cluster": PICKER_CLUSTER, **limits}})
+        routes += routed(PICKER_HEADER, {"cluster": PICKER_CLUSTER})
     if spec.retries.enabled:
         # No per-try timeout: an attempt is a whole streamed answer, and a timeout must not cut
         # a stream (Envoy never retries after response bytes went downstream anyway).
-        routes.append({
-            "match": on(ENDPOINTS_HEADER),
-            "route": {"cluster": FLEET_CLUSTER, **limits, "retry_policy": {
-                "retry_on": RETRY_ON, "num_retries": 1,
-                "retriable_status_codes": list(RETRY_STATUS_CODES),
-            }},
-        })
-    routes.append({"match": on(CLUSTER_HEADER),
-                   "route": {"cluster_header": CLUSTER_HEADER, **limits}})
+        routes += routed(ENDPOINTS_HEADER, {"cluster": FLEET_CLUSTER, "retry_policy": {
+            "retry_on": RETRY_ON, "num_retries": 1,
+            "retriable_status_codes": list(RETRY_STATUS_CODES),
+        }})
+    routes += routed(CLUSTER_HEADER, {"cluster_header": CLUSTER_HEADER})
     if spec.extproc.skip_request_headers:
         # Requests other than POSTs (a GET of /v1/models or /health has no body) are matched
         # here before they are routed, and still send their headers to the router.
@@ -474,7 +482,8 @@ def render_bootstrap(
                 "@type": _T + "envoy.extensions.http.early_header_mutation.header_mutation.v3."
                 "HeaderMutation",
                 "mutations": [{"remove": h}
-                              for h in (CLUSTER_HEADER, PICKER_HEADER, ENDPOINTS_HEADER)],
+                              for h in (CLUSTER_HEADER, PICKER_HEADER, ENDPOINTS_HEADER,
+                                        STREAM_HEADER)],
             },
         }],
         # Control headers (priority, policy) come only from the fleet's trusted peers: with
@@ -524,7 +533,7 @@ def render_bootstrap(
                 "content_type": "application/json"},
         }, {
             # Envoy's own timeouts: the route's (a whole request) and the idle one (no byte
-            # either way for timeouts.idle_s; a non-streamed answer sends none while it is made)
+            # either way for timeouts.idle_s; a routed non-streamed answer has the route's)
             "filter": {"response_flag_filter": {"flags": list(TIMEOUT_FLAGS)}},
             "body_format_override": {
                 "text_format_source": {"inline_string": TIMEOUT_BODY},

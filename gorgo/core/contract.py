@@ -50,6 +50,10 @@ EXTPROC_SPAN = "async envoy.service.ext_proc.v3.ExternalProcessor.Process egress
 # policy retries on (attempt k goes to the k-th address).
 CLUSTER_HEADER = "x-gorgo-cluster"
 ENDPOINTS_HEADER = "x-gorgo-endpoints"
+# ... and whether an inference request streams its answer ("true" / "false", the decision's
+# `stream` field): a non-streamed answer sends no byte until it is whole, so its route's idle
+# timeout is the whole request's, not timeouts.idle_s.
+STREAM_HEADER = "x-gorgo-stream"
 # Gateway API Inference Extension endpoint-picker protocol: header and dynamic metadata namespace.
 PICKER_HEADER = "x-gateway-destination-endpoint"
 PICKER_NAMESPACE = "envoy.lb"
@@ -84,6 +88,7 @@ REQUEST_ATTRIBUTES = {"request.path": ":path",
 # is answered (an absent field sets no header: the request fails open to the default route).
 CLUSTER_FIELD = "cluster"
 ENDPOINTS_FIELD = "endpoints"
+STREAM_FIELD = "stream"
 # What Envoy forwards: the OpenAI-style inference API and the engines' health path (exact paths,
 # plus the fleet's routes.extra_paths); any other path is a 404 from Envoy itself.
 API_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models")
@@ -134,7 +139,7 @@ def request_fields(features: Any, engine: str) -> dict[str, str]:
     operation = GENAI_OPERATIONS.get(features.endpoint or "")
     if operation is None:
         return {}
-    out = {"stream": "true" if features.stream else "false", "operation": operation,
+    out = {STREAM_FIELD: "true" if features.stream else "false", "operation": operation,
            "provider": engine}
     if features.model:
         out["model"] = features.model[:MODEL_MAX_CHARS]

@@ -130,7 +130,7 @@ class Timeouts:
     message_ms: int = field(default=1000, metadata=POSITIVE)  # Envoy's ext_proc message_timeout
     connect_ms: int = field(default=2000, metadata=POSITIVE)
     request_s: float = 600.0  # a whole request, stream included (Envoy route timeout)
-    idle_s: float = 60.0  # no byte either way for this long ends the stream (stalled links)
+    idle_s: float = 60.0  # no byte either way for this long ends a stream (non-streamed: request_s)
     probe_ms: int = field(default=2000, metadata=POSITIVE)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import re
 import stat
 import subprocess
@@ -614,11 +615,12 @@ def test_dropin_envoy_validates_and_agrees_with_the_renderer() -> None:
     assert hcm["local_reply_config"]["mappers"] == ref_hcm["local_reply_config"]["mappers"][-1:]
     *routes, not_found = hcm["route_config"]["virtual_hosts"][0]["routes"]
     assert [r["route"].get("cluster", r["route"].get("cluster_header")) for r in routes] == [
-        PICKER_CLUSTER, CLUSTER_HEADER, "llm-a"]
+        PICKER_CLUSTER, PICKER_CLUSTER, CLUSTER_HEADER, CLUSTER_HEADER, "llm-a"]
     *ref_routes, ref_not_found = ref_hcm["route_config"]["virtual_hosts"][0]["routes"]
     assert not_found == ref_not_found  # every other path: Envoy's 404, the router not asked
-    ref_route = ref_routes[-1]
-    for r in routes:  # the paths and the request and idle bounds of every route: the renderer's
+    ref_by_match = {json.dumps(r["match"].get("headers")): r for r in ref_routes}
+    for r in routes:  # the matches and the request and idle bounds of every route: the renderer's
+        ref_route = ref_by_match[json.dumps(r["match"].get("headers"))]
         assert r["match"]["safe_regex"] == ref_route["match"]["safe_regex"]
         assert {k: r["route"][k] for k in ("timeout", "idle_timeout")} == {
             k: ref_route["route"][k] for k in ("timeout", "idle_timeout")}

@@ -181,6 +181,27 @@ def test_no_healthy_replica_is_503_with_retry_after(tmp_path: Path, mode: dict) 
         stop_stack(st)
 
 
+def test_a_non_streamed_answer_may_take_longer_than_the_idle_timeout(tmp_path: Path,
+                                                                      mode: dict) -> None:
+    """A non-streamed answer sends no byte until it is whole: its route waits for the whole
+    request (timeouts.request_s), while a stream silent as long is still ended at idle_s, and a
+    client's own stream header changes neither."""
+    st = start_stack(tmp_path, n=2, timeouts={"idle_s": 1, "request_s": 30}, **mode)
+    try:
+        for u in st.upstreams:
+            u.delay_s = 2.5
+        status, headers, body, _ = st.post(chat("answer whole", stream=False))
+        assert status == 200 and headers["x-served-by"] in {"r0", "r1"}
+        assert body.count(b"data: ") == CHUNKS + 1
+        for claim in ({}, {"x-gorgo-stream": "false"}):
+            status, _, body, _ = st.post(chat("answer streamed"), claim)
+            assert status == 504 and json.loads(body)["error"]["code"] == "timeout"
+        assert wait_for(lambda: sum(GorgoMetrics(st).values("gorgo_inflight_requests").values())
+                        == 0, 10)
+    finally:
+        stop_stack(st)
+
+
 @pytest.mark.slow
 def test_killing_extproc_fails_open_to_default_cluster(tmp_path: Path, mode: dict) -> None:
     st = start_stack(tmp_path, n=3, **mode)

@@ -25,6 +25,7 @@ from gorgo.core.contract import (
     METADATA_NAMESPACE,
     PICKER_HEADER,
     REQUEST_ATTRIBUTES,
+    STREAM_HEADER,
 )
 from gorgo.core.fleet import FleetError, parse_fleet
 from gorgo.core.router import Router
@@ -133,9 +134,9 @@ def _routes(boot: dict) -> list[dict]:
 
 
 @pytest.mark.parametrize(("extra", "picker", "headers"), [
-    ({}, False, [CLUSTER_HEADER]),
-    ({"retries": {"enabled": True}}, False, [CLUSTER_HEADER, ENDPOINTS_HEADER]),
-    ({}, True, [CLUSTER_HEADER, PICKER_HEADER]),
+    ({}, False, [CLUSTER_HEADER, STREAM_HEADER]),
+    ({"retries": {"enabled": True}}, False, [CLUSTER_HEADER, STREAM_HEADER, ENDPOINTS_HEADER]),
+    ({}, True, [CLUSTER_HEADER, STREAM_HEADER, PICKER_HEADER]),
 ])
 def test_the_render_holds_the_headers_until_the_body_is_answered(
         extra: dict, picker: bool, headers: list[str]) -> None:

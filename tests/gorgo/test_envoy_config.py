@@ -23,6 +23,7 @@ from gorgo.core.contract import (
     PROXY_REGION_ATTR,
     REPLICA_HEADER,
     ROUTER_READS,
+    STREAM_HEADER,
 )
 from gorgo.core.contract import TTFT_ATTR as TTFT_TAG
 from gorgo.core.fleet import load_fleet, parse_fleet
@@ -82,7 +83,8 @@ def test_bootstrap_shape() -> None:
                      "envoy.filters.http.router"]
     # Routing headers are never a client's; control headers only a trusted peer's (none here).
     removed = hcm["early_header_mutation_extensions"][0]["typed_config"]["mutations"]
-    assert [m["remove"] for m in removed] == [CLUSTER_HEADER, PICKER_HEADER, ENDPOINTS_HEADER]
+    assert [m["remove"] for m in removed] == [CLUSTER_HEADER, PICKER_HEADER, ENDPOINTS_HEADER,
+                                              STREAM_HEADER]
     assert hcm["route_config"]["internal_only_headers"] == list(CONTROL_HEADERS)
     assert "internal_address_config" not in hcm  # none: loopback and RFC 1918 would be internal
     ext = hcm["http_filters"][0]["typed_config"]
@@ -91,10 +93,20 @@ def test_bootstrap_shape() -> None:
     assert [p["exact"] for p in ext["forward_rules"]["allowed_headers"]["patterns"]] == list(
         ROUTER_READS)
     routes = [r["route"] for r in _routes(hcm)[:-1]]
-    # picker (ORIGINAL_DST) -> endpoint list with one retry -> single cluster -> default.
+    # picker (ORIGINAL_DST) -> endpoint list with one retry -> single cluster -> default, each
+    # routed one first for a non-streamed answer, which waits as long as the whole request.
     assert [r.get("cluster", r.get("cluster_header")) for r in routes] == [
-        PICKER_CLUSTER, FLEET_CLUSTER, CLUSTER_HEADER, spec.default_cluster]
-    retry = routes[1]["retry_policy"]
+        PICKER_CLUSTER, PICKER_CLUSTER, FLEET_CLUSTER, FLEET_CLUSTER, CLUSTER_HEADER,
+        CLUSTER_HEADER, spec.default_cluster]
+    unstreamed = {"name": STREAM_HEADER, "string_match": {"exact": "false"}}
+    for k, r in enumerate(_routes(hcm)[:-2]):
+        whole = k % 2 == 0
+        assert (unstreamed in r["match"]["headers"]) is whole
+        assert r["route"]["idle_timeout"] == (f"{spec.timeouts.request_s:g}s" if whole
+                                              else f"{spec.timeouts.idle_s:g}s")
+        assert r["route"]["timeout"] == f"{spec.timeouts.request_s:g}s"
+    assert routes[2]["retry_policy"] == routes[3]["retry_policy"]
+    retry = routes[3]["retry_policy"]
     assert retry["num_retries"] == 1 and retry["retriable_status_codes"] == [503]
     assert "per_try_timeout" not in retry  # a per-try timeout would cut a stream
     fleet = clusters[FLEET_CLUSTER]
@@ -119,7 +131,7 @@ def test_retries_off_keeps_single_cluster_routing() -> None:
         "typed_config"]
     routes = [r["route"] for r in _routes(hcm)[:-1]]
     assert [r.get("cluster", r.get("cluster_header")) for r in routes] == [
-        CLUSTER_HEADER, spec.default_cluster]
+        CLUSTER_HEADER, CLUSTER_HEADER, spec.default_cluster]
 
 
 def _routes(hcm: dict) -> list[dict]:
@@ -159,7 +171,7 @@ def test_trusted_peers_keep_control_headers_and_never_routing_headers() -> None:
         {"address_prefix": "10.1.0.0", "prefix_len": 16},
         {"address_prefix": "fd00::", "prefix_len": 8}]}
     assert hcm["route_config"]["internal_only_headers"] == list(CONTROL_HEADERS)
-    assert len(hcm["early_header_mutation_extensions"][0]["typed_config"]["mutations"]) == 3
+    assert len(hcm["early_header_mutation_extensions"][0]["typed_config"]["mutations"]) == 4
 
 
 # Runs `envoy --mode validate`.

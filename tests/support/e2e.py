@@ -40,6 +40,8 @@ class Upstream:
     runner: web.AppRunner | None = None
     # When set, every answer holds its last chunk until the event is set (on the stack's loop).
     hold: asyncio.Event | None = None
+    # Every chat completion waits this long before its first byte (a long queue or prefill).
+    delay_s: float = 0.0
 
     async def start(self) -> None:
         async def chat(req: web.Request) -> web.StreamResponse:
@@ -48,6 +50,7 @@ class Upstream:
             self.served.append(req.path)
             if self.failing:
                 return web.json_response({"error": {"message": "down"}}, status=500)
+            await asyncio.sleep(self.delay_s)
             # The body as it arrived, so tests can check that the proxy path kept it intact.
             resp = web.StreamResponse(headers={"content-type": "text/event-stream",
                                                "x-served-by": self.name,
