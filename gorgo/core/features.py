@@ -89,6 +89,9 @@ class RequestFeatures:
     slo_ttft_ms: float | None = None  # the request's own targets (trusted headers), if any
     slo_tpot_ms: float | None = None
     head_hash: int = 0  # 64-bit hash of the first AFFINITY_HEAD_TOKENS tokens' text
+    # Sequences the engine decodes for it (`n`, or vLLM's `best_of` when larger), each with its
+    # own output on the KV pool and in the batch; the prompt is prefilled once.
+    choices: int = 1
     # The parsed body, for a precise cache view that tokenizes it as the engine does
     # (gorgo.core.precise); None for non-inference paths.
     body: Mapping[str, Any] | None = None
@@ -361,6 +364,10 @@ def extract_features(
         raise RequestError(400, "'stream' must be a boolean.", param="stream")
     max_tokens = positive_int(body, "max_tokens", "max_completion_tokens", "max_output_tokens",
                               maximum=limits.max_output_tokens)
+    choices = 1
+    if endpoint != "responses":  # the Responses API has no `n`
+        for name in ("n", "best_of"):
+            choices = max(choices, positive_int(body, name, maximum=limits.max_choices) or 1)
     # a completions prompt of token ids (prompt_text checked every element): counted as ids
     ids = body["prompt"] if endpoint == "completions" and _ids_shaped(body["prompt"]) else None
     session = headers.get(SESSION_HEADER) or None
@@ -382,6 +389,7 @@ def extract_features(
         slo_tpot_ms=slo[1],
         head_hash=stable_hash(text[: tok.chars_for_tokens(AFFINITY_HEAD_TOKENS)]),
         body=body,
+        choices=choices,
     )
 
 

@@ -153,9 +153,10 @@ class Router:
     def _fitting(self, f: RequestFeatures,
                  mask: np.ndarray | None) -> np.ndarray | Rejection | None:
         """``mask`` (None: every replica) narrowed to the replicas whose KV pool holds the request
-        (prompt plus output), or the 400 when none of them does: a smaller replica was chosen
-        whenever a larger one existed anywhere in the fleet, and its engine refused."""
-        wanted = f.prompt_tokens + (f.max_tokens or 0)
+        (prompt plus each sequence's output), or the 400 when none of them does: a smaller
+        replica was chosen whenever a larger one existed anywhere in the fleet, and its engine
+        refused."""
+        wanted = f.prompt_tokens + f.choices * (f.max_tokens or 0)
         if wanted <= self._fits_all:  # the usual case: no array work
             return mask
         fits = self.capacity >= wanted
@@ -163,11 +164,12 @@ class Router:
             fits &= mask
         if not fits.any():
             most = int(self.capacity[mask].max()) if mask is not None else self.max_request_tokens
+            output = (f"{f.max_tokens or 0} for each of its {f.choices} completions"
+                      if f.choices > 1 else f"{f.max_tokens or 0} for the completion")
             return Rejection(
                 400, TOO_LARGE, 0.0,
-                f"This request needs {wanted} tokens ({f.prompt_tokens} in the prompt, "
-                f"{f.max_tokens or 0} for the completion); the largest replica "
-                f"{'of its model ' if mask is not None else ''}holds {most}.")
+                f"This request needs {wanted} tokens ({f.prompt_tokens} in the prompt, {output});"
+                f" the largest replica {'of its model ' if mask is not None else ''}holds {most}.")
         return fits
 
     def settings_for(self, f: RequestFeatures) -> ModelSettings | None:

@@ -146,6 +146,28 @@ def test_capacity_is_the_largest_replicas() -> None:
             r.complete(d.id)
 
 
+def test_every_sequence_of_a_request_needs_its_output_on_the_kv_pool() -> None:
+    """`n` (and vLLM's `best_of`) sequences share one prompt and each write their own output:
+    a request that fits only with one of them went to a replica that could not hold them all."""
+    doc_replicas = [
+        {"name": "small", "engine": "sim", "region": "local", "address": "h:1",
+         "kv_capacity_tokens": 1000},
+        {"name": "large", "engine": "sim", "region": "local", "address": "h:2",
+         "kv_capacity_tokens": 5000},
+    ]
+    r = Router(spec(replicas=doc_replicas, policy="round-robin"))
+    for k in range(4):  # 200 + 4 x 250 tokens: only the large replica holds it
+        d = route(r, req(r, 200, f"n{k}", max_tokens=250, n=4))
+        assert r.state.names[d.replica] == "large"
+        r.complete(d.id)
+    assert {r.state.names[route(r, req(r, 200, f"one{k}", max_tokens=250)).replica]
+            for k in range(4)} == {"small", "large"}
+    d = r.route(req(r, 1000, "b", max_tokens=1000, best_of=5, n=2), 0.0)
+    assert isinstance(d, Rejection) and d.status == 400
+    assert "needs 6000 tokens (1000 in the prompt, 1000 for each of its 5 completions)" in (
+        d.message)
+
+
 def test_many_refused_prompts_do_not_accumulate() -> None:
     """Forty 28k-token prompts the engines refused (finding 3: about 10 s of phantom queue
     each): once their streams close, the fleet is priced as idle."""

@@ -82,6 +82,24 @@ def test_decode_grows_with_the_batch_and_the_output() -> None:
     assert cost_terms(_req(s, max_tokens=None), s)["decode"][1] > idle[1]
 
 
+def test_a_request_of_n_sequences_weighs_n_in_the_batch() -> None:
+    """`n` sequences decode side by side: each is one more in every step of the requests there,
+    and each takes a running slot; the prompt is prefilled once."""
+    s = FleetState(_slots_spec(max_running=4))
+    s.now = 0.0
+    for _ in range(3):
+        s.add_inflight(0, 2000, 0)
+    s.inflight_reqs[1] = 3
+    one = _req(s)
+    t1, t2, t4 = (cost_terms(replace(one, choices=k), s) for k in (1, 2, 4))
+    per_sequence = t2["interference"][0] - t1["interference"][0]
+    assert per_sequence > 0  # beyond the prefill stall, which is the same for any n
+    assert t4["interference"][0] - t1["interference"][0] == pytest.approx(3 * per_sequence)
+    assert t4["decode"][0] > t1["decode"][0]
+    assert t4["prefill"][0] == t1["prefill"][0]
+    assert t1["admission"][1] == 0.0 and t4["admission"][1] > 0.0  # 3 + 4 over 4 slots
+
+
 def test_a_fresh_engine_scrape_counts_other_routers_requests() -> None:
     s = FleetState(_spec())
     s.now = 10.0

@@ -68,12 +68,14 @@ def _slowdown(s: FleetState) -> np.ndarray:
 
 
 def predicted_itl(f: RequestFeatures, s: FleetState) -> np.ndarray:
-    """Milliseconds per output token this request would see on each replica (its TPOT)."""
+    """Milliseconds per output token this request would see on each replica (its TPOT); its
+    ``choices`` sequences decode side by side, all in the batch."""
     p = s.params["decode"]
     out = expected_output(f, s)
     n = batch(s)
-    context = s.inflight_prompt_tokens + n * out / 2 + f.prompt_tokens + out / 2
-    itl = p["itl_base_ms"] + p["itl_per_seq_ms"] * (n + 1) + p["itl_per_kctx_ms"] * context / 1000
+    k = f.choices
+    context = s.inflight_prompt_tokens + n * out / 2 + f.prompt_tokens + k * out / 2
+    itl = p["itl_base_ms"] + p["itl_per_seq_ms"] * (n + k) + p["itl_per_kctx_ms"] * context / 1000
     return itl * slowdown(s)
 
 

@@ -4,8 +4,10 @@ Each of the ``batch_i`` requests there loses, while they overlap (on average hal
 expected output), the per-step cost of one more sequence of this request's length; and every one
 of them stalls once for this request's uncached prefill chunks:
 
-    batch_i * (out / 2) * (per_seq + per_kctx * context / 1000) * slowdown_i
+    batch_i * (out / 2) * choices * (per_seq + per_kctx * context / 1000) * slowdown_i
     + batch_i * uncached_i * prefill_ms_per_token_i
+
+(``choices``: the sequences it decodes, `n`; one prompt prefilled for all).
 
 A greedy choice on the request's own latency piles requests on the replica that looks fastest
 and slows everything decoding there; this term prices that. Its weight (default 0.25, the best
@@ -33,7 +35,9 @@ def _interference(f: RequestFeatures, s: FleetState) -> np.ndarray:
     p = s.params["decode"]
     out = expected_output(f, s)
     n = batch(s)
-    marginal = p["itl_per_seq_ms"] + p["itl_per_kctx_ms"] * (f.prompt_tokens + out / 2) / 1000
+    # each of the request's sequences (`n`) is one more in every step; the prompt fills once
+    marginal = f.choices * (p["itl_per_seq_ms"]
+                            + p["itl_per_kctx_ms"] * (f.prompt_tokens + out / 2) / 1000)
     stall = s.uncached_tokens(f) * (1000.0 / s.prefill_rate)
     return n * (out / 2) * marginal * slowdown(s) + n * stall
 
