@@ -114,8 +114,8 @@ def main(args: argparse.Namespace) -> int:
             return 0
         spec = load_fleet(args.fleet)  # before reading stdin: a bad file fails at once
         exp = offline(spec, args.path, headers, _body(args.body))
-    except RequestError as err:
-        print(json.dumps(err.to_body()), file=sys.stderr)
-        return 1
+    except RequestError as err:  # what the router would answer, as the live path says it
+        raise UserError(f"the router refuses this request ({err.status}): {err.message}"
+                        ) from None
     print(json.dumps(exp.to_dict(), indent=2) if args.json else exp.table())
     return 0

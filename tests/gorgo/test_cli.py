@@ -63,6 +63,18 @@ def _closed_port() -> int:
 # --- user errors, in process ----------------------------------------------------------------
 
 
+def test_explain_of_a_request_the_router_refuses_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """As with --router (the router's 400 in one line): the offline what-if exited 1 with a
+    JSON body."""
+    bad = tmp_path / "body.json"
+    bad.write_text("not json")
+    assert main(["explain", "--fleet", str(EXAMPLE), "--body", str(bad)]) == 2
+    line = _one_line(capsys, "explain")
+    assert "refuses this request (400)" in line and "not valid JSON" in line
+
+
 @pytest.mark.parametrize(("argv", "command", "says"), [
     (["envoy-config", "/nonexistent.yaml"], "envoy-config", "cannot read fleet file"),
     (["extproc", "--fleet", "/nonexistent.yaml"], "extproc", "cannot read fleet file"),
