@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from gorgo.core.cost import cost_terms
-from gorgo.core.decision import NoReplicaAvailable
+from gorgo.core.decision import NoReplicaAvailable, Rejection
 from gorgo.core.features import RequestFeatures
 from gorgo.core.router import Router
 from gorgo.core.terms import TERMS
@@ -52,17 +52,27 @@ def explain(router: Router, f: RequestFeatures, now: float) -> Explanation:
     policy = copy.deepcopy(live, {id(live.spec): live.spec, id(s): s})
     was = s.now
     s.now = now
+    refused: Rejection | None = None
     try:
+        mask = router.admissible(f)  # the replicas routing would consider, as Router.route
         terms = cost_terms(f, s)
-        total = terms.total(s.weights, latency_only=True)  # as the decision predicts it
-        try:
-            d = policy.choose(f, s)
-            winner: int | None = d.replica
-            scores = d.scores if d.scores is not None else total
-        except NoReplicaAvailable:
-            winner, scores = None, np.full(s.n, np.inf)
+        if isinstance(mask, Rejection):
+            refused, mask = mask, None
+        s.candidates, s.model_settings = mask, router.settings_for(f)
+        weights, _ = s.scoring()
+        total = terms.total(weights, latency_only=True)  # as the decision predicts it
+        winner: int | None = None
+        scores = np.full(s.n, np.inf)
+        if refused is None:
+            try:
+                d = policy.choose(f, s)
+                winner = d.replica
+                scores = d.scores if d.scores is not None else total
+            except NoReplicaAvailable:
+                pass
     finally:
         s.now = was
+        s.candidates = s.model_settings = None
     rows = [
         {
             "replica": s.names[i],
@@ -76,13 +86,14 @@ def explain(router: Router, f: RequestFeatures, now: float) -> Explanation:
         }
         for i in range(s.n)
     ]
-    return Explanation(policy.name, None if winner is None else s.names[winner],
-                       _reason(s.names, terms, total, scores, winner, policy.name), rows)
+    reason = (f"the router refuses it ({refused.status}): {refused.message}" if refused
+              else _reason(s.names, terms, total, scores, winner, policy.name))
+    return Explanation(policy.name, None if winner is None else s.names[winner], reason, rows)
 
 
 def _reason(names, terms, total, scores, winner, policy: str) -> str:
     if winner is None:
-        return "no replica is routable (all ejected)"
+        return "no replica is routable (ejected, draining, or not serving the model)"
     finite = np.flatnonzero(np.isfinite(scores))
     others = [i for i in finite[np.argsort(scores[finite], kind="stable")] if i != winner]
     if not others:

@@ -89,13 +89,23 @@ class RequestFeatures:
     slo_ttft_ms: float | None = None  # the request's own targets (trusted headers), if any
     slo_tpot_ms: float | None = None
     head_hash: int = 0  # 64-bit hash of the first AFFINITY_HEAD_TOKENS tokens' text
-    # Sequences the engine decodes for it (`n`, or vLLM's `best_of` when larger), each with its
-    # own output on the KV pool and in the batch; the prompt is prefilled once.
+    # Sequences the engine decodes for it: `n` for each prompt of the request (a completions
+    # batch has several), each with its own output in the batch; a prompt is prefilled once.
     choices: int = 1
+    # A completions batch's longest prompt, in tokens (None: one prompt): what one of its
+    # sequences needs on the KV pool besides its output (an engine schedules a batch's
+    # sequences as its pool frees, one by one).
+    longest_prompt_tokens: int | None = None
     # The parsed body, for a precise cache view that tokenizes it as the engine does
     # (gorgo.core.precise); None for non-inference paths.
     body: Mapping[str, Any] | None = None
 
+
+    @property
+    def sequence_prompt_tokens(self) -> int:
+        """The prompt one sequence of the request needs on the KV pool."""
+        longest = self.longest_prompt_tokens
+        return self.prompt_tokens if longest is None else longest
 
     @property
     def n_blocks(self) -> int:
@@ -364,12 +374,14 @@ def extract_features(
         raise RequestError(400, "'stream' must be a boolean.", param="stream")
     max_tokens = positive_int(body, "max_tokens", "max_completion_tokens", "max_output_tokens",
                               maximum=limits.max_output_tokens)
-    choices = 1
-    if endpoint != "responses":  # the Responses API has no `n`
-        for name in ("n", "best_of"):
-            choices = max(choices, positive_int(body, name, maximum=limits.max_choices) or 1)
+    # The Responses API has no `n`. (vLLM's `best_of` is not counted: its V1 engine refuses any
+    # above 1, and SGLang reads none.)
+    n = 1 if endpoint == "responses" else positive_int(body, "n", maximum=limits.max_choices) or 1
     # a completions prompt of token ids (prompt_text checked every element): counted as ids
     ids = body["prompt"] if endpoint == "completions" and _ids_shaped(body["prompt"]) else None
+    batch = body["prompt"] if endpoint == "completions" and ids is None and isinstance(
+        body["prompt"], list) else None
+    prompt_tokens = len(ids) if ids else tok.count_tokens(len(text))
     session = headers.get(SESSION_HEADER) or None
     for key in ("prompt_cache_key", "user"):
         if session is None and isinstance(body.get(key), str) and body[key]:
@@ -381,7 +393,7 @@ def extract_features(
         max_tokens=max_tokens,
         session_key=session,
         prompt_chars=len(text),
-        prompt_tokens=len(ids) if ids else tok.count_tokens(len(text)),
+        prompt_tokens=prompt_tokens,
         block_hashes=tok.block_hashes(text),
         policy=policy,
         priority=priority,
@@ -389,7 +401,8 @@ def extract_features(
         slo_tpot_ms=slo[1],
         head_hash=stable_hash(text[: tok.chars_for_tokens(AFFINITY_HEAD_TOKENS)]),
         body=body,
-        choices=choices,
+        choices=n * max(len(batch), 1) if batch is not None else n,
+        longest_prompt_tokens=tok.count_tokens(max(map(len, batch))) if batch else None,
     )
 
 

@@ -156,7 +156,7 @@ class Limits:
     max_tools: int = 512
     max_prompt_chars: int = 8 * 1024 * 1024  # the prompt as hashed (tool definitions included)
     max_output_tokens: int = 1024 * 1024  # max_tokens and its aliases
-    max_choices: int = 128  # `n`, and vLLM's `best_of`: the sequences one request decodes
+    max_choices: int = 128  # `n`: the completions one request asks for (per prompt)
     # `cache: precise` lookups: tokens tokenized or hashed afresh (no memo holds them) on the
     # request path per lookup; beyond, the engine's chain of blocks (gorgo.core.precise)
     precise_lookup_tokens: int = 256

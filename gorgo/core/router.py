@@ -150,13 +150,20 @@ class Router:
                              f"{asked}; this fleet serves: {', '.join(known)}.")
         return mask
 
+    def admissible(self, f: RequestFeatures) -> np.ndarray | Rejection | None:
+        """The replicas the request may go to (None: any), or the answer refusing it: those
+        serving its model, narrowed to those whose KV pool holds it."""
+        mask = self.candidates(f)
+        return mask if isinstance(mask, Rejection) else self._fitting(f, mask)
+
     def _fitting(self, f: RequestFeatures,
                  mask: np.ndarray | None) -> np.ndarray | Rejection | None:
-        """``mask`` (None: every replica) narrowed to the replicas whose KV pool holds the request
-        (prompt plus each sequence's output), or the 400 when none of them does: a smaller
+        """``mask`` (None: every replica) narrowed to the replicas whose KV pool holds one of the
+        request's sequences (its prompt plus its output: an engine schedules `n` sequences, or a
+        batch's prompts, as its pool frees), or the 400 when none of them does: a smaller
         replica was chosen whenever a larger one existed anywhere in the fleet, and its engine
         refused."""
-        wanted = f.prompt_tokens + f.choices * (f.max_tokens or 0)
+        wanted = f.sequence_prompt_tokens + (f.max_tokens or 0)
         if wanted <= self._fits_all:  # the usual case: no array work
             return mask
         fits = self.capacity >= wanted
@@ -164,12 +171,13 @@ class Router:
             fits &= mask
         if not fits.any():
             most = int(self.capacity[mask].max()) if mask is not None else self.max_request_tokens
-            output = (f"{f.max_tokens or 0} for each of its {f.choices} completions"
-                      if f.choices > 1 else f"{f.max_tokens or 0} for the completion")
+            prompt = ("in the prompt" if f.sequence_prompt_tokens == f.prompt_tokens
+                      else "in its longest prompt")
             return Rejection(
                 400, TOO_LARGE, 0.0,
-                f"This request needs {wanted} tokens ({f.prompt_tokens} in the prompt, {output});"
-                f" the largest replica {'of its model ' if mask is not None else ''}holds {most}.")
+                f"This request needs {wanted} tokens ({f.sequence_prompt_tokens} {prompt}, "
+                f"{f.max_tokens or 0} for the completion); the largest replica "
+                f"{'of its model ' if mask is not None else ''}holds {most}.")
         return fits
 
     def settings_for(self, f: RequestFeatures) -> ModelSettings | None:
@@ -213,10 +221,7 @@ class Router:
         s = self.state
         s.now = now
         self.echoes.expire(s, now)
-        mask = self.candidates(f)
-        if isinstance(mask, Rejection):
-            return mask
-        mask = self._fitting(f, mask)
+        mask = self.admissible(f)
         if isinstance(mask, Rejection):
             return mask
         terms = cost_terms(f, s)

@@ -146,9 +146,10 @@ def test_capacity_is_the_largest_replicas() -> None:
             r.complete(d.id)
 
 
-def test_every_sequence_of_a_request_needs_its_output_on_the_kv_pool() -> None:
-    """`n` (and vLLM's `best_of`) sequences share one prompt and each write their own output:
-    a request that fits only with one of them went to a replica that could not hold them all."""
+def test_a_sequence_not_the_whole_request_must_fit_a_kv_pool() -> None:
+    """An engine schedules a request's `n` sequences (and a completions batch's prompts) as its
+    pool frees: one of them must fit, not all at once (RL rollouts ask n = 16 x 16k tokens of a
+    200k-token pool), and a batch is judged by its longest prompt, not by their sum."""
     doc_replicas = [
         {"name": "small", "engine": "sim", "region": "local", "address": "h:1",
          "kv_capacity_tokens": 1000},
@@ -156,16 +157,22 @@ def test_every_sequence_of_a_request_needs_its_output_on_the_kv_pool() -> None:
          "kv_capacity_tokens": 5000},
     ]
     r = Router(spec(replicas=doc_replicas, policy="round-robin"))
-    for k in range(4):  # 200 + 4 x 250 tokens: only the large replica holds it
-        d = route(r, req(r, 200, f"n{k}", max_tokens=250, n=4))
-        assert r.state.names[d.replica] == "large"
+    served = set()
+    for k in range(4):  # 200 + 250 tokens a sequence: both replicas hold one
+        f = req(r, 200, f"n{k}", max_tokens=250, n=16)
+        assert f.choices == 16 and f.sequence_prompt_tokens == 200
+        d = route(r, f)
+        served.add(r.state.names[d.replica])
         r.complete(d.id)
-    assert {r.state.names[route(r, req(r, 200, f"one{k}", max_tokens=250)).replica]
-            for k in range(4)} == {"small", "large"}
-    d = r.route(req(r, 1000, "b", max_tokens=1000, best_of=5, n=2), 0.0)
+    assert served == {"small", "large"}
+    batch = extract_features("/v1/completions", {}, json.dumps(
+        {"prompt": ["a" * 900, "b" * 3000, "c" * 900], "max_tokens": 100, "n": 2}).encode(),
+        r.state.tok)
+    assert (batch.prompt_tokens, batch.sequence_prompt_tokens, batch.choices) == (4802, 3000, 6)
+    assert r.state.names[route(r, batch).replica] == "large"  # 3100: only large holds it
+    d = r.route(dataclasses.replace(batch, max_tokens=2001), 0.0)
     assert isinstance(d, Rejection) and d.status == 400
-    assert "needs 6000 tokens (1000 in the prompt, 1000 for each of its 5 completions)" in (
-        d.message)
+    assert "needs 5001 tokens (3000 in its longest prompt, 2001 for the completion)" in d.message
 
 
 def test_many_refused_prompts_do_not_accumulate() -> None:

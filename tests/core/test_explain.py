@@ -7,6 +7,7 @@ from dataclasses import replace
 
 import pytest
 
+from gorgo.core.decision import Decision
 from gorgo.core.explain import explain
 from gorgo.core.features import extract_features
 from gorgo.core.fleet import parse_fleet
@@ -48,6 +49,42 @@ def test_explain_when_nothing_is_routable() -> None:
     f = extract_features("/v1/models", {}, b"", r.state.tok)
     exp = explain(r, f, 0.0)
     assert exp.winner is None and "no replica" in exp.reason
+
+
+def test_explain_considers_only_the_replicas_routing_would() -> None:
+    """A replica too small for the request, or not serving its model, never wins the
+    explanation: it skipped the model and KV checks, so it named replicas routing never chose,
+    and explained a request routing refuses."""
+    spec = parse_fleet({
+        "regions": {"a": {}, "b": {}},
+        "chars_per_token": 1.0,
+        "replicas": [{"name": "near", "engine": "sim", "region": "a", "address": "h:1",
+                      "prefill_rate": 1000, "kv_capacity_tokens": 1000,
+                      "models": ["m", "small"]},
+                     {"name": "far", "engine": "sim", "region": "b", "address": "h:2",
+                      "prefill_rate": 1000, "kv_capacity_tokens": 5000, "models": ["m"]}],
+    })
+    r = Router(spec)
+    r.state.observe_rtt(0, 10.0)
+    r.state.observe_rtt(1, 200.0)
+
+    def explained(prompt: int, max_tokens: int, model: str = "m") -> tuple[str | None, str]:
+        body = {"model": model, "prompt": "x" * prompt, "max_tokens": max_tokens}
+        f = extract_features("/v1/completions", {}, json.dumps(body).encode(), r.state.tok)
+        exp = explain(r, f, 0.0)
+        d = r.route(f, 0.0)
+        routed = r.state.names[d.replica] if isinstance(d, Decision) else None
+        if isinstance(d, Decision):
+            r.complete(d.id)
+        assert exp.winner == routed
+        return exp.winner, exp.reason
+
+    assert explained(100, 100)[0] == "near"
+    assert explained(900, 400)[0] == "far"  # 1300 tokens: only far's pool holds them
+    winner, reason = explained(4000, 2000)
+    assert winner is None and "refuses it (400)" in reason and "holds 5000" in reason
+    winner, reason = explained(100, 100, model="other")
+    assert winner is None and "refuses it (404)" in reason
 
 
 def _routes(policy: str, explaining: bool) -> list[int]:

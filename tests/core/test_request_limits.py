@@ -93,7 +93,7 @@ def test_absurd_max_tokens_is_400(name: str) -> None:
     assert f.max_tokens == 100
 
 
-def test_n_and_best_of_are_bounded_and_count_the_sequences() -> None:
+def test_n_is_bounded_and_counts_the_sequences() -> None:
     limits = Limits(max_choices=8)
 
     def choices(body: dict, path: str = CHAT) -> int:
@@ -103,14 +103,14 @@ def test_n_and_best_of_are_bounded_and_count_the_sequences() -> None:
     base = {"messages": [_user()]}
     assert choices(base) == 1
     assert choices({**base, "n": 3}) == 3
-    assert choices({"prompt": "hi", "n": 2, "best_of": 5}, "/v1/completions") == 5
+    assert choices({"prompt": "hi", "n": 2, "best_of": 5}, "/v1/completions") == 2
+    assert choices({"prompt": ["a", "b", "c"], "n": 2}, "/v1/completions") == 6  # per prompt
     assert choices({"input": "hi", "n": 9}, "/v1/responses") == 1  # no `n` in that API
-    for name in ("n", "best_of"):
-        err = _error({**base, name: 9}, limits)
-        assert (err.status, err.code, err.param) == (400, "integer_above_max_value", name)
-        for bad in (0, -1, 2.5, "2", True):
-            err = _error({**base, name: bad}, limits)
-            assert (err.status, err.param) == (400, name), bad
+    err = _error({**base, "n": 9}, limits)
+    assert (err.status, err.code, err.param) == (400, "integer_above_max_value", "n")
+    for bad in (0, -1, 2.5, "2", True):
+        err = _error({**base, "n": bad}, limits)
+        assert (err.status, err.param) == (400, "n"), bad
 
 
 def test_an_integer_past_pythons_digit_limit_is_a_client_error() -> None:

@@ -83,8 +83,8 @@ def test_decode_grows_with_the_batch_and_the_output() -> None:
 
 
 def test_a_request_of_n_sequences_weighs_n_in_the_batch() -> None:
-    """`n` sequences decode side by side: each is one more in every step of the requests there,
-    and each takes a running slot; the prompt is prefilled once."""
+    """`n` sequences decode side by side: each is one more in every step of the requests there;
+    the prompt is prefilled once, and the first token waits for one running slot, not n."""
     s = FleetState(_slots_spec(max_running=4))
     s.now = 0.0
     for _ in range(3):
@@ -97,7 +97,7 @@ def test_a_request_of_n_sequences_weighs_n_in_the_batch() -> None:
     assert t4["interference"][0] - t1["interference"][0] == pytest.approx(3 * per_sequence)
     assert t4["decode"][0] > t1["decode"][0]
     assert t4["prefill"][0] == t1["prefill"][0]
-    assert t1["admission"][1] == 0.0 and t4["admission"][1] > 0.0  # 3 + 4 over 4 slots
+    assert t1["admission"][1] == 0.0 and t4["admission"][1] == 0.0  # 3 + 1 fit 4 slots
 
 
 def test_a_fresh_engine_scrape_counts_other_routers_requests() -> None:

@@ -3,9 +3,10 @@
 An engine runs at most ``max_running`` requests at once (vLLM's ``--max-num-seqs``, SGLang's
 ``--max-running-requests``); a request that arrives when they are all taken waits in the engine's
 queue, not for prefill but for running requests to finish. With ``batch_i`` requests in flight
-there, ``k = batch_i + choices - max_running`` of them must finish first (``choices``: the
-request's own sequences, `n`, each taking a slot); running requests finish at about
-``max_running / (out * itl_i)`` per ms (each holds its slot for its decode time), so
+there, ``k = batch_i + 1 - max_running`` of them must finish first (a request of `n`
+sequences needs one slot for its first token: the engine queues the others behind it); running
+requests finish at about ``max_running / (out * itl_i)`` per ms (each holds its slot for its
+decode time), so
 
     wait_i = max(k, 0) * out * itl_i / max_running
 
@@ -40,7 +41,7 @@ PARAMS = {"max_running": 256.0}
 
 def _admission(f: RequestFeatures, s: FleetState) -> np.ndarray:
     slots = s.params["admission"]["max_running"]
-    ahead = np.maximum(batch(s) + f.choices - slots, 0.0)  # each of its `n` takes a slot
+    ahead = np.maximum(batch(s) + 1.0 - slots, 0.0)
     if not ahead.any():
         return ahead
     out = s.params["decode"]["output_tokens"]
