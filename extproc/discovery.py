@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from extproc.telemetry import log_event
-from gorgo.core.discovery import DnsSource, dns_sources, parse_discovered
+from gorgo.core.discovery import MAX_ADDRESSES, DnsSource, dns_sources, parse_discovered
 from gorgo.core.fleet import FleetError, FleetSpec, read_fleet
 
 log = logging.getLogger("gorgo.discovery")
@@ -36,14 +36,18 @@ def system_resolve(name: str, port: int) -> list[str]:
 
 
 def resolve_sources(sources: Sequence[DnsSource], resolve: Resolver) -> dict[str, list[str]]:
-    """Each source's addresses, sorted (an unresolvable name: none)."""
+    """Each source's addresses, sorted, at most MAX_ADDRESSES (an unresolvable name: none)."""
     answers: dict[str, list[str]] = {}
     for s in sources:
         try:
-            answers[s.dns] = sorted(set(resolve(s.dns, s.port)))
+            found = sorted(set(resolve(s.dns, s.port)))
         except OSError as exc:
             log_event(log, "dns_resolve_failed", logging.WARNING, name=s.dns, error=str(exc))
-            answers[s.dns] = []
+            found = []
+        if len(found) > MAX_ADDRESSES:
+            log_event(log, "dns_answer_capped", logging.WARNING, name=s.dns,
+                      addresses=len(found), kept=MAX_ADDRESSES)
+        answers[s.dns] = found[:MAX_ADDRESSES]
     return answers
 
 

@@ -6,9 +6,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import io
 import logging
 import os
 import signal
+import time
 
 import grpc
 from aiohttp import web
@@ -30,6 +32,7 @@ from gorgo._xds.envoy.service.ext_proc.v3 import external_processor_pb2
 from gorgo._xds.envoy.service.ext_proc.v3.external_processor_pb2_grpc import (
     add_ExternalProcessorServicer_to_server,
 )
+from gorgo.core.contract import LIVE_SERVICE
 from gorgo.core.fleet import FleetError, FleetSpec, parse_fleet
 from gorgo.core.membership import FleetDiff
 from gorgo.core.router import Router
@@ -37,6 +40,7 @@ from gorgo.envoy_config import write_cds
 from gorgo.errors import (
     LOG_LEVELS,
     UserError,
+    at_least,
     bind_error,
     check_port,
     port_number,
@@ -52,6 +56,11 @@ METRICS_PORT = 50052
 # endpoint-picker protocol's gateways check it; its status follows /readyz, rechecked this often.
 EXTPROC_SERVICE = external_processor_pb2.DESCRIPTOR.services_by_name["ExternalProcessor"].full_name
 HEALTH_INTERVAL_S = 1.0
+# A drain ends once no stream has been open for this long: longer than Envoy's health check
+# interval (EXTPROC_HEALTH_INTERVAL), so an Envoy that checks has seen NOT_SERVING and sends its
+# new streams elsewhere before the port closes.
+DRAIN_QUIET_S = 1.5
+DRAIN_S = 20.0  # default --drain-s: under Kubernetes' default 30 s termination grace
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -78,6 +87,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cds-file", default=None,
                    help="cluster mode with membership changes: the clusters file Envoy watches "
                         "(`gorgo envoy-config --cds-file`), rewritten atomically on each reload")
+    p.add_argument("--drain-s", type=at_least(0.0, float), default=DRAIN_S,
+                   help="on SIGTERM/SIGINT, keep serving the streams Envoy has open (and new "
+                        "ones, until its health check sees the drain) for at most this long "
+                        f"(default {DRAIN_S:g}; 0 = stop at once)")
     p.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS)
 
 
@@ -143,6 +156,7 @@ class ExtProcServer:
         if not self.grpc_port:
             raise UserError(f"cannot listen for {grpc_what}; {GRPC_HINT}")
         await self._grpc.start()
+        await self.health.set(LIVE_SERVICE, health_pb2.HealthCheckResponse.SERVING)
         if metrics_port >= 0:
             self._http = web.AppRunner(make_app(self.metrics, self.router, self.admin_token,
                                                  self.ready, self.reloader), access_log=None)
@@ -206,6 +220,28 @@ class ExtProcServer:
                 await self.health.set(service, status)
             await asyncio.sleep(HEALTH_INTERVAL_S)
 
+    async def drain(self, limit_s: float) -> None:
+        """Stop as Envoy's streams allow: NOT_SERVING at once (an Envoy health-checking its
+        ext_proc cluster stops opening streams here within a second), every other part still
+        running, until no stream has been open for DRAIN_QUIET_S or ``limit_s`` has passed. A
+        stream cut by the stop fails its request in full-duplex mode (Envoy cannot fail open
+        once the body went to the router), so a rolling restart must not cut them."""
+        if self._health_task is not None:
+            self._health_task.cancel()
+            await asyncio.gather(self._health_task, return_exceptions=True)
+            self._health_task = None
+        await self.health.enter_graceful_shutdown()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + limit_s
+        svc = self.service
+        while loop.time() < deadline:
+            quiet = time.monotonic() - svc.last_opened
+            if svc.open_streams == 0 and quiet >= DRAIN_QUIET_S:
+                return
+            await asyncio.sleep(min(0.05, max(deadline - loop.time(), 0.0)))
+        log_event(log, "drain_cut", logging.WARNING, open_streams=svc.open_streams,
+                  after_s=limit_s)
+
     async def stop(self, grace: float = 1.0) -> None:
         if self.discovery is not None:
             await self.discovery.stop()
@@ -227,7 +263,11 @@ class ExtProcServer:
         if self._http is not None:
             await self._http.cleanup()
         if self._grpc is not None:
-            await self._grpc.stop(grace)
+            # gRPC prints a bare traceback for each stream the stop cancels (those open past
+            # the drain, counted by `drain_cut`); logging keeps its own handle on stderr.
+            with contextlib.redirect_stderr(io.StringIO()):
+                await self._grpc.stop(grace)
+                await asyncio.sleep(0)
 
 
 async def serve(args: argparse.Namespace, spec: FleetSpec, token: str | None,
@@ -258,6 +298,7 @@ async def serve(args: argparse.Namespace, spec: FleetSpec, token: str | None,
     print(f"READY grpc={server.grpc_port} metrics={server.metrics_port}", flush=True)
     await stop.wait()
     loop.remove_signal_handler(signal.SIGHUP)
+    await server.drain(args.drain_s)
     await server.stop()
     return 0
 
@@ -267,9 +308,19 @@ def _reload_on_hup(server: ExtProcServer) -> None:
         server.reloader.reload_file("SIGHUP")
 
 
+class _StreamsCut(logging.Filter):
+    """gRPC logs a traceback for each stream a stop cancels (those still open past --drain-s):
+    the drain already said how many (`drain_cut`), and gorgo.shutdown lets no traceback of a
+    stop reach the terminal."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and isinstance(record.exc_info[1], asyncio.CancelledError))
+
+
 def main(args: argparse.Namespace) -> int:
     """Serve until SIGTERM/SIGINT (0); a bad fleet, token file or port is a UserError."""
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("grpc._cython.cygrpc").addFilter(_StreamsCut())
     discovery = DnsDiscovery(args.fleet)  # the fleet file, its discover: names resolved
     spec = discovery.spec
     token = load_admin_token(args.admin_token_file)

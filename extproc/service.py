@@ -105,6 +105,9 @@ class ExtProcService(ExternalProcessorServicer):
         self.router = router
         self.metrics = metrics
         self.clock = clock
+        # Envoy's streams open now, and when the last one opened (monotonic): what a drain waits on.
+        self.open_streams = 0
+        self.last_opened = 0.0
         # The precise cache view tokenizes the rest of each prompt off the request path.
         self._warm = PromptWarmer(router.state.precise) if router.state.precise else None
         self.reloaded()
@@ -122,6 +125,8 @@ class ExtProcService(ExternalProcessorServicer):
         self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: Any
     ) -> AsyncIterator[pb.ProcessingResponse]:
         st = _Stream()
+        self.open_streams += 1
+        self.last_opened = time.monotonic()
         if self.metrics.spans.enabled and context is not None:
             st.trace = parse_traceparent(next(
                 (m.value for m in context.invocation_metadata() or () if m.key == "traceparent"),
@@ -154,6 +159,7 @@ class ExtProcService(ExternalProcessorServicer):
                 elif kind == "response_body":
                     yield pb.ProcessingResponse(response_body=pb.BodyResponse())
         finally:
+            self.open_streams -= 1
             if st.decision is not None:
                 self.router.complete(st.decision.id)
                 served = self.router.state.index.get(st.served)

@@ -22,7 +22,9 @@ The supervisor owns the HTTP port:
   (`gorgo_workers_up`, `gorgo_worker_restarts_total`); ``/readyz`` is ready when every worker is.
 
 A worker that exits is started again on its port (backoff while it keeps failing); SIGTERM stops
-every worker by its pid, then the supervisor. Workers die with the supervisor (PR_SET_PDEATHSIG).
+every worker by its pid (each drains its open streams, --drain-s), then the supervisor; SIGHUP
+reloads every worker's fleet; worker 0 alone writes --cds-file. Workers die with the supervisor
+(PR_SET_PDEATHSIG).
 """
 
 from __future__ import annotations
@@ -61,7 +63,8 @@ from gorgo.errors import UserError, bind_error, check_port
 
 log = logging.getLogger("gorgo.workers")
 READY_TIMEOUT_S = 60.0  # a worker imports, loads the fleet and binds within this
-STOP_GRACE_S = 10.0
+STOP_GRACE_S = 10.0  # beyond the workers' own --drain-s
+READ_TIMEOUT_S = 3.0  # a worker's /metrics, /readyz or admin read: a hung one is left out
 BACKOFF_BASE_S = 0.5
 BACKOFF_MAX_S = 10.0
 STABLE_S = 10.0  # a worker that ran this long resets the restart backoff
@@ -159,7 +162,9 @@ class Supervisor:
         a = self.args
         cmd = [sys.executable, "-m", "gorgo.cli", "extproc", "--fleet", a.fleet, "--host", a.host,
                "--port", str(w.port), "--metrics-host", "127.0.0.1", "--metrics-port", "0",
-               "--log-level", a.log_level, "--workers", "1"]
+               "--log-level", a.log_level, "--workers", "1", "--drain-s", f"{a.drain_s:g}"]
+        if a.cds_file and w.index == 0:  # one writer: every worker reads the same fleet file
+            cmd += ["--cds-file", a.cds_file]
         if a.otlp:
             cmd += ["--otlp", a.otlp]
         if a.envoy_admin:
@@ -189,6 +194,8 @@ class Supervisor:
                         ready = dict(kv.split("=", 1) for kv in line.split()[1:])
         if ready is None:
             await self._reap(w)
+            if self._stopping():  # a stop signal during the start: no error, the stop goes on
+                return
             said = " | ".join(lines[-3:]) or "no output"
             raise UserError(f"worker {w.index} did not start: {said}")
         w.port, w.metrics_port = int(ready["grpc"]), int(ready["metrics"])
@@ -249,11 +256,17 @@ class Supervisor:
         too, and one may exit before the supervisor's own handler has run."""
         return self.stopping or shutdown.received is not None
 
+    def reload(self) -> None:
+        """SIGHUP: every worker reloads the fleet file itself."""
+        for w in self.workers:
+            if w.proc is not None and w.proc.returncode is None:
+                w.proc.send_signal(signal.SIGHUP)
+
     async def _reap(self, w: Worker) -> None:
         if w.proc is not None and w.proc.returncode is None:
             w.proc.send_signal(signal.SIGTERM)
-            try:
-                await asyncio.wait_for(w.proc.wait(), STOP_GRACE_S)
+            try:  # the worker drains its open streams first (--drain-s)
+                await asyncio.wait_for(w.proc.wait(), self.args.drain_s + STOP_GRACE_S)
             except TimeoutError:
                 w.proc.kill()
                 await w.proc.wait()
@@ -281,11 +294,13 @@ class Supervisor:
 
     async def _send(self, w: Worker, method: str, path: str, body: bytes | None = None,
                     headers: dict[str, str] | None = None) -> tuple[int, bytes]:
-        """One worker's answer (status, body); 503 when it cannot be reached."""
+        """One worker's answer (status, body); 503 when it cannot be reached, or does not
+        answer a read within READ_TIMEOUT_S (a hung worker must not hold every scrape)."""
         assert self._session is not None
+        timeout = aiohttp.ClientTimeout(total=READ_TIMEOUT_S) if method == "GET" else None
         try:
             async with self._session.request(method, w.url + path, data=body,
-                                             headers=headers or {}) as r:
+                                             headers=headers or {}, timeout=timeout) as r:
                 return r.status, await r.read()
         except (aiohttp.ClientError, OSError, TimeoutError) as exc:
             return 503, json.dumps({"error": {"message": f"worker {w.index}: {exc}"}}).encode()
@@ -357,7 +372,8 @@ class Supervisor:
         headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARDED}
         answers = await asyncio.gather(*(self._send(w, "GET", "/admin/weights", None, headers)
                                          for w in live))
-        status, raw = answers[0]
+        # the first worker that answered (a hung or restarting one is left out)
+        status, raw = next((a for a in answers if a[0] == 200), answers[0])
         if status != 200:
             return self._pass(status, raw)
         merged = json.loads(raw)
@@ -418,6 +434,9 @@ async def supervise(args: argparse.Namespace, n: int, token: str | None) -> int:
     stop = asyncio.Event()
     shutdown.on_stop(stop.set)
     sup = Supervisor(args, n, token)
+    # The fleet reload signal, for every worker (its default action would end the supervisor,
+    # and with it every worker).
+    asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, sup.reload)
     try:
         await sup.start()
     except BaseException:

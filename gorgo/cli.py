@@ -119,8 +119,10 @@ def main(argv: list[str] | None = None) -> int:
         module.add_arguments(parser)
         rc = int(module.main(parser.parse_args(argv[len(words):])) or 0)
     except UserError as exc:
-        print(f"{prog}: {_one_line(exc)}", file=sys.stderr)
-        return EXIT_USAGE
+        if shutdown.received is None:  # else a start cut short by a stop signal: a stop
+            print(f"{prog}: {_one_line(exc)}", file=sys.stderr)
+            return EXIT_USAGE
+        rc = EXIT_INTERRUPTED
     except KeyboardInterrupt:
         shutdown.note(signal.SIGINT)  # keeps a SIGTERM noted by the handler
         rc = EXIT_INTERRUPTED

@@ -40,6 +40,7 @@ from gorgo.core.contract import (
     ENDPOINTS_FIELD,
     ENDPOINTS_HEADER,
     HEALTH_PATH,
+    LIVE_SERVICE,
     LOG_END,
     LOG_PERIODIC,
     LOG_TYPE_ATTR,
@@ -115,8 +116,10 @@ UPSTREAM_FAILED_BODY = (
 # which the Gateway API Inference Extension's endpoint-picker protocol uses.
 BODY_MODES = {"buffered": "BUFFERED", "full-duplex": "FULL_DUPLEX_STREAMED"}
 # Envoy hands a full-duplex body to the router as it arrives and cannot take it back, so it ignores
-# failure_mode_allow once a body chunk is sent: a dead router fails requests instead. A connect-only
-# health check takes a dead router out first (panic routing off), and Envoy then skips ext_proc.
+# failure_mode_allow once a body chunk is sent: a dead router fails requests instead. A gRPC health
+# check of the router's LIVE_SERVICE takes out a router that is dead, hung (a TCP connect alone
+# still succeeds to a stopped process) or draining after a stop signal, first (panic routing off),
+# and Envoy then skips ext_proc.
 EXTPROC_HEALTH_INTERVAL = "1s"
 # With the response-headers round trip skipped (fleet extproc.response_headers: skip), Envoy tags
 # the response from the decision's metadata (an unrouted answer has none and gets no header), and
@@ -572,13 +575,13 @@ def render_bootstrap(
     clusters = [] if cds else replica_clusters(spec)
     workers = [_hostport(a.strip()) for a in extproc.split(",")]
     clusters.append(_cluster(EXTPROC_CLUSTER, workers, t.connect_ms, http2=True))
-    # Several workers: a dead one (until its supervisor restarts it) leaves the round robin at
-    # the next health check, so its share of requests is routed by the others, not failed open.
+    # Several workers: a dead, hung or draining one leaves the round robin at the next health
+    # check, so its share of requests is routed by the others, not failed open.
     if duplex or len(workers) > 1:
         clusters[-1]["health_checks"] = [{
             "timeout": f"{t.connect_ms / 1000:g}s", "interval": EXTPROC_HEALTH_INTERVAL,
             "no_traffic_interval": EXTPROC_HEALTH_INTERVAL, "unhealthy_threshold": 1,
-            "healthy_threshold": 1, "tcp_health_check": {},
+            "healthy_threshold": 1, "grpc_health_check": {"service_name": LIVE_SERVICE},
         }]
         clusters[-1]["common_lb_config"] = {"healthy_panic_threshold": {"value": 0}}
     if otlp is not None:

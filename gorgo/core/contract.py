@@ -46,6 +46,10 @@ OUTCOME_ATTR = "gorgo.outcome"  # routed, invalid_request, shed, no_healthy_repl
 ROUTER_STATUS_ATTR = "http.response.status_code"  # of an answer the router gave itself
 EXTPROC_SPAN = "async envoy.service.ext_proc.v3.ExternalProcessor.Process egress"
 
+# Envoy -> router: the gRPC health service name Envoy's health check of the ext_proc cluster asks
+# for. SERVING while the process runs and takes streams; NOT_SERVING from a stop signal on, while
+# it drains (a hung process does not answer, and is taken out the same way).
+LIVE_SERVICE = "gorgo.live"
 # Router -> Envoy: the chosen replica's cluster, and the ordered IP:port list Envoy's override-host
 # policy retries on (attempt k goes to the k-th address).
 CLUSTER_HEADER = "x-gorgo-cluster"

@@ -37,6 +37,9 @@ from gorgo.core.fleet import FleetError, FleetSpec, parse_fleet
 
 DISCOVER = "discover"
 DEFAULT_INTERVAL_S = 10.0
+# Addresses taken from one name's answer (the lowest, sorted): a fleet is scored per replica on
+# every request, and a 20,000-address answer held the router's loop for seconds per change.
+MAX_ADDRESSES = 1024
 # Derived from each address, so a template may not set them.
 DERIVED_FIELDS = ("address", "health_url", "metrics_url")
 _DNS_NAME = re.compile(r"(?=.{1,253}$)([A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?\.?)+")

@@ -35,9 +35,10 @@ def diff_fleets(old: FleetSpec, new: FleetSpec) -> FleetDiff:
     before = {r.name: _identity(r) for r in old.replicas}
     after = {r.name: _identity(r) for r in new.replicas}
     kept = tuple(n for n in after if before.get(n) == after[n])
+    same = set(kept)  # a tuple's `in` made a 20,000-address DNS answer a 4 s diff
     return FleetDiff(kept=kept,
-                     added=tuple(n for n in after if n not in kept),
-                     removed=tuple(n for n in before if n not in kept))
+                     added=tuple(n for n in after if n not in same),
+                     removed=tuple(n for n in before if n not in same))
 
 
 def check_reloadable(old: FleetSpec, new: FleetSpec) -> None:

@@ -13,6 +13,7 @@ import yaml
 
 from extproc.discovery import DnsDiscovery, system_resolve
 from extproc.main import ExtProcServer
+from gorgo.core.discovery import MAX_ADDRESSES
 from gorgo.core.fleet import FleetError, FleetSpec
 from gorgo.core.router import Router
 
@@ -69,6 +70,21 @@ def test_refresh_reports_added_and_removed_and_keeps_the_last_set(tmp_path: Path
     assert (added, removed) == (["vllm-10-0-0-7"], ["vllm-10-0-0-5"])
     assert [r.name for r in spec.replicas] == ["vllm-10-0-0-6", "vllm-10-0-0-7"]
     assert d.spec is spec
+
+
+def test_an_answer_of_thousands_of_addresses_is_capped(tmp_path: Path) -> None:
+    """Each replica is scored on every request, and 20,000 addresses held the router's loop for
+    4 s per change: the lowest MAX_ADDRESSES are kept, and a change is still diffed quickly."""
+    answer = [[f"10.{k // 250}.{k % 250}.1" for k in range(3000)]]
+    changes: list = []
+    d = DnsDiscovery(_fleet(tmp_path), lambda *c: changes.append(c), lambda *_: answer[0])
+    assert len(d.spec.replicas) == MAX_ADDRESSES
+    assert len(d.answers[DNS]) == MAX_ADDRESSES and d.answers[DNS] == sorted(answer[0])[
+        :MAX_ADDRESSES]
+    answer[0] = answer[0][1:]  # one address gone: one added at the end of the kept range
+    assert asyncio.run(d.refresh(d.sources[0]))
+    ((_, added, removed),) = changes
+    assert len(added) == len(removed) == 1
 
 
 def test_the_loop_re_resolves_on_its_interval(tmp_path: Path) -> None:

@@ -9,8 +9,11 @@ in BUFFERED mode.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
+import os
+import signal
 import socket
 import subprocess
 from collections.abc import AsyncIterator, Iterator
@@ -20,11 +23,12 @@ import aiohttp
 import pytest
 import yaml
 
+from gorgo.core.contract import LIVE_SERVICE
 from gorgo.core.fleet import load_fleet
 from gorgo.envoy_config import EXTPROC_CLUSTER, PICKER_CLUSTER, render_bootstrap
 from gorgo.harness.envoy_proc import EnvoyProcess, envoy_binary
 from gorgo.harness.procs import BIN, free_port, wait_for
-from tests.support.e2e import Stack, chat, get, start_stack, stop_stack
+from tests.support.e2e import Stack, chat, get, post, start_stack, stop_stack
 
 pytestmark = pytest.mark.envoy
 
@@ -72,7 +76,8 @@ def test_rendered_full_duplex_config_passes_envoy_validate(tmp_path: Path, st: S
     assert mode["request_body_mode"] == "FULL_DUPLEX_STREAMED"
     assert mode["request_trailer_mode"] == "SEND"  # Envoy refuses full duplex without it
     (extproc,) = [c for c in boot["static_resources"]["clusters"] if c["name"] == EXTPROC_CLUSTER]
-    assert extproc["health_checks"][0]["tcp_health_check"] == {}
+    # gRPC, not a TCP connect: a hung router still completes the handshake
+    assert extproc["health_checks"][0]["grpc_health_check"] == {"service_name": LIVE_SERVICE}
     check = subprocess.run([envoy_binary(), "--mode", "validate", "-c", str(out),
                             "--base-id", "4243"], capture_output=True, text=True, timeout=60)
     assert check.returncode == 0, check.stdout + check.stderr
@@ -150,6 +155,34 @@ def test_request_trailers_are_answered_after_the_body(st: Stack, tmp_path: Path)
     assert status == 200, rest
     assert headers["x-served-by"] == headers["x-gorgo-replica"]
     assert headers["x-body-sha256"] == _sha(body)
+
+
+def test_a_stopped_router_drains_its_streams_and_envoy_fails_new_ones_open(
+        tmp_path: Path) -> None:
+    """SIGTERM during a rolling restart: Envoy cannot fail a full-duplex stream open once the
+    body went to the router, so the router must not cut the streams it has (they were 500s
+    after a 1 s grace), and it answers NOT_SERVING so Envoy stops opening new ones."""
+    st = _stack(tmp_path, n=2)
+    try:
+        for u in st.upstreams:
+            u.delay_s = 2.0
+        held = [asyncio.run_coroutine_threadsafe(
+            post(st.url + "/v1/chat/completions", _body(f"held {k}"), {}), st.lt.loop)
+            for k in range(4)]
+        assert wait_for(lambda: sum(len(u.served) for u in st.upstreams) == 4, 10)
+        os.kill(st.extproc.p.pid, signal.SIGTERM)  # the router alone, as a deployment does
+        name = f"cluster.{EXTPROC_CLUSTER}.membership_healthy"
+        assert wait_for(lambda: st.envoy.stats(name).get(name) == 0, 10)
+        for u in st.upstreams:
+            u.delay_s = 0.0
+        status, headers, _, _ = st.post(_body("after the drain began"))
+        assert status == 200 and "x-gorgo-replica" not in headers  # failed open, not failed
+        answers = [h.result(timeout=30) for h in held]
+        assert [a[0] for a in answers] == [200] * 4
+        assert all(a[1]["x-gorgo-replica"] == a[1]["x-served-by"] for a in answers)
+        assert st.extproc.p.wait(30) == 0
+    finally:
+        stop_stack(st)
 
 
 @pytest.mark.slow

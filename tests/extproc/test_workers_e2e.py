@@ -7,6 +7,7 @@ import asyncio
 import json
 import os
 import signal
+import subprocess
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,7 +16,8 @@ import pytest
 import yaml
 
 from gorgo.core.contract import REPLICA_HEADER
-from gorgo.harness.procs import wait_for
+from gorgo.envoy_config import EXTPROC_CLUSTER
+from gorgo.harness.procs import BIN, GorgoProcess, stop_group, wait_for
 from tests.support.e2e import Stack, post, start_stack, stop_stack
 
 pytestmark = pytest.mark.envoy
@@ -139,6 +141,70 @@ def test_a_worker_restarted_after_a_replica_left_takes_the_weights_without_its_r
     assert got["workers"] == [{"worker": 0, "version": 9}, {"worker": 1, "version": 9}]
     status, ready = _http(stack, "GET", "/readyz")
     assert status == 200 and ready["checks"] == {"worker0": True, "worker1": True}
+
+
+def test_sighup_reloads_every_worker_and_the_supervisor_lives(stack: Stack) -> None:
+    """SIGHUP, the documented fleet reload, ended the supervisor (its default action) and with
+    it every worker."""
+    before = _per_worker(stack, "gorgo_fleet_reloads_total")
+    os.kill(stack.extproc.p.pid, signal.SIGHUP)
+    assert wait_for(lambda: all(
+        _per_worker(stack, "gorgo_fleet_reloads_total").get(w, 0) > before.get(w, 0)
+        for w in ("0", "1")), 15, 0.2)
+    assert stack.extproc.p.poll() is None and len(_workers(stack)) == 2
+    assert all(REPLICA_HEADER in h for _, h in _burst(stack, 4))
+
+
+def test_a_hung_worker_leaves_envoys_rotation_and_the_supervisors_answers(
+        stack: Stack) -> None:
+    """A stopped (not dead) worker still completes TCP handshakes: a connect-only health check
+    kept it in the round robin, half the requests waited for Envoy's message timeout and went
+    out unrouted, and the supervisor's /metrics waited 30 s for it."""
+    name = f"cluster.{EXTPROC_CLUSTER}.membership_healthy"
+    victim = _workers(stack)[1]
+    os.kill(victim, signal.SIGSTOP)
+    try:
+        assert wait_for(lambda: stack.envoy.stats(name).get(name) == 1, 15)
+        answers = _burst(stack, 8)
+        assert [s for s, _ in answers] == [200] * 8
+        assert all(REPLICA_HEADER in h for _, h in answers)  # the other worker routed them all
+        status, text = _http(stack, "GET", "/metrics")  # the hung worker left out, in time
+        assert status == 200 and 'gorgo_decisions_total{' in str(text)
+    finally:
+        os.kill(victim, signal.SIGCONT)
+    assert wait_for(lambda: stack.envoy.stats(name).get(name) == 2, 15)
+
+
+def test_the_clusters_file_is_written_with_workers(stack: Stack, tmp_path: Path) -> None:
+    """--cds-file was silently dropped with --workers: no file, and Envoy had no clusters."""
+    cds = tmp_path / "cds.yaml"
+    proc = GorgoProcess(["extproc", "--fleet", str(stack.fleet_path), "--port", "0",
+                         "--metrics-port", "0", "--workers", "2", "--cds-file", str(cds)],
+                        timeout=60)
+    try:
+        names = {c["name"] for c in yaml.safe_load(cds.read_text())["resources"]}
+        assert {"r0"} <= names
+    finally:
+        proc.stop()
+
+
+def test_a_stop_signal_while_the_workers_start_is_a_clean_stop(stack: Stack) -> None:
+    """A SIGTERM to the process group (init systems, `GorgoProcess.stop`) while worker 0 was
+    still starting ended with exit 2 and "worker 0 did not start"."""
+    proc = subprocess.Popen(
+        [str(BIN / "gorgo"), "extproc", "--fleet", str(stack.fleet_path), "--port", "0",
+         "--metrics-port", "0", "--workers", "2"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children")
+        assert wait_for(lambda: proc.poll() is not None or children.read_text().split(), 30,
+                        0.01)
+        os.killpg(proc.pid, signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        stop_group(proc)
+    assert proc.returncode == 0, err
+    assert "did not start" not in err and "stopped (SIGTERM)" in err
 
 
 def test_sigterm_stops_every_worker(stack: Stack) -> None:
