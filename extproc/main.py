@@ -220,12 +220,13 @@ class ExtProcServer:
                 await self.health.set(service, status)
             await asyncio.sleep(HEALTH_INTERVAL_S)
 
-    async def drain(self, limit_s: float) -> None:
+    async def drain(self, limit_s: float, cut: asyncio.Event | None = None) -> None:
         """Stop as Envoy's streams allow: NOT_SERVING at once (an Envoy health-checking its
         ext_proc cluster stops opening streams here within a second), every other part still
         running, until no stream has been open for DRAIN_QUIET_S or ``limit_s`` has passed. A
         stream cut by the stop fails its request in full-duplex mode (Envoy cannot fail open
-        once the body went to the router), so a rolling restart must not cut them."""
+        once the body went to the router), so a rolling restart must not cut them. ``cut``
+        set (a second stop signal: Ctrl-C twice) ends the drain at once."""
         if self._health_task is not None:
             self._health_task.cancel()
             await asyncio.gather(self._health_task, return_exceptions=True)
@@ -234,13 +235,13 @@ class ExtProcServer:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + limit_s
         svc = self.service
-        while loop.time() < deadline:
+        while loop.time() < deadline and not (cut is not None and cut.is_set()):
             quiet = time.monotonic() - svc.last_opened
             if svc.open_streams == 0 and quiet >= DRAIN_QUIET_S:
                 return
             await asyncio.sleep(min(0.05, max(deadline - loop.time(), 0.0)))
         log_event(log, "drain_cut", logging.WARNING, open_streams=svc.open_streams,
-                  after_s=limit_s)
+                  after_s=round(limit_s - max(deadline - loop.time(), 0.0), 3))
 
     async def stop(self, grace: float = 1.0) -> None:
         if self.discovery is not None:
@@ -272,8 +273,12 @@ class ExtProcServer:
 
 async def serve(args: argparse.Namespace, spec: FleetSpec, token: str | None,
                 discovery: DnsDiscovery | None = None) -> int:
-    stop = asyncio.Event()
-    shutdown.on_stop(stop.set)  # first: a signal during the start still stops in order
+    stop, again = asyncio.Event(), asyncio.Event()
+
+    def on_stop() -> None:  # the first signal drains, a second one cuts the drain short
+        (again if stop.is_set() else stop).set()
+
+    shutdown.on_stop(on_stop)  # first: a signal during the start still stops in order
     # bounded whatever the policy models: an unbounded prefix index grows with every prompt
     router = Router(spec, id_prefix=os.urandom(3).hex(), unbounded_prefix=False)
     server = ExtProcServer(router, admin_token=token, otlp=args.otlp,
@@ -298,7 +303,7 @@ async def serve(args: argparse.Namespace, spec: FleetSpec, token: str | None,
     print(f"READY grpc={server.grpc_port} metrics={server.metrics_port}", flush=True)
     await stop.wait()
     loop.remove_signal_handler(signal.SIGHUP)
-    await server.drain(args.drain_s)
+    await server.drain(args.drain_s, again)
     await server.stop()
     return 0
 
