@@ -21,7 +21,13 @@ from pathlib import Path
 from typing import Any
 
 from extproc.telemetry import log_event
-from gorgo.core.discovery import MAX_ADDRESSES, DnsSource, dns_sources, parse_discovered
+from gorgo.core.discovery import (
+    MAX_ADDRESSES,
+    DnsSource,
+    dns_sources,
+    of_family,
+    parse_discovered,
+)
 from gorgo.core.fleet import FleetError, FleetSpec, read_fleet
 
 log = logging.getLogger("gorgo.discovery")
@@ -36,11 +42,12 @@ def system_resolve(name: str, port: int) -> list[str]:
 
 
 def resolve_sources(sources: Sequence[DnsSource], resolve: Resolver) -> dict[str, list[str]]:
-    """Each source's addresses, sorted, at most MAX_ADDRESSES (an unresolvable name: none)."""
+    """Each source's addresses of its family, sorted, at most MAX_ADDRESSES (an unresolvable
+    name: none)."""
     answers: dict[str, list[str]] = {}
     for s in sources:
         try:
-            found = sorted(set(resolve(s.dns, s.port)))
+            found = sorted(set(of_family(resolve(s.dns, s.port), s.family)))
         except OSError as exc:
             log_event(log, "dns_resolve_failed", logging.WARNING, name=s.dns, error=str(exc))
             found = []

@@ -54,6 +54,24 @@ class DnsSource:
     dns: str
     port: int
     interval_s: float
+    family: str = "auto"  # FAMILIES
+
+
+# Which addresses of an answer are replicas. A dual-stack headless Service answers an A and an
+# AAAA record for every pod: taking both made each pod two replicas (its load, cache view and
+# probes split in two). "auto" takes the IPv4 addresses when there are any, else the IPv6 ones.
+FAMILIES = ("auto", "ipv4", "ipv6")
+
+
+def of_family(addresses: Sequence[str], family: str) -> list[str]:
+    """The addresses of ``family`` in an answer (see FAMILIES), in their order."""
+    v4 = [a for a in addresses if ":" not in a]
+    v6 = [a for a in addresses if ":" in a]
+    if family == "ipv4":
+        return v4
+    if family == "ipv6":
+        return v6
+    return v4 or v6
 
 
 def _fail(path: str, what: str) -> FleetError:
@@ -82,9 +100,13 @@ def dns_sources(raw: Any, source: str = "fleet") -> tuple[DnsSource, ...]:
         where = f"{path}.{DISCOVER}"
         if not isinstance(d, Mapping):
             raise _fail(where, f"expected a mapping, got {type(d).__name__}")
-        unknown = sorted(map(str, set(d) - {"dns", "port", "interval_s"}))
+        unknown = sorted(map(str, set(d) - {"dns", "port", "interval_s", "family"}))
         if unknown:
-            raise _fail(f"{where}.{unknown[0]}", "unknown field (allowed: dns, interval_s, port)")
+            raise _fail(f"{where}.{unknown[0]}",
+                        "unknown field (allowed: dns, family, interval_s, port)")
+        family = d.get("family", "auto")
+        if family not in FAMILIES:
+            raise _fail(f"{where}.family", f"must be one of {', '.join(FAMILIES)}, got {family!r}")
         dns = d.get("dns")
         if not isinstance(dns, str) or not _DNS_NAME.fullmatch(dns) or _is_ip(dns):
             raise _fail(f"{where}.dns", f"expected a DNS name, got {dns!r}")
@@ -97,7 +119,7 @@ def dns_sources(raw: Any, source: str = "fleet") -> tuple[DnsSource, ...]:
         prefix = entry.get("name")
         if not isinstance(prefix, str) or not prefix:
             raise _fail(f"{path}.name", "required (the prefix of the discovered replicas' names)")
-        out.append(DnsSource(i, prefix, dns, port, float(interval)))
+        out.append(DnsSource(i, prefix, dns, port, float(interval), family))
     return tuple(out)
 
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from gorgo.core.discovery import dns_sources, parse_discovered, replica_name
+from gorgo.core.discovery import dns_sources, of_family, parse_discovered, replica_name
 from gorgo.core.fleet import FleetError
 
 DNS = "vllm-headless.llm.svc.cluster.local"
@@ -52,6 +52,20 @@ def test_unresolved_form_is_one_replica_at_the_dns_name() -> None:
     assert (s.index, s.prefix, s.dns, s.port, s.interval_s) == (1, "vllm", DNS, 8000, 5.0)
 
 
+@pytest.mark.parametrize(("family", "answer", "kept"), [
+    # a dual-stack headless Service: every pod answers twice, and was two replicas
+    ("auto", ["10.0.0.5", "fd00::5", "10.0.0.6", "fd00::6"], ["10.0.0.5", "10.0.0.6"]),
+    ("auto", ["fd00::5", "fd00::6"], ["fd00::5", "fd00::6"]),  # IPv6-only
+    ("ipv6", ["10.0.0.5", "fd00::5"], ["fd00::5"]),
+    ("ipv4", ["fd00::5"], []),
+])
+def test_one_address_family_makes_the_replicas(family: str, answer: list[str],
+                                               kept: list[str]) -> None:
+    (s,) = dns_sources(_doc(family=family))
+    assert s.family == family
+    assert of_family(answer, family) == kept
+
+
 def test_no_address_at_all_is_an_error_naming_the_entry() -> None:
     doc = _doc()
     del doc["replicas"][0]
@@ -64,6 +78,7 @@ def test_no_address_at_all_is_an_error_naming_the_entry() -> None:
     ({"discover": {"dns": "10.0.0.1", "port": 80}}, r"replicas\[1\]\.discover\.dns: expected"),
     ({"discover": {"dns": DNS, "port": 80, "ttl": 3}}, r"replicas\[1\]\.discover\.ttl: unknown"),
     ({"discover": {"dns": DNS, "port": 80, "interval_s": 0}}, r"discover\.interval_s: must be"),
+    ({"discover": {"dns": DNS, "port": 80, "family": "v4"}}, r"discover\.family: must be one"),
     ({"address": "10.0.0.1:80"}, r"replicas\[1\]\.address: derived from each"),
     ({"engine": "tgi"}, r"^fleet\.replicas\[1\]\.engine: must be one of"),
 ])

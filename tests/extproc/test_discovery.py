@@ -87,6 +87,12 @@ def test_an_answer_of_thousands_of_addresses_is_capped(tmp_path: Path) -> None:
     assert len(added) == len(removed) == 1
 
 
+def test_a_dual_stack_answer_is_one_replica_per_pod(tmp_path: Path) -> None:
+    answer = ["10.0.0.5", "fd00::5", "10.0.0.6", "fd00::6"]
+    d = DnsDiscovery(_fleet(tmp_path), lambda *c: None, lambda *_: answer)
+    assert [r.name for r in d.spec.replicas] == ["vllm-10-0-0-5", "vllm-10-0-0-6"]
+
+
 def test_the_loop_re_resolves_on_its_interval(tmp_path: Path) -> None:
     calls: list[int] = []
 
