@@ -223,7 +223,9 @@ class ExtProcServer:
     async def drain(self, limit_s: float, cut: asyncio.Event | None = None) -> None:
         """Stop as Envoy's streams allow: NOT_SERVING at once (an Envoy health-checking its
         ext_proc cluster stops opening streams here within a second), every other part still
-        running, until no stream has been open for DRAIN_QUIET_S or ``limit_s`` has passed. A
+        running, until no stream awaits an answer of the router and none has opened for
+        DRAIN_QUIET_S, or ``limit_s`` has passed (a stream whose last message was answered only
+        waits for its response to end, which a stop does not cut). A
         stream cut by the stop fails its request in full-duplex mode (Envoy cannot fail open
         once the body went to the router), so a rolling restart must not cut them. ``cut``
         set (a second stop signal: Ctrl-C twice) ends the drain at once."""
@@ -237,10 +239,10 @@ class ExtProcServer:
         svc = self.service
         while loop.time() < deadline and not (cut is not None and cut.is_set()):
             quiet = time.monotonic() - svc.last_opened
-            if svc.open_streams == 0 and quiet >= DRAIN_QUIET_S:
+            if svc.pending_streams == 0 and quiet >= DRAIN_QUIET_S:
                 return
             await asyncio.sleep(min(0.05, max(deadline - loop.time(), 0.0)))
-        log_event(log, "drain_cut", logging.WARNING, open_streams=svc.open_streams,
+        log_event(log, "drain_cut", logging.WARNING, pending_streams=svc.pending_streams,
                   after_s=round(limit_s - max(deadline - loop.time(), 0.0), 3))
 
     async def stop(self, grace: float = 1.0) -> None:
@@ -302,8 +304,10 @@ async def serve(args: argparse.Namespace, spec: FleetSpec, token: str | None,
                     args.metrics_host)
     print(f"READY grpc={server.grpc_port} metrics={server.metrics_port}", flush=True)
     await stop.wait()
-    loop.remove_signal_handler(signal.SIGHUP)
+    # SIGHUP still reloads while the streams drain, then does nothing (its default action
+    # would end the process before it stopped in order)
     await server.drain(args.drain_s, again)
+    loop.add_signal_handler(signal.SIGHUP, lambda: None)
     await server.stop()
     return 0
 

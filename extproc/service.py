@@ -105,8 +105,10 @@ class ExtProcService(ExternalProcessorServicer):
         self.router = router
         self.metrics = metrics
         self.clock = clock
-        # Envoy's streams open now, and when the last one opened (monotonic): what a drain waits on.
-        self.open_streams = 0
+        # Envoy's streams that still await an answer of the router (a stream stays open after
+        # its last message until the response ends, minutes for a long answer), and when the
+        # last one opened (monotonic): what a drain waits on.
+        self.pending_streams = 0
         self.last_opened = 0.0
         # The precise cache view tokenizes the rest of each prompt off the request path.
         self._warm = PromptWarmer(router.state.precise) if router.state.precise else None
@@ -125,7 +127,8 @@ class ExtProcService(ExternalProcessorServicer):
         self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: Any
     ) -> AsyncIterator[pb.ProcessingResponse]:
         st = _Stream()
-        self.open_streams += 1
+        self.pending_streams += 1
+        pending = True
         self.last_opened = time.monotonic()
         if self.metrics.spans.enabled and context is not None:
             st.trace = parse_traceparent(next(
@@ -158,14 +161,31 @@ class ExtProcService(ExternalProcessorServicer):
                     yield pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
                 elif kind == "response_body":
                     yield pb.ProcessingResponse(response_body=pb.BodyResponse())
+                if pending and self._last_message(kind, req):
+                    pending = False
+                    self.pending_streams -= 1
         finally:
-            self.open_streams -= 1
+            if pending:
+                self.pending_streams -= 1
             if st.decision is not None:
                 self.router.complete(st.decision.id)
                 served = self.router.state.index.get(st.served)
                 if served is not None:  # else removed: its label sets are gone
                     self.metrics.request_seconds.labels(*self.metrics.replica(served)).observe(
                         time.perf_counter() - st.decided_at)
+
+    def _last_message(self, kind: str | None, req: pb.ProcessingRequest) -> bool:
+        """Whether the message just answered is the last Envoy sends the router: the response
+        headers, or with those skipped, the end of the request."""
+        if kind == "response_headers":
+            return True
+        if not self.router.spec.extproc.skip_response_headers:
+            return False
+        if kind == "request_headers":
+            return req.request_headers.end_of_stream
+        if kind == "request_body":
+            return req.request_body.end_of_stream
+        return kind == "request_trailers"
 
     # --- message handlers ---------------------------------------------------------------------
 

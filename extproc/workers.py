@@ -65,6 +65,7 @@ log = logging.getLogger("gorgo.workers")
 READY_TIMEOUT_S = 60.0  # a worker imports, loads the fleet and binds within this
 STOP_GRACE_S = 10.0  # beyond the workers' own --drain-s
 READ_TIMEOUT_S = 3.0  # a worker's /metrics, /readyz or admin read: a hung one is left out
+WRITE_TIMEOUT_S = 10.0  # an admin change (a reload, weights) a worker applies
 BACKOFF_BASE_S = 0.5
 BACKOFF_MAX_S = 10.0
 STABLE_S = 10.0  # a worker that ran this long resets the restart backoff
@@ -176,9 +177,11 @@ class Supervisor:
         env = {k: v for k, v in os.environ.items() if k != "GORGO_ADMIN_TOKEN"}
         if self.token:  # the workers check the same token (never on a command line)
             env["GORGO_ADMIN_TOKEN"] = self.token
+        # Its own session: a stop signal to the supervisor's group (Ctrl-C, killpg, systemd)
+        # reaches the workers once, from the supervisor, not twice (a second one cuts a drain).
         w.proc = await asyncio.create_subprocess_exec(
             *self._command(w), stdout=asyncio.subprocess.PIPE, env=env,
-            preexec_fn=_die_with_parent)
+            preexec_fn=_die_with_parent, start_new_session=True)
         w.started_at = time.monotonic()
         lines: list[str] = []
         ready: dict[str, str] | None = None
@@ -257,10 +260,20 @@ class Supervisor:
         return self.stopping or shutdown.received is not None
 
     def reload(self) -> None:
-        """SIGHUP: every worker reloads the fleet file itself."""
+        """SIGHUP: every worker that is up reloads the fleet file itself (one starting reads the
+        file as it is, and would die of a SIGHUP before its handler is set); none once
+        stopping (a draining worker has put its handler away)."""
+        if self._stopping():
+            return
+        for w in self.workers:
+            if w.up and w.proc is not None and w.proc.returncode is None:
+                w.proc.send_signal(signal.SIGHUP)
+
+    def cut(self) -> None:
+        """A second stop signal: every worker's drain is cut short (its second SIGTERM)."""
         for w in self.workers:
             if w.proc is not None and w.proc.returncode is None:
-                w.proc.send_signal(signal.SIGHUP)
+                w.proc.send_signal(signal.SIGTERM)
 
     async def _reap(self, w: Worker) -> None:
         if w.proc is not None and w.proc.returncode is None:
@@ -295,9 +308,11 @@ class Supervisor:
     async def _send(self, w: Worker, method: str, path: str, body: bytes | None = None,
                     headers: dict[str, str] | None = None) -> tuple[int, bytes]:
         """One worker's answer (status, body); 503 when it cannot be reached, or does not
-        answer a read within READ_TIMEOUT_S (a hung worker must not hold every scrape)."""
+        answer a read within READ_TIMEOUT_S (a hung worker must not hold every scrape) or a
+        change within WRITE_TIMEOUT_S."""
         assert self._session is not None
-        timeout = aiohttp.ClientTimeout(total=READ_TIMEOUT_S) if method == "GET" else None
+        read = method == "GET" or path.startswith("/admin/explain")
+        timeout = aiohttp.ClientTimeout(total=READ_TIMEOUT_S if read else WRITE_TIMEOUT_S)
         try:
             async with self._session.request(method, w.url + path, data=body,
                                              headers=headers or {}, timeout=timeout) as r:
@@ -361,8 +376,13 @@ class Supervisor:
             if not live:
                 return web.json_response({"error": {"message": "no worker is up"}}, status=503)
             headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARDED}
-            return self._pass(*await self._send(live[0], request.method, request.path_qs,
-                                                await request.read(), headers))
+            body = await request.read()
+            answer = (503, b"")
+            for w in live:  # the first worker that answers: a hung one times out
+                answer = await self._send(w, request.method, request.path_qs, body, headers)
+                if answer[0] != 503:
+                    break
+            return self._pass(*answer)
         return (await self._fan_out(request))[0]
 
     async def get_weights(self, request: web.Request) -> web.Response:
@@ -432,8 +452,14 @@ def _replay_body(current: dict[str, Any]) -> dict[str, Any]:
 async def supervise(args: argparse.Namespace, n: int, token: str | None) -> int:
     """Run ``n`` workers until SIGTERM/SIGINT; prints ``READY grpc=P1,P2,... metrics=M``."""
     stop = asyncio.Event()
-    shutdown.on_stop(stop.set)
     sup = Supervisor(args, n, token)
+
+    def on_stop() -> None:  # the first signal stops (the workers drain), a second cuts it short
+        if stop.is_set():
+            sup.cut()
+        stop.set()
+
+    shutdown.on_stop(on_stop)
     # The fleet reload signal, for every worker (its default action would end the supervisor,
     # and with it every worker).
     asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, sup.reload)

@@ -34,13 +34,14 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     stop_stack(st)
 
 
-def _http(st: Stack, method: str, path: str, body: dict | None = None) -> tuple[int, dict | str]:
+def _http(st: Stack, method: str, path: str, body: dict | None = None,
+          timeout: float = 5.0) -> tuple[int, dict | str]:
     url = f"http://127.0.0.1:{st.extproc.field('metrics')}{path}"
     req = urllib.request.Request(url, method=method,
                                  data=None if body is None else json.dumps(body).encode(),
                                  headers={"authorization": f"Bearer {TOKEN}"})
     try:
-        with urllib.request.urlopen(req, timeout=5) as r:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
             raw = r.read().decode()
             status = r.status
     except urllib.error.HTTPError as err:
@@ -74,6 +75,13 @@ def _burst(st: Stack, n: int) -> list[tuple[int, dict]]:
                                               {**body, "user": str(k)}, {}) for k in range(n)))
         return [(status, headers) for status, headers, _, _ in answers]
     return st.lt.run(go(), timeout=60)
+
+
+def _worker_pid(st: Stack, k: int) -> int:
+    """The pid of worker ``k``'s latest run, from the supervisor's log."""
+    started = [line for line in st.extproc.lines
+               if "event=worker_started" in line and f" worker={k} " in line]
+    return int(started[-1].split(" pid=", 1)[1].split()[0])
 
 
 def _workers(st: Stack) -> list[int]:
@@ -161,7 +169,7 @@ def test_a_hung_worker_leaves_envoys_rotation_and_the_supervisors_answers(
     kept it in the round robin, half the requests waited for Envoy's message timeout and went
     out unrouted, and the supervisor's /metrics waited 30 s for it."""
     name = f"cluster.{EXTPROC_CLUSTER}.membership_healthy"
-    victim = _workers(stack)[1]
+    victim = _worker_pid(stack, 0)  # the one reads went to first
     os.kill(victim, signal.SIGSTOP)
     try:
         assert wait_for(lambda: stack.envoy.stats(name).get(name) == 1, 15)
@@ -170,6 +178,15 @@ def test_a_hung_worker_leaves_envoys_rotation_and_the_supervisors_answers(
         assert all(REPLICA_HEADER in h for _, h in answers)  # the other worker routed them all
         status, text = _http(stack, "GET", "/metrics")  # the hung worker left out, in time
         assert status == 200 and 'gorgo_decisions_total{' in str(text)
+        status, weights = _http(stack, "GET", "/admin/weights")  # the worker that answered
+        assert status == 200 and weights["workers"] == [{"worker": 1, "version": 9}]
+        status, _ = _http(stack, "POST", "/admin/explain", {
+            "path": "/v1/chat/completions", "body": '{"messages": []}'})
+        assert status == 200
+        # a change to every worker is answered too (it waited for ever), as a split answer
+        status, split = _http(stack, "PUT", "/admin/weights", {"rtt": 1.5, "version": 10},
+                              timeout=30)
+        assert status == 502 and {w["status"] for w in split["error"]["workers"]} == {200, 503}
     finally:
         os.kill(victim, signal.SIGCONT)
     assert wait_for(lambda: stack.envoy.stats(name).get(name) == 2, 15)
@@ -208,10 +225,24 @@ def test_a_stop_signal_while_the_workers_start_is_a_clean_stop(stack: Stack) -> 
 
 
 def test_sigterm_stops_every_worker(stack: Stack) -> None:
-    """Last in this module: it stops the module's router."""
+    """Last in this module: it stops the module's router. A stop signal to the supervisor's
+    whole group (Ctrl-C, systemd) reached each worker twice, the supervisor's own SIGTERM after
+    the group's, and the second one cut the drain: the streams awaiting their response headers
+    lost their routing answer."""
     pids = _workers(stack)
     assert len(pids) == 2
-    os.kill(stack.extproc.p.pid, signal.SIGTERM)  # the supervisor alone, not its group
+    for u in stack.upstreams:
+        u.delay_s = 2.0
+    before = sum(len(u.served) for u in stack.upstreams)
+    held = [asyncio.run_coroutine_threadsafe(
+        post(stack.url + "/v1/chat/completions",
+             {"model": "m", "messages": [{"role": "user", "content": f"held {k}"}]}, {}),
+        stack.lt.loop) for k in range(4)]
+    assert wait_for(lambda: sum(len(u.served) for u in stack.upstreams) >= before + 4, 10)
+    os.killpg(stack.extproc.p.pid, signal.SIGTERM)
+    answers = [h.result(timeout=30) for h in held]
+    assert [a[0] for a in answers] == [200] * 4
+    assert all(REPLICA_HEADER in a[1] for a in answers)  # drained, not cut
     stack.extproc.p.wait(30)
     assert stack.extproc.p.returncode == 0
     assert wait_for(lambda: not any(Path(f"/proc/{p}").exists() for p in pids), 15)
