@@ -35,6 +35,11 @@ ENDPOINTS = {
     "/v1/completions": "completions",
     "/v1/responses": "responses",
 }
+# The field that bounds the output, per endpoint, the first present counting (chat: vLLM and
+# OpenAI take max_completion_tokens over the deprecated max_tokens).
+OUTPUT_FIELDS = {"chat": ("max_completion_tokens", "max_tokens"), "completions": ("max_tokens",),
+                 "responses": ("max_output_tokens",)}
+COMPLETIONS_MAX_TOKENS = 16  # /v1/completions without max_tokens (OpenAI's, vLLM's, SGLang's)
 DEFAULT_LIMITS = Limits()
 DEFAULT_MAX_DEPTH = DEFAULT_LIMITS.max_json_depth
 AFFINITY_HEAD_TOKENS = 256
@@ -90,8 +95,9 @@ class RequestFeatures:
     slo_tpot_ms: float | None = None
     head_hash: int = 0  # 64-bit hash of the first AFFINITY_HEAD_TOKENS tokens' text
     # Sequences the engine decodes for it: `n` for each prompt of the request (a completions
-    # batch has several), each with its own output in the batch; a prompt is prefilled once.
+    # batch has ``prompts``), each with its own output in the batch; a prompt is prefilled once.
     choices: int = 1
+    prompts: int = 1
     # A completions batch's longest prompt, in tokens (None: one prompt): what one of its
     # sequences needs on the KV pool besides its output (an engine schedules a batch's
     # sequences as its pool frees, one by one).
@@ -210,6 +216,9 @@ def _messages_text(messages: Any, param: str, limits: Limits) -> tuple[list[str]
         for call in _bounded(calls, parts, f"{param}[{i}].tool_calls"):
             if isinstance(call, dict):
                 text += json.dumps(call.get("function", call), sort_keys=True)
+        for key in ("arguments", "output"):  # Responses items: a function call and its output
+            if isinstance(msg.get(key), str):
+                text += msg[key]
         (system if msg.get("role") in ("system", "developer") else rest).append(text)
     return system, rest
 
@@ -240,6 +249,29 @@ def _token_ids(prompt: Any, limits: Limits) -> bool:
     return all(type(p) is int and p >= 0 for p in prompt)
 
 
+def _token_id_batch(prompt: Any, limits: Limits) -> bool:
+    """Whether ``prompt`` is a batch of token-id lists (bounded as one prompt of ids is)."""
+    if not (isinstance(prompt, list) and prompt and all(
+            isinstance(p, list) for p in _bounded(prompt, limits.max_messages, "prompt"))):
+        return False
+    total = sum(map(len, prompt))
+    if 2 * total - len(prompt) > limits.max_prompt_chars:
+        raise RequestError(
+            413, f"The prompt has {total} token ids; the limit is "
+            f"{(limits.max_prompt_chars + 1) // 2}.", code="request_too_large")
+    return all(type(t) is int and t >= 0 for ids in prompt for t in ids)
+
+
+def _prompt_sizes(prompt: Any, tok: Tokenization) -> list[int]:
+    """Tokens of each prompt of a completions request (checked by `prompt_text`): ids counted
+    as ids, text by the fleet's characters per token."""
+    if isinstance(prompt, str):
+        return [tok.count_tokens(len(prompt))]
+    if _ids_shaped(prompt):
+        return [len(prompt)]
+    return [len(p) if isinstance(p, list) else tok.count_tokens(len(p)) for p in prompt]
+
+
 def prompt_text(endpoint: str, body: Mapping[str, Any], limits: Limits = DEFAULT_LIMITS) -> str:
     """The prompt as the engine's template sees it (see module docstring for the order), at most
     ``limits.max_prompt_chars`` long; every list is bounded before its elements are read."""
@@ -259,9 +291,11 @@ def prompt_text(endpoint: str, body: Mapping[str, Any], limits: Limits = DEFAULT
         elif _token_ids(prompt, limits):
             # Token ids: hashed as their text (the same ids, the same blocks); counted as ids
             pieces = [" ".join(map(str, prompt))]
+        elif _token_id_batch(prompt, limits):
+            pieces = [" ".join(map(str, ids)) for ids in prompt]
         else:
-            raise RequestError(400, "'prompt' must be a string, a list of strings or a list of "
-                               "token ids (a batch of token lists is not routed).", param="prompt")
+            raise RequestError(400, "'prompt' must be a string, a list of strings, a list of "
+                               "token ids or a list of such lists.", param="prompt")
     elif endpoint == "responses":
         if "input" not in body:
             raise RequestError(400, "Missing required parameter: 'input'.", param="input")
@@ -284,15 +318,17 @@ def prompt_text(endpoint: str, body: Mapping[str, Any], limits: Limits = DEFAULT
     return text
 
 
-def positive_int(body: Mapping[str, Any], *names: str, maximum: int | None = None) -> int | None:
-    """The first of ``names`` present in ``body``, which must be a positive integer (at most
-    ``maximum``, when given)."""
+def positive_int(body: Mapping[str, Any], *names: str, maximum: int | None = None,
+                 minimum: int = 1) -> int | None:
+    """The first of ``names`` present in ``body``, which must be an integer of at least
+    ``minimum`` (1: positive) and at most ``maximum``, when given."""
     for name in names:
         value = body.get(name)
         if value is None:
             continue
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise RequestError(400, f"'{name}' must be a positive integer.", param=name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+            raise RequestError(400, f"'{name}' must be {what}.", param=name)
         if maximum is not None and value > maximum:
             raise RequestError(400, f"'{name}' must be at most {maximum}.", param=name,
                                code="integer_above_max_value")
@@ -372,16 +408,23 @@ def extract_features(
     stream = False if stream is None else stream
     if not isinstance(stream, bool):
         raise RequestError(400, "'stream' must be a boolean.", param="stream")
-    max_tokens = positive_int(body, "max_tokens", "max_completion_tokens", "max_output_tokens",
-                              maximum=limits.max_output_tokens)
+    # The output bound each API reads (chat: the newer name first, as vLLM and OpenAI do; a
+    # field of another API is not this one's). `echo` with 0 asks only for the prompt's
+    # logprobs (evaluation harnesses).
+    echo = endpoint == "completions" and body.get("echo") is True
+    max_tokens = positive_int(body, *OUTPUT_FIELDS[endpoint], maximum=limits.max_output_tokens,
+                              minimum=0 if echo else 1)
+    if max_tokens is None and endpoint == "completions":
+        max_tokens = COMPLETIONS_MAX_TOKENS  # the API's default, which the engines apply
     # The Responses API has no `n`. (vLLM's `best_of` is not counted: its V1 engine refuses any
     # above 1, and SGLang reads none.)
     n = 1 if endpoint == "responses" else positive_int(body, "n", maximum=limits.max_choices) or 1
-    # a completions prompt of token ids (prompt_text checked every element): counted as ids
-    ids = body["prompt"] if endpoint == "completions" and _ids_shaped(body["prompt"]) else None
-    batch = body["prompt"] if endpoint == "completions" and ids is None and isinstance(
-        body["prompt"], list) else None
-    prompt_tokens = len(ids) if ids else tok.count_tokens(len(text))
+    # each prompt's tokens: a completions prompt of token ids (prompt_text checked every
+    # element) is counted as ids, a batch of prompts one by one; None: the one prompt's text
+    sizes = _prompt_sizes(body["prompt"], tok) if endpoint == "completions" else None
+    prompt_tokens = tok.count_tokens(len(text)) if sizes is None else sum(sizes)
+    batch = sizes is not None and not (_ids_shaped(body["prompt"]) or isinstance(
+        body["prompt"], str))
     session = headers.get(SESSION_HEADER) or None
     for key in ("prompt_cache_key", "user"):
         if session is None and isinstance(body.get(key), str) and body[key]:
@@ -401,8 +444,9 @@ def extract_features(
         slo_tpot_ms=slo[1],
         head_hash=stable_hash(text[: tok.chars_for_tokens(AFFINITY_HEAD_TOKENS)]),
         body=body,
-        choices=n * max(len(batch), 1) if batch is not None else n,
-        longest_prompt_tokens=tok.count_tokens(max(map(len, batch))) if batch else None,
+        choices=n * max(len(sizes), 1) if batch else n,
+        prompts=max(len(sizes), 1) if batch else 1,
+        longest_prompt_tokens=max(sizes, default=0) if batch else None,
     )
 
 

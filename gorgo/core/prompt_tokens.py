@@ -261,6 +261,9 @@ class HFTokenizer:
                 yield list(prompt), 0, 0  # token ids: the engine runs them as given
                 return
             text = prompt[0] if isinstance(prompt, list) and prompt else prompt
+            if isinstance(text, list):  # a batch of token-id prompts: its first, as with text
+                yield list(text), 0, 0
+                return
             if not isinstance(text, str):
                 return
             special = True

@@ -37,6 +37,7 @@ from prometheus_client.registry import Collector
 
 from gorgo import shutdown
 from gorgo.core.features import (
+    OUTPUT_FIELDS,
     RequestError,
     endpoint_for_path,
     parse_json_body,
@@ -502,9 +503,7 @@ class EngineServer:
             stream = body.get("stream", False)
             if not isinstance(stream, bool):
                 raise RequestError(400, "'stream' must be a boolean.", param="stream")
-            limits = ("max_output_tokens",) if responses else ("max_completion_tokens",
-                                                                 "max_tokens")
-            max_tokens = positive_int(body, *limits)
+            max_tokens = positive_int(body, *OUTPUT_FIELDS[endpoint])
             max_tokens = self.default_max_tokens if max_tokens is None else max_tokens
             include_usage = not responses and _include_usage(body)
             if responses and body.get("previous_response_id") is not None:

@@ -168,7 +168,7 @@ def test_a_sequence_not_the_whole_request_must_fit_a_kv_pool() -> None:
     batch = extract_features("/v1/completions", {}, json.dumps(
         {"prompt": ["a" * 900, "b" * 3000, "c" * 900], "max_tokens": 100, "n": 2}).encode(),
         r.state.tok)
-    assert (batch.prompt_tokens, batch.sequence_prompt_tokens, batch.choices) == (4802, 3000, 6)
+    assert (batch.prompt_tokens, batch.sequence_prompt_tokens, batch.choices) == (4800, 3000, 6)
     assert r.state.names[route(r, batch).replica] == "large"  # 3100: only large holds it
     d = r.route(dataclasses.replace(batch, max_tokens=2001), 0.0)
     assert isinstance(d, Rejection) and d.status == 400

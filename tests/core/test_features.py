@@ -229,8 +229,19 @@ def test_a_prompt_of_token_ids_counts_its_ids_not_their_digits() -> None:
     assert info.value.status == 413
 
 
+def test_a_batch_of_token_id_prompts_is_routed_prompt_by_prompt() -> None:
+    """Both engines serve a batch of token-id lists (RL frameworks send them): a 400 before."""
+    f = feats(COMPLETIONS, {"prompt": [[1, 2, 3], [4] * 10], "n": 3, "max_tokens": 5})
+    assert (f.prompt_tokens, f.longest_prompt_tokens, f.prompts, f.choices) == (13, 10, 2, 6)
+    with pytest.raises(RequestError) as info:  # bounded before the scan, as one id prompt
+        extract_features(COMPLETIONS, {}, json.dumps({"prompt": [[1] * 4, [2] * 4]}).encode(),
+                         TOK, limits=Limits(max_prompt_chars=10))
+    assert info.value.status == 413
+
+
 @pytest.mark.parametrize(
-    "body", [{}, {"prompt": 5}, {"prompt": ["a", 1]}, {"prompt": [[1, 2]]}, {"prompt": None},
+    "body", [{}, {"prompt": 5}, {"prompt": ["a", 1]}, {"prompt": [[1, 2], "a"]},
+             {"prompt": [[1, -2]]}, {"prompt": [[1], [True]]}, {"prompt": None},
              {"prompt": [1, True]}, {"prompt": [True]}, {"prompt": [1, -2]}, {"prompt": [1, 2.5]}]
 )
 def test_completions_bad_prompt(body: dict) -> None:
@@ -257,6 +268,16 @@ def test_responses_message_list_input() -> None:
         ],
     }
     assert prompt_text("responses", body) == "INS\nDEV\nhi\nhello"
+
+
+def test_responses_function_calls_and_their_outputs_count() -> None:
+    """A tool's output fed back as a Responses item is prompt too: it was priced as nothing (a
+    5,000-character output, one token)."""
+    items = [{"role": "user", "content": "weather?"},
+             {"type": "function_call", "call_id": "c1", "name": "get", "arguments": '{"q": 1}'},
+             {"type": "function_call_output", "call_id": "c1", "output": "y" * 5000}]
+    f = feats(RESPONSES, {"input": items})
+    assert f.prompt_chars >= 5000 + len('{"q": 1}')
 
 
 def test_responses_empty_instructions_not_rendered() -> None:
@@ -360,7 +381,10 @@ def test_an_unknown_policy_is_a_400_where_the_names_are_known() -> None:
     ],
 )
 def test_type_errors_name_the_param(extra: dict, param: str) -> None:
-    err = error(COMPLETIONS, {"prompt": "x", **extra})
+    path, body = {"max_completion_tokens": (CHAT, {"messages": []}),
+                  "max_output_tokens": (RESPONSES, {"input": "x"})}.get(
+        param, (COMPLETIONS, {"prompt": "x"}))
+    err = error(path, {**body, **extra})
     assert err.status == 400
     assert err.param == param
     assert param in err.message
@@ -372,11 +396,31 @@ def test_type_errors_name_the_param(extra: dict, param: str) -> None:
 
 
 def test_max_tokens_aliases_and_precedence() -> None:
+    """Each API's own output bound: chat takes max_completion_tokens over the deprecated
+    max_tokens (as vLLM does: the reverse refused requests the engine serves), and a field of
+    another API is not read (max_output_tokens on chat was a false 400 when large)."""
     assert feats(CHAT, {"messages": [], "max_completion_tokens": 11}).max_tokens == 11
     assert feats(CHAT, {"messages": [], "max_tokens": 5, "max_completion_tokens": 11}
-                 ).max_tokens == 5
+                 ).max_tokens == 11
+    assert feats(CHAT, {"messages": [], "max_tokens": 10**9, "max_completion_tokens": 11}
+                 ).max_tokens == 11
     assert feats(CHAT, {"messages": [], "max_tokens": None, "max_completion_tokens": 11}
                  ).max_tokens == 11
+    assert feats(CHAT, {"messages": [], "max_output_tokens": 10**9}).max_tokens is None
+    assert feats(COMPLETIONS, {"prompt": "x", "max_completion_tokens": 10**9}).max_tokens == 16
+    assert feats(RESPONSES, {"input": "x", "max_tokens": 10**9}).max_tokens is None
+    assert feats(RESPONSES, {"input": "x", "max_output_tokens": 7}).max_tokens == 7
+
+
+def test_completions_default_to_sixteen_tokens_and_echo_may_generate_none() -> None:
+    """Without max_tokens a completion stops at 16 tokens (the API's default, the engines');
+    `echo` with max_tokens 0 asks for the prompt's logprobs only (evaluation harnesses), a false
+    400 before."""
+    assert feats(COMPLETIONS, {"prompt": "x"}).max_tokens == 16
+    assert feats(COMPLETIONS, {"prompt": "x", "echo": True, "max_tokens": 0}).max_tokens == 0
+    assert error(COMPLETIONS, {"prompt": "x", "max_tokens": 0}).param == "max_tokens"
+    assert error(COMPLETIONS, {"prompt": "x", "echo": True, "max_tokens": -1}).param == (
+        "max_tokens")
 
 
 def test_model_null_is_no_model() -> None:

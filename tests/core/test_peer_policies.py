@@ -59,8 +59,10 @@ def text(n: int, seed: int = 0) -> str:
 
 
 def req(body: str, s: FleetState, session: str | None = None) -> RequestFeatures:
+    """A completion of ``body`` asking for one token (without max_tokens, the API's 16 would
+    not fit the tests' 17-token KV pools beside a 16-token prompt)."""
     headers = {SESSION_HEADER: session} if session else {}
-    raw = json.dumps({"prompt": body}).encode()
+    raw = json.dumps({"prompt": body, "max_tokens": 1}).encode()
     return extract_features("/v1/completions", headers, raw, s.tok)
 
 
@@ -423,9 +425,9 @@ def test_gorgo_paper_exact_score() -> None:
 
 
 def test_gorgo_paper_router_keeps_an_unbounded_index() -> None:
-    paper = Router(spec(1, kv=16, policy="gorgo-paper"))  # KV holds 4 blocks
+    paper = Router(spec(1, kv=17, policy="gorgo-paper"))  # KV holds 4 blocks (and a token)
     assert paper.state.prefix.capacity is None
-    bounded = Router(spec(1, kv=16, policy="gorgo", allow_policy_override=True))
+    bounded = Router(spec(1, kv=17, policy="gorgo", allow_policy_override=True))
     assert bounded.state.prefix.capacity == [4]
     body = text(16, 20)
     for r in (paper, bounded):
@@ -434,7 +436,7 @@ def test_gorgo_paper_router_keeps_an_unbounded_index() -> None:
             r.complete(d.id)
     assert paper.route(req(body, paper.state), now=100.0).uncached_tokens == 0
     f = extract_features("/v1/completions", {POLICY_HEADER: "gorgo-paper"},
-                         json.dumps({"prompt": body}).encode(), bounded.state.tok)
+                         json.dumps({"prompt": body, "max_tokens": 1}).encode(), bounded.state.tok)
     d = bounded.route(f, now=100.0)
     assert d.policy == "gorgo-paper" and d.uncached_tokens == 16  # override: bounded index
 

@@ -82,14 +82,18 @@ def test_prompt_characters_are_bounded_tools_included() -> None:
     assert _error({"messages": [_user()], "tools": tools}, limits).status == 413
 
 
-@pytest.mark.parametrize("name", ["max_tokens", "max_completion_tokens", "max_output_tokens"])
-def test_absurd_max_tokens_is_400(name: str) -> None:
-    err = _error({"messages": [_user()], name: 10**30})
+@pytest.mark.parametrize(("name", "path", "base"), [
+    ("max_tokens", CHAT, {"messages": [{"role": "user", "content": "hi"}]}),
+    ("max_completion_tokens", CHAT, {"messages": [{"role": "user", "content": "hi"}]}),
+    ("max_tokens", "/v1/completions", {"prompt": "hi"}),
+    ("max_output_tokens", "/v1/responses", {"input": "hi"}),
+])
+def test_absurd_max_tokens_is_400(name: str, path: str, base: dict) -> None:
+    err = _error({**base, name: 10**30}, path=path)
     assert (err.status, err.code, err.param) == (400, "integer_above_max_value", name)
     limits = Limits(max_output_tokens=100)
-    assert _error({"messages": [_user()], name: 101}, limits).status == 400
-    f = extract_features(CHAT, {}, json.dumps({"messages": [_user()], name: 100}).encode(), TOK,
-                         limits=limits)
+    assert _error({**base, name: 101}, limits, path).status == 400
+    f = extract_features(path, {}, json.dumps({**base, name: 100}).encode(), TOK, limits=limits)
     assert f.max_tokens == 100
 
 

@@ -78,8 +78,12 @@ def test_decode_grows_with_the_batch_and_the_output() -> None:
     assert hurt[0] > 0 and hurt[1] == 0
     longer = cost_terms(_req(s, max_tokens=400), s)["decode"]
     assert longer[1] == pytest.approx(2 * idle[1], rel=0.05)
-    # without max_tokens the term's output_tokens parameter (256) stands in
-    assert cost_terms(_req(s, max_tokens=None), s)["decode"][1] > idle[1]
+    # a chat request without a bound: the term's output_tokens parameter (256) stands in (a
+    # completion without max_tokens stops at the API's 16)
+    chat = extract_features("/v1/chat/completions", {}, json.dumps(
+        {"messages": [{"role": "user", "content": "x" * 100}]}).encode(), s.tok)
+    assert cost_terms(chat, s)["decode"][1] > idle[1]
+    assert cost_terms(_req(s, max_tokens=None), s)["decode"][1] < idle[1]
 
 
 def test_a_request_of_n_sequences_weighs_n_in_the_batch() -> None:
@@ -98,6 +102,26 @@ def test_a_request_of_n_sequences_weighs_n_in_the_batch() -> None:
     assert t4["decode"][0] > t1["decode"][0]
     assert t4["prefill"][0] == t1["prefill"][0]
     assert t1["admission"][1] == 0.0 and t4["admission"][1] == 0.0  # 3 + 1 fit 4 slots
+
+
+def test_a_batch_of_prompts_is_priced_by_each_sequences_own_prompt() -> None:
+    """Two 100-token prompts decode as two sequences of a 100-token context each, as one such
+    prompt with n = 2 does: each sequence was charged the whole batch's 200 tokens."""
+    s = FleetState(_spec())
+    s.now = 0.0
+    for _ in range(3):
+        s.add_inflight(0, 2000, 0)
+
+    def terms(body: dict) -> dict:
+        body = {**body, "max_tokens": 200}
+        f = extract_features("/v1/completions", {}, json.dumps(body).encode(), s.tok)
+        return cost_terms(f, s)
+
+    batch = terms({"prompt": ["a" * 100, "b" * 100]})
+    twice = terms({"prompt": "a" * 100, "n": 2})
+    assert batch["decode"][0] == pytest.approx(twice["decode"][0])
+    # only the prefill stall differs: 100 more tokens to prefill (0.1 ms each) x 3 decoding
+    assert batch["interference"][0] - twice["interference"][0] == pytest.approx(3 * 100 * 0.1)
 
 
 def test_a_fresh_engine_scrape_counts_other_routers_requests() -> None:

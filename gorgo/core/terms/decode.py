@@ -40,9 +40,17 @@ PARAMS = {"itl_base_ms": 6.0, "itl_per_seq_ms": 0.03, "itl_per_kctx_ms": 0.04,
 def expected_output(f: RequestFeatures, s: FleetState) -> np.ndarray | float:
     """Output tokens expected per replica: the request's max_tokens (one for all), else the
     parameter."""
-    if f.max_tokens:
+    if f.max_tokens is not None:  # 0: a prompt's logprobs only (`echo`)
         return float(f.max_tokens)
     return s.params["decode"]["output_tokens"]
+
+
+def own_context(f: RequestFeatures, out: np.ndarray | float) -> np.ndarray | float:
+    """KV context the request's own sequences attend over, summed, halfway through their
+    output: each of a prompt's `n` sequences over that prompt and its output so far."""
+    if f.choices == 1:
+        return f.prompt_tokens + out / 2
+    return (f.choices // f.prompts) * f.prompt_tokens + (f.choices / 2) * out
 
 
 def batch(s: FleetState) -> np.ndarray:
@@ -73,9 +81,9 @@ def predicted_itl(f: RequestFeatures, s: FleetState) -> np.ndarray:
     p = s.params["decode"]
     out = expected_output(f, s)
     n = batch(s)
-    k = f.choices
-    context = s.inflight_prompt_tokens + n * out / 2 + f.prompt_tokens + k * out / 2
-    itl = p["itl_base_ms"] + p["itl_per_seq_ms"] * (n + k) + p["itl_per_kctx_ms"] * context / 1000
+    context = s.inflight_prompt_tokens + n * out / 2 + own_context(f, out)
+    itl = (p["itl_base_ms"] + p["itl_per_seq_ms"] * (n + f.choices)
+           + p["itl_per_kctx_ms"] * context / 1000)
     return itl * slowdown(s)
 
 

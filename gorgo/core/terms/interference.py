@@ -4,10 +4,11 @@ Each of the ``batch_i`` requests there loses, while they overlap (on average hal
 expected output), the per-step cost of one more sequence of this request's length; and every one
 of them stalls once for this request's uncached prefill chunks:
 
-    batch_i * (out / 2) * choices * (per_seq + per_kctx * context / 1000) * slowdown_i
+    batch_i * (out / 2) * (choices * per_seq + per_kctx * context / 1000) * slowdown_i
     + batch_i * uncached_i * prefill_ms_per_token_i
 
-(``choices``: the sequences it decodes, `n`; one prompt prefilled for all).
+(``choices``: the sequences it decodes, `n` per prompt; ``context``: their prompts and half
+their output, summed; a prompt is prefilled once).
 
 A greedy choice on the request's own latency piles requests on the replica that looks fastest
 and slows everything decoding there; this term prices that. Its weight (default 0.25, the best
@@ -24,7 +25,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from gorgo.core.terms.base import E2E, EXCLUDED, SLO, CostTerm
-from gorgo.core.terms.decode import batch, expected_output, slowdown
+from gorgo.core.terms.decode import batch, expected_output, own_context, slowdown
 
 if TYPE_CHECKING:
     from gorgo.core.features import RequestFeatures
@@ -35,9 +36,10 @@ def _interference(f: RequestFeatures, s: FleetState) -> np.ndarray:
     p = s.params["decode"]
     out = expected_output(f, s)
     n = batch(s)
-    # each of the request's sequences (`n`) is one more in every step; the prompt fills once
-    marginal = f.choices * (p["itl_per_seq_ms"]
-                            + p["itl_per_kctx_ms"] * (f.prompt_tokens + out / 2) / 1000)
+    # each of the request's sequences (`n` per prompt) is one more in every step; a prompt
+    # fills once
+    per_seq = p["itl_per_seq_ms"] if f.choices == 1 else f.choices * p["itl_per_seq_ms"]
+    marginal = per_seq + p["itl_per_kctx_ms"] * own_context(f, out) / 1000
     stall = s.uncached_tokens(f) * (1000.0 / s.prefill_rate)
     return n * (out / 2) * marginal * slowdown(s) + n * stall
 
