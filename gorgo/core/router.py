@@ -44,6 +44,7 @@ class _Open:
     prompt_tokens: int
     uncached: int  # booked for prefill on the replica until the stream ends
     block_hashes: np.ndarray
+    seqs: int = 1  # sequences it decodes there (`RequestFeatures.choices`)
 
 
 class Router:
@@ -250,7 +251,8 @@ class Router:
         d.id = f"{self._id_prefix}-{next(self._ids)}"
         self._count(d.weights_version, d.policy)
         s.record_sent(i, f, d.uncached_tokens)
-        self._open[d.id] = _Open(i, f.prompt_tokens, d.uncached_tokens, f.block_hashes)
+        self._open[d.id] = _Open(i, f.prompt_tokens, d.uncached_tokens, f.block_hashes,
+                                 f.choices)
         self._publish(d.id, OPENED, self._open[d.id])
         if self.outbox is not None:
             self.echoes.add(s, i, f.prompt_tokens, d.uncached_tokens, self.peers.live_peers(now),
@@ -337,7 +339,8 @@ class Router:
         if entry is None:
             return False
         self._publish(decision_id, CLOSED, entry)
-        self.state.unbook(entry.replica, entry.block_hashes, entry.prompt_tokens, entry.uncached)
+        self.state.unbook(entry.replica, entry.block_hashes, entry.prompt_tokens, entry.uncached,
+                          seqs=entry.seqs)
         return True
 
     def reassign(self, decision_id: str, replica: int) -> bool:
@@ -347,10 +350,10 @@ class Router:
             return False
         s = self.state
         s.unbook(entry.replica, entry.block_hashes, entry.prompt_tokens, entry.uncached,
-                 served=False)
+                 served=False, seqs=entry.seqs)
         cached = int(s.prefix.match(entry.block_hashes)[replica]) * self.spec.block_tokens
         entry.uncached = max(entry.prompt_tokens - cached, 0)
-        s.book(replica, entry.block_hashes, entry.prompt_tokens, entry.uncached)
+        s.book(replica, entry.block_hashes, entry.prompt_tokens, entry.uncached, entry.seqs)
         self._publish(decision_id, CLOSED, entry)  # the peers move it too
         entry.replica = replica
         self._publish(decision_id, OPENED, entry)

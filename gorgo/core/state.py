@@ -290,24 +290,27 @@ class FleetState:
         if f.prompt_tokens > 0:
             seen = float(cached_tokens(f, self).max()) / f.prompt_tokens
             self.reuse_share += REUSE_EWMA_ALPHA * (seen - self.reuse_share)
-        self.book(i, f.block_hashes, f.prompt_tokens, uncached)
+        self.book(i, f.block_hashes, f.prompt_tokens, uncached, f.choices)
 
-    def book(self, i: int, block_hashes: np.ndarray, prompt_tokens: int, uncached: int) -> None:
+    def book(self, i: int, block_hashes: np.ndarray, prompt_tokens: int, uncached: int,
+             seqs: int = 1) -> None:
         """A request is open on replica i (routed here, moved here by a retry, or another
         router's, `gorgo.core.peers`): in flight, and its blocks in the prefix views."""
         self.prefix.insert(i, block_hashes)
         if self.precise is not None:
             self.precise.sent(i, block_hashes)
-        self.add_inflight(i, prompt_tokens, uncached)
+        self.add_inflight(i, prompt_tokens, uncached, seqs)
 
     def unbook(self, i: int, block_hashes: np.ndarray, prompt_tokens: int, uncached: int,
-               served: bool = True) -> None:
+               served: bool = True, seqs: int = 1) -> None:
         """`book` undone: the request ended (``served``), or a retry moved it off replica i."""
-        self.release_inflight(i, prompt_tokens, uncached)
+        self.release_inflight(i, prompt_tokens, uncached, seqs)
         if self.precise is not None:
             self.precise.closed(i, block_hashes, served=served)
 
-    def add_inflight(self, i: int, prompt_tokens: int, uncached: int) -> None:
+    def add_inflight(self, i: int, prompt_tokens: int, uncached: int, seqs: int = 1) -> None:
+        """A request in flight on replica i: ``seqs`` sequences decoding (`n`, a completions
+        batch: the engines count each as a running request), one prompt's tokens prefilled."""
         self.version += 1
         self.backlog_tokens[i] = self.own_backlog(i) + uncached
         self.backlog_at[i] = self.now
@@ -315,7 +318,7 @@ class FleetState:
         self.eng_backlog_at[i] = self.now
         self.sent_since_scrape[i] += uncached
         self.mean_uncached[i] += 0.1 * (uncached - self.mean_uncached[i])
-        self.inflight_reqs[i] += 1
+        self.inflight_reqs[i] += seqs
         self.inflight_prompt_tokens[i] += prompt_tokens
         self.inflight_uncached[i] += uncached
         self._note_arrival(prompt_tokens)
@@ -342,13 +345,14 @@ class FleetState:
         self._arrival_tokens = self._arrival_tokens * decay + prompt_tokens
         self._arrivals_at = max(self.now, self._arrivals_at)
 
-    def release_inflight(self, i: int, prompt_tokens: int, uncached: int = 0) -> None:
+    def release_inflight(self, i: int, prompt_tokens: int, uncached: int = 0,
+                         seqs: int = 1) -> None:
         """A request's stream ended: it is no longer in flight, and no more than the ``uncached``
         tokens of the requests still open can wait for prefill. A request that ended (refused by
         the engine, cut, or served) waits for nothing, whatever the drain model says, and what is
         left drains on from here."""
         self.version += 1
-        self.inflight_reqs[i] -= 1
+        self.inflight_reqs[i] -= seqs
         self.inflight_prompt_tokens[i] -= prompt_tokens
         self.inflight_uncached[i] -= uncached
         open_tokens = self.inflight_uncached[i]

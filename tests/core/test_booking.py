@@ -175,6 +175,20 @@ def test_a_sequence_not_the_whole_request_must_fit_a_kv_pool() -> None:
     assert "needs 5001 tokens (3000 in its longest prompt, 2001 for the completion)" in d.message
 
 
+def test_every_sequence_is_booked_in_flight_until_the_request_ends() -> None:
+    """The engines count each of `n` sequences as a running request: booked as one, the other
+    63 of an n = 64 request were invisible until the next scrape."""
+    r = Router(spec())
+    d = route(r, req(r, 100, "n", max_tokens=10, n=64))
+    s = r.state
+    assert s.inflight_reqs[d.replica] == 64 and s.inflight_prompt_tokens[d.replica] == 100
+    other = (d.replica + 1) % 3
+    assert r.reassign(d.id, other)  # a retry moves all of it
+    assert s.inflight_reqs[d.replica] == 0 and s.inflight_reqs[other] == 64
+    r.complete(d.id)
+    assert s.inflight_reqs.sum() == 0 and s.inflight_prompt_tokens.sum() == 0
+
+
 def test_many_refused_prompts_do_not_accumulate() -> None:
     """Forty 28k-token prompts the engines refused (finding 3: about 10 s of phantom queue
     each): once their streams close, the fleet is priced as idle."""
