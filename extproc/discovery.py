@@ -1,4 +1,5 @@
-"""DNS discovery's I/O half: resolve each ``discover:`` name (every A/AAAA record) and re-resolve
+"""DNS discovery's I/O half: resolve each ``discover:`` name (its family's A or AAAA records, at
+most MAX_ADDRESSES) and re-resolve
 it on its interval, turning each changed answer into a new FleetSpec (gorgo.core.discovery).
 
 Resolution uses the system resolver (`socket.getaddrinfo`, in a thread: it blocks), as the pods'

@@ -90,7 +90,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drain-s", type=at_least(0.0, float), default=DRAIN_S,
                    help="on SIGTERM/SIGINT, keep serving the streams Envoy has open (and new "
                         "ones, until its health check sees the drain) for at most this long "
-                        f"(default {DRAIN_S:g}; 0 = stop at once)")
+                        f"(default {DRAIN_S:g}; 0 = stop at once; a second signal cuts it short; "
+                        "with --workers, each worker's)")
     p.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS)
 
 

@@ -92,9 +92,7 @@ class _StateCollector(Collector):
     def collect(self) -> Iterator[GaugeMetricFamily]:
         s = self.state
         gauges = {
-            "gorgo_inflight_requests": ("Requests in flight sent by this router (a request of "
-                                        "n sequences counts n, as engines count them)",
-                                        s.inflight_reqs),
+            "gorgo_inflight_requests": ("Requests in flight sent by this router", s.inflight_reqs),
             "gorgo_inflight_prompt_tokens": ("Prompt tokens in flight", s.inflight_prompt_tokens),
             "gorgo_rtt_seconds": ("RTT EWMA from health probes", s.rtt_ms / 1000.0),
             "gorgo_engine_queue_requests": ("Scraped engine queue length", s.eng_queue_reqs),

@@ -22,9 +22,10 @@ The supervisor owns the HTTP port:
   (`gorgo_workers_up`, `gorgo_worker_restarts_total`); ``/readyz`` is ready when every worker is.
 
 A worker that exits is started again on its port (backoff while it keeps failing); SIGTERM stops
-every worker by its pid (each drains its open streams, --drain-s), then the supervisor; SIGHUP
-reloads every worker's fleet; worker 0 alone writes --cds-file. Workers die with the supervisor
-(PR_SET_PDEATHSIG).
+every worker by its pid (each drains its open streams, --drain-s; a second stop is forwarded
+and cuts the drains), then the supervisor; SIGHUP reloads the fleet of every worker that is up;
+worker 0 alone writes --cds-file. Workers run in their own sessions (a signal to the
+supervisor's group reaches them once, from it) and die with the supervisor (PR_SET_PDEATHSIG).
 """
 
 from __future__ import annotations
@@ -262,7 +263,7 @@ class Supervisor:
     def reload(self) -> None:
         """SIGHUP: every worker that is up reloads the fleet file itself (one starting reads the
         file as it is, and would die of a SIGHUP before its handler is set); none once
-        stopping (a draining worker has put its handler away)."""
+        stopping (a worker past its drain has no reload left to do)."""
         if self._stopping():
             return
         for w in self.workers:

@@ -1,5 +1,6 @@
-"""Replicas from DNS: a fleet file's replica entry with ``discover:`` stands for every A/AAAA
-record of a name (a Kubernetes headless Service), so a rollout needs no fleet edit.
+"""Replicas from DNS: a fleet file's replica entry with ``discover:`` stands for the addresses of
+a name (a Kubernetes headless Service) of one family (``family``, FAMILIES), so a rollout needs
+no fleet edit.
 
 ```yaml
 replicas:

@@ -216,9 +216,12 @@ def _messages_text(messages: Any, param: str, limits: Limits) -> tuple[list[str]
         for call in _bounded(calls, parts, f"{param}[{i}].tool_calls"):
             if isinstance(call, dict):
                 text += json.dumps(call.get("function", call), sort_keys=True)
-        for key in ("arguments", "output"):  # Responses items: a function call and its output
+        # Responses items: a (custom) tool call's arguments or input, and its output
+        for key in ("arguments", "input"):
             if isinstance(msg.get(key), str):
                 text += msg[key]
+        if msg.get("output") is not None:
+            text += _content_text(msg["output"], f"{param}[{i}].output", parts)
         (system if msg.get("role") in ("system", "developer") else rest).append(text)
     return system, rest
 
@@ -262,7 +265,21 @@ def _token_id_batch(prompt: Any, limits: Limits) -> bool:
     return all(type(t) is int and t >= 0 for ids in prompt for t in ids)
 
 
-def _prompt_sizes(prompt: Any, tok: Tokenization) -> list[int]:
+def output_bound(endpoint: str, body: Mapping[str, Any],
+                 limits: Limits = DEFAULT_LIMITS) -> int | None:
+    """The output tokens a request asks for at most (None: not said): the field its API reads
+    (chat: the newer name first, as vLLM and OpenAI do; a field of another API is not this
+    one's); a completion's default is the API's 16; with `echo`, 0 asks only for the prompt's
+    logprobs (evaluation harnesses)."""
+    echo = endpoint == "completions" and body.get("echo") is True
+    bound = positive_int(body, *OUTPUT_FIELDS[endpoint], maximum=limits.max_output_tokens,
+                         minimum=0 if echo else 1)
+    if bound is None and endpoint == "completions":
+        return COMPLETIONS_MAX_TOKENS
+    return bound
+
+
+def prompt_sizes(prompt: Any, tok: Tokenization) -> list[int]:
     """Tokens of each prompt of a completions request (checked by `prompt_text`): ids counted
     as ids, text by the fleet's characters per token."""
     if isinstance(prompt, str):
@@ -408,20 +425,13 @@ def extract_features(
     stream = False if stream is None else stream
     if not isinstance(stream, bool):
         raise RequestError(400, "'stream' must be a boolean.", param="stream")
-    # The output bound each API reads (chat: the newer name first, as vLLM and OpenAI do; a
-    # field of another API is not this one's). `echo` with 0 asks only for the prompt's
-    # logprobs (evaluation harnesses).
-    echo = endpoint == "completions" and body.get("echo") is True
-    max_tokens = positive_int(body, *OUTPUT_FIELDS[endpoint], maximum=limits.max_output_tokens,
-                              minimum=0 if echo else 1)
-    if max_tokens is None and endpoint == "completions":
-        max_tokens = COMPLETIONS_MAX_TOKENS  # the API's default, which the engines apply
+    max_tokens = output_bound(endpoint, body, limits)
     # The Responses API has no `n`. (vLLM's `best_of` is not counted: its V1 engine refuses any
     # above 1, and SGLang reads none.)
     n = 1 if endpoint == "responses" else positive_int(body, "n", maximum=limits.max_choices) or 1
     # each prompt's tokens: a completions prompt of token ids (prompt_text checked every
     # element) is counted as ids, a batch of prompts one by one; None: the one prompt's text
-    sizes = _prompt_sizes(body["prompt"], tok) if endpoint == "completions" else None
+    sizes = prompt_sizes(body["prompt"], tok) if endpoint == "completions" else None
     prompt_tokens = tok.count_tokens(len(text)) if sizes is None else sum(sizes)
     batch = sizes is not None and not (_ids_shaped(body["prompt"]) or isinstance(
         body["prompt"], str))

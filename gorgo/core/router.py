@@ -44,7 +44,8 @@ class _Open:
     prompt_tokens: int
     uncached: int  # booked for prefill on the replica until the stream ends
     block_hashes: np.ndarray
-    seqs: int = 1  # sequences it decodes there (`RequestFeatures.choices`)
+    seqs: int = 1  # sequences it decodes there (`RequestFeatures.choices`) ...
+    context: int | None = None  # ... over these prompt tokens between them (None: the prompt)
 
 
 class Router:
@@ -252,7 +253,7 @@ class Router:
         self._count(d.weights_version, d.policy)
         s.record_sent(i, f, d.uncached_tokens)
         self._open[d.id] = _Open(i, f.prompt_tokens, d.uncached_tokens, f.block_hashes,
-                                 f.choices)
+                                 f.choices, f.choices // f.prompts * f.prompt_tokens)
         self._publish(d.id, OPENED, self._open[d.id])
         if self.outbox is not None:
             self.echoes.add(s, i, f.prompt_tokens, d.uncached_tokens, self.peers.live_peers(now),
@@ -340,7 +341,7 @@ class Router:
             return False
         self._publish(decision_id, CLOSED, entry)
         self.state.unbook(entry.replica, entry.block_hashes, entry.prompt_tokens, entry.uncached,
-                          seqs=entry.seqs)
+                          seqs=entry.seqs, context=entry.context)
         return True
 
     def reassign(self, decision_id: str, replica: int) -> bool:
@@ -350,10 +351,11 @@ class Router:
             return False
         s = self.state
         s.unbook(entry.replica, entry.block_hashes, entry.prompt_tokens, entry.uncached,
-                 served=False, seqs=entry.seqs)
+                 served=False, seqs=entry.seqs, context=entry.context)
         cached = int(s.prefix.match(entry.block_hashes)[replica]) * self.spec.block_tokens
         entry.uncached = max(entry.prompt_tokens - cached, 0)
-        s.book(replica, entry.block_hashes, entry.prompt_tokens, entry.uncached, entry.seqs)
+        s.book(replica, entry.block_hashes, entry.prompt_tokens, entry.uncached, entry.seqs,
+               entry.context)
         self._publish(decision_id, CLOSED, entry)  # the peers move it too
         entry.replica = replica
         self._publish(decision_id, OPENED, entry)

@@ -68,6 +68,10 @@ class FleetState:
         # This router's own accounting of what it has sent.
         self.inflight_reqs = np.zeros(n, dtype=np.int64)
         self.inflight_prompt_tokens = np.zeros(n, dtype=np.int64)
+        # The same as the engines' decode batches see it: a request of `n` sequences (or a
+        # completions batch) is that many running requests, each attending over its prompt.
+        self.inflight_seqs = np.zeros(n, dtype=np.int64)
+        self.inflight_context = np.zeros(n, dtype=np.int64)
         # Uncached tokens of the requests still open: no more than these can wait for prefill.
         self.inflight_uncached = np.zeros(n, dtype=np.int64)
         self.backlog_tokens = np.zeros(n)  # uncached prompt tokens waiting for prefill ...
@@ -290,27 +294,30 @@ class FleetState:
         if f.prompt_tokens > 0:
             seen = float(cached_tokens(f, self).max()) / f.prompt_tokens
             self.reuse_share += REUSE_EWMA_ALPHA * (seen - self.reuse_share)
-        self.book(i, f.block_hashes, f.prompt_tokens, uncached, f.choices)
+        self.book(i, f.block_hashes, f.prompt_tokens, uncached, f.choices,
+                  f.choices // f.prompts * f.prompt_tokens)
 
     def book(self, i: int, block_hashes: np.ndarray, prompt_tokens: int, uncached: int,
-             seqs: int = 1) -> None:
+             seqs: int = 1, context: int | None = None) -> None:
         """A request is open on replica i (routed here, moved here by a retry, or another
         router's, `gorgo.core.peers`): in flight, and its blocks in the prefix views."""
         self.prefix.insert(i, block_hashes)
         if self.precise is not None:
             self.precise.sent(i, block_hashes)
-        self.add_inflight(i, prompt_tokens, uncached, seqs)
+        self.add_inflight(i, prompt_tokens, uncached, seqs, context)
 
     def unbook(self, i: int, block_hashes: np.ndarray, prompt_tokens: int, uncached: int,
-               served: bool = True, seqs: int = 1) -> None:
+               served: bool = True, seqs: int = 1, context: int | None = None) -> None:
         """`book` undone: the request ended (``served``), or a retry moved it off replica i."""
-        self.release_inflight(i, prompt_tokens, uncached, seqs)
+        self.release_inflight(i, prompt_tokens, uncached, seqs, context)
         if self.precise is not None:
             self.precise.closed(i, block_hashes, served=served)
 
-    def add_inflight(self, i: int, prompt_tokens: int, uncached: int, seqs: int = 1) -> None:
+    def add_inflight(self, i: int, prompt_tokens: int, uncached: int, seqs: int = 1,
+                     context: int | None = None) -> None:
         """A request in flight on replica i: ``seqs`` sequences decoding (`n`, a completions
-        batch: the engines count each as a running request), one prompt's tokens prefilled."""
+        batch: the engines count each as a running request) over ``context`` prompt tokens
+        between them (default: the prompt), its prompt prefilled once."""
         self.version += 1
         self.backlog_tokens[i] = self.own_backlog(i) + uncached
         self.backlog_at[i] = self.now
@@ -318,8 +325,10 @@ class FleetState:
         self.eng_backlog_at[i] = self.now
         self.sent_since_scrape[i] += uncached
         self.mean_uncached[i] += 0.1 * (uncached - self.mean_uncached[i])
-        self.inflight_reqs[i] += seqs
+        self.inflight_reqs[i] += 1
         self.inflight_prompt_tokens[i] += prompt_tokens
+        self.inflight_seqs[i] += seqs
+        self.inflight_context[i] += prompt_tokens if context is None else context
         self.inflight_uncached[i] += uncached
         self._note_arrival(prompt_tokens)
 
@@ -330,6 +339,8 @@ class FleetState:
         self.version += 1
         self.inflight_reqs[i] += copies
         self.inflight_prompt_tokens[i] += copies * prompt_tokens
+        self.inflight_seqs[i] += copies
+        self.inflight_context[i] += copies * prompt_tokens
         self.inflight_uncached[i] += copies * uncached
         self.backlog_tokens[i] = max(float(self.own_backlog(i)) + copies * uncached, 0.0)
         self.backlog_at[i] = self.now
@@ -346,14 +357,16 @@ class FleetState:
         self._arrivals_at = max(self.now, self._arrivals_at)
 
     def release_inflight(self, i: int, prompt_tokens: int, uncached: int = 0,
-                         seqs: int = 1) -> None:
+                         seqs: int = 1, context: int | None = None) -> None:
         """A request's stream ended: it is no longer in flight, and no more than the ``uncached``
         tokens of the requests still open can wait for prefill. A request that ended (refused by
         the engine, cut, or served) waits for nothing, whatever the drain model says, and what is
         left drains on from here."""
         self.version += 1
-        self.inflight_reqs[i] -= seqs
+        self.inflight_reqs[i] -= 1
         self.inflight_prompt_tokens[i] -= prompt_tokens
+        self.inflight_seqs[i] -= seqs
+        self.inflight_context[i] -= prompt_tokens if context is None else context
         self.inflight_uncached[i] -= uncached
         open_tokens = self.inflight_uncached[i]
         self.backlog_tokens[i] = min(self.own_backlog(i), open_tokens)

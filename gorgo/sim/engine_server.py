@@ -37,11 +37,11 @@ from prometheus_client.registry import Collector
 
 from gorgo import shutdown
 from gorgo.core.features import (
-    OUTPUT_FIELDS,
     RequestError,
     endpoint_for_path,
+    output_bound,
     parse_json_body,
-    positive_int,
+    prompt_sizes,
     prompt_text,
 )
 from gorgo.core.prompt_tokens import SimTokenizer
@@ -474,14 +474,14 @@ class EngineServer:
             body = parse_json_body(await request.read())
             text = prompt_text(endpoint, body)
             stream = body.get("stream", False)
-            max_tokens = positive_int(body, "max_completion_tokens", "max_tokens")
+            max_tokens = output_bound(endpoint, body)
         except RequestError as exc:
             return web.json_response(exc.to_body(), status=exc.status)
         rendered = {
             "request_id": ("chatcmpl-" if endpoint == "chat" else "cmpl-") + uuid.uuid4().hex,
             "token_ids": pseudo_token_ids(self.tok, text),
             "features": None,
-            "sampling_params": {"max_tokens": max_tokens or self.default_max_tokens},
+            "sampling_params": {"max_tokens": max(max_tokens or self.default_max_tokens, 1)},
             "model": self.model_name,
             "stream": stream is True,
             "cache_salt": None,
@@ -503,8 +503,9 @@ class EngineServer:
             stream = body.get("stream", False)
             if not isinstance(stream, bool):
                 raise RequestError(400, "'stream' must be a boolean.", param="stream")
-            max_tokens = positive_int(body, *OUTPUT_FIELDS[endpoint])
-            max_tokens = self.default_max_tokens if max_tokens is None else max_tokens
+            max_tokens = output_bound(endpoint, body)
+            # echo without generation runs one step, as vLLM does
+            max_tokens = self.default_max_tokens if max_tokens is None else max(max_tokens, 1)
             include_usage = not responses and _include_usage(body)
             if responses and body.get("previous_response_id") is not None:
                 raise RequestError(400, "'previous_response_id' is not supported: this engine "
@@ -516,7 +517,9 @@ class EngineServer:
         except RequestError as exc:
             return web.json_response(exc.to_body(), status=exc.status)
 
-        prompt_tokens = max(1, self.tok.count_tokens(len(text)))
+        # a completions batch runs here as one prompt of all its tokens (ids counted as ids)
+        prompt_tokens = max(1, sum(prompt_sizes(body["prompt"], self.tok))
+                            if endpoint == "completions" else self.tok.count_tokens(len(text)))
         prefix = {"chat": "chatcmpl-", "completions": "cmpl-", "responses": "resp_"}[endpoint]
         rid = prefix + uuid.uuid4().hex
         loop = asyncio.get_running_loop()

@@ -181,12 +181,18 @@ def test_every_sequence_is_booked_in_flight_until_the_request_ends() -> None:
     r = Router(spec())
     d = route(r, req(r, 100, "n", max_tokens=10, n=64))
     s = r.state
-    assert s.inflight_reqs[d.replica] == 64 and s.inflight_prompt_tokens[d.replica] == 100
-    other = (d.replica + 1) % 3
+    i = d.replica
+    # the decode batch and its context: 64 sequences over the prompt each; the request counts
+    # once for the policies that imitate routers which count requests
+    assert (s.inflight_seqs[i], s.inflight_context[i]) == (64, 6400)
+    assert (s.inflight_reqs[i], s.inflight_prompt_tokens[i]) == (1, 100)
+    other = (i + 1) % 3
     assert r.reassign(d.id, other)  # a retry moves all of it
-    assert s.inflight_reqs[d.replica] == 0 and s.inflight_reqs[other] == 64
+    assert s.inflight_seqs[i] == 0 and s.inflight_seqs[other] == 64
     r.complete(d.id)
-    assert s.inflight_reqs.sum() == 0 and s.inflight_prompt_tokens.sum() == 0
+    for booked in (s.inflight_reqs, s.inflight_prompt_tokens, s.inflight_seqs,
+                   s.inflight_context):
+        assert booked.sum() == 0
 
 
 def test_many_refused_prompts_do_not_accumulate() -> None:

@@ -275,9 +275,12 @@ def test_responses_function_calls_and_their_outputs_count() -> None:
     5,000-character output, one token)."""
     items = [{"role": "user", "content": "weather?"},
              {"type": "function_call", "call_id": "c1", "name": "get", "arguments": '{"q": 1}'},
-             {"type": "function_call_output", "call_id": "c1", "output": "y" * 5000}]
+             {"type": "function_call_output", "call_id": "c1", "output": "y" * 5000},
+             {"type": "custom_tool_call", "call_id": "c2", "name": "sh", "input": "z" * 300},
+             {"type": "function_call_output", "call_id": "c2",
+              "output": [{"type": "input_text", "text": "w" * 2000}]}]
     f = feats(RESPONSES, {"input": items})
-    assert f.prompt_chars >= 5000 + len('{"q": 1}')
+    assert f.prompt_chars >= 5000 + len('{"q": 1}') + 300 + 2000
 
 
 def test_responses_empty_instructions_not_rendered() -> None:

@@ -93,7 +93,7 @@ def test_a_request_of_n_sequences_weighs_n_in_the_batch() -> None:
     s.now = 0.0
     for _ in range(3):
         s.add_inflight(0, 2000, 0)
-    s.inflight_reqs[1] = 3
+    s.inflight_seqs[1] = 3
     one = _req(s)
     t1, t2, t4 = (cost_terms(replace(one, choices=k), s) for k in (1, 2, 4))
     per_sequence = t2["interference"][0] - t1["interference"][0]
@@ -232,11 +232,11 @@ def _slots_spec(max_running: float = 4):
 
 def test_admission_waits_only_where_the_running_slots_are_full() -> None:
     s = FleetState(_slots_spec(max_running=4))
-    s.inflight_reqs[:] = [2, 4]  # a has room; b's four slots are taken
+    s.inflight_seqs[:] = [2, 4]  # a has room; b's four slots are taken
     f = _req(s)
     wait = BY_NAME["admission"].compute(f, s)
     assert wait[0] == 0.0 and wait[1] > 0.0
-    s.inflight_reqs[:] = [2, 6]  # three must finish before b admits it
+    s.inflight_seqs[:] = [2, 6]  # three must finish before b admits it
     s.version += 1  # as FleetState's own writers do: the terms' per-state memos key on it
     assert BY_NAME["admission"].compute(f, s)[1] == pytest.approx(3 * wait[1], rel=0.2)
 
@@ -245,7 +245,7 @@ def test_admission_counts_in_every_objective_and_steers_away_from_full_replicas(
     assert BY_NAME["admission"].objectives == frozenset(OBJECTIVES)
     r = Router(_slots_spec(max_running=4))
     r.state.rtt_ms[:] = 1.0
-    r.state.inflight_reqs[:] = [8, 0]
+    r.state.inflight_seqs[:] = [8, 0]
     r.state.backlog_tokens[:] = [0.0, 500.0]  # b has prefill queued, a only full slots
     d = r.route(_req(r.state), now=0.0)
     assert d.replica == 1 and d.terms["admission"] == 0.0

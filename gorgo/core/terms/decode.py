@@ -5,12 +5,13 @@ A replica runs one batch step per generated token; a step costs about
     itl = base + per_seq * batch + per_kctx * context_tokens / 1000       (ms)
 
 (the step-time shape of docs/simulator.md: a fixed forward pass, a share per decoding sequence,
-attention over the KV cache in use), so the term is ``out * itl_i(batch_i + 1)``, with
-``batch_i`` the requests in flight there (this router's count, or the engine's own running and
-waiting requests when a fresh scrape says more), ``context`` their prompt tokens plus half the
-expected output each, and ``out`` the expected output length: ``max_tokens`` when the request sets
-it, else the ``output_tokens`` parameter. A replica whose prefill rate is below the fleet's fastest
-is assumed to decode as much slower. The constants are per replica
+attention over the KV cache in use), so the term is ``out * itl_i(batch_i + choices)``, with
+``batch_i`` the sequences decoding there (this router's count, or the engine's own running and
+waiting requests when a fresh scrape says more), ``choices`` this request's own (`n` per
+prompt), ``context`` every sequence's prompt tokens plus half its expected output, and ``out``
+the expected output length: ``max_tokens`` when the request sets it (a completion's default is
+the API's 16), else the ``output_tokens`` parameter. A replica whose prefill rate is below the
+fleet's fastest is assumed to decode as much slower. The constants are per replica
 (``FleetState.params["decode"]``); their defaults are an H100 running an 8B model. (Calibrating
 them from the engines' inter-token latency histograms was tried and measured worse: under chunked
 prefill most decode steps carry prefill chunks, so the engines' gaps mostly price prefill, which
@@ -54,12 +55,13 @@ def own_context(f: RequestFeatures, out: np.ndarray | float) -> np.ndarray | flo
 
 
 def batch(s: FleetState) -> np.ndarray:
-    """Requests in flight per replica: ours, or the engine's own count when fresher and larger."""
+    """Sequences decoding per replica: ours, or the engine's own count when fresher and larger
+    (engines count each of a request's `n` sequences as a running request)."""
     return s.derived("decode.batch", _batch)
 
 
 def _batch(s: FleetState) -> np.ndarray:
-    ours = s.inflight_reqs.astype(float)
+    ours = s.inflight_seqs.astype(float)
     fresh = (s.now - s.eng_scraped_at) <= s.spec.signals.metrics_stale_s
     # A replica never scraped holds NaN counts, but is never fresh: `where` drops them.
     engine = s.eng_running_reqs + s.eng_queue_reqs
@@ -81,7 +83,7 @@ def predicted_itl(f: RequestFeatures, s: FleetState) -> np.ndarray:
     p = s.params["decode"]
     out = expected_output(f, s)
     n = batch(s)
-    context = s.inflight_prompt_tokens + n * out / 2 + own_context(f, out)
+    context = s.inflight_context + n * out / 2 + own_context(f, out)
     itl = (p["itl_base_ms"] + p["itl_per_seq_ms"] * (n + f.choices)
            + p["itl_per_kctx_ms"] * context / 1000)
     return itl * slowdown(s)
