@@ -220,7 +220,7 @@ def _messages_text(messages: Any, param: str, limits: Limits) -> tuple[list[str]
         for key in ("arguments", "input"):
             if isinstance(msg.get(key), str):
                 text += msg[key]
-        if msg.get("output") is not None:
+        if isinstance(msg.get("output"), str | list):  # other shapes (a screenshot) add nothing
             text += _content_text(msg["output"], f"{param}[{i}].output", parts)
         (system if msg.get("role") in ("system", "developer") else rest).append(text)
     return system, rest

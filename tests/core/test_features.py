@@ -281,6 +281,9 @@ def test_responses_function_calls_and_their_outputs_count() -> None:
               "output": [{"type": "input_text", "text": "w" * 2000}]}]
     f = feats(RESPONSES, {"input": items})
     assert f.prompt_chars >= 5000 + len('{"q": 1}') + 300 + 2000
+    shot = {"type": "computer_call_output", "call_id": "c3",
+            "output": {"type": "computer_screenshot", "image_url": "data:x"}}
+    assert feats(RESPONSES, {"input": [*items, shot]}).prompt_chars == f.prompt_chars
 
 
 def test_responses_empty_instructions_not_rendered() -> None:
