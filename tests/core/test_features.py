@@ -283,7 +283,7 @@ def test_responses_function_calls_and_their_outputs_count() -> None:
     assert f.prompt_chars >= 5000 + len('{"q": 1}') + 300 + 2000
     shot = {"type": "computer_call_output", "call_id": "c3",
             "output": {"type": "computer_screenshot", "image_url": "data:x"}}
-    assert feats(RESPONSES, {"input": [*items, shot]}).prompt_chars == f.prompt_chars
+    assert feats(RESPONSES, {"input": [*items, shot]}).prompt_chars == f.prompt_chars + 1  # "\n"
 
 
 def test_responses_empty_instructions_not_rendered() -> None:
