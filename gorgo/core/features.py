@@ -114,6 +114,11 @@ class RequestFeatures:
         return self.prompt_tokens if longest is None else longest
 
     @property
+    def context_tokens(self) -> int:
+        """Prompt tokens its sequences attend over between them: each prompt's, `n` times."""
+        return self.choices // self.prompts * self.prompt_tokens
+
+    @property
     def n_blocks(self) -> int:
         return len(self.block_hashes)
 

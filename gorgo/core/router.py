@@ -253,7 +253,7 @@ class Router:
         self._count(d.weights_version, d.policy)
         s.record_sent(i, f, d.uncached_tokens)
         self._open[d.id] = _Open(i, f.prompt_tokens, d.uncached_tokens, f.block_hashes,
-                                 f.choices, f.choices // f.prompts * f.prompt_tokens)
+                                 f.choices, f.context_tokens)
         self._publish(d.id, OPENED, self._open[d.id])
         if self.outbox is not None:
             self.echoes.add(s, i, f.prompt_tokens, d.uncached_tokens, self.peers.live_peers(now),

@@ -295,7 +295,7 @@ class FleetState:
             seen = float(cached_tokens(f, self).max()) / f.prompt_tokens
             self.reuse_share += REUSE_EWMA_ALPHA * (seen - self.reuse_share)
         self.book(i, f.block_hashes, f.prompt_tokens, uncached, f.choices,
-                  f.choices // f.prompts * f.prompt_tokens)
+                  f.context_tokens)
 
     def book(self, i: int, block_hashes: np.ndarray, prompt_tokens: int, uncached: int,
              seqs: int = 1, context: int | None = None) -> None:

@@ -51,7 +51,7 @@ def own_context(f: RequestFeatures, out: np.ndarray | float) -> np.ndarray | flo
     output: each of a prompt's `n` sequences over that prompt and its output so far."""
     if f.choices == 1:
         return f.prompt_tokens + out / 2
-    return (f.choices // f.prompts) * f.prompt_tokens + (f.choices / 2) * out
+    return f.context_tokens + (f.choices / 2) * out
 
 
 def batch(s: FleetState) -> np.ndarray:
