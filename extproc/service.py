@@ -257,7 +257,9 @@ class ExtProcService(ExternalProcessorServicer):
         st.answered = True
         trailers = kind == "request_trailers"
         body = b"".join(st.chunks)
-        head = self._decide(st, body, on_headers=True)
+        # Envoy (to 1.40 at least, envoyproxy/envoy#45470) replays its retry buffer with the
+        # trailers and sends the body upstream twice: a request with trailers takes no retry.
+        head = self._decide(st, body, on_headers=True, retry=not trailers)
         if head.HasField("immediate_response"):
             return [head]
         # A body answer without a body message is out of order for Envoy: none when none came.
@@ -296,7 +298,8 @@ class ExtProcService(ExternalProcessorServicer):
 
     # --- decisions ------------------------------------------------------------------------------
 
-    def _decide(self, st: _Stream, body: bytes, *, on_headers: bool) -> pb.ProcessingResponse:
+    def _decide(self, st: _Stream, body: bytes, *, on_headers: bool,
+                retry: bool = True) -> pb.ProcessingResponse:
         t0 = time.perf_counter()
         wall0 = time.time_ns() if st.trace is not None else 0
         try:
@@ -314,7 +317,7 @@ class ExtProcService(ExternalProcessorServicer):
             return self._refuse(d)
         st.decision = d
         try:
-            return self._answer(st, f, d, on_headers, t0, wall0)
+            return self._answer(st, f, d, on_headers, retry, t0, wall0)
         except Exception:  # the decision cannot be told to Envoy: released, never half-booked
             self.router.complete(d.id)
             st.decision = None
@@ -327,9 +330,10 @@ class ExtProcService(ExternalProcessorServicer):
         self._span(st, t0, wall0, {OUTCOME_ATTR: "fail_open"}, error=True)
         return messages.CONTINUE_REQUEST_HEADERS if on_headers else messages.CONTINUE_REQUEST_BODY
 
-    def _answer(self, st: _Stream, f: RequestFeatures, d: Decision, on_headers: bool, t0: float,
-                wall0: int) -> pb.ProcessingResponse:
-        """The routing answer for decision ``d``: route, headers, metadata, metrics, span."""
+    def _answer(self, st: _Stream, f: RequestFeatures, d: Decision, on_headers: bool,
+                retry: bool, t0: float, wall0: int) -> pb.ProcessingResponse:
+        """The routing answer for decision ``d``: route, headers, metadata, metrics, span;
+        ``retry``: whether it may name the next-best replica for Envoy's retry route."""
         s = self.router.state
         st.served = s.names[d.replica]
         if self._warm is not None:
@@ -338,7 +342,7 @@ class ExtProcService(ExternalProcessorServicer):
         fields = {**decision_fields(d, replica, region),
                   **request_fields(f, s.spec.replicas[d.replica].engine)}
         endpoint = s.spec.replicas[d.replica].address if self.picker else None
-        fallback = next_best(d) if self.retries else None
+        fallback = next_best(d) if self.retries and retry else None
         st.fallback = None if fallback is None else s.names[fallback]
         # Only with a routable next-best replica: a one-address list would leave the retry to
         # Envoy's fallback round robin, which may pick the failed or an ejected replica.

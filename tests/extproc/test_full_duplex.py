@@ -150,6 +150,18 @@ def test_trailers_end_the_body_and_are_answered_last() -> None:
     assert piece.body == body and not piece.end_of_stream  # the trailers end the stream
 
 
+def test_a_request_ending_in_trailers_takes_no_retry_route() -> None:
+    """Envoy sends such a body twice on its retry route (envoyproxy/envoy#45470): the router
+    names no next-best replica for it, and still does for one that ends on its last chunk."""
+    body = _body()
+    for trailers, retried in ((True, False), (False, True)):
+        router = _router(endpoint_picker=False, retries={"enabled": True})
+        answers, _ = _run(router, _duplex(body, [7], trailers=trailers))
+        routed = _set(answers[0].request_headers.response)
+        assert (messages.ENDPOINTS_HEADER in routed) == retried
+        assert routed[messages.CLUSTER_HEADER] in router.state.clusters
+
+
 def test_a_body_less_request_is_routed_on_its_headers() -> None:
     router = _router()
     req = _request_headers(ProcessingMode.FULL_DUPLEX_STREAMED, "/v1/models", end=True)

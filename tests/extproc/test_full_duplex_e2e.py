@@ -20,6 +20,9 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import aiohttp
+import h2.config
+import h2.connection
+import h2.events
 import pytest
 import yaml
 
@@ -141,8 +144,11 @@ def _trailers_request(port: int, body: bytes) -> tuple[int, dict[str, str], byte
     return int(lines[0].split()[1]), headers, rest
 
 
-def test_request_trailers_are_answered_after_the_body(st: Stack, tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", ["picker", "plain"])
+def test_request_trailers_are_answered_after_the_body(mode: str, st: Stack,
+                                                      plain: Stack) -> None:
     """Envoy forwards HTTP/1 trailers only with enable_trailers: a second Envoy with it on."""
+    st = st if mode == "picker" else plain
     listen = free_port()
     boot = render_bootstrap(load_fleet(st.fleet_path), listen=f"127.0.0.1:{listen}",
                             extproc=f"127.0.0.1:{st.extproc.field('grpc')}",
@@ -155,6 +161,66 @@ def test_request_trailers_are_answered_after_the_body(st: Stack, tmp_path: Path)
     assert status == 200, rest
     assert headers["x-served-by"] == headers["x-gorgo-replica"]
     assert headers["x-body-sha256"] == _sha(body)
+
+
+def _h2_request(port: int, body: bytes, trailers: bool) -> tuple[dict[str, str], bytes]:
+    """An HTTP/2 (prior knowledge, h2c) upload, ended by trailers as gRPC clients send, or by its
+    last data frame; the body goes out as the flow-control windows allow."""
+    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    conn.initiate_connection()
+    conn.send_headers(1, [(":method", "POST"), (":scheme", "http"), (":authority", "gorgo"),
+                          (":path", "/v1/chat/completions"),
+                          ("content-type", "application/json"),
+                          ("x-gorgo-policy", "round-robin")])
+    headers: dict[str, str] = {}
+    data = b""
+    sent = 0
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        while True:
+            while sent < len(body) and (window := min(conn.local_flow_control_window(1),
+                                                      conn.max_outbound_frame_size)) > 0:
+                piece = body[sent:sent + window]
+                sent += len(piece)
+                conn.send_data(1, piece, end_stream=not trailers and sent == len(body))
+                if trailers and sent == len(body):
+                    conn.send_headers(1, [("x-checksum", _sha(body))], end_stream=True)
+            s.sendall(conn.data_to_send())
+            chunk = s.recv(65536)
+            assert chunk, "Envoy closed the connection before the answer ended"
+            for ev in conn.receive_data(chunk):
+                if isinstance(ev, h2.events.ResponseReceived):
+                    headers = {k.decode(): v.decode() for k, v in ev.headers}
+                elif isinstance(ev, h2.events.DataReceived):
+                    data += ev.data
+                    conn.acknowledge_received_data(ev.flow_controlled_length, ev.stream_id)
+                elif isinstance(ev, h2.events.StreamEnded | h2.events.StreamReset):
+                    return headers, data
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """Full duplex in cluster-header mode, with the retry route (on by default)."""
+    stack = start_stack(tmp_path_factory.mktemp("duplex-plain"), n=3, body_mode="full-duplex",
+                        limits={"max_body_bytes": LIMIT})
+    yield stack
+    stop_stack(stack)
+
+
+@pytest.mark.parametrize("mode", ["picker", "plain"])
+def test_http2_uploads_with_and_without_trailers_reach_the_upstream_once(
+        mode: str, st: Stack, plain: Stack) -> None:
+    """Envoy sent a body that ended with trailers twice on its retry route (a 500 from the
+    upstream's JSON parser): such a request now takes the route without a retry."""
+    stack = st if mode == "picker" else plain
+    port = int(stack.url.rsplit(":", 1)[1])
+    for trailers in (True, False):
+        for size in (10, 2_000):  # one body message, and several
+            body = _body("h2 upload " * size)
+            headers, rest = _h2_request(port, body, trailers)
+            assert headers[":status"] == "200", rest
+            assert headers["x-served-by"] == headers["x-gorgo-replica"]
+            assert headers["x-body-sha256"] == _sha(body)
+            assert int(headers["x-body-bytes"]) == len(body)
 
 
 def test_a_stopped_router_drains_its_streams_and_envoy_fails_new_ones_open(
