@@ -47,6 +47,11 @@ from gorgo.core.state import FleetState
 
 OPENED, CLOSED = "open", "close"
 FORMAT = 1  # of a bookings message: {"v": FORMAT, "router": id, "b": [[id, kind, replica, ...]]}
+# A booking's row: [id, kind, replica, prompt, uncached, hashes], then [seqs, context] for one
+# that decodes more than one sequence or over more context than its prompt (`n`, a batch of
+# prompts: `RequestFeatures.choices`, `.context_tokens`). A row of six is a request of one
+# sequence over its prompt, as every router before the longer row wrote and read (a message
+# with a longer row is refused whole by those: they counted such a request as one sequence).
 MAX_BOOKINGS = 10_000  # per message: a burst's worth; a larger message is refused whole
 MAX_BLOCKS = 1 << 20  # per booking (a 64M-token prompt at 64 tokens a block)
 # How long a router's own choice is echoed for each live peer: longer than a booking takes over a
@@ -67,12 +72,14 @@ class Booking:
     prompt_tokens: int = 0
     uncached_tokens: int = 0
     block_hashes: tuple[int, ...] = ()
+    seqs: int = 1  # sequences it decodes ...
+    context: int | None = None  # ... over these prompt tokens between them (None: the prompt)
 
 
 def encode(router: str, bookings: Sequence[Booking]) -> bytes:
     """One message of a router's bookings (compact JSON: hashes are 64-bit integers)."""
     rows = [[b.decision_id, b.kind, b.replica, b.prompt_tokens, b.uncached_tokens,
-             list(b.block_hashes)] for b in bookings]
+             list(b.block_hashes), *_decode_batch(b)] for b in bookings]
     return json.dumps({"v": FORMAT, "router": router, "b": rows},
                       separators=(",", ":")).encode()
 
@@ -91,21 +98,32 @@ def decode(data: bytes) -> list[Booking]:
         raise ValueError("bad router id or bookings list")
     out = []
     for row in rows:
-        if not (isinstance(row, list) and len(row) == 6):
-            raise ValueError("a booking is [id, kind, replica, prompt, uncached, hashes]")
-        did, kind, replica, prompt, uncached, hashes = row
+        if not (isinstance(row, list) and len(row) in (6, 8)):
+            raise ValueError("a booking is [id, kind, replica, prompt, uncached, hashes"
+                             "(, seqs, context)]")
+        did, kind, replica, prompt, uncached, hashes, seqs, context = (
+            row if len(row) == 8 else [*row, 1, row[3]])
         if not (isinstance(did, str) and kind in (OPENED, CLOSED) and isinstance(replica, str)
                 and _count(prompt) and _count(uncached) and uncached <= prompt
+                and _count(seqs) and seqs >= 1
+                and _count(context) and prompt <= context <= seqs * prompt
                 and isinstance(hashes, list)
                 and len(hashes) <= MAX_BLOCKS
                 and all(type(h) is int and 0 <= h < 1 << 64 for h in hashes)):
             raise ValueError(f"bad booking {str(row)[:80]}")
-        out.append(Booking(router, did, kind, replica, prompt, uncached, tuple(hashes)))
+        out.append(Booking(router, did, kind, replica, prompt, uncached, tuple(hashes), seqs,
+                           None if context == prompt else context))
     return out
 
 
 def _count(v: object) -> bool:
     return type(v) is int and 0 <= v < 1 << 40
+
+
+def _decode_batch(b: Booking) -> list[int]:
+    """A row's [seqs, context]: none for one sequence over its prompt (the six-field row)."""
+    context = b.prompt_tokens if b.context is None else b.context
+    return [] if b.seqs == 1 and context == b.prompt_tokens else [b.seqs, context]
 
 
 @dataclass(slots=True)
@@ -115,6 +133,8 @@ class _Held:
     uncached: int
     block_hashes: np.ndarray
     expires_at: float
+    seqs: int
+    context: int | None
 
 
 class PeerBookings:
@@ -155,14 +175,19 @@ class PeerBookings:
         # A prompt longer than any this router admits (its prompt limit counts characters, and a
         # token holds at least one) is no request: its tokens would sit in the replica's queue
         # average long after it closed, pricing the replica out.
-        too_long = b.prompt_tokens > s.spec.limits.max_prompt_chars
+        # Likewise a decode batch wider than this router admits in one request (`n` choices of
+        # each prompt of a batch).
+        limits = s.spec.limits
+        too_long = (b.prompt_tokens > limits.max_prompt_chars
+                    or b.seqs > limits.max_choices * limits.max_messages)
         if b.kind != OPENED or i is None or key in self._open or too_long:
             self.ignored += 1
             return
         hashes = np.asarray(b.block_hashes, dtype=np.uint64)
         s.now = max(s.now, now)
-        s.book(i, hashes, b.prompt_tokens, b.uncached_tokens)
-        self._open[key] = _Held(i, b.prompt_tokens, b.uncached_tokens, hashes, now + self.ttl_s)
+        s.book(i, hashes, b.prompt_tokens, b.uncached_tokens, b.seqs, b.context)
+        self._open[key] = _Held(i, b.prompt_tokens, b.uncached_tokens, hashes, now + self.ttl_s,
+                                b.seqs, b.context)
         self.applied += 1
 
     def expire(self, s: FleetState, now: float) -> None:
@@ -190,7 +215,8 @@ class PeerBookings:
 
     @staticmethod
     def _release(s: FleetState, held: _Held) -> None:
-        s.unbook(held.replica, held.block_hashes, held.prompt_tokens, held.uncached)
+        s.unbook(held.replica, held.block_hashes, held.prompt_tokens, held.uncached,
+                 seqs=held.seqs, context=held.context)
 
 
 class Echoes:

@@ -291,7 +291,8 @@ class Router:
         self.outbox.append(Booking(
             self._id_prefix, decision_id, kind, self.state.names[entry.replica],
             entry.prompt_tokens, entry.uncached,
-            tuple(entry.block_hashes.tolist()) if kind == OPENED else ()))
+            tuple(entry.block_hashes.tolist()) if kind == OPENED else (), entry.seqs,
+            entry.context))
         if self._notify is not None:
             self._notify()
 

@@ -151,6 +151,7 @@ def test_a_reload_takes_the_echoes_back() -> None:
     # a prompt longer than the router admits: its tokens would stay in the replica's average
     # queue after it closed and price the replica out
     Booking("x", "4", OPENED, "r0", 2**40 - 1, 2**40 - 1),
+    Booking("x", "5", OPENED, "r0", 10, 10, (), 128 * 4096 + 1),  # wider than a request can be
 ])
 def test_what_cannot_be_applied_changes_nothing(booking: Booking) -> None:
     _, b = pair()
@@ -202,10 +203,30 @@ def test_sharing_is_not_changed_by_a_reload() -> None:
 
 
 def test_the_wire_format_round_trips() -> None:
-    out = [Booking("r", "d1", OPENED, "r0", 10, 4, (1, 2**64 - 1)), Booking("r", "d1", CLOSED,
-                                                                             "r0")]
-    assert decode(encode("r", out)) == [
-        Booking("r", "d1", OPENED, "r0", 10, 4, (1, 2**64 - 1)), Booking("r", "d1", CLOSED, "r0")]
+    out = [Booking("r", "d1", OPENED, "r0", 10, 4, (1, 2**64 - 1)),
+           Booking("r", "d1", CLOSED, "r0"),
+           Booking("r", "d2", OPENED, "r0", 10, 4, (), 6, 30),  # n = 3 of 2 prompts
+           Booking("r", "d3", OPENED, "r0", 10, 4, (), 3)]  # a batch of 3 prompts, n = 1
+    assert decode(encode("r", out)) == out
+    rows = json.loads(encode("r", out))["b"]
+    # One sequence over its prompt keeps the six-field row the routers before seqs read.
+    assert [len(r) for r in rows] == [6, 6, 8, 8]
+
+
+def test_a_peers_request_of_several_sequences_books_them_all() -> None:
+    a, b = pair()
+    body = json.dumps({"model": "m", "prompt": "many " * 300, "n": 4}).encode()
+    f = extract_features("/v1/completions", {}, body, a.state.tok)
+    d = a.route(f, 0.0)
+    assert isinstance(d, Decision)
+    deliver(a, b)
+    s = b.state
+    assert s.inflight_reqs[d.replica] == 1
+    assert s.inflight_seqs[d.replica] == 4 == a.state.inflight_seqs[d.replica]
+    assert s.inflight_context[d.replica] == 4 * f.prompt_tokens
+    a.complete(d.id)
+    deliver(a, b)
+    assert s.inflight_seqs.sum() == 0 and s.inflight_context.sum() == 0
 
 
 @pytest.mark.parametrize("data", [
@@ -217,6 +238,11 @@ def test_the_wire_format_round_trips() -> None:
     b'{"v": 1, "router": "r", "b": [["d", "open", "r0", 1, 1, [18446744073709551616]]]}',
     b'{"v": 1, "router": "r", "b": [["d", "open", "r0", true, 1, []]]}',
     b'{"v": 1, "router": "r", "b": [["d", "open", "r0", 10, 11, []]]}',  # more uncached
+    b'{"v": 1, "router": "r", "b": [["d", "open", "r0", 10, 1, [], 0, 10]]}',  # no sequence
+    b'{"v": 1, "router": "r", "b": [["d", "open", "r0", 10, 1, [], 2, 9]]}',  # under the prompt
+    b'{"v": 1, "router": "r", "b": [["d", "open", "r0", 10, 1, [], 2, 21]]}',  # over n prompts
+    b'{"v": 1, "router": "r", "b": [["d", "open", "r0", 10, 1, [], 2]]}',
+    b'{"v": 1, "router": "r", "b": [["d", "open", "r0", 10, 1, [], 2.0, 20]]}',
     b"\xff\xfe",
 ])
 def test_a_malformed_message_is_refused_whole(data: bytes) -> None:
