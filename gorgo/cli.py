@@ -33,6 +33,7 @@ from gorgo.errors import UserError
 COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("extproc",): ("extproc.main", "run the Envoy ext_proc routing server"),
     ("envoy-config",): ("gorgo.envoy_config", "render an Envoy bootstrap for a fleet file"),
+    ("envoy-drain",): ("gorgo.envoy_drain", "drain a local Envoy before it stops (preStop)"),
     ("explain",): ("gorgo.explain", "show each replica's cost terms for one request"),
     ("sim", "engine"): ("gorgo.sim.engine_server", "run one simulated OpenAI-compatible engine"),
     ("sim", "fleet"): ("gorgo.sim.fleet", "run a simulated fleet (engines behind emulated links)"),

@@ -19,6 +19,7 @@ import yaml
 from extproc.main import add_arguments as extproc_arguments
 from gorgo.core.discovery import dns_sources, parse_discovered
 from gorgo.envoy_config import render_bootstrap
+from gorgo.envoy_drain import add_arguments as drain_arguments
 from gorgo.envoy_typed import check_bootstrap
 from gorgo.harness.envoy_proc import envoy_binary
 
@@ -153,11 +154,40 @@ def test_sidecar_envoy_config_is_a_fresh_typed_render() -> None:
     assert f"127.0.0.1:{args.port}" == SIDECAR_RENDER["extproc"]
 
 
-# Runs `envoy --mode validate`.
+def _container(deployment: dict[str, Any], name: str) -> dict[str, Any]:
+    (c,) = [c for c in deployment["spec"]["template"]["spec"]["containers"] if c["name"] == name]
+    return c
+
+
+# Runs `envoy --mode validate`, with the Deployment's own Envoy arguments.
 @pytest.mark.envoy
 def test_sidecar_envoy_config_validates(tmp_path: Path) -> None:
     path = tmp_path / "envoy.yaml"
     path.write_text(_sidecar_envoy())
-    out = subprocess.run([envoy_binary(), "--mode", "validate", "-c", str(path),
+    args = _container(_find("Deployment", "gorgo-gateway"), "envoy")["args"]
+    assert args[:2] == ["-c", "/etc/gorgo/envoy.yaml"]
+    out = subprocess.run([envoy_binary(), "--mode", "validate", "-c", str(path), *args[2:],
                           "--base-id", "4545"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_sidecar_pod_stops_envoy_only_once_drained() -> None:
+    """Envoy exits at once on SIGTERM: its preStop hook waits for the file the router's hook
+    (`gorgo envoy-drain`, against this Envoy's admin) writes once drained, within the grace."""
+    gateway = _find("Deployment", "gorgo-gateway")
+    pod = gateway["spec"]["template"]["spec"]
+    envoy, router = _container(gateway, "envoy"), _container(gateway, "extproc")
+    hook = router["lifecycle"]["preStop"]["exec"]["command"]
+    assert hook[:2] == ["gorgo", "envoy-drain"]
+    parser = argparse.ArgumentParser()
+    drain_arguments(parser)
+    drain = parser.parse_args(hook[2:])
+    assert drain.admin == SIDECAR_RENDER["admin"]
+    wait = envoy["lifecycle"]["preStop"]["exec"]["command"]
+    assert wait[:2] == ["sh", "-c"] and f"[ -e {drain.done_file} ]" in wait[2]
+    envoy_wait_s = int(wait[2].split("$(seq ")[1].split(")")[0])
+    assert drain.timeout_s < envoy_wait_s < pod["terminationGracePeriodSeconds"]
+    # the done file lies on one volume both containers mount
+    mounts = [{m["name"]: m["mountPath"] for m in c["volumeMounts"]} for c in (envoy, router)]
+    (shared,) = [v for v in pod["volumes"] if "emptyDir" in v]
+    assert all(m[shared["name"]] == str(drain.done_file.parent) for m in mounts)
