@@ -290,11 +290,15 @@ class Window:
             self.errors += 1
 
     def end(self, s: Sample) -> None:
-        """The E2E of a decision whose TTFT this window already holds (or holds now)."""
+        """The E2E of a decision whose TTFT this window already holds (or holds now). A stream
+        that failed after its first byte is an error where the objective scores the whole
+        request (else it would be neither scored nor an error: missing, then left out)."""
         if s.ok:
             self.e2e.append(s.e2e_ms)
             if s.arrival_s > 0:
                 self.e2e_arrival.append(s.arrival_s)
+        elif self.needs_end:
+            self.errors += 1
 
     @property
     def n(self) -> int:
@@ -1053,11 +1057,14 @@ class Tuner:
         # refused every candidate (0 accepted in 21 evaluations, Mooncake window 0).
         self._warmup = None
         self._learn_spread(ev)
-        p95_i = statistic(_concat([score_values(w, self.cfg, None) for w in inc]), self.cfg)
-        if self._regressed(p95_i):
-            self._rollback(p95_i, now)
-            return True
-        self.last_good = self.last_good_p95 = None  # re-measured without regression
+        known = _concat([score_values(w, self.cfg, None) for w in inc])
+        # No latency at all (every request failed, or none reported back): nothing to re-measure
+        if known.size:
+            p95_i = statistic(known, self.cfg)
+            if self._regressed(p95_i):
+                self._rollback(p95_i, now)
+                return True
+            self.last_good = self.last_good_p95 = None  # re-measured without regression
         self._record({
             "event": "evaluation", "kind": ev.kind, "incumbent": dict(ev.incumbent),
             "candidate": dict(candidate), "accepted": v.accepted, "reason": v.reason,
@@ -1075,7 +1082,7 @@ class Tuner:
             self.incumbent, self.incumbent_p95 = candidate, v.p95_candidate
             self.accepted += 1
             changed = True
-        else:
+        elif not math.isnan(v.p95_incumbent):  # NaN: nothing measured, the last score stands
             self.incumbent_p95 = v.p95_incumbent
         if ev.kind == STEP:  # the 1/5 rule is about random steps; a model proposal is not one
             self._step(success=v.accepted)

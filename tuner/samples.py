@@ -45,12 +45,18 @@ _TERM_TAGS = tuple((t.name, SPAN_PREFIX + f, TTFT in t.objectives and t.fit != E
                    for t, f in zip(TERMS, TERM_FIELDS, strict=True))
 FOREIGN = "foreign"
 NO_TTFT = "no_ttft"
+# The status of a sample whose request ended without a first byte and without an error status
+# of its own (the client gave up: Envoy reports 0): a failure, as `Sample.ok` reads it.
+NO_FIRST_BYTE_STATUS = 503
 MALFORMED = "malformed"
 OUT_OF_RANGE = "out_of_range"
 DROP_REASONS = (FOREIGN, NO_TTFT, MALFORMED, OUT_OF_RANGE)
 # A cost term may exceed the request timeout (a long predicted queue is what shedding acts on),
 # but not by more than this factor: beyond it the decision is no basis for a fit.
 TERM_SLACK = 10.0
+# Envoy times the first byte and the span's end on one clock: a first byte after the end (beyond
+# rounding) is no request's.
+TTFT_SLACK = 0.01
 _MISSING = ("", "-")
 
 
@@ -175,13 +181,24 @@ def parse_attributes(attrs: dict[str, Any], start: int, end: int | None, max_ms:
     (Unix ns; None: still open, its E2E unknown)."""
     if not _present(attrs, SPAN_PREFIX + "decision_id"):
         raise SpanDropped(FOREIGN, "no gorgo.decision_id")
-    if not _present(attrs, TTFT_ATTR):
-        raise SpanDropped(NO_TTFT, "no first byte from upstream")
+    first_byte = _present(attrs, TTFT_ATTR)
+    if not first_byte and end is None:  # a stream still open: nothing known of it yet
+        raise SpanDropped(NO_TTFT, "no first byte from upstream yet")
     status = _integer(attrs, STATUS_ATTR)
-    if not 100 <= status <= 599:
+    if first_byte and not 100 <= status <= 599:
         raise SpanDropped(MALFORMED, f"{STATUS_ATTR}={status}")
+    if not first_byte:
+        # A decided request that ended with no byte from its replica (Envoy's own 503 or 504,
+        # a client that gave up waiting: status 0) failed as its user saw it: an error sample,
+        # waited for its whole E2E, never left out (weights that make requests fail or stall
+        # would otherwise be scored on the survivors).
+        if not (0 <= status <= 599):
+            raise SpanDropped(MALFORMED, f"{STATUS_ATTR}={status}")
+        status = status if status >= 400 else NO_FIRST_BYTE_STATUS
+    assert end is not None or first_byte
     s = Sample(
-        ttft_ms=_number(attrs, TTFT_ATTR) / 1000.0,
+        ttft_ms=(_number(attrs, TTFT_ATTR) / 1000.0 if first_byte
+                 else (end - start) / 1e6),  # type: ignore[operator]
         e2e_ms=math.nan if end is None else (end - start) / 1e6,
         status=status,
         replica=_text(attrs, SPAN_PREFIX + "replica"),
@@ -200,6 +217,9 @@ def parse_attributes(attrs: dict[str, Any], start: int, end: int | None, max_ms:
     )
     if s.ttft_ms > max_ms or s.e2e_ms > max_ms:  # NaN (still open) is no violation
         raise SpanDropped(OUT_OF_RANGE, f"TTFT {s.ttft_ms:g} ms, E2E {s.e2e_ms:g} ms > {max_ms:g}")
+    if s.ttft_ms > s.e2e_ms * (1.0 + TTFT_SLACK) + 1.0:  # likewise
+        raise SpanDropped(MALFORMED, f"first byte at {s.ttft_ms:g} ms, after the end at "
+                          f"{s.e2e_ms:g} ms")
     if max(s.predicted_ttft_ms, *s.terms.values()) > TERM_SLACK * max_ms:
         raise SpanDropped(OUT_OF_RANGE, f"a cost term above {TERM_SLACK * max_ms:g} ms")
     if s.uncached_tokens > s.prompt_tokens or s.weights_version > VERSION_MAX:

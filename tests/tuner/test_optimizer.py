@@ -969,3 +969,35 @@ def test_a_state_of_another_objective_keeps_its_weights_and_drops_its_scores() -
     assert r.incumbent["rtt"] == 2.0 and r.incumbent["queue"] == 0.5
     assert set(r.incumbent) == set(es_config(objective="e2e").keys)
     assert r.incumbent_p95 is None and r.history[-1]["event"] == "objective"
+
+
+def test_an_incumbent_with_no_latency_is_no_crash_and_keeps_its_last_score() -> None:
+    """Every incumbent request failed (or none reported back): the evaluation is a no_samples
+    verdict, the search goes on, and nothing measured replaces the incumbent's score (it
+    crashed the tuner, taking a quantile of nothing, at every restart)."""
+    t = Tuner(es_config(window_samples=10, pairs=1), W(1.0, 1.0), seed=0)
+    t.incumbent_p95 = 123.0
+    for k in range(3):
+        p = t.next_weights(3.0 * k)
+        assert p.arm == INCUMBENT
+        for _ in range(10):
+            t.observe(mk(100.0, p.weights.version, status=500))
+        cand = t.next_weights(3.0 * k + 1)
+        for _ in range(10):
+            t.observe(mk(50.0, cand.weights.version))
+    t.next_weights(10.0)
+    reasons = [h["reason"] for h in t.history if h["event"] == "evaluation"]
+    assert reasons == ["no_samples"] * 3 and t.accepted == 0
+    assert t.incumbent_p95 == 123.0
+
+
+def test_a_stream_that_fails_after_its_first_byte_is_an_error_where_e2e_is_scored() -> None:
+    for objective, error in (("ttft", 0), ("e2e", 1)):
+        t = Tuner(es_config(objective=objective, window_samples=5, pairs=1), seed=1)
+        v = t.next_weights(0.0).weights.version
+        t.routed(v, 1)
+        t.observe(early_mk(100.0, v, "d0"))
+        t.observe_end(replace(mk(100.0, v, status=503), decision_id="d0"))
+        w = t.window_for(v)
+        assert (w.errors, w.missing) == (error, 0)
+        assert w.e2e == []

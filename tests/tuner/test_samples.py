@@ -64,8 +64,6 @@ def test_every_term_of_the_registry_is_read_from_its_contract_tag(span_builders)
     ({"gorgo__decision_id": None}, FOREIGN),
     ({"gorgo__decision_id": "-"}, FOREIGN),  # Envoy's rendering of absent metadata
     ({"gorgo__decision_id": ""}, FOREIGN),
-    ({TTFT_ATTR: None}, NO_TTFT),
-    ({TTFT_ATTR: "-"}, NO_TTFT),
     ({TTFT_ATTR: "soon"}, MALFORMED),
     ({TTFT_ATTR: "-5"}, MALFORMED),
     ({TTFT_ATTR: "nan"}, MALFORMED),
@@ -94,6 +92,30 @@ def test_unusable_spans_are_dropped_with_a_reason(span_builders, over, reason) -
     assert exc.value.reason == reason
 
 
+@pytest.mark.parametrize(("status", "seen"), [("503", 503), ("504", 504), ("0", 503),
+                                              ("200", 503), ("-", None)])
+def test_a_request_that_ended_with_no_first_byte_is_an_error_never_left_out(
+        span_builders, status, seen) -> None:
+    """Envoy's own 503/504, or a client that gave up waiting (status 0): scored as a failure,
+    waited for its whole E2E; dropping them scored weights that stall requests on the
+    survivors."""
+    attrs, span, _ = span_builders
+    for ttft in (None, "-"):
+        if seen is None:
+            with pytest.raises(SpanDropped, match=MALFORMED):
+                parse(span(attrs(**{TTFT_ATTR: ttft}, http__status_code=status)))
+            continue
+        s = parse(span(attrs(**{TTFT_ATTR: ttft}, http__status_code=status), duration_ms=900.0))
+        assert (s.status, s.ok) == (seen, False)
+        assert s.ttft_ms == pytest.approx(900.0) and s.e2e_ms == pytest.approx(900.0)
+
+
+def test_a_first_byte_after_the_span_ended_is_malformed(span_builders) -> None:
+    attrs, span, _ = span_builders
+    with pytest.raises(SpanDropped, match=MALFORMED):
+        parse(span(attrs(**{TTFT_ATTR: "5000000"}), duration_ms=800.0))
+
+
 def test_bad_span_times_are_malformed(span_builders) -> None:
     attrs, span, _ = span_builders
     with pytest.raises(SpanDropped, match=MALFORMED):
@@ -107,10 +129,12 @@ def test_export_counts_every_drop_and_keeps_the_rest(span_builders) -> None:
     spans = [span(attrs(gorgo__decision_id=f"id-{k}")) for k in range(3)]
     spans += [span({"http.status_code": "200", "component": "other-service"})] * 2
     spans += [span(attrs(gorgo__weights_version="x"))]
-    spans += [span(attrs(**{TTFT_ATTR: "-"}))]
+    spans += [span(attrs(**{TTFT_ATTR: "-"}, gorgo__decision_id="id-3",
+                         http__status_code="504"))]
     samples, dropped = parse_export(export(spans), MAX_MS)
-    assert [s.decision_id for s in samples] == ["id-0", "id-1", "id-2"]
-    assert dropped == {FOREIGN: 2, MALFORMED: 1, NO_TTFT: 1}
+    assert [s.decision_id for s in samples] == ["id-0", "id-1", "id-2", "id-3"]
+    assert not samples[3].ok
+    assert dropped == {FOREIGN: 2, MALFORMED: 1}
     assert parse_export(export([]), MAX_MS) == ([], {})
 
 
