@@ -416,9 +416,13 @@ def _processing_mode(spec: FleetSpec, body_mode: str, *, request_headers: bool) 
         "request_body_mode": BODY_MODES[body_mode],
         "response_header_mode": "SKIP" if spec.extproc.skip_response_headers else "SEND",
         "response_body_mode": "NONE",
-        # Envoy requires trailers to be sent in full-duplex mode.
+        # Envoy requires trailers to be sent in full-duplex mode. In that mode it also closes
+        # the router's stream once nothing more can be sent to it: with the response trailers
+        # skipped, at the response headers, while the answer still streams, and the router
+        # released the request's booking there (every stream looked finished: 9 concurrent
+        # streams all went to one replica). Sent, the stream lasts as long as the response.
         "request_trailer_mode": "SEND" if duplex else "SKIP",
-        "response_trailer_mode": "SKIP",
+        "response_trailer_mode": "SEND" if duplex else "SKIP",
     }
 
 

@@ -16,6 +16,7 @@ import os
 import signal
 import socket
 import subprocess
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -31,7 +32,15 @@ from gorgo.core.fleet import load_fleet
 from gorgo.envoy_config import EXTPROC_CLUSTER, PICKER_CLUSTER, render_bootstrap
 from gorgo.harness.envoy_proc import EnvoyProcess, envoy_binary
 from gorgo.harness.procs import BIN, free_port, wait_for
-from tests.support.e2e import Stack, chat, get, post, start_stack, stop_stack
+from tests.support.e2e import (
+    GorgoMetrics,
+    Stack,
+    chat,
+    get,
+    post,
+    start_stack,
+    stop_stack,
+)
 
 pytestmark = pytest.mark.envoy
 
@@ -221,6 +230,34 @@ def test_http2_uploads_with_and_without_trailers_reach_the_upstream_once(
             assert headers["x-served-by"] == headers["x-gorgo-replica"]
             assert headers["x-body-sha256"] == _sha(body)
             assert int(headers["x-body-bytes"]) == len(body)
+
+
+@pytest.mark.parametrize("mode", ["picker", "plain"])
+def test_a_streaming_answer_stays_booked_until_it_ends(mode: str, st: Stack,
+                                                       plain: Stack) -> None:
+    """Envoy closed the router's stream at the response headers (response trailers skipped),
+    and the router released the booking there, with the answer still streaming: every replica
+    looked idle and concurrent streams all went to one."""
+    stack = st if mode == "picker" else plain
+    hold = asyncio.Event()
+    for u in stack.upstreams:
+        u.hold = hold
+    try:
+        body = json.dumps({**chat("held"), "stream": True}).encode()
+        before = sum(len(u.served) for u in stack.upstreams)
+        held = [asyncio.run_coroutine_threadsafe(
+            post(stack.url + "/v1/chat/completions", body, {}), stack.lt.loop)
+            for _ in range(3)]
+        assert wait_for(lambda: sum(len(u.served) for u in stack.upstreams) == before + 3, 10)
+        time.sleep(0.5)  # the answers' first chunks are out; their ends are held
+        assert GorgoMetrics(stack).total("gorgo_open_decisions") == 3
+        stack.lt.loop.call_soon_threadsafe(hold.set)
+        assert [h.result(timeout=30)[0] for h in held] == [200] * 3
+        assert wait_for(lambda: GorgoMetrics(stack).total("gorgo_open_decisions") == 0, 10)
+    finally:
+        stack.lt.loop.call_soon_threadsafe(hold.set)
+        for u in stack.upstreams:
+            u.hold = None
 
 
 def test_a_stopped_router_drains_its_streams_and_envoy_fails_new_ones_open(
