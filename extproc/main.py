@@ -23,15 +23,12 @@ from extproc.http_api import make_app, readiness
 from extproc.kv_events import KVEventsClient
 from extproc.peers import PeerLink
 from extproc.reload import POLL_INTERVAL_S, FleetReloader
-from extproc.service import ExtProcService
+from extproc.service import ExtProcService, register
 from extproc.signals import Signals
 from extproc.telemetry import RouterMetrics, log_event
 from extproc.workers import supervise
 from gorgo import shutdown
 from gorgo._xds.envoy.service.ext_proc.v3 import external_processor_pb2
-from gorgo._xds.envoy.service.ext_proc.v3.external_processor_pb2_grpc import (
-    add_ExternalProcessorServicer_to_server,
-)
 from gorgo.core.contract import LIVE_SERVICE
 from gorgo.core.fleet import FleetError, FleetSpec, parse_fleet
 from gorgo.core.membership import FleetDiff
@@ -148,7 +145,7 @@ class ExtProcServer:
             ("grpc.max_concurrent_streams", 10000),
             ("grpc.so_reuseport", 0),  # else a second router would silently share the port
         ])
-        add_ExternalProcessorServicer_to_server(self.service, self._grpc)
+        register(self.service, self._grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
         try:
             self.grpc_port = self._grpc.add_insecure_port(f"{host}:{port}")

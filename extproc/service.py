@@ -19,7 +19,9 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+import grpc
 import numpy as np
+from google.protobuf.message import DecodeError
 
 from extproc import messages
 from extproc.kv_events import PromptWarmer
@@ -100,6 +102,37 @@ def next_best(d: Decision) -> int | None:
     return j if np.isfinite(others[j]) else None
 
 
+class Unreadable:
+    """A message of Envoy's that does not parse (`read_request`): answered, never a gRPC error."""
+
+    __slots__ = ("reason",)
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+def read_request(data: bytes) -> pb.ProcessingRequest | Unreadable:
+    """Envoy's message, parsed leniently: with the request headers skipped, the headers the
+    router reads come as string attributes, which protobuf refuses when a client's header value
+    is not UTF-8. As a gRPC error that failed the request open, past shedding, the model check
+    and the booking; as `Unreadable` it gets the router's 400."""
+    try:
+        return pb.ProcessingRequest.FromString(data)
+    except DecodeError as exc:
+        return Unreadable(str(exc))
+
+
+def register(service: ExtProcService, server: Any) -> None:
+    """Serve ``service`` as Envoy's ExternalProcessor on ``server`` (grpc.aio), its messages
+    parsed by `read_request`."""
+    handlers = {"Process": grpc.stream_stream_rpc_method_handler(
+        service.Process, request_deserializer=read_request,
+        response_serializer=pb.ProcessingResponse.SerializeToString)}
+    name = pb.DESCRIPTOR.services_by_name["ExternalProcessor"].full_name
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
+    server.add_registered_method_handlers(name, handlers)
+
+
 class ExtProcService(ExternalProcessorServicer):
     def __init__(self, router: Router, metrics: RouterMetrics, clock=time.monotonic) -> None:
         self.router = router
@@ -136,6 +169,13 @@ class ExtProcService(ExternalProcessorServicer):
                 None))
         try:
             async for req in request_iterator:
+                if isinstance(req, Unreadable):
+                    if not st.answered:  # Envoy closes the stream on the answer
+                        st.answered = True
+                        yield self._reject(RequestError(
+                            400, "A request header the router reads is not valid UTF-8.",
+                            code="invalid_header"))
+                    continue
                 kind = req.WhichOneof("request")
                 if req.HasField("protocol_config"):  # Envoy 1.34+ sends it on the first message
                     st.duplex = req.protocol_config.request_body_mode == messages.FULL_DUPLEX

@@ -217,3 +217,34 @@ def test_killing_extproc_fails_open_to_default_cluster(tmp_path: Path, mode: dic
         assert status == 413 and json.loads(body)["error"]["code"] == "request_too_large"
     finally:
         stop_stack(st)
+
+
+def test_a_header_value_that_is_not_utf8_is_routed_or_refused_never_unrouted(
+        stack: Stack, mode: dict) -> None:
+    """With the request headers skipped they reach the router as string attributes, which
+    protobuf refuses when a value is not UTF-8: the message did not parse, Envoy failed the
+    request open, past shedding, the model check and the booking. Now it is the router's 400;
+    the three-message mode carries the header as bytes and routes."""
+    body = json.dumps(chat("bytes")).encode()
+    host, port = stack.url.rsplit("/", 1)[1].split(":")
+    raw = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: gorgo\r\nConnection: close\r\n"
+           b"Content-Type: application/json\r\nx-session-id: \xff\xfe\r\n"
+           b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+
+    async def send() -> bytes:
+        r, w = await asyncio.open_connection(host, int(port))
+        w.write(raw)
+        await w.drain()
+        data = await r.read()
+        w.close()
+        return data
+
+    head, _, answer = stack.lt.run(send()).partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    status = int(lines[0].split()[1])
+    headers = dict(line.lower().split(": ", 1) for line in lines[1:])
+    if mode:  # one message
+        assert status == 400, answer
+        assert json.loads(answer)["error"]["code"] == "invalid_header"
+    else:
+        assert status == 200 and headers["x-gorgo-replica"] == headers["x-served-by"]
