@@ -397,6 +397,19 @@ def _policy(headers: Mapping[str, str], known: Collection[str] | None) -> str | 
     return policy
 
 
+def _named_model(raw_body: bytes, limits: Limits) -> str | None:
+    """The model a request of another path (`routes.extra_paths`: embeddings, ...) names in its
+    JSON body, if it names one: where it can be served. Its body is the engine's to judge."""
+    if not raw_body:
+        return None
+    try:
+        body = parse_json_body(raw_body, limits.max_json_depth, limits.max_json_containers)
+    except RequestError:
+        return None
+    model = body.get("model")
+    return model if isinstance(model, str) and model.isascii() else None
+
+
 def extract_features(
     path: str,
     headers: Mapping[str, str],
@@ -414,8 +427,9 @@ def extract_features(
     slo = (_slo(headers, SLO_TTFT_HEADER), _slo(headers, SLO_TPOT_HEADER))
     endpoint = endpoint_for_path(path)
     if endpoint is None:
-        return RequestFeatures(None, None, False, None, headers.get(SESSION_HEADER) or None,
-                               0, 0, EMPTY_HASHES, policy, priority, *slo)
+        return RequestFeatures(None, _named_model(raw_body, limits), False, None,
+                               headers.get(SESSION_HEADER) or None, 0, 0, EMPTY_HASHES, policy,
+                               priority, *slo)
     body = parse_json_body(raw_body, limits.max_json_depth, limits.max_json_containers)
     text = prompt_text(endpoint, body, limits)
     model = body.get("model")

@@ -144,6 +144,8 @@ class Router:
         known = self.spec.models
         if f.model is None and len(known) == 1:
             return masks[known[0]]
+        if f.model is None and f.endpoint is None:  # /health, an extra path naming no model
+            return None
         mask = masks.get(f.model) if f.model is not None else None
         if mask is None:
             asked = "No model was named" if f.model is None else f"The model {f.model!r} does " \

@@ -87,6 +87,31 @@ def test_a_fleet_without_models_passes_models_through_to_an_engine() -> None:
     assert not answers[-1].HasField("immediate_response")
 
 
+def _routed_to(answers: list[Any]) -> str:
+    """The cluster the router's answer routes to (on the headers, or on the body)."""
+    routed = {h.header.key: h.header.raw_value.decode() for a in answers
+              for kind in ("request_headers", "request_body") if a.HasField(kind)
+              for h in getattr(a, kind).response.header_mutation.set_headers}
+    return routed["x-gorgo-cluster"]
+
+
+def test_other_paths_go_where_their_model_is_served_or_anywhere() -> None:
+    """`/health` and the extra paths (embeddings, ...) were 404 model_not_found in a fleet of
+    several models (no model in an inference body's place): now any replica, or one serving the
+    model their body names."""
+    router = Router(parse_fleet({**DOC, "routes": {"extra_paths": ["/v1/embeddings"]}}))
+    assert _routed_to(_process(router, "/health", "GET", None))
+    assert _routed_to(_process(router, "/v1/embeddings", "POST", b'{"input": "x"}'))
+    assert _routed_to(_process(router, "/v1/embeddings", "POST", b"not json"))
+    for model, cluster in (("alpha", "a1"), ("beta", "b1")):
+        for _ in range(3):
+            body = json.dumps({"model": model, "input": "x"}).encode()
+            assert _routed_to(_process(router, "/v1/embeddings", "POST", body)) == cluster
+    body = json.dumps({"model": "gamma", "input": "x"}).encode()
+    status, _, err = _immediate(_process(router, "/v1/embeddings", "POST", body))
+    assert status == 404 and err["error"]["code"] == "model_not_found"
+
+
 def _write(path: Path, doc: Any) -> None:
     """Atomically, as an operator's tooling (or a ConfigMap) replaces a file."""
     tmp = path.with_suffix(".tmp")
