@@ -9,7 +9,6 @@ from gorgo.core.terms import EXCLUDED, TERMS, TTFT
 from tuner.samples import (
     FOREIGN,
     MALFORMED,
-    NO_TTFT,
     OUT_OF_RANGE,
     SpanDropped,
     parse_export,
