@@ -67,6 +67,9 @@ UNKNOWN_REPLICA = "unknown_replica"  # samples naming a replica no router report
 # or from its span (late), a span ending an early one, or a repeat that counted for nothing.
 EARLY_TTFT, LATE_TTFT, ENDS_JOINED, DUPLICATES = ("early_ttft", "late_ttft", "ends_joined",
                                                   "duplicates")
+# A fresh start waits for a router's weights: asks every second, says so every 30 s.
+ROUTER_RETRY_S = 1.0
+ROUTER_WAIT_LOG_S = 30.0
 JOIN_SLACK_S = 30.0  # beyond the request timeout: Envoy's export buffering and retries
 
 
@@ -401,14 +404,15 @@ class TunerService:
                 for kind, s in held:
                     self._give(kind, s)
 
-    async def _initial_tuner(self) -> Tuner:
+    async def _initial_tuner(self, stop: asyncio.Event | None) -> Tuner:
         cfg = self.cfg
-        current = await asyncio.gather(*(self.publisher.fetch(t) for t in cfg.routers))
+        state = load_state(cfg.state_file, cfg.limits.max_ms)
+        current = await self._routers_now(wait=state is None and cfg.initial_weights is None,
+                                          stop=stop)
         self._heard(current)
         versions = [c["version"] for c in current
                     if isinstance(c, dict) and isinstance(c.get("version"), int)]
         hints = _hints(current)
-        state = load_state(cfg.state_file, cfg.limits.max_ms)
         if state is not None:
             try:
                 tuner = Tuner.restore(cfg.optimizer, state, calibration=cfg.calibration,
@@ -429,14 +433,40 @@ class TunerService:
             tuner.ensure_version_above(max(versions))
         return tuner
 
+    async def _routers_now(self, *, wait: bool,
+                           stop: asyncio.Event | None) -> list[dict[str, Any] | None]:
+        """Each router's GET /admin/weights (None where it did not answer). With ``wait`` (a
+        fresh start that takes the routers' live weights: no state, no `initial_weights`), until
+        one answers: starting from the defaults instead, and saving them, replaced the weights
+        the operator runs with the defaults on every router."""
+        waited = 0.0
+        while True:
+            current = await asyncio.gather(*(self.publisher.fetch(t, quiet=waited > 0)
+                                             for t in self.cfg.routers))
+            if not wait or any(isinstance(c, dict) for c in current):
+                return current
+            if waited % ROUTER_WAIT_LOG_S == 0:
+                log.warning("no router answered GET /admin/weights: waiting for one, to start "
+                            "from the weights it runs (or set initial_weights)")
+            if stop is not None:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), ROUTER_RETRY_S)
+                if stop.is_set():
+                    raise UserError("stopped before any router answered")
+            else:
+                await asyncio.sleep(ROUTER_RETRY_S)
+            waited += ROUTER_RETRY_S
+
     def save(self) -> None:
         if self._loaded and self.tuner.revision != self._saved:
             save_state(self.cfg.state_file, self.tuner.snapshot())
             self._saved = self.tuner.revision
 
-    async def start(self) -> None:
+    async def start(self, stop: asyncio.Event | None = None) -> None:
+        """Take the tuner's start (its state, or the routers' weights: a fresh start without
+        `initial_weights` waits for a router; ``stop`` ends that wait) and open the ports."""
         await self.publisher.__aenter__()
-        self.tuner = await self._initial_tuner()
+        self.tuner = await self._initial_tuner(stop)
         self._follow()  # a replica removed from the fleet file since the state was saved
         self._loaded = True
         self.save()
@@ -583,7 +613,7 @@ async def serve(cfg: TunerConfig) -> int:
     stop = asyncio.Event()
     shutdown.on_stop(stop.set)
     try:
-        await service.start()
+        await service.start(stop)
     except (OSError, RuntimeError) as exc:  # a port taken since the check (gRPC: RuntimeError)
         await service.stop()
         raise UserError(f"cannot start: {exc}") from None

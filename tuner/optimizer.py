@@ -1238,7 +1238,9 @@ class Tuner:
                     calibration=calibration, hints=hints, next_version=int(state["next_version"]))
             t.incumbent_p95 = _opt_float(state.get("incumbent_p95"))
             last_good = state.get("last_good")
-            t.last_good = None if last_good is None else point_from_state(last_good, fmt, keys)
+            # Inside today's bounds, as the incumbent is: a rollback publishes them.
+            t.last_good = (None if last_good is None
+                           else t._clip(point_from_state(last_good, fmt, keys)))
             t.last_good_p95 = _opt_float(state.get("last_good_p95"))
             t.sigma = min(float(state["sigma"]), config.max_sigma)
             t.failures = int(state["failures"])
@@ -1247,7 +1249,8 @@ class Tuner:
             t.phase = str(state["phase"])
             t.baseline_p95 = _opt_float(state.get("baseline_p95"))
             tried = state.get("model_tried")
-            t.model_tried = None if tried is None else point_from_state(tried, fmt, keys)
+            t.model_tried = (None if tried is None
+                             else t._clip(point_from_state(tried, fmt, keys)))
             t.rates = {str(k): float(v) for k, v in dict(state.get("prefill_rate") or {}).items()}
             t.history = list(state.get("history") or [])[-config.history:] if config.history else []
             n = config.spread_history

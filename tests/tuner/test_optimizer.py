@@ -1001,3 +1001,19 @@ def test_a_stream_that_fails_after_its_first_byte_is_an_error_where_e2e_is_score
         w = t.window_for(v)
         assert (w.errors, w.missing) == (error, 0)
         assert w.e2e == []
+
+
+def test_a_resumed_rollback_stays_inside_todays_bounds() -> None:
+    """A state saved on probation under wider bounds: the weights a rollback publishes (and the
+    fitted point already tried) are clipped to the configured bounds, as the incumbent is."""
+    state = Tuner(es_config(), W(1.0, 1.0)).snapshot()
+    state.update(last_good=W(20.0, 0.05), last_good_p95=50.0, incumbent_p95=45.0,
+                 model_tried=W(30.0, 0.01), phase=CONVERGED)
+    t = Tuner.restore(es_config(bounds=(0.5, 2.0), monitor_samples=5), state)
+    assert t.last_good == W(2.0, 0.5) and t.model_tried == W(2.0, 0.5)
+    v = t.next_weights(0.0).weights.version
+    for _ in range(6):
+        t.observe(mk(500.0, v))  # regressed against last_good's 50 ms: roll back
+    p = t.next_weights(1.0)
+    assert t.history[-2]["event"] == "rollback"
+    assert p.point == W(2.0, 0.5)

@@ -23,6 +23,8 @@ from extproc.telemetry import RouterMetrics
 from gorgo.core.fleet import parse_fleet
 from gorgo.core.router import Router
 from gorgo.core.weights import Weights
+from gorgo.errors import UserError
+from gorgo.harness.procs import free_port
 from tuner.main import ConfigError, TunerService, load_config
 from tuner.optimizer import KEYS, OptimizerConfig, Proposal
 from tuner.publisher import Publisher, RouterTarget
@@ -494,4 +496,45 @@ def test_spans_are_taken_while_a_verdict_computes_and_reach_the_tuner_after_it(
                 release.set()
                 await b.stop()
 
+    run(body)
+
+
+def test_a_fresh_start_waits_for_a_router_and_takes_its_weights(tmp_path: Path) -> None:
+    """No state, no initial_weights: the tuner starts from the weights the routers run. With no
+    router up yet it started from the defaults, saved them and published them everywhere."""
+    async def body() -> None:
+        a = RouterApp()
+        port = free_port()
+        a.url = f"http://127.0.0.1:{port}"
+        cfg = load_config(write_config(tmp_path, [a]))
+        svc = TunerService(cfg)
+        starting = asyncio.ensure_future(svc.start())
+        await asyncio.sleep(1.5)
+        assert not starting.done() and not cfg.state_file.exists()
+        a.router.state.set_weights(Weights(W(2.0, 0.5), 7))
+        await a.start(port)
+        try:
+            await asyncio.wait_for(starting, 10)
+            assert svc.tuner.incumbent == W(2.0, 0.5)
+            assert svc.tuner.next_version > 7
+        finally:
+            await svc.stop()
+            await a.stop()
+    run(body)
+
+
+def test_a_stop_while_waiting_for_a_router_saves_nothing(tmp_path: Path) -> None:
+    async def body() -> None:
+        a = RouterApp()
+        a.url = f"http://127.0.0.1:{free_port()}"
+        cfg = load_config(write_config(tmp_path, [a]))
+        svc = TunerService(cfg)
+        stop = asyncio.Event()
+        starting = asyncio.ensure_future(svc.start(stop))
+        await asyncio.sleep(0.5)
+        stop.set()
+        with pytest.raises(UserError, match="stopped before any router answered"):
+            await asyncio.wait_for(starting, 10)
+        await svc.stop()
+        assert not cfg.state_file.exists()
     run(body)
