@@ -37,6 +37,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -119,7 +120,8 @@ def _read_secret(base: Path, value: Any, key: str) -> str:
 
 def _positive(raw: Mapping[str, Any], key: str, default: float) -> float:
     value = raw.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+    if (isinstance(value, bool) or not isinstance(value, int | float) or not value > 0
+            or not math.isfinite(value)):
         raise ConfigError(f"{key}: expected a positive number, got {value!r}")
     return float(value)
 
@@ -146,6 +148,9 @@ def parse_config(raw: Any, base: Path) -> TunerConfig:
         url = r.get("url")
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
             raise ConfigError(f"{key}.url: expected an http(s) URL, got {url!r}")
+        if any(t.url == url.rstrip("/") for t in routers):
+            # two publishers to one router renumber each other's versions without end
+            raise ConfigError(f"{key}.url: {url} is listed twice")
         routers.append(RouterTarget(url.rstrip("/"), _read_secret(base, r.get("token_file"),
                                                                   f"{key}.token_file")))
     listen = raw.get("listen", "127.0.0.1:4317")
@@ -163,6 +168,9 @@ def parse_config(raw: Any, base: Path) -> TunerConfig:
     if isinstance(max_spans, bool) or not isinstance(max_spans, int) or max_spans < 1:
         raise ConfigError(f"max_export_spans: expected a positive integer, got {max_spans!r}")
     timeout_s = fleet.pop("request_timeout_s", Timeouts().request_s)
+    if "fleet" in raw and "request_timeout_s" in raw and raw["request_timeout_s"] != timeout_s:
+        raise ConfigError(f"request_timeout_s: {raw['request_timeout_s']!r} contradicts the "
+                          f"fleet file's timeouts.request_s {timeout_s!r}")
     limits = ExportLimits(max_ms=1000.0 * _positive(raw, "request_timeout_s", timeout_s),
                           max_spans=max_spans,
                           spans_per_s=_positive(raw, "max_spans_per_s", 2000.0))
@@ -179,8 +187,8 @@ def parse_config(raw: Any, base: Path) -> TunerConfig:
     if not isinstance(state_file, str) or not state_file:
         raise ConfigError("state_file: expected a file path")
     seed = raw.get("seed", 0)
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise ConfigError(f"seed: expected an integer, got {seed!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ConfigError(f"seed: expected an integer >= 0, got {seed!r}")
     opt_raw = raw.get("optimizer") or {}
     if not isinstance(opt_raw, Mapping):
         raise ConfigError("optimizer: expected a mapping")

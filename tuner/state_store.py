@@ -30,6 +30,7 @@ from gorgo.core.terms import OBJECTIVES, TTFT, weight_keys
 from gorgo.errors import UserError
 from tuner.optimizer import CONVERGED, EVALUATING, STATE_FORMAT, point_from_state
 
+P95_KEYS = ("incumbent_p95", "last_good_p95", "baseline_p95")
 
 class StateError(UserError, ValueError):
     """The state file exists but cannot be used; the message names the file."""
@@ -63,17 +64,26 @@ def load_state(path: str | Path, max_ms: float) -> dict[str, Any] | None:
     (no p95 can be longer)."""
     path = Path(path)
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         return None
     except OSError as exc:
         raise StateError(f"{path}: cannot read state file: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise StateError(f"{path}: not UTF-8 text; move it away to start afresh") from None
     try:
         state = json.loads(text)
     except (ValueError, RecursionError) as exc:  # JSONDecodeError is a ValueError
         raise StateError(f"{path}: not valid JSON ({exc}); move it away to start afresh") from None
     if not isinstance(state, dict):
         raise StateError(f"{path}: expected a JSON object")
+    for key in P95_KEYS:
+        # Scored under a longer request timeout than the fleet's today: no request can take
+        # that long any more, so the score is forgotten (measured again), not the whole state.
+        v = state.get(key)
+        if (not isinstance(v, bool) and isinstance(v, int | float) and math.isfinite(v)
+                and v > max_ms):
+            state[key] = None
     try:
         check_state(state, max_ms)
         # Beyond the checked fields (the history, say): Python reads NaN and Infinity, but the
@@ -142,7 +152,7 @@ def check_state(state: Mapping[str, Any], max_ms: float) -> None:
     if state.get("phase") not in (EVALUATING, CONVERGED):
         raise ValueError(f"phase: expected {EVALUATING} or {CONVERGED}, got "
                          f"{_short(state.get('phase'))}")
-    for key in ("incumbent_p95", "last_good_p95", "baseline_p95"):
+    for key in P95_KEYS:
         if state.get(key) is not None:
             _number(state[key], key, 0.0, max_ms)
     rates = state.get("prefill_rate") or {}

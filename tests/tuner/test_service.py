@@ -380,6 +380,12 @@ def test_unreadable_state_file_is_not_overwritten(tmp_path: Path) -> None:
     ({"request_timeout_s": 0}, "request_timeout_s"),
     ({"max_export_spans": 0}, "max_export_spans"),
     ({"max_spans_per_s": "lots"}, "max_spans_per_s"),
+    ({"request_timeout_s": float("inf")}, "request_timeout_s"),  # every range check off
+    ({"tick_s": float("nan")}, "tick_s"),
+    ({"seed": -1}, "seed"),  # numpy refused it at start, with a traceback
+    ({"routers": [{"url": "http://x:1", "token_file": "admin-token"},
+                  {"url": "http://x:1/", "token_file": "admin-token"}]},
+     r"routers\[1\].url: .* listed twice"),  # renumbered its own versions without end
 ])
 def test_config_errors_name_the_field(tmp_path: Path, extra: dict, match: str) -> None:
     class Fake:
@@ -459,6 +465,12 @@ def test_the_fleet_file_sets_the_objective_target_and_timeout(tmp_path: Path) ->
     path = write_config(tmp_path, [router], fleet="fleet.yaml", optimizer={"objective": "ttft"})
     with pytest.raises(ConfigError, match="contradicts the fleet file"):
         load_config(path)
+    # a shorter timeout than the fleet's silently dropped every slower request as out of range
+    path = write_config(tmp_path, [router], fleet="fleet.yaml", request_timeout_s=5)
+    with pytest.raises(ConfigError, match="request_timeout_s: 5 contradicts the fleet file"):
+        load_config(path)
+    cfg = load_config(write_config(tmp_path, [router], fleet="fleet.yaml", request_timeout_s=90))
+    assert cfg.limits.max_ms == 90_000.0
 
 
 def test_spans_are_taken_while_a_verdict_computes_and_reach_the_tuner_after_it(
