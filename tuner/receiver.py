@@ -23,7 +23,7 @@ import hmac
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +35,9 @@ from tuner.samples import Sample, count_records, count_spans, parse_export
 
 log = logging.getLogger("gorgo.tuner.receiver")
 MAX_MESSAGE_BYTES = 8 * 1024 * 1024  # an Envoy span is ~1 KB: room for max_spans and more
+# Exports in progress at once (each up to MAX_MESSAGE_BYTES in memory); more are refused with
+# RESOURCE_EXHAUSTED, which OTLP senders retry later.
+MAX_CONCURRENT_EXPORTS = 16
 REJECTED = "rejected"  # spans over the per-export or per-second limit, never parsed
 LOG_PREFIX = "log_"  # the TTFT log's counters: log_exports, log_records, log_samples, ...
 
@@ -80,6 +83,30 @@ class _LogsServicer(logs_service_pb2_grpc.LogsServiceServicer):
         return await self.receiver.export_logs(request, context)
 
 
+async def _refuse(_request: bytes, context: grpc.aio.ServicerContext) -> None:
+    await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+
+
+# No deserializer: an export without the token is refused unparsed.
+_REFUSED = grpc.unary_unary_rpc_method_handler(_refuse)
+
+
+class _TokenCheck(grpc.aio.ServerInterceptor):
+    """The bearer token, checked before the export is parsed: checked in the handler, eight
+    senders of 6 MB exports with a wrong token took the tuner from 71 MB to 4.9 GB (each parsed
+    into protobuf objects first) and its exports' answers past Envoy's 1 s timeout."""
+
+    def __init__(self, receiver: TraceReceiver) -> None:
+        self.receiver = receiver
+
+    async def intercept_service(self, continuation: Any,
+                                details: grpc.HandlerCallDetails) -> Any:
+        if self.receiver.authorized(details.invocation_metadata):
+            return await continuation(details)
+        self.receiver.counts["unauthenticated"] += 1
+        return _REFUSED
+
+
 class TraceReceiver(trace_service_pb2_grpc.TraceServiceServicer):
     def __init__(self, on_samples: Callable[[list[Sample]], None], token: str | None,
                  limits: ExportLimits, clock: Callable[[], float] = time.monotonic) -> None:
@@ -95,10 +122,10 @@ class TraceReceiver(trace_service_pb2_grpc.TraceServiceServicer):
         self.port = 0
         self._server: grpc.aio.Server | None = None
 
-    def _authorized(self, context: grpc.aio.ServicerContext) -> bool:
+    def authorized(self, metadata: Sequence[tuple[str, Any]] | None) -> bool:
         if self._token is None:
             return True
-        for key, value in context.invocation_metadata() or ():
+        for key, value in metadata or ():
             if key.lower() == "authorization":
                 given = value.decode() if isinstance(value, bytes) else str(value)
                 scheme, _, token = given.partition(" ")
@@ -140,9 +167,6 @@ class TraceReceiver(trace_service_pb2_grpc.TraceServiceServicer):
                       context: grpc.aio.ServicerContext, prefix: str) -> int:
         """Parse what the limits allow of one export and hand its samples on; how many of its
         ``total`` items were rejected. Counters of the log input carry ``prefix``."""
-        if not self._authorized(context):
-            self.counts["unauthenticated"] += 1
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
         take = bucket.take(total, self._clock())
         self._exports += 1
         samples, dropped = parse_export(request, self.limits.max_ms, self._exports, take)
@@ -165,10 +189,12 @@ class TraceReceiver(trace_service_pb2_grpc.TraceServiceServicer):
         tls: tuple[bytes, bytes] | None = None,
     ) -> int:
         """Listen; ``tls`` is (certificate chain PEM, private key PEM). Returns the bound port."""
-        self._server = grpc.aio.server(options=[
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.so_reuseport", 0),  # a port in use fails instead of being shared
-        ])
+        self._server = grpc.aio.server(
+            interceptors=[_TokenCheck(self)], maximum_concurrent_rpcs=MAX_CONCURRENT_EXPORTS,
+            options=[
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.so_reuseport", 0),  # a port in use fails instead of being shared
+            ])
         trace_service_pb2_grpc.add_TraceServiceServicer_to_server(self, self._server)
         logs_service_pb2_grpc.add_LogsServiceServicer_to_server(_LogsServicer(self), self._server)
         address = f"{host}:{port}"

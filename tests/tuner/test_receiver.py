@@ -79,6 +79,31 @@ def test_token_is_required_when_configured(span_builders, metadata, code) -> Non
     assert rx.counts["unauthenticated"] == (0 if code == grpc.StatusCode.OK else 1)
 
 
+@pytest.mark.parametrize(("metadata", "code"), [
+    ((("authorization", "Bearer nope"),), grpc.StatusCode.UNAUTHENTICATED),
+    ((("authorization", "Bearer tok-123"),), grpc.StatusCode.UNKNOWN),  # parsed: no protobuf
+])
+def test_an_export_without_the_token_is_refused_before_it_is_parsed(metadata, code) -> None:
+    """Bytes that are no protobuf message: refused for the token (never parsed; parsing first
+    let unauthenticated senders take the tuner to gigabytes), a parse error with it."""
+    rx = TraceReceiver(lambda _: None, "tok-123", LIMITS)
+
+    async def go() -> grpc.StatusCode:
+        await rx.start("127.0.0.1", 0)
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{rx.port}") as channel:
+                call = channel.unary_unary(
+                    "/opentelemetry.proto.collector.trace.v1.TraceService/Export")
+                await call(b"\xff\xff\xff\xff", metadata=metadata, timeout=5)
+                return grpc.StatusCode.OK
+        except grpc.aio.AioRpcError as exc:
+            return exc.code()
+        finally:
+            await rx.stop()
+
+    assert asyncio.run(go()) == code
+
+
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl CLI")
 def test_tls(tmp_path: Path, span_builders) -> None:
     attrs, span, export = span_builders
