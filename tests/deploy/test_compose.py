@@ -415,7 +415,7 @@ def test_collector_config_is_wired(services: dict[str, Any]) -> None:
     cfg = _collector()
     used: dict[str, set[str]] = {"receivers": set(), "processors": set(), "exporters": set()}
     for name, pipe in cfg["service"]["pipelines"].items():
-        assert name.split("/")[0] == "traces"
+        assert name.split("/")[0] in ("traces", "logs")
         for kind in used:
             for component in pipe[kind]:
                 assert component in cfg[kind], f"pipeline {name}: no {kind[:-1]} {component}"
@@ -435,6 +435,11 @@ def test_collector_config_is_wired(services: dict[str, Any]) -> None:
         sent_to = {targets[e] for e in cfg["service"]["pipelines"][pipeline]["exporters"]}
         tuner_cfg = yaml.safe_load(_repo_file(services[tuner], tuners[tuner].config).read_text())
         assert sent_to == {("jaeger", 4317), (tuner, _hostport(tuner_cfg["listen"])[1])}
+        # the TTFT access log: from the same receiver, to the tuner alone (Jaeger takes no logs)
+        logs = cfg["service"]["pipelines"][pipeline.replace("traces", "logs")]
+        assert logs["receivers"] == cfg["service"]["pipelines"][pipeline]["receivers"]
+        assert {targets[e] for e in logs["exporters"]} == {
+            (tuner, _hostport(tuner_cfg["listen"])[1])}
     jaeger = services["jaeger"]["command"]
     assert "receivers.otlp.protocols.grpc.endpoint=0.0.0.0:4317" in jaeger
 
@@ -451,6 +456,14 @@ def test_each_pipeline_serves_one_envoy() -> None:
         _, port = _cluster_address(_clusters(boot)[OTLP_CLUSTER])
         (receiver,) = cfg["service"]["pipelines"][pipeline]["receivers"]
         assert port_of[receiver] == port
+        # its TTFT access log goes to the same receiver, which has a logs pipeline
+        hcm = boot["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+        otel_logs = [a["typed_config"]["grpc_service"]["envoy_grpc"]
+                     ["cluster_name"] for a in hcm["typed_config"].get("access_log", ())
+                     if a["name"] == "envoy.access_loggers.open_telemetry"]
+        assert otel_logs == [OTLP_CLUSTER]
+        assert cfg["service"]["pipelines"][pipeline.replace("traces", "logs")]["receivers"] == [
+            receiver]
 
 
 def test_tuner_configs_parse_and_reach_their_router(services: dict[str, Any],
