@@ -38,6 +38,7 @@ import contextlib
 import json
 import logging
 import math
+import ssl
 from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -183,6 +184,12 @@ def parse_config(raw: Any, base: Path) -> TunerConfig:
             tls = ((base / cert).read_bytes(), (base / key).read_bytes())
         except (OSError, TypeError) as exc:
             raise ConfigError(f"tls_cert_file: cannot read the certificate or key: {exc}") from None
+        try:  # gRPC reports a bad PEM only as "Failed to bind", naming the port instead
+            ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(
+                base / cert, base / key)
+        except ssl.SSLError as exc:
+            raise ConfigError(f"tls_cert_file: the certificate and key do not load as a PEM "
+                              f"pair: {exc}") from None
     state_file = raw.get("state_file", "gorgo-tuner-state.json")
     if not isinstance(state_file, str) or not state_file:
         raise ConfigError("state_file: expected a file path")

@@ -371,6 +371,8 @@ def test_unreadable_state_file_is_not_overwritten(tmp_path: Path) -> None:
     ({"optimizer": {"bounds": {"warp": [1, 2]}}}, r"optimizer\.bounds\.warp"),
     ({"calibration": {"window": "big"}}, "calibration.window"),
     ({"tls_cert_file": "cert.pem"}, "tls"),
+    ({"tls_cert_file": "admin-token", "tls_key_file": "otlp-token"},
+     "tls_cert_file: the certificate and key do not load"),
     ({"initial_weights": {"rtt": 1}}, "initial_weights"),
     ({"initial_weights": {"rtt": 1, "queue": 1, "warp": 1}}, "initial_weights"),
     ({"initial_weights": {"rtt": 1, "queue": -1}}, "queue"),
