@@ -31,6 +31,7 @@ from gorgo.errors import UserError
 from tuner.optimizer import CONVERGED, EVALUATING, STATE_FORMAT, point_from_state
 
 P95_KEYS = ("incumbent_p95", "last_good_p95", "baseline_p95")
+LOWERED_TIMEOUT = 10.0
 
 class StateError(UserError, ValueError):
     """The state file exists but cannot be used; the message names the file."""
@@ -78,11 +79,12 @@ def load_state(path: str | Path, max_ms: float) -> dict[str, Any] | None:
     if not isinstance(state, dict):
         raise StateError(f"{path}: expected a JSON object")
     for key in P95_KEYS:
-        # Scored under a longer request timeout than the fleet's today: no request can take
-        # that long any more, so the score is forgotten (measured again), not the whole state.
+        # Scored under a longer request timeout than the fleet's today (lowered since, up to
+        # LOWERED_TIMEOUT x): no request takes that long any more, so the score is forgotten
+        # (measured again), not the whole state. Beyond that, it is no score (refused below).
         v = state.get(key)
-        if (not isinstance(v, bool) and isinstance(v, int | float) and math.isfinite(v)
-                and v > max_ms):
+        if (not isinstance(v, bool) and isinstance(v, int | float)
+                and max_ms < v <= LOWERED_TIMEOUT * max_ms):
             state[key] = None
     try:
         check_state(state, max_ms)

@@ -250,7 +250,8 @@ def test_the_shipped_collector_config_runs_the_same_rewrite() -> None:
     (group,) = transform["trace_statements"]
     assert group["context"] == "span" and group["statements"] == ottl_statements()
     for name, pipeline in cfg["service"]["pipelines"].items():
-        assert pipeline["processors"][0] == "transform/genai", name
+        if name.startswith("traces"):  # the logs pipelines carry Envoy's TTFT log, no spans
+            assert pipeline["processors"][0] == "transform/genai", name
 
 
 @pytest.mark.parametrize(("attrs", "expected"), [

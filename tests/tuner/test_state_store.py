@@ -68,10 +68,15 @@ def test_scores_above_a_lowered_request_timeout_are_forgotten_not_the_state(
         tmp_path: Path) -> None:
     path = tmp_path / "state.json"
     path.write_text(json.dumps(state(incumbent_p95=45_000.0, last_good_p95=1_000.0,
-                                     baseline_p95=1.7e305)))
+                                     baseline_p95=300_000.0)))
     loaded = load_state(path, 30_000.0)
     assert loaded["incumbent_p95"] is None and loaded["last_good_p95"] == 1_000.0
-    assert loaded["baseline_p95"] is None  # once switched regression detection off
+    assert loaded["baseline_p95"] is None
+    # far beyond any timeout it was scored under: no score (it once switched regression
+    # detection off), the state is refused
+    path.write_text(json.dumps(state(incumbent_p95=1.7e305)))
+    with pytest.raises(StateError, match="incumbent_p95"):
+        load_state(path, 30_000.0)
     assert loaded["next_version"] == state()["next_version"]
 
 
