@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 from opentelemetry.proto.collector.logs.v1 import logs_service_pb2, logs_service_pb2_grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
@@ -89,6 +90,7 @@ async def _refuse(_request: bytes, context: grpc.aio.ServicerContext) -> None:
 
 # No deserializer: an export without the token is refused unparsed.
 _REFUSED = grpc.unary_unary_rpc_method_handler(_refuse)
+_UNPARSABLE = object()
 
 
 class _TokenCheck(grpc.aio.ServerInterceptor):
@@ -101,10 +103,35 @@ class _TokenCheck(grpc.aio.ServerInterceptor):
 
     async def intercept_service(self, continuation: Any,
                                 details: grpc.HandlerCallDetails) -> Any:
-        if self.receiver.authorized(details.invocation_metadata):
-            return await continuation(details)
-        self.receiver.counts["unauthenticated"] += 1
-        return _REFUSED
+        if not self.receiver.authorized(details.invocation_metadata):
+            self.receiver.counts["unauthenticated"] += 1
+            return _REFUSED
+        handler = await continuation(details)
+        if handler is None or handler.unary_unary is None:
+            return handler
+        return self._lenient(handler)
+
+    def _lenient(self, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+        """``handler`` with a message that does not parse answered INVALID_ARGUMENT (and
+        counted), not an UNKNOWN with a traceback in the log."""
+        parse, call = handler.request_deserializer, handler.unary_unary
+        counts = self.receiver.counts
+
+        def read(data: bytes) -> Any:
+            try:
+                return parse(data)
+            except DecodeError:
+                return _UNPARSABLE
+
+        async def checked(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            if request is _UNPARSABLE:
+                counts["unparsable"] += 1
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    "not an OTLP export message")
+            return await call(request, context)
+
+        return grpc.unary_unary_rpc_method_handler(
+            checked, request_deserializer=read, response_serializer=handler.response_serializer)
 
 
 class TraceReceiver(trace_service_pb2_grpc.TraceServiceServicer):

@@ -81,7 +81,7 @@ def test_token_is_required_when_configured(span_builders, metadata, code) -> Non
 
 @pytest.mark.parametrize(("metadata", "code"), [
     ((("authorization", "Bearer nope"),), grpc.StatusCode.UNAUTHENTICATED),
-    ((("authorization", "Bearer tok-123"),), grpc.StatusCode.UNKNOWN),  # parsed: no protobuf
+    ((("authorization", "Bearer tok-123"),), grpc.StatusCode.INVALID_ARGUMENT),  # parsed
 ])
 def test_an_export_without_the_token_is_refused_before_it_is_parsed(metadata, code) -> None:
     """Bytes that are no protobuf message: refused for the token (never parsed; parsing first
@@ -102,6 +102,7 @@ def test_an_export_without_the_token_is_refused_before_it_is_parsed(metadata, co
             await rx.stop()
 
     assert asyncio.run(go()) == code
+    assert rx.counts["unparsable"] == (code == grpc.StatusCode.INVALID_ARGUMENT)
 
 
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl CLI")
