@@ -201,7 +201,7 @@ class ExtProcService(ExternalProcessorServicer):
                     yield pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
                 elif kind == "response_body":
                     yield pb.ProcessingResponse(response_body=pb.BodyResponse())
-                if pending and self._last_message(kind, req):
+                if pending and not st.duplex and self._last_message(kind, req):
                     pending = False
                     self.pending_streams -= 1
         finally:
@@ -216,7 +216,9 @@ class ExtProcService(ExternalProcessorServicer):
 
     def _last_message(self, kind: str | None, req: pb.ProcessingRequest) -> bool:
         """Whether the message just answered is the last Envoy sends the router: the response
-        headers, or with those skipped, the end of the request."""
+        headers, or with those skipped, the end of the request. (Not in full-duplex mode: Envoy
+        may still send the response trailers there, and a stream closed before the response
+        ends fails it; such a stream holds a drain until it closes.)"""
         if kind == "response_headers":
             return True
         if not self.router.spec.extproc.skip_response_headers:
@@ -304,6 +306,7 @@ class ExtProcService(ExternalProcessorServicer):
             return [head]
         # A body answer without a body message is out of order for Envoy: none when none came.
         out = [head, *(messages.stream_body(body, not trailers) if st.chunks else [])]
+        st.chunks = []  # handed back: not held while the response streams (minutes)
         if trailers:
             out.append(messages.CONTINUE_REQUEST_TRAILERS)
         return out

@@ -288,6 +288,32 @@ def test_a_stopped_router_drains_its_streams_and_envoy_fails_new_ones_open(
         stop_stack(st)
 
 
+def test_a_stop_lets_the_answers_streaming_through_the_router_end_whole(tmp_path: Path) -> None:
+    """The router's stream lasts as long as the response (the response trailers are sent to
+    it), and closing it earlier fails the response: a stop waits for the answers to end."""
+    st = _stack(tmp_path, n=2)
+    hold = asyncio.Event()
+    try:
+        for u in st.upstreams:
+            u.hold = hold
+        body = json.dumps({**chat("streaming"), "stream": True}).encode()
+        held = [asyncio.run_coroutine_threadsafe(
+            post(st.url + "/v1/chat/completions", body, {}), st.lt.loop) for _ in range(2)]
+        assert wait_for(lambda: sum(len(u.served) for u in st.upstreams) == 2, 10)
+        time.sleep(0.5)  # the response headers and first chunks are out
+        os.kill(st.extproc.p.pid, signal.SIGTERM)
+        time.sleep(2.5)  # past the drain's quiet time: the streams still hold it
+        assert st.extproc.p.poll() is None
+        st.lt.loop.call_soon_threadsafe(hold.set)
+        answers = [h.result(timeout=30) for h in held]
+        assert [a[0] for a in answers] == [200, 200]
+        assert all(a[2].endswith(b"data: [DONE]\n\n") for a in answers)
+        assert st.extproc.p.wait(30) == 0
+    finally:
+        st.lt.loop.call_soon_threadsafe(hold.set)
+        stop_stack(st)
+
+
 @pytest.mark.slow
 def test_fails_open_to_the_default_cluster_once_the_router_is_down(tmp_path: Path) -> None:
     """Envoy ignores failure_mode_allow once it has streamed body to the router, so the rendered
