@@ -63,12 +63,12 @@ def open_requests(base: str) -> int:
 
 
 def main(args: argparse.Namespace) -> int:
-    if not (0 <= args.min_s <= args.timeout_s):
-        raise UserError("need 0 <= --min-s <= --timeout-s")
     base = args.admin if "://" in args.admin else f"http://{args.admin}"
     base = base.rstrip("/")
     t0 = time.monotonic()
-    try:
+    try:  # whatever happens, the done file: Envoy's own hook waits on it
+        if not (0 <= args.min_s <= args.timeout_s):
+            raise UserError("need 0 <= --min-s <= --timeout-s")
         _admin(base, "/drain_listeners?graceful", "POST")
         while True:
             waited = time.monotonic() - t0

@@ -274,6 +274,7 @@ class Window:
     sources: Counter[int] = field(default_factory=Counter)  # samples received per export
     needs_end: bool = False  # a request counts once its E2E is in (the e2e objective)
     e2e_arrival: list[float] = field(default_factory=list)  # of the E2E values, as ``arrival``
+    failed: set[str] = field(default_factory=set)  # decisions counted among ``errors``
 
     def add(self, s: Sample) -> None:
         """A decision's first sample: its TTFT (an early one: the stream is still open), and its
@@ -288,6 +289,7 @@ class Window:
                 self.end(s)
         else:
             self.errors += 1
+            self.failed.add(s.decision_id)
 
     def end(self, s: Sample) -> None:
         """The E2E of a decision whose TTFT this window already holds (or holds now). A stream
@@ -297,8 +299,9 @@ class Window:
             self.e2e.append(s.e2e_ms)
             if s.arrival_s > 0:
                 self.e2e_arrival.append(s.arrival_s)
-        elif self.needs_end:
+        elif self.needs_end and s.decision_id not in self.failed:  # once per request
             self.errors += 1
+            self.failed.add(s.decision_id)
 
     @property
     def n(self) -> int:

@@ -188,18 +188,22 @@ def parse_attributes(attrs: dict[str, Any], start: int, end: int | None, max_ms:
     if first_byte and not 100 <= status <= 599:
         raise SpanDropped(MALFORMED, f"{STATUS_ATTR}={status}")
     if not first_byte:
-        # A decided request that ended with no byte from its replica (Envoy's own 503 or 504,
-        # a client that gave up waiting: status 0) failed as its user saw it: an error sample,
-        # waited for its whole E2E, never left out (weights that make requests fail or stall
-        # would otherwise be scored on the survivors).
-        if not (0 <= status <= 599):
-            raise SpanDropped(MALFORMED, f"{STATUS_ATTR}={status}")
-        status = status if status >= 400 else NO_FIRST_BYTE_STATUS
+        # A decided request that ended with no byte from its replica and an error (Envoy's own
+        # 503, its 504 at the route timeout, a client that gave up waiting: status 0) failed as
+        # its user saw it: an error sample, never left out (weights that make requests fail or
+        # stall would otherwise be scored on the survivors). A success with no body (an empty
+        # 200 of /health) says nothing of a first token.
+        if not (status == 0 or 400 <= status <= 599):
+            raise SpanDropped(NO_TTFT if 100 <= status < 400 else MALFORMED,
+                              f"no first byte, {STATUS_ATTR}={status}")
+        status = status or NO_FIRST_BYTE_STATUS
     assert end is not None or first_byte
+    # An error without a first byte waited at least its E2E, at most the request timeout (the
+    # route's timeout, which starts once the request is in, ends it a little past max_ms).
+    waited_ms = min((end - start) / 1e6, max_ms) if end is not None else math.nan
     s = Sample(
-        ttft_ms=(_number(attrs, TTFT_ATTR) / 1000.0 if first_byte
-                 else (end - start) / 1e6),  # type: ignore[operator]
-        e2e_ms=math.nan if end is None else (end - start) / 1e6,
+        ttft_ms=_number(attrs, TTFT_ATTR) / 1000.0 if first_byte else waited_ms,
+        e2e_ms=math.nan if end is None else (end - start) / 1e6 if first_byte else waited_ms,
         status=status,
         replica=_text(attrs, SPAN_PREFIX + "replica"),
         region=_text(attrs, SPAN_PREFIX + "region"),

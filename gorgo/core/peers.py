@@ -151,6 +151,11 @@ class PeerBookings:
     def __len__(self) -> int:
         return len(self._open)
 
+    @property
+    def seqs(self) -> int:
+        """The decode sequences the open bookings hold (as many as bookings for n = 1)."""
+        return sum(h.seqs for h in self._open.values())
+
     def live_peers(self, now: float) -> int:
         """Peers whose last booking came within ``PEER_LIVE_S``."""
         return sum(1 for at in self._heard.values() if at > now - PEER_LIVE_S)

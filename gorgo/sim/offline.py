@@ -114,8 +114,9 @@ def _leaked(router: Router) -> int:
     """What a router still books at the end beyond its peers' open bookings (the last closes may
     still be on their way), counted as requests or as decode sequences, whichever is off more:
     a request of n choices released as one leaves n - 1 sequences booked."""
-    s, held = router.state, len(router.peers)
-    return max(abs(int(s.inflight_reqs.sum()) - held), abs(int(s.inflight_seqs.sum()) - held))
+    s, peers = router.state, router.peers
+    return max(abs(int(s.inflight_reqs.sum()) - len(peers)),
+               abs(int(s.inflight_seqs.sum()) - peers.seqs))
 
 class Network:
     """Jittered one-way delays per replica, from its region's link."""

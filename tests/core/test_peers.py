@@ -224,6 +224,7 @@ def test_a_peers_request_of_several_sequences_books_them_all() -> None:
     assert s.inflight_reqs[d.replica] == 1
     assert s.inflight_seqs[d.replica] == 4 == a.state.inflight_seqs[d.replica]
     assert s.inflight_context[d.replica] == 4 * f.prompt_tokens
+    assert (len(b.peers), b.peers.seqs) == (1, 4)
     a.complete(d.id)
     deliver(a, b)
     assert s.inflight_seqs.sum() == 0 and s.inflight_context.sum() == 0

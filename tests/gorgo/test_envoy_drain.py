@@ -77,3 +77,11 @@ def test_an_unreachable_admin_is_one_line_and_the_done_file_is_written(tmp_path:
     assert out.returncode == 2
     assert out.stderr.count("\n") == 1 and "cannot reach Envoy's admin" in out.stderr
     assert done.exists()
+
+
+def test_bad_arguments_are_one_line_and_still_write_the_done_file(tmp_path: Path) -> None:
+    done = tmp_path / "drained"
+    out = subprocess.run([str(BIN / "gorgo"), "envoy-drain", "--timeout-s", "3",  # < --min-s 5
+                          "--done-file", str(done)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "--min-s <= --timeout-s" in out.stderr
+    assert done.exists()

@@ -1001,6 +1001,11 @@ def test_a_stream_that_fails_after_its_first_byte_is_an_error_where_e2e_is_score
         w = t.window_for(v)
         assert (w.errors, w.missing) == (error, 0)
         assert w.e2e == []
+        # a request whose TTFT log entry already said it failed is one error, not two
+        t.routed(v, 2)
+        t.observe(replace(early_mk(100.0, v, "d1"), status=503))
+        t.observe_end(replace(mk(100.0, v, status=503), decision_id="d1"))
+        assert (w.errors, w.missing) == (error + 1, 0)
 
 
 def test_a_resumed_rollback_stays_inside_todays_bounds() -> None:

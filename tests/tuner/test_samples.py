@@ -9,6 +9,7 @@ from gorgo.core.terms import EXCLUDED, TERMS, TTFT
 from tuner.samples import (
     FOREIGN,
     MALFORMED,
+    NO_TTFT,
     OUT_OF_RANGE,
     SpanDropped,
     parse_export,
@@ -92,7 +93,7 @@ def test_unusable_spans_are_dropped_with_a_reason(span_builders, over, reason) -
 
 
 @pytest.mark.parametrize(("status", "seen"), [("503", 503), ("504", 504), ("0", 503),
-                                              ("200", 503), ("-", None)])
+                                              ("200", NO_TTFT), ("-", MALFORMED)])
 def test_a_request_that_ended_with_no_first_byte_is_an_error_never_left_out(
         span_builders, status, seen) -> None:
     """Envoy's own 503/504, or a client that gave up waiting (status 0): scored as a failure,
@@ -100,13 +101,22 @@ def test_a_request_that_ended_with_no_first_byte_is_an_error_never_left_out(
     survivors."""
     attrs, span, _ = span_builders
     for ttft in (None, "-"):
-        if seen is None:
-            with pytest.raises(SpanDropped, match=MALFORMED):
+        if isinstance(seen, str):  # an empty success (a /health probe) is no error
+            with pytest.raises(SpanDropped, match=seen):
                 parse(span(attrs(**{TTFT_ATTR: ttft}, http__status_code=status)))
             continue
         s = parse(span(attrs(**{TTFT_ATTR: ttft}, http__status_code=status), duration_ms=900.0))
         assert (s.status, s.ok) == (seen, False)
         assert s.ttft_ms == pytest.approx(900.0) and s.e2e_ms == pytest.approx(900.0)
+
+
+def test_a_504_at_the_route_timeout_is_an_error_not_out_of_range(span_builders) -> None:
+    """Envoy's route timeout is the request timeout, counted from the request's end: its 504
+    span lasts a little longer than max_ms."""
+    attrs, span, _ = span_builders
+    s = parse(span(attrs(**{TTFT_ATTR: "-"}, http__status_code="504"),
+                   duration_ms=MAX_MS + 5.2))
+    assert (s.status, s.ok, s.e2e_ms, s.ttft_ms) == (504, False, MAX_MS, MAX_MS)
 
 
 def test_a_first_byte_after_the_span_ended_is_malformed(span_builders) -> None:
