@@ -22,6 +22,7 @@ import aiohttp
 
 from extproc.engine_metrics import decimal_count
 from extproc.telemetry import RepeatedFailures, log_event
+from gorgo.core.fleet import FleetSpec
 from gorgo.core.router import Router
 
 log = logging.getLogger("gorgo.envoy_admin")
@@ -56,10 +57,9 @@ class EnvoyOutcomes:
         self.clock = clock
         base = admin if "://" in admin else f"http://{admin}"
         self.url = base.rstrip("/") + "/clusters?format=json"
-        replicas = router.spec.replicas
-        self._by_cluster = {r.cluster: i for i, r in enumerate(replicas)}
-        self._by_host = {(r.host.removeprefix("[").removesuffix("]"), r.port): i
-                         for i, r in enumerate(replicas)}
+        self._spec: FleetSpec | None = None  # the fleet the maps below index
+        self._by_cluster: dict[str, int] = {}
+        self._by_host: dict[tuple[str, int], int] = {}
         # (cluster, host:port) -> (rq_error, rq_success, ejected) at the last poll
         self._last: dict[tuple[str, str], tuple[int, int, bool]] = {}
         self._task: asyncio.Task | None = None
@@ -113,9 +113,21 @@ class EnvoyOutcomes:
             i = self._by_host.get((host, port))
         return i
 
+    def _index(self) -> None:
+        """Map clusters and addresses to the running fleet's replica indices, again after each
+        reload (a reordered, shrunk or grown fleet charged errors to the wrong replica)."""
+        spec = self.router.spec
+        if spec is self._spec:
+            return
+        self._spec = spec
+        self._by_cluster = {r.cluster: i for i, r in enumerate(spec.replicas)}
+        self._by_host = {(r.host.removeprefix("[").removesuffix("]"), r.port): i
+                         for i, r in enumerate(spec.replicas)}
+
     def apply(self, data: Mapping[str, Any], now: float) -> None:
         """Apply one /clusters?format=json answer; the first sight of a host (or a counter that
         went back, Envoy restarted) only sets the baseline."""
+        self._index()
         s = self.router.state
         for cluster in map(_dict, _list(_dict(data).get("cluster_statuses"))):
             name = cluster.get("name")

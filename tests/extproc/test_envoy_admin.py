@@ -66,6 +66,27 @@ def test_shared_clusters_count_by_address_and_a_restarted_envoy_is_a_new_baselin
     assert s.failures.tolist() == [0, 0]  # answered without error since: a success, as a 2xx
 
 
+def test_after_a_reload_errors_go_to_the_replica_that_had_them() -> None:
+    """The maps were built once: a reordered fleet charged r0's errors to r2, a shrunk one
+    raised IndexError at every poll, an added replica's errors went nowhere."""
+    doc = {**FLEET, "replicas": [*FLEET["replicas"], {
+        "name": "r2", "region": "a", "address": "127.0.0.1:20002", "engine": "sglang"}]}
+    router = Router(parse_fleet(doc))
+    out = EnvoyOutcomes(router, "127.0.0.1:9901", clock=lambda: 100.0)
+    hosts = [("r0", [_host(20000, 0, 5)]), ("r1", [_host(20001, 0, 5)]),
+             ("r2", [_host(20002, 0, 5)])]
+    out.apply(_clusters(*hosts), 100.0)
+    router.reload(parse_fleet({**doc, "replicas": doc["replicas"][::-1]}))  # r2, r1, r0
+    hosts[0] = ("r0", [_host(20000, 3, 5)])
+    out.apply(_clusters(*hosts), 100.0)
+    s = router.state
+    assert s.names == ["r2", "r1", "r0"] and s.failures.tolist() == [0, 0, 3]
+    router.reload(parse_fleet({**doc, "replicas": doc["replicas"][2:]}))  # r2 alone
+    hosts[2] = ("r2", [_host(20002, 1, 5)])
+    out.apply(_clusters(*hosts), 100.0)
+    assert router.state.names == ["r2"] and router.state.failures.tolist() == [1]
+
+
 def test_an_ejection_by_envoy_counts_once() -> None:
     router, out = _outcomes()
     s = router.state
