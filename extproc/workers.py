@@ -117,12 +117,27 @@ class _Merged:
         return [*families.values(), *self.own.collect()]
 
 
+def worker_ports(base: int, n: int, metrics_port: int) -> list[int]:
+    """The workers' gRPC ports: ``base`` and up, past the supervisor's metrics port (the
+    defaults, 50051 and 50052, made worker 1 take the metrics port and the start fail); all 0
+    (any free port) when ``base`` is 0."""
+    if base <= 0:
+        return [0] * n
+    ports: list[int] = []
+    p = base
+    while len(ports) < n:
+        if p != metrics_port:
+            ports.append(p)
+        p += 1
+    return ports
+
+
 class Supervisor:
     def __init__(self, args: argparse.Namespace, n: int, token: str | None) -> None:
         self.args = args
         self.token = token
-        base = args.port
-        self.workers = [Worker(k, base + k if base > 0 else 0) for k in range(n)]
+        self.workers = [Worker(k, p) for k, p in enumerate(worker_ports(args.port, n,
+                                                                         args.metrics_port))]
         self.replay: dict[str, Any] | None = None  # the weights every worker runs, once PUT
         self.stopping = False
         self.metrics_port = 0
@@ -147,7 +162,8 @@ class Supervisor:
         for w in self.workers:
             if w.port:
                 check_port(a.host, w.port, f"worker {w.index}'s gRPC server on {a.host}:{w.port}",
-                           "free it or pick another --port (workers use PORT..PORT+N-1)")
+                           "free it or pick another --port (workers use PORT and up, past "
+                           "--metrics-port)")
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30))
         for w in self.workers:  # one after another: a bad fleet fails once, not N times
             await self._spawn(w)

@@ -665,7 +665,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--listen", default="0.0.0.0:10000", help="Envoy listener HOST:PORT")
     p.add_argument("--extproc", default="127.0.0.1:50051",
                    help="gorgo extproc HOST:PORT; several, comma-separated, for the ports of "
-                        "`gorgo extproc --workers N` (PORT..PORT+N-1) or several routers")
+                        "`gorgo extproc --workers N` (PORT and up, past --metrics-port) or "
+                        "several routers")
     p.add_argument("--otlp", default=None, help="OTLP/gRPC collector HOST:PORT (enables tracing)")
     p.add_argument("--otlp-token-file", default=None,
                    help="the tuner's OTLP bearer token, sent with every export (the rendered "

@@ -110,7 +110,12 @@ def main(args: argparse.Namespace) -> int:
         if args.router:
             token = _token(args.token_file)
             result = live(args.router, token, args.path, headers, _body(args.body))
-            print(json.dumps(result, indent=2))
+            try:  # the router's answer is an Explanation's to_dict
+                table = Explanation(result["policy"], result["winner"], result["reason"],
+                                    result["replicas"]).table()
+            except (KeyError, TypeError):  # another shape (an older router): as it came
+                table = None
+            print(json.dumps(result, indent=2) if args.json or table is None else table)
             return 0
         spec = load_fleet(args.fleet)  # before reading stdin: a bad file fails at once
         exp = offline(spec, args.path, headers, _body(args.body))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import io
+import json
 import os
 import signal
 import socket
@@ -124,6 +125,21 @@ def test_explain_router_that_is_down(body: Path, capsys: pytest.CaptureFixture[s
     assert main(["explain", "--router", url, "--body", str(body)]) == 2
     line = _one_line(capsys, "explain")
     assert f"cannot reach the router at {url}" in line and "refused" in line
+
+
+def test_explain_router_prints_the_table_unless_json(body: Path,
+                                                    capsys: pytest.CaptureFixture[str],
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """--router printed JSON whatever --json said; --fleet printed the table."""
+    main(["explain", "--fleet", str(EXAMPLE), "--body", str(body), "--json"])
+    answer = json.loads(capsys.readouterr().out)  # what a router's /admin/explain answers
+    monkeypatch.setenv("GORGO_ADMIN_TOKEN", "secret")
+    monkeypatch.setattr("gorgo.explain.live", lambda *_: answer)
+    assert main(["explain", "--router", "http://r:1", "--body", str(body)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"policy: {answer['policy']}") and answer["reason"] in out
+    assert main(["explain", "--router", "http://r:1", "--body", str(body), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == answer
 
 
 @pytest.mark.parametrize(("argv", "command", "says"), [
