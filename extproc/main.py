@@ -188,6 +188,15 @@ class ExtProcServer:
         """Take on a new fleet (FleetError: nothing changed): the router first, then what reads
         its state, then the CDS file, so Envoy learns an added cluster while the new replica
         still waits for its first probe, and drops a removed one once nothing routes there."""
+        old = self.router.spec.default_cluster
+        if self.cds_file is not None and old not in {r.cluster for r in spec.replicas}:
+            # Envoy's bootstrap routes the requests that fail open to the default cluster it
+            # was rendered with, which the clusters file would no longer hold: every one a 503.
+            raise FleetError(
+                f"replicas: {old!r} is the cluster Envoy's routes send the requests that fail "
+                "open to (the fleet's default_cluster; unnamed, the first replica's), and the "
+                "clusters file must keep it until Envoy is rendered again and restarted: "
+                "remove that replica then")
         diff = self.router.reload(spec)
         self.service.reloaded()
         self.signals.reloaded()

@@ -9,6 +9,7 @@ file leaves routing as it was."""
 from __future__ import annotations
 
 import json
+import urllib.error
 import os
 import threading
 import time
@@ -38,6 +39,8 @@ def stack(request: pytest.FixtureRequest,
                          links={"near": {"rtt_ms": 2.0, "jitter_ms": 0.2}}, name="models")
     doc["signals"] = {"probe_interval_s": 0.5, "scrape_interval_s": 0.5}
     doc["endpoint_picker"] = picker
+    # Envoy's fail-open cluster: the clusters file keeps it, so near-0 (below) may leave
+    doc["default_cluster"] = "near-2"
     for r in doc["replicas"]:
         r["models"] = MODELS[r["name"]]
     opts = StackOptions(policy="round-robin", stream_interval=4, cds=not picker,
@@ -181,6 +184,11 @@ def test_add_drain_remove_under_load_loses_nothing_without_restarting_envoy(
         assert stack.envoy.stats(key).get(key, 0) >= len(load.answers)
     else:
         assert stack.cds_path is not None and "near-0" not in stack.cds_path.read_text()
+        # near-2's cluster is where Envoy's routes fail open to: it stays in the clusters file
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            stack.fleet("DELETE", "/replicas/near-2")
+        assert refused.value.code == 400
+        assert "default_cluster: 'near-2'" in refused.value.read().decode()
     assert stack.envoy.proc.pid == envoy_pid and stack.envoy.proc.poll() is None
 
 

@@ -192,9 +192,16 @@ def test_admin_adds_drains_and_removes_a_replica_and_its_series(tmp_path: Path) 
         status, out = await call("POST", "/admin/fleet/replicas/a1/drain", headers=AUTH)
         assert status == 200 and [r["draining"] for r in out["replicas"]] == [True, False, False]
         server.metrics.decisions.labels("gorgo", "a1", "near", "alpha").inc()
+        # a1's cluster is Envoy's fail-open default, which the clusters file must keep (it
+        # was gone after this DELETE, and every request failing open a 503)
         status, out = await call("DELETE", "/admin/fleet/replicas/a1", headers=AUTH)
-        assert status == 200 and out["removed"] == ["a1"]
-        assert all(s.labels.get("replica") != "a1" for m in server.metrics.registry.collect()
+        assert status == 400 and "'a1' is the cluster Envoy's routes send" in out["error"][
+            "message"]
+        assert router.state.names == ["a1", "b1", "a2"]
+        server.metrics.decisions.labels("gorgo", "b1", "near", "beta").inc()
+        status, out = await call("DELETE", "/admin/fleet/replicas/b1", headers=AUTH)
+        assert status == 200 and out["removed"] == ["b1"]
+        assert all(s.labels.get("replica") != "b1" for m in server.metrics.registry.collect()
                    for s in m.samples)
         status, out = await call("DELETE", "/admin/fleet/replicas/zz", headers=AUTH)
         assert status == 404
@@ -202,7 +209,7 @@ def test_admin_adds_drains_and_removes_a_replica_and_its_series(tmp_path: Path) 
                                  data={"name": "bad", "region": "mars", "address": "x:1",
                                        "engine": "sglang", "models": ["alpha"]})
         assert status == 400 and "replicas[2].region: unknown region" in out["error"]["message"]
-        assert router.state.names == ["b1", "a2"]
+        assert router.state.names == ["a1", "a2"]
 
     app = make_app(server.metrics, router, TOKEN, None, server.reloader)
     with_admin(router, TOKEN, body, app)
