@@ -9,10 +9,10 @@ file leaves routing as it was."""
 from __future__ import annotations
 
 import json
-import urllib.error
 import os
 import threading
 import time
+import urllib.error
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
