@@ -374,6 +374,8 @@ def _num(
     value = obj.get(key, default)
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise FleetError(f"{path}.{key}: expected a number, got {value!r}")
+    if isinstance(value, int) and abs(value) > MAX_INT:  # else isfinite raises OverflowError
+        raise FleetError(f"{path}.{key}: must be within +-2^53, got {str(value)[:40]}")
     if not math.isfinite(value):
         raise FleetError(f"{path}.{key}: expected a finite number, got {value!r}")
     if value < minimum or (strict and value == minimum):

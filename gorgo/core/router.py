@@ -85,6 +85,10 @@ class Router:
         self.echoes = Echoes()  # this router's own choices counted for its live peers
         # Bumped by every reload: signal results measured on an older fleet are dropped.
         self.generation = 0
+        # weights version -> policy -> decisions: the tuner scores a version on every request it
+        # routed, so it must know how many there were (its spans arrive only as they complete).
+        # Not the fleet's: a reload (an admin drain, a DNS change) must not reset it.
+        self.routed: dict[int, dict[str, int]] = {}
 
     def _use(self, spec: FleetSpec) -> None:
         """Everything derived from the fleet spec but the state."""
@@ -101,9 +105,6 @@ class Router:
         self.max_request_tokens = int(self.capacity.max())
         self._fits_all = int(self.capacity.min())
         self._refresh_due: dict[str, float] = {}
-        # weights version -> policy -> decisions: the tuner scores a version on every request it
-        # routed, so it must know how many there were (its spans arrive only as they complete).
-        self.routed: dict[int, dict[str, int]] = {}
 
     def reload(self, spec: FleetSpec) -> FleetDiff:
         """Take on a new fleet: unchanged replicas keep their state (`FleetState.reindexed`) and

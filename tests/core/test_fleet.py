@@ -248,7 +248,12 @@ def _del(path: list) -> Any:
         (_set(["replicas", 0, "kv_capacity_tokens"], math.inf),
          "fleet.replicas[0].kv_capacity_tokens: expected a finite number"),
         (_set(["replicas", 0, "kv_capacity_tokens"], 2**64),
-         "fleet.replicas[0].kv_capacity_tokens: must be <= 9007199254740992"),
+         "fleet.replicas[0].kv_capacity_tokens: must be within"),
+        # past a float's range: math.isfinite raised OverflowError, an admin call's 500
+        (_set(["replicas", 0, "kv_capacity_tokens"], 10**400),
+         "fleet.replicas[0].kv_capacity_tokens: must be within"),
+        (_set(["replicas", 0, "prefill_rate"], -(10**400)),
+         "fleet.replicas[0].prefill_rate: must be within"),
         (_set(["weights"], {"rtt": math.nan}), "fleet.weights.rtt: expected a finite number"),
         (_set(["chars_per_token"], math.nan), "fleet.chars_per_token: expected a finite number"),
         (_set(["penalties"], {"error_ms": math.nan}),

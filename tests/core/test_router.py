@@ -298,6 +298,8 @@ def test_decisions_are_counted_per_weights_version_and_policy() -> None:
     for _ in range(3):
         r.route(req("c"), now=0.0)
     assert r.routed == {0: {"gorgo": 1, "round-robin": 1}, 7: {"gorgo": 3}}
+    r.reload(r.spec)  # an admin drain, a DNS change: the counts stay (the tuner undercounted)
+    assert r.routed == {0: {"gorgo": 1, "round-robin": 1}, 7: {"gorgo": 3}}
     for v in range(8, 8 + ROUTED_VERSIONS):
         r.state.set_weights(Weights({"rtt": 1.0, "queue": 1.0}, v))
         r.route(req("d"), now=0.0)
