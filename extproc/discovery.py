@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import socket
+import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -30,6 +32,10 @@ from gorgo.core.discovery import (
     parse_discovered,
 )
 from gorgo.core.fleet import FleetError, FleetSpec, read_fleet
+
+# How often a reload may resolve again a name new to the fleet that answered nothing (each try
+# holds the router's loop as long as the resolver takes).
+RETRY_UNADOPTED_S = 5.0
 
 log = logging.getLogger("gorgo.discovery")
 Resolver = Callable[[str, int], Sequence[str]]
@@ -80,17 +86,26 @@ class DnsDiscovery:
         self.spec: FleetSpec = parse_discovered(self.raw, self.answers, self.source)
         self._tasks: list[asyncio.Task] = []
         self._running = False
+        self._tried: dict[str, float] = {}  # a name new to the fleet -> when parse resolved it
 
     def parse(self, doc: Any, source: str) -> FleetSpec:
         """``doc`` with its ``discover:`` entries resolved, for a fleet reload: a name already
         resolved keeps its last answer (the interval refreshes it), even an empty one; a name
         new to the fleet is resolved now (blocking, as at start: a changed entry is rare). A
         name that does not answer is never resolved again here: each reload, admin change and
-        SIGHUP would hold the router's loop for the resolver's whole timeout."""
+        SIGHUP would hold the router's loop for the resolver's whole timeout. Except a new
+        name that answered nothing, which no interval re-resolves until a reload adopts it:
+        resolved again at most every RETRY_UNADOPTED_S (a Service created after the reload
+        that named it was otherwise refused until the router restarted)."""
         sources = dns_sources(doc, source)
-        missing = [s for s in sources if s.dns not in self.answers]
+        adopted = {s.dns for s in self.sources}
+        now = time.monotonic()
+        missing = [s for s in sources if s.dns not in self.answers or (
+            s.dns not in adopted and not self.answers[s.dns]
+            and now - self._tried.get(s.dns, -math.inf) >= RETRY_UNADOPTED_S)]
         if missing:
             self.answers.update(resolve_sources(missing, self.resolve))
+            self._tried.update((s.dns, now) for s in missing)
         return parse_discovered(doc, self.answers, source)
 
     def follow(self, doc: Any, spec: FleetSpec) -> None:

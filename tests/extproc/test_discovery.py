@@ -210,6 +210,34 @@ def test_a_name_that_does_not_answer_is_left_to_its_interval_on_reloads(
     assert asked == [DNS]  # resolved at start only: the interval retries it, off the loop
 
 
+def test_a_new_name_that_answered_nothing_is_tried_again_on_a_later_reload(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reload naming a Service not created yet is refused; once it resolves, a reload takes
+    it (its empty answer was kept and never asked again: refused until a restart), at most
+    every RETRY_UNADOPTED_S."""
+    ready = {DNS: ["10.0.0.5"]}
+    asked: list[str] = []
+
+    def resolve(name: str, port: int) -> list[str]:
+        asked.append(name)
+        if name in ready:
+            return ready[name]
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    d = DnsDiscovery(_fleet(tmp_path), resolve=resolve)
+    server = ExtProcServer(Router(d.spec), fleet_path=str(d.path), discovery=d)
+    _fleet(tmp_path, dns="new.svc")
+    with pytest.raises(FleetError, match="new.svc"):
+        server.reloader.reload_file("SIGHUP")
+    with pytest.raises(FleetError, match="new.svc"):  # within the retry time: not asked again
+        server.reloader.reload_file("SIGHUP")
+    assert asked.count("new.svc") == 1
+    ready["new.svc"] = ["10.1.0.1"]
+    monkeypatch.setattr("extproc.discovery.RETRY_UNADOPTED_S", 0.0)
+    server.reloader.reload_file("SIGHUP")
+    assert server.router.state.names == ["vllm-10-1-0-1"]
+
+
 def test_discovered_replicas_are_drained_by_their_entry_and_named_in_the_error(
         tmp_path: Path) -> None:
     server, _ = _server(tmp_path, [["10.0.0.5", "10.0.0.6"]])
