@@ -227,9 +227,9 @@ def test_a_new_name_that_answered_nothing_is_tried_again_on_a_later_reload(
     d = DnsDiscovery(_fleet(tmp_path), resolve=resolve)
     server = ExtProcServer(Router(d.spec), fleet_path=str(d.path), discovery=d)
     _fleet(tmp_path, dns="new.svc")
-    with pytest.raises(FleetError, match="new.svc"):
+    with pytest.raises(FleetError, match=r"new\.svc"):
         server.reloader.reload_file("SIGHUP")
-    with pytest.raises(FleetError, match="new.svc"):  # within the retry time: not asked again
+    with pytest.raises(FleetError, match=r"new\.svc"):  # within the retry time: not asked again
         server.reloader.reload_file("SIGHUP")
     assert asked.count("new.svc") == 1
     ready["new.svc"] = ["10.1.0.1"]
