@@ -139,6 +139,11 @@ class Supervisor:
         self.workers = [Worker(k, p) for k, p in enumerate(worker_ports(args.port, n,
                                                                          args.metrics_port))]
         self.replay: dict[str, Any] | None = None  # the weights every worker runs, once PUT
+        # The admin membership changes every worker took since the fleet file was last read
+        # (method, path, body), replayed to a restarted worker, which starts from the file; and
+        # the file's stamp then (a changed file is reloaded by every worker: they are gone).
+        self.changes: list[tuple[str, str, bytes]] = []
+        self._changes_stamp: tuple[int, int] | None = None
         self.stopping = False
         self.metrics_port = 0
         self.registry = CollectorRegistry()
@@ -222,12 +227,41 @@ class Supervisor:
         w.tasks = [asyncio.create_task(self._drain(w.proc)), asyncio.create_task(self._watch(w))]
         async with self._lock:
             status, body = (200, b"") if self.replay is None else await self._replay_to(w)
+            for method, path, data in self._changes_now() if status == 200 else ():
+                # the admin membership changes its peers took (a drain, an add, a removal)
+                status, body = await self._send(w, method, path, data, self._auth())
+                if status != 200:
+                    break
             w.up = status == 200
         self._count_up()
         if not w.up:  # it routes, on other weights than its peers: not ready, and said loudly
             log_event(log, "worker_replay_failed", logging.ERROR, worker=w.index, status=status,
                       error=body.decode(errors="replace")[:300])
         log_event(log, "worker_started", worker=w.index, pid=w.proc.pid, grpc=w.port)
+
+    def _file_stamp(self) -> tuple[int, int] | None:
+        try:
+            st = os.stat(self.args.fleet)
+        except OSError:
+            return None
+        return st.st_mtime_ns, st.st_size
+
+    def _changes_now(self) -> list[tuple[str, str, bytes]]:
+        """The admin membership changes a restarted worker must take to run the fleet its
+        peers run: none once the file changed since (the workers reloaded it)."""
+        if self.changes and self._file_stamp() != self._changes_stamp:
+            self.changes = []
+        return self.changes
+
+    def _took(self, method: str, path: str, body: bytes) -> None:
+        """An admin call every worker applied: a membership change joins the replay, a reload
+        of the file ends it."""
+        if path.startswith("/admin/fleet/reload"):
+            self.changes = []
+        elif path.startswith("/admin/fleet/replicas"):
+            if not self._changes_now():
+                self._changes_stamp = self._file_stamp()
+            self.changes.append((method, path, body))
 
     async def _replay_to(self, w: Worker) -> tuple[int, bytes]:
         """PUT the weights every worker runs to ``w``, with the prefill rates of the replicas it
@@ -282,6 +316,7 @@ class Supervisor:
         stopping (a worker past its drain has no reload left to do)."""
         if self._stopping():
             return
+        self.changes = []  # the file is the fleet again
         for w in self.workers:
             if w.up and w.proc is not None and w.proc.returncode is None:
                 w.proc.send_signal(signal.SIGHUP)
@@ -400,7 +435,11 @@ class Supervisor:
                 if answer[0] != 503:
                     break
             return self._pass(*answer)
-        return (await self._fan_out(request))[0]
+        async with self._lock:  # a restarting worker's replay sees the change, or it reaches it
+            response, answers = await self._fan_out(request)
+            if answers and all(status == 200 for status, _ in answers):
+                self._took(request.method, request.path_qs, await request.read())
+        return response
 
     async def get_weights(self, request: web.Request) -> web.Response:
         live = self._live()

@@ -127,6 +127,25 @@ def test_weights_reach_every_worker_and_a_killed_worker_comes_back_with_them(
     assert wait_for(lambda: all(REPLICA_HEADER in h for _, h in _burst(stack, 8)), 20, 0.5)
 
 
+def test_a_restarted_worker_takes_the_admin_membership_changes_of_its_peers(
+        stack: Stack) -> None:
+    """It started from the file: a replica drained through the supervisor took traffic
+    again from the restarted worker, which also reported its own view of the fleet."""
+    status, _ = _http(stack, "POST", "/admin/fleet/replicas/r0/drain", {"drain": True})
+    assert status == 200
+    try:
+        restarts = _metric(stack, "gorgo_worker_restarts_total").get('{worker="0"}', 0.0)
+        os.kill(_worker_pid(stack, 0), signal.SIGKILL)
+        assert wait_for(lambda: _metric(stack, "gorgo_worker_restarts_total").get(
+            '{worker="0"}', 0.0) == restarts + 1
+            and _metric(stack, "gorgo_workers_up").get("", 0) == 2, 60, 0.2)
+        _, fleet = _http(stack, "GET", "/admin/fleet")  # the first worker up: the restarted one
+        assert {r["name"]: r["draining"] for r in fleet["replicas"]} == {"r0": True,
+                                                                         "r1": False}
+    finally:
+        _http(stack, "POST", "/admin/fleet/replicas/r0/drain", {"drain": False})
+
+
 def test_a_worker_restarted_after_a_replica_left_takes_the_weights_without_its_rate(
         stack: Stack) -> None:
     """The kept weights named a replica the fleet has since lost: replayed whole, the restarted
