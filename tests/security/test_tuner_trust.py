@@ -111,7 +111,10 @@ def forged(n: int, version: int, replica: str = "near-0", ttft_us: int = 1000,
         "gorgo__weights_version": str(version), TTFT_ATTR: str(ttft_us),
         "gorgo__uncached_tokens": str(1000 + 30 * k), "gorgo__prompt_tokens": str(1000 + 30 * k),
         "gorgo__prefill_ms": str((1000 + 30 * k) / 20.0), "gorgo__queue_ms": "0",
-        "gorgo__rtt_ms": "1", **over}), duration_ms=50.0) for k in range(n)]
+        "gorgo__rtt_ms": "1", **over}),
+        # the span ends after its first byte (else it is malformed), unless that is forged too
+        duration_ms=min(max(50.0, ttft_us / 1000.0 + 50.0), REQUEST_S * 1000.0))
+        for k in range(n)]
 
 
 def rss_mb(pid: int) -> float:
