@@ -11,6 +11,7 @@ import logging
 import os
 import signal
 import time
+from typing import Any
 
 import grpc
 from aiohttp import web
@@ -30,6 +31,7 @@ from extproc.workers import supervise
 from gorgo import shutdown
 from gorgo._xds.envoy.service.ext_proc.v3 import external_processor_pb2
 from gorgo.core.contract import LIVE_SERVICE
+from gorgo.core.discovery import dns_sources, refuse_clusters_file
 from gorgo.core.fleet import FleetError, FleetSpec, parse_fleet
 from gorgo.core.membership import FleetDiff
 from gorgo.core.router import Router
@@ -84,6 +86,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cds-file", default=None,
                    help="cluster mode with membership changes: the clusters file Envoy watches "
                         "(`gorgo envoy-config --cds-file`), rewritten atomically on each reload")
+    # a worker of `--workers N` other than worker 0: it keeps the clusters file's rules (what
+    # it refuses to remove) but leaves the writing to worker 0, so one writer orders the file
+    p.add_argument("--cds-read-only", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--drain-s", type=at_least(0.0, float), default=DRAIN_S,
                    help="on SIGTERM/SIGINT, keep serving the streams Envoy has open (and new "
                         "ones, until its health check sees the drain) for at most this long "
@@ -99,9 +104,12 @@ class ExtProcServer:
         self, router: Router, admin_token: str | None = None, otlp: str | None = None,
         envoy_admin: str | None = None, fleet_path: str | None = None,
         cds_file: str | None = None, discovery: DnsDiscovery | None = None,
+        cds_write: bool = True,
     ) -> None:
         """``fleet_path``: the fleet file, reloaded on SIGHUP, on change and through the admin
-        API; ``cds_file``: the clusters file Envoy watches, rewritten on every reload;
+        API; ``cds_file``: the clusters file Envoy watches, rewritten on every reload (by this
+        process unless ``cds_write`` is off: with ``--workers``, worker 0 writes it and every
+        worker keeps its rules);
         ``discovery``: the file's DNS names as resolved for ``router`` (default: resolved here),
         whose changed answers are applied as reloads."""
         self.router = router
@@ -114,6 +122,7 @@ class ExtProcServer:
         self.outcomes = EnvoyOutcomes(router, envoy_admin) if envoy_admin else None
         self.peers = PeerLink(router, self.metrics) if router.spec.sharing is not None else None
         self.cds_file = cds_file
+        self.cds_write = cds_write
         if discovery is None and fleet_path is not None:
             discovery = DnsDiscovery(fleet_path)
         self.discovery = discovery
@@ -122,7 +131,7 @@ class ExtProcServer:
         else:
             discovery.on_change = self._dns_changed
             self.reloader = FleetReloader(router, self.metrics, self.apply_fleet, discovery.path,
-                                          discovery.parse, discovery.follow)
+                                          self._parse_discovered, discovery.follow)
         self._watch_task: asyncio.Task | None = None
         self.health = health.aio.HealthServicer()
         self._health_task: asyncio.Task | None = None
@@ -179,6 +188,13 @@ class ExtProcServer:
         if self.discovery is not None:
             self.discovery.start()  # re-resolves the fleet's discover: names
 
+    def _parse_discovered(self, doc: Any, source: str) -> FleetSpec:
+        """`DnsDiscovery.parse`, refusing ``discover:`` entries under a clusters file."""
+        if self.cds_file is not None:
+            refuse_clusters_file(dns_sources(doc, source), source)
+        assert self.discovery is not None
+        return self.discovery.parse(doc, source)
+
     def _dns_changed(self, spec: FleetSpec, added: list[str], removed: list[str]) -> None:
         """A DNS answer changed: the running document with the new answers, as a reload (an
         added replica routable after its first probe, every other one keeping its state)."""
@@ -201,7 +217,7 @@ class ExtProcServer:
         self.service.reloaded()
         self.signals.reloaded()
         self.metrics.rebind(self.router.state, list(diff.removed))
-        if self.cds_file is not None:
+        if self.cds_file is not None and self.cds_write:
             try:
                 write_cds(spec, self.cds_file)
             except OSError as exc:
@@ -292,8 +308,9 @@ async def serve(args: argparse.Namespace, spec: FleetSpec, token: str | None,
     router = Router(spec, id_prefix=os.urandom(3).hex(), unbounded_prefix=False)
     server = ExtProcServer(router, admin_token=token, otlp=args.otlp,
                            envoy_admin=args.envoy_admin, fleet_path=args.fleet,
-                           cds_file=args.cds_file, discovery=discovery)
-    if args.cds_file:
+                           cds_file=args.cds_file, discovery=discovery,
+                           cds_write=not args.cds_read_only)
+    if args.cds_file and not args.cds_read_only:
         write_cds(spec, args.cds_file)
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGHUP, _reload_on_hup, server)
@@ -339,6 +356,8 @@ def main(args: argparse.Namespace) -> int:
     logging.getLogger("grpc._cython.cygrpc").addFilter(_StreamsCut())
     discovery = DnsDiscovery(args.fleet)  # the fleet file, its discover: names resolved
     spec = discovery.spec
+    if args.cds_file:
+        refuse_clusters_file(discovery.sources, discovery.source)
     token = load_admin_token(args.admin_token_file)
     if spec.extproc.skip_response_headers and not args.envoy_admin:
         raise UserError("the fleet skips the response-headers round trip "

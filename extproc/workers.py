@@ -186,8 +186,8 @@ class Supervisor:
         cmd = [sys.executable, "-m", "gorgo.cli", "extproc", "--fleet", a.fleet, "--host", a.host,
                "--port", str(w.port), "--metrics-host", "127.0.0.1", "--metrics-port", "0",
                "--log-level", a.log_level, "--workers", "1", "--drain-s", f"{a.drain_s:g}"]
-        if a.cds_file and w.index == 0:  # one writer: every worker reads the same fleet file
-            cmd += ["--cds-file", a.cds_file]
+        if a.cds_file:  # every worker keeps its rules; one writer, as all read one fleet file
+            cmd += ["--cds-file", a.cds_file] + (["--cds-read-only"] if w.index else [])
         if a.otlp:
             cmd += ["--otlp", a.otlp]
         if a.envoy_admin:

@@ -59,7 +59,8 @@ from gorgo.core.contract import (
     TTFT_ATTR,
     TTFT_LOG_NAME,
 )
-from gorgo.core.fleet import FleetSpec, load_fleet
+from gorgo.core.discovery import dns_sources, refuse_clusters_file
+from gorgo.core.fleet import FleetSpec, load_fleet, read_fleet
 from gorgo.envoy_typed import check_bootstrap
 from gorgo.errors import MAX_PORT, UserError
 
@@ -700,6 +701,8 @@ def _otlp_token(path: str | None, otlp: str | None) -> str | None:
 
 def main(args: argparse.Namespace) -> int:
     spec = load_fleet(args.fleet)
+    if args.cds_file:
+        refuse_clusters_file(dns_sources(read_fleet(args.fleet)), Path(args.fleet).name)
     token = _otlp_token(args.otlp_token_file, args.otlp)
     try:
         text = render_yaml(spec, listen=args.listen, extproc=args.extproc, otlp=args.otlp,

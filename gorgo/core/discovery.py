@@ -124,6 +124,18 @@ def dns_sources(raw: Any, source: str = "fleet") -> tuple[DnsSource, ...]:
     return tuple(out)
 
 
+def refuse_clusters_file(sources: Sequence[DnsSource], source: str = "fleet") -> None:
+    """A discovered fleet keeps its clusters in Envoy's bootstrap: the entry's STRICT_DNS
+    cluster is Envoy's fail-open route, and the router's resolved fleet has no such replica, so
+    a clusters file it rewrites would drop the cluster that route names (every request failing
+    open a 503). Endpoint-picker mode needs no cluster per pod."""
+    if sources:
+        raise _fail(f"{source}.replicas[{sources[0].index}].{DISCOVER}",
+                    "a fleet that discovers replicas by DNS runs without a clusters file "
+                    "(--cds-file): its pods are reached by address, and its fail-open cluster "
+                    "is in Envoy's bootstrap")
+
+
 def _is_ip(host: str) -> bool:
     try:
         ipaddress.ip_address(host)

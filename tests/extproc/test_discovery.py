@@ -190,6 +190,24 @@ def test_a_file_reload_resolves_discover_entries_and_follows_a_changed_name(
     assert [src.dns for src in d.sources] == ["other.llm.svc"]
 
 
+def test_a_reload_that_brings_discovery_under_a_clusters_file_is_refused(
+        tmp_path: Path) -> None:
+    """The entry's fail-open cluster is in Envoy's bootstrap, never in the file the router
+    rewrites; and a discovered pod became the guarded default, so a DNS answer without it was
+    refused for good."""
+    cds = tmp_path / "cds.yaml"
+    doc = yaml.safe_load(_mixed_fleet(tmp_path).read_text())
+    doc["replicas"] = doc["replicas"][:1]
+    path = tmp_path / "fleet.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    d = DnsDiscovery(path, resolve=lambda name, port: ["10.0.0.5"])
+    server = ExtProcServer(Router(d.spec), fleet_path=str(path), cds_file=str(cds), discovery=d)
+    _mixed_fleet(tmp_path)
+    with pytest.raises(FleetError, match=r"replicas\[1\]\.discover: .* without a clusters file"):
+        server.reloader.reload_file("test")
+    assert server.router.state.names == ["static-0"] and not cds.exists()
+
+
 def test_a_name_that_does_not_answer_is_left_to_its_interval_on_reloads(
         tmp_path: Path) -> None:
     """Each reload, admin change or SIGHUP re-resolved it on the router's loop, holding every

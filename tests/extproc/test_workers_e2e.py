@@ -36,7 +36,11 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 
 def _http(st: Stack, method: str, path: str, body: dict | None = None,
           timeout: float = 5.0) -> tuple[int, dict | str]:
-    url = f"http://127.0.0.1:{st.extproc.field('metrics')}{path}"
+    return _call(method, f"http://127.0.0.1:{st.extproc.field('metrics')}{path}", body, timeout)
+
+
+def _call(method: str, url: str, body: dict | None = None,
+          timeout: float = 5.0) -> tuple[int, dict | str]:
     req = urllib.request.Request(url, method=method,
                                  data=None if body is None else json.dumps(body).encode(),
                                  headers={"authorization": f"Bearer {TOKEN}"})
@@ -212,15 +216,26 @@ def test_a_hung_worker_leaves_envoys_rotation_and_the_supervisors_answers(
     assert wait_for(lambda: stack.envoy.stats(name).get(name) == 2, 15)
 
 
-def test_the_clusters_file_is_written_with_workers(stack: Stack, tmp_path: Path) -> None:
-    """--cds-file was silently dropped with --workers: no file, and Envoy had no clusters."""
-    cds = tmp_path / "cds.yaml"
+def test_the_clusters_file_is_written_with_workers_and_each_worker_keeps_its_rules(
+        stack: Stack, tmp_path: Path) -> None:
+    """--cds-file was silently dropped with --workers: no file, and Envoy had no clusters. Then
+    only worker 0 had it, so only worker 0 refused removing Envoy's fail-open replica: a 502
+    split, the other worker routing a fleet the file no longer matched."""
+    cds, token = tmp_path / "cds.yaml", tmp_path / "token"
+    token.write_text(TOKEN)
     proc = GorgoProcess(["extproc", "--fleet", str(stack.fleet_path), "--port", "0",
-                         "--metrics-port", "0", "--workers", "2", "--cds-file", str(cds)],
-                        timeout=60)
+                         "--metrics-port", "0", "--workers", "2", "--cds-file", str(cds),
+                         "--admin-token-file", str(token)], timeout=60)
     try:
         names = {c["name"] for c in yaml.safe_load(cds.read_text())["resources"]}
-        assert {"r0"} <= names
+        assert {"r0", "r1"} <= names
+        url = f"http://127.0.0.1:{proc.field('metrics')}/admin/fleet/replicas/"
+        status, body = _call("DELETE", url + "r0")  # Envoy's fail-open cluster
+        assert status == 400 and "fail open" in body["error"]["message"], body
+        status, body = _call("DELETE", url + "r1")
+        assert status == 200, body
+        names = {c["name"] for c in yaml.safe_load(cds.read_text())["resources"]}
+        assert "r0" in names and "r1" not in names
     finally:
         proc.stop()
 

@@ -163,11 +163,21 @@ def test_explain_router_prints_the_table_unless_json(body: Path,
     (["bench", "sim", "--trace", "nonexist", "--capacity", "1", "--out", "{tmp}"], "bench sim",
      "cannot load 'nonexist'"),
     (["tuner", "--config", "/nonexistent.yaml"], "tuner", "cannot read config"),
+    # the router's clusters file dropped the discovered entry's fail-open cluster: every
+    # request failing open a 503
+    (["extproc", "--fleet", "{tmp}/discovered.yaml", "--cds-file", "{tmp}/cds.yaml"], "extproc",
+     "replicas[0].discover: a fleet that discovers replicas by DNS runs without a clusters"),
+    (["envoy-config", "{tmp}/discovered.yaml", "--cds-file", "{tmp}/cds.yaml"], "envoy-config",
+     "runs without a clusters file"),
 ])
 def test_other_user_errors_are_one_line(argv: list[str], command: str, says: str,
                                         tmp_path: Path,
                                         capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "binary.yaml").write_bytes(b"\xff\xfe\x00fleet")
+    (tmp_path / "discovered.yaml").write_text(yaml.safe_dump({
+        "regions": {"local": None}, "endpoint_picker": True,
+        "replicas": [{"name": "vllm", "region": "local", "engine": "vllm",
+                      "discover": {"dns": "localhost", "port": 8000}}]}))
     assert main([a.format(tmp=tmp_path) for a in argv]) == 2
     assert says in _one_line(capsys, command)
 
