@@ -221,9 +221,13 @@ def test_the_clusters_file_is_written_with_workers_and_each_worker_keeps_its_rul
     """--cds-file was silently dropped with --workers: no file, and Envoy had no clusters. Then
     only worker 0 had it, so only worker 0 refused removing Envoy's fail-open replica: a 502
     split, the other worker routing a fleet the file no longer matched."""
-    cds, token = tmp_path / "cds.yaml", tmp_path / "token"
+    cds, token, fleet = tmp_path / "cds.yaml", tmp_path / "token", tmp_path / "fleet.yaml"
     token.write_text(TOKEN)
-    proc = GorgoProcess(["extproc", "--fleet", str(stack.fleet_path), "--port", "0",
+    doc = yaml.safe_load(stack.fleet_path.read_text())  # an earlier test took r1 out of it
+    r0 = next(r for r in doc["replicas"] if r["name"] == "r0")
+    doc["replicas"] = [r0, {**r0, "name": "r1", "address": "127.0.0.1:9"}]
+    fleet.write_text(yaml.safe_dump(doc))
+    proc = GorgoProcess(["extproc", "--fleet", str(fleet), "--port", "0",
                          "--metrics-port", "0", "--workers", "2", "--cds-file", str(cds),
                          "--admin-token-file", str(token)], timeout=60)
     try:
