@@ -39,6 +39,7 @@ log = logging.getLogger("gorgo.admin")
 TOKEN_ENV = "GORGO_ADMIN_TOKEN"
 DISABLED = "admin API disabled"
 WEIGHTS_MAX_BYTES = 1 << 20  # a weights update, prefill rates of thousands of replicas included
+DOCUMENT_MAX_BYTES = 8 << 20  # a whole fleet document, as YAML text in JSON
 MAX_DEPTH = 8  # nesting of an admin body (a weights update needs 2 levels)
 _FIELDS = (*WEIGHT_BOUNDS, "version", "prefill_rate")
 
@@ -264,6 +265,34 @@ class FleetAdmin:
         name = request.match_info["name"]
         return await self._change(request, lambda: self.reloader.remove(name))
 
+    async def get_document(self, request: web.Request) -> web.Response:
+        denied = self.api._authorize(request)
+        if denied is not None:
+            return denied
+        try:
+            return web.json_response(self.reloader.document())
+        except FleetError as exc:
+            return _error(404, str(exc))
+
+    async def put_document(self, request: web.Request) -> web.Response:
+        """Run another document (a restarted worker takes its peers'), validated whole."""
+        if self.api._authorize(request) is not None:
+            return self.api._authorize(request)
+        try:
+            body = await _read_json(request, DOCUMENT_MAX_BYTES)
+        except _Invalid as exc:
+            return exc.response()
+        text, stamp = body.get("document"), body.get("file_stamp")
+        if not isinstance(text, str) or set(body) - {"document", "file_stamp"}:
+            return _error(400, "expected {\"document\": YAML text, \"file_stamp\": "
+                               "[inode, mtime_ns, size] or null}", "document")
+        if stamp is not None and not (isinstance(stamp, list) and len(stamp) == 3 and all(
+                type(v) is int and 0 <= v < 1 << 64 for v in stamp)):
+            return _error(400, "file_stamp: expected [inode, mtime_ns, size] or null",
+                          "file_stamp")
+        return await self._change(request, lambda: self.reloader.adopt(
+            text, None if stamp is None else tuple(stamp)))
+
     async def drain(self, request: web.Request) -> web.Response:
         if self.api._authorize(request) is not None:
             return self.api._authorize(request)
@@ -293,6 +322,8 @@ def add_admin_routes(
         fleet = FleetAdmin(api, reloader)
         app.router.add_get("/admin/fleet", fleet.get)
         app.router.add_post("/admin/fleet/reload", fleet.reload)
+        app.router.add_get("/admin/fleet/document", fleet.get_document)
+        app.router.add_put("/admin/fleet/document", fleet.put_document)
         app.router.add_post("/admin/fleet/replicas", fleet.add)
         app.router.add_delete("/admin/fleet/replicas/{name}", fleet.remove)
         app.router.add_post("/admin/fleet/replicas/{name}/drain", fleet.drain)

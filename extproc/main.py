@@ -89,6 +89,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     # a worker of `--workers N` other than worker 0: it keeps the clusters file's rules (what
     # it refuses to remove) but leaves the writing to worker 0, so one writer orders the file
     p.add_argument("--cds-read-only", action="store_true", help=argparse.SUPPRESS)
+    # worker 0 started again: its first write waits for the fleet its peers run (the file alone
+    # would drop, for a moment or for good, the clusters of the replicas added through the API)
+    p.add_argument("--cds-defer", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--drain-s", type=at_least(0.0, float), default=DRAIN_S,
                    help="on SIGTERM/SIGINT, keep serving the streams Envoy has open (and new "
                         "ones, until its health check sees the drain) for at most this long "
@@ -205,9 +208,12 @@ class ExtProcServer:
         its state, then the CDS file, so Envoy learns an added cluster while the new replica
         still waits for its first probe, and drops a removed one once nothing routes there."""
         old = self.router.spec.default_cluster
-        if self.cds_file is not None and old not in {r.cluster for r in spec.replicas}:
+        if (self.cds_file is not None and not self.reloader.adopting
+                and old not in {r.cluster for r in spec.replicas}):
             # Envoy's bootstrap routes the requests that fail open to the default cluster it
             # was rendered with, which the clusters file would no longer hold: every one a 503.
+            # (A restarted worker started from the file; the peers' document it adopts keeps
+            # that cluster, as their own checks did.)
             raise FleetError(
                 f"replicas: {old!r} is the cluster Envoy's routes send the requests that fail "
                 "open to (the fleet's default_cluster; unnamed, the first replica's), and the "
@@ -310,7 +316,7 @@ async def serve(args: argparse.Namespace, spec: FleetSpec, token: str | None,
                            envoy_admin=args.envoy_admin, fleet_path=args.fleet,
                            cds_file=args.cds_file, discovery=discovery,
                            cds_write=not args.cds_read_only)
-    if args.cds_file and not args.cds_read_only:
+    if args.cds_file and not (args.cds_read_only or args.cds_defer):
         write_cds(spec, args.cds_file)
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGHUP, _reload_on_hup, server)

@@ -21,6 +21,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from extproc.telemetry import RouterMetrics, log_event
 from gorgo.core.fleet import FleetError, FleetSpec, read_fleet
 from gorgo.core.membership import FleetDiff
@@ -57,6 +59,7 @@ class FleetReloader:
         self._stamp = _stamp(self.path) if self.path is not None else None
         self.last_error: str | None = None
         self.reloads = 0
+        self.adopting = False  # taking on a peer's document, which its own checks passed
 
     def status(self) -> dict[str, Any]:
         s = self.router.state
@@ -116,6 +119,33 @@ class FleetReloader:
             self._failed(reason, exc)
             raise
         return self.apply_doc(doc, reason)
+
+    def document(self) -> dict[str, Any]:
+        """The document the router runs (the file with the admin changes since), as YAML text,
+        and the identity of the file it last read (None: it has none)."""
+        if self.doc is None:
+            raise FleetError("fleet: this router has no fleet file")
+        return {"document": yaml.safe_dump(self.doc, sort_keys=False),
+                "file_stamp": None if self._stamp is None else list(self._stamp)}
+
+    def adopt(self, text: str, file_stamp: tuple[int, int, int] | None) -> FleetDiff:
+        """Take on another router's `document` (a restarted worker, its peers'): with its
+        ``file_stamp``, a file this router read and the other had not yet is read again at
+        the next poll, as the other will."""
+        if self.doc is None:
+            raise FleetError("fleet: this router has no fleet file to change")
+        try:
+            doc = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise FleetError(f"document: not valid YAML: {exc}") from None
+        self.adopting = True
+        try:
+            diff = self.apply_doc(doc, "admin document")
+        finally:
+            self.adopting = False
+        if file_stamp is not None:
+            self._stamp = file_stamp
+        return diff
 
     def poll(self) -> None:
         """Reload when the file is another file (inode: an atomic rename) or was rewritten."""

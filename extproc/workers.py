@@ -17,14 +17,18 @@ The supervisor owns the HTTP port:
   running worker has the same weights version.
 - ``GET /admin/weights`` is the first worker's answer with ``routed`` summed over all workers;
   ``POST /admin/explain`` and any other admin read are answered by the first worker that is up,
-  any other admin change goes to every worker like a weights update (but is not replayed).
+  any other admin change goes to every worker like a weights update. A restarted worker, which
+  starts from the fleet file, first takes on a peer's running fleet document
+  (``/admin/fleet/document``: the admin membership changes its peers took, and the file they last
+  read), then the weights.
 - ``/metrics`` is every worker's metrics with a ``worker`` label, plus the supervisor's own
   (`gorgo_workers_up`, `gorgo_worker_restarts_total`); ``/readyz`` is ready when every worker is.
 
 A worker that exits is started again on its port (backoff while it keeps failing); SIGTERM stops
 every worker by its pid (each drains its open streams, --drain-s; a second stop is forwarded
 and cuts the drains), then the supervisor; SIGHUP reloads the fleet of every worker that is up;
-worker 0 alone writes --cds-file. Workers run in their own sessions (a signal to the
+worker 0 alone writes --cds-file (started again, once it has its peers' fleet); every
+worker refuses what the file cannot follow. Workers run in their own sessions (a signal to the
 supervisor's group reaches them once, from it) and die with the supervisor (PR_SET_PDEATHSIG).
 """
 
@@ -86,7 +90,8 @@ class Worker:
     port: int  # gRPC; 0 until the first start picked one
     metrics_port: int = 0
     proc: asyncio.subprocess.Process | None = None
-    up: bool = False  # started, READY, weights replayed
+    up: bool = False  # started, READY, its peers' fleet and weights replayed
+    runs: int = 0  # starts so far: a restart takes on the fleet its peers run
     started_at: float = 0.0
     failures: int = 0  # consecutive short-lived runs, for the backoff
     tasks: list[asyncio.Task] = field(default_factory=list)
@@ -139,11 +144,6 @@ class Supervisor:
         self.workers = [Worker(k, p) for k, p in enumerate(worker_ports(args.port, n,
                                                                          args.metrics_port))]
         self.replay: dict[str, Any] | None = None  # the weights every worker runs, once PUT
-        # The admin membership changes every worker took since the fleet file was last read
-        # (method, path, body), replayed to a restarted worker, which starts from the file; and
-        # the file's stamp then (a changed file is reloaded by every worker: they are gone).
-        self.changes: list[tuple[str, str, bytes]] = []
-        self._changes_stamp: tuple[int, int] | None = None
         self.stopping = False
         self.metrics_port = 0
         self.registry = CollectorRegistry()
@@ -187,7 +187,8 @@ class Supervisor:
                "--port", str(w.port), "--metrics-host", "127.0.0.1", "--metrics-port", "0",
                "--log-level", a.log_level, "--workers", "1", "--drain-s", f"{a.drain_s:g}"]
         if a.cds_file:  # every worker keeps its rules; one writer, as all read one fleet file
-            cmd += ["--cds-file", a.cds_file] + (["--cds-read-only"] if w.index else [])
+            cmd += ["--cds-file", a.cds_file] + (
+                ["--cds-read-only"] if w.index else ["--cds-defer"] if self._adopts(w) else [])
         if a.otlp:
             cmd += ["--otlp", a.otlp]
         if a.envoy_admin:
@@ -196,6 +197,7 @@ class Supervisor:
 
     async def _spawn(self, w: Worker) -> None:
         """Start worker ``w`` and wait for its READY line; a failure is a UserError."""
+        w.runs += 1
         env = {k: v for k, v in os.environ.items() if k != "GORGO_ADMIN_TOKEN"}
         if self.token:  # the workers check the same token (never on a command line)
             env["GORGO_ADMIN_TOKEN"] = self.token
@@ -225,13 +227,10 @@ class Supervisor:
             raise UserError(f"worker {w.index} did not start: {said}")
         w.port, w.metrics_port = int(ready["grpc"]), int(ready["metrics"])
         w.tasks = [asyncio.create_task(self._drain(w.proc)), asyncio.create_task(self._watch(w))]
-        async with self._lock:
-            status, body = (200, b"") if self.replay is None else await self._replay_to(w)
-            for method, path, data in self._changes_now() if status == 200 else ():
-                # the admin membership changes its peers took (a drain, an add, a removal)
-                status, body = await self._send(w, method, path, data, self._auth())
-                if status != 200:
-                    break
+        async with self._lock:  # no admin change reaches the peers between the two
+            status, body = await self._adopt(w) if self._adopts(w) else (200, b"")
+            if status == 200 and self.replay is not None:  # its rates name the fleet's replicas
+                status, body = await self._replay_to(w)
             w.up = status == 200
         self._count_up()
         if not w.up:  # it routes, on other weights than its peers: not ready, and said loudly
@@ -239,29 +238,20 @@ class Supervisor:
                       error=body.decode(errors="replace")[:300])
         log_event(log, "worker_started", worker=w.index, pid=w.proc.pid, grpc=w.port)
 
-    def _file_stamp(self) -> tuple[int, int] | None:
-        try:
-            st = os.stat(self.args.fleet)
-        except OSError:
-            return None
-        return st.st_mtime_ns, st.st_size
+    def _adopts(self, w: Worker) -> bool:
+        """A restarted worker starts from the file: it takes on its peers' fleet (the admin
+        changes they took since; a file they have not read yet they read again together)."""
+        return w.runs > 1 and self.token is not None
 
-    def _changes_now(self) -> list[tuple[str, str, bytes]]:
-        """The admin membership changes a restarted worker must take to run the fleet its
-        peers run: none once the file changed since (the workers reloaded it)."""
-        if self.changes and self._file_stamp() != self._changes_stamp:
-            self.changes = []
-        return self.changes
-
-    def _took(self, method: str, path: str, body: bytes) -> None:
-        """An admin call every worker applied: a membership change joins the replay, a reload
-        of the file ends it."""
-        if path.startswith("/admin/fleet/reload"):
-            self.changes = []
-        elif path.startswith("/admin/fleet/replicas"):
-            if not self._changes_now():
-                self._changes_stamp = self._file_stamp()
-            self.changes.append((method, path, body))
+    async def _adopt(self, w: Worker) -> tuple[int, bytes]:
+        """``w`` takes on the fleet document of the first peer that answers; with none up, the
+        file it started from, read again (worker 0 writes the clusters file then)."""
+        for peer in self._live():
+            status, raw = await self._send(peer, "GET", "/admin/fleet/document", None,
+                                           self._auth())
+            if status == 200:
+                return await self._send(w, "PUT", "/admin/fleet/document", raw, self._auth())
+        return await self._send(w, "POST", "/admin/fleet/reload", b"", self._auth())
 
     async def _replay_to(self, w: Worker) -> tuple[int, bytes]:
         """PUT the weights every worker runs to ``w``, with the prefill rates of the replicas it
@@ -316,7 +306,6 @@ class Supervisor:
         stopping (a worker past its drain has no reload left to do)."""
         if self._stopping():
             return
-        self.changes = []  # the file is the fleet again
         for w in self.workers:
             if w.up and w.proc is not None and w.proc.returncode is None:
                 w.proc.send_signal(signal.SIGHUP)
@@ -435,10 +424,8 @@ class Supervisor:
                 if answer[0] != 503:
                     break
             return self._pass(*answer)
-        async with self._lock:  # a restarting worker's replay sees the change, or it reaches it
-            response, answers = await self._fan_out(request)
-            if answers and all(status == 200 for status, _ in answers):
-                self._took(request.method, request.path_qs, await request.read())
+        async with self._lock:  # a restarting worker adopts its peers' fleet before or after it
+            response, _ = await self._fan_out(request)
         return response
 
     async def get_weights(self, request: web.Request) -> web.Response:

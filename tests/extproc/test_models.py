@@ -213,3 +213,37 @@ def test_admin_adds_drains_and_removes_a_replica_and_its_series(tmp_path: Path) 
 
     app = make_app(server.metrics, router, TOKEN, None, server.reloader)
     with_admin(router, TOKEN, body, app)
+
+
+def test_the_running_document_is_read_and_taken_on_whole(tmp_path: Path) -> None:
+    """A restarted worker starts from the file: it takes on its peers' running document
+    (`/admin/fleet/document`), the admin changes they took included, and the file they read."""
+    server = _server(tmp_path)
+    router = server.router
+
+    async def body(call: Call) -> None:
+        status, _ = await call("GET", "/admin/fleet/document")
+        assert status == 401
+        status, _ = await call("POST", "/admin/fleet/replicas/b1/drain", headers=AUTH)
+        assert status == 200
+        status, out = await call("GET", "/admin/fleet/document", headers=AUTH)
+        assert status == 200 and len(out["file_stamp"]) == 3
+        doc = yaml.safe_load(out["document"])
+        assert [r.get("drain", False) for r in doc["replicas"]] == [False, True]
+        doc["replicas"].append({"name": "a2", "region": "near", "address": "10.0.0.3:8000",
+                                "engine": "sglang", "models": ["alpha"]})
+        status, out = await call("PUT", "/admin/fleet/document", headers=AUTH, data={
+            "document": yaml.safe_dump(doc), "file_stamp": None})
+        assert status == 200 and out["added"] == ["a2"], out
+        assert router.state.names == ["a1", "b1", "a2"] and bool(router.state.draining[1])
+        for bad, field in (({"document": "replicas: ["}, "not valid YAML"),
+                           ({"document": 3}, "expected {"),
+                           ({"document": "{}", "file_stamp": [1, 2]}, "file_stamp"),
+                           ({"document": "{}", "extra": 1}, "expected {"),
+                           ({"document": yaml.safe_dump({**doc, "replicas": []})}, "replicas")):
+            status, out = await call("PUT", "/admin/fleet/document", headers=AUTH, data=bad)
+            assert status == 400 and field in out["error"]["message"], (bad, out)
+        assert router.state.names == ["a1", "b1", "a2"]  # each refused whole
+
+    app = make_app(server.metrics, router, TOKEN, None, server.reloader)
+    with_admin(router, TOKEN, body, app)

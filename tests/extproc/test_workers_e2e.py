@@ -4,10 +4,13 @@ out to every worker, and a killed worker is restarted with the same weights, no 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
 import subprocess
+import threading
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -83,7 +86,11 @@ def _burst(st: Stack, n: int) -> list[tuple[int, dict]]:
 
 def _worker_pid(st: Stack, k: int) -> int:
     """The pid of worker ``k``'s latest run, from the supervisor's log."""
-    started = [line for line in st.extproc.lines
+    return _worker_pid_of(st.extproc, k)
+
+
+def _worker_pid_of(proc: GorgoProcess, k: int) -> int:
+    started = [line for line in proc.lines
                if "event=worker_started" in line and f" worker={k} " in line]
     return int(started[-1].split(" pid=", 1)[1].split()[0])
 
@@ -242,6 +249,90 @@ def test_the_clusters_file_is_written_with_workers_and_each_worker_keeps_its_rul
         assert "r0" in names and "r1" not in names
     finally:
         proc.stop()
+
+
+def test_a_restarted_worker_runs_its_peers_fleet_and_the_clusters_file_never_leaves_it(
+        tmp_path: Path) -> None:
+    """A restarted worker replayed the weights before the admin changes (an added replica's
+    rate dropped: the workers' rates diverged), forgot the changes once the file changed even
+    when every worker refused it (an admin-drained replica routable again), and worker 0
+    rewrote the clusters file from the file at its start (an added replica's cluster gone, a
+    removed one back; after a refused file, Envoy's fail-open cluster gone)."""
+    cds, token, fleet = tmp_path / "cds.yaml", tmp_path / "token", tmp_path / "fleet.yaml"
+    token.write_text(TOKEN)
+
+    def replica(k: int) -> dict:
+        return {"name": f"r{k}", "region": "local", "address": f"127.0.0.1:{9 + k}",
+                "engine": "vllm"}
+    doc = {"name": "restarts", "regions": {"local": {}}, "replicas": [replica(0), replica(1)]}
+    fleet.write_text(yaml.safe_dump(doc))
+    proc = GorgoProcess(["extproc", "--fleet", str(fleet), "--port", "0", "--metrics-port", "0",
+                         "--workers", "2", "--cds-file", str(cds),
+                         "--admin-token-file", str(token)], timeout=60)
+    url = f"http://127.0.0.1:{proc.field('metrics')}"
+    seen: list[set[str]] = []
+    stop = threading.Event()
+
+    def watch() -> None:  # every version of the clusters file Envoy could read
+        last = None
+        while not stop.is_set():
+            with contextlib.suppress(OSError, yaml.YAMLError, TypeError):
+                if (inode := os.stat(cds).st_ino) != last:
+                    last = inode
+                    seen.append({c["name"] for c in yaml.safe_load(cds.read_text())["resources"]})
+            time.sleep(0.002)
+
+    def rates() -> dict[str, dict[str, float]]:
+        _, text = _call("GET", url + "/metrics")
+        out: dict[str, dict[str, float]] = {}
+        for line in str(text).splitlines():
+            if line.startswith("gorgo_prefill_rate_tokens_per_second{"):
+                labels, _, value = line.rpartition(" ")
+                name = labels.split('replica="', 1)[1].split('"', 1)[0]
+                worker = labels.split('worker="', 1)[1].split('"', 1)[0]
+                out.setdefault(worker, {})[name] = float(value)
+        return out
+
+    def restarts() -> float:
+        _, text = _call("GET", url + "/metrics")
+        return sum(float(line.rpartition(" ")[2]) for line in str(text).splitlines()
+                   if line.startswith("gorgo_worker_restarts_total{"))
+
+    def up() -> bool:
+        _, text = _call("GET", url + "/metrics")
+        return "gorgo_workers_up 2.0" in str(text)
+
+    watcher = threading.Thread(target=watch)
+    try:
+        assert _call("POST", url + "/admin/fleet/replicas", replica(2))[0] == 200
+        assert _call("PUT", url + "/admin/weights", {"rtt": 1.0, "version": 5, "prefill_rate": {
+            "r2": 5000}})[0] == 200
+        assert _call("DELETE", url + "/admin/fleet/replicas/r1")[0] == 200
+        assert _call("POST", url + "/admin/fleet/replicas/r2/drain")[0] == 200
+        # the operator's file drops Envoy's fail-open replica: every worker refuses it
+        tmp = fleet.with_suffix(".tmp")
+        tmp.write_text(yaml.safe_dump({**doc, "replicas": [replica(1)]}))
+        os.replace(tmp, fleet)
+        assert wait_for(lambda: all("fail open" in str(_call(
+            "GET", url + "/admin/fleet")[1]) for _ in range(4)), 30, 0.2)
+        watcher.start()
+        for k in (0, 1):
+            before = restarts()
+            os.kill(_worker_pid_of(proc, k), signal.SIGKILL)
+            assert wait_for(lambda: restarts() == before + 1 and up(), 60, 0.2)  # noqa: B023
+        time.sleep(1.5)  # a poll of the file after the restarts
+        assert rates() == {"0": {"r0": 10000.0, "r2": 5000.0},
+                           "1": {"r0": 10000.0, "r2": 5000.0}}
+        _, state = _call("GET", url + "/admin/fleet")
+        assert {r["name"]: r["draining"] for r in state["replicas"]} == {"r0": False,
+                                                                         "r2": True}
+    finally:
+        stop.set()
+        if watcher.is_alive():
+            watcher.join()
+        proc.stop()
+    assert seen and all("r0" in names and "r2" in names and "r1" not in names
+                        for names in seen), seen
 
 
 def test_a_stop_signal_while_the_workers_start_is_a_clean_stop(stack: Stack) -> None:
