@@ -43,6 +43,7 @@ from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import yaml
 from aiohttp import web
@@ -97,6 +98,19 @@ class TunerConfig:
     calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
 
 
+def _same_url(a: str, b: str) -> bool:
+    """One router, however written: the host's case, its default port, a trailing slash."""
+    def key(url: str) -> tuple[str, str, int | None, str]:
+        u = urlsplit(url)
+        scheme = u.scheme.lower()
+        return scheme, (u.hostname or ""), u.port or {"http": 80, "https": 443}.get(scheme), \
+            u.path.rstrip("/")
+    try:
+        return key(a) == key(b)
+    except ValueError:  # a port urllib cannot read: the strings decide
+        return a.rstrip("/") == b.rstrip("/")
+
+
 def _hostport(value: Any, key: str) -> tuple[str, int]:
     if not isinstance(value, str):
         raise ConfigError(f"{key}: expected HOST:PORT, got {value!r}")
@@ -149,7 +163,7 @@ def parse_config(raw: Any, base: Path) -> TunerConfig:
         url = r.get("url")
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
             raise ConfigError(f"{key}.url: expected an http(s) URL, got {url!r}")
-        if any(t.url == url.rstrip("/") for t in routers):
+        if any(_same_url(t.url, url) for t in routers):
             # two publishers to one router renumber each other's versions without end
             raise ConfigError(f"{key}.url: {url} is listed twice")
         routers.append(RouterTarget(url.rstrip("/"), _read_secret(base, r.get("token_file"),
@@ -169,7 +183,8 @@ def parse_config(raw: Any, base: Path) -> TunerConfig:
     if isinstance(max_spans, bool) or not isinstance(max_spans, int) or max_spans < 1:
         raise ConfigError(f"max_export_spans: expected a positive integer, got {max_spans!r}")
     timeout_s = fleet.pop("request_timeout_s", Timeouts().request_s)
-    if "fleet" in raw and "request_timeout_s" in raw and raw["request_timeout_s"] != timeout_s:
+    if (raw.get("fleet") is not None and "request_timeout_s" in raw
+            and raw["request_timeout_s"] != timeout_s):
         raise ConfigError(f"request_timeout_s: {raw['request_timeout_s']!r} contradicts the "
                           f"fleet file's timeouts.request_s {timeout_s!r}")
     limits = ExportLimits(max_ms=1000.0 * _positive(raw, "request_timeout_s", timeout_s),
@@ -184,9 +199,13 @@ def parse_config(raw: Any, base: Path) -> TunerConfig:
             tls = ((base / cert).read_bytes(), (base / key).read_bytes())
         except (OSError, TypeError) as exc:
             raise ConfigError(f"tls_cert_file: cannot read the certificate or key: {exc}") from None
-        try:  # gRPC reports a bad PEM only as "Failed to bind", naming the port instead
-            ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(
-                base / cert, base / key)
+        # gRPC reports a bad PEM only as "Failed to bind", naming the port instead. Checked at
+        # OpenSSL's lowest security level, as gRPC loads it (the default refused an RSA-1024
+        # pair gRPC serves), with no passphrase (gRPC takes none; a prompt would hang a start).
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.set_ciphers("DEFAULT:@SECLEVEL=0")
+        try:
+            context.load_cert_chain(base / cert, base / key, password=b"")
         except ssl.SSLError as exc:
             raise ConfigError(f"tls_cert_file: the certificate and key do not load as a PEM "
                               f"pair: {exc}") from None

@@ -46,7 +46,8 @@ _TERM_TAGS = tuple((t.name, SPAN_PREFIX + f, TTFT in t.objectives and t.fit != E
 FOREIGN = "foreign"
 NO_TTFT = "no_ttft"
 # The status of a sample whose request ended without a first byte and without an error status
-# of its own (the client gave up: Envoy reports 0): a failure, as `Sample.ok` reads it.
+# of its own (the client gave up: Envoy reports 0; a stream stalled after its 200 headers): a
+# failure, as `Sample.ok` reads it.
 NO_FIRST_BYTE_STATUS = 503
 MALFORMED = "malformed"
 OUT_OF_RANGE = "out_of_range"
@@ -191,12 +192,16 @@ def parse_attributes(attrs: dict[str, Any], start: int, end: int | None, max_ms:
         # A decided request that ended with no byte from its replica and an error (Envoy's own
         # 503, its 504 at the route timeout, a client that gave up waiting: status 0) failed as
         # its user saw it: an error sample, never left out (weights that make requests fail or
-        # stall would otherwise be scored on the survivors). A success with no body (an empty
-        # 200 of /health) says nothing of a first token.
-        if not (status == 0 or 400 <= status <= 599):
+        # stall would otherwise be scored on the survivors). So did an inference request
+        # (tagged with its GenAI operation) whose replica sent its 200 headers and then no
+        # byte until the client or a timeout ended it (engines send the headers of a stream
+        # before its first token): such an answer always has a body. A success with no body
+        # of any other path (an empty 200 of /health) says nothing of a first token.
+        inference = _present(attrs, SPAN_PREFIX + "operation")
+        if not (status == 0 or 400 <= status <= 599 or (inference and 100 <= status < 400)):
             raise SpanDropped(NO_TTFT if 100 <= status < 400 else MALFORMED,
                               f"no first byte, {STATUS_ATTR}={status}")
-        status = status or NO_FIRST_BYTE_STATUS
+        status = status if status >= 400 else NO_FIRST_BYTE_STATUS
     assert end is not None or first_byte
     # An error without a first byte waited at least its E2E, at most the request timeout (the
     # route's timeout, which starts once the request is in, ends it a little past max_ms).

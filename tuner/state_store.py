@@ -26,12 +26,13 @@ from typing import Any
 import numpy as np
 
 from gorgo.core.contract import PREFILL_RATE_BOUNDS, VERSION_MAX, WEIGHT_BOUNDS
+from gorgo.core.fleet import MAX_INT
 from gorgo.core.terms import OBJECTIVES, TTFT, weight_keys
 from gorgo.errors import UserError
 from tuner.optimizer import CONVERGED, EVALUATING, STATE_FORMAT, point_from_state
 
 P95_KEYS = ("incumbent_p95", "last_good_p95", "baseline_p95")
-LOWERED_TIMEOUT = 10.0
+LONGEST_TIMEOUT_MS = 1000.0 * MAX_INT  # timeouts.request_s is at most 2^53 s
 
 class StateError(UserError, ValueError):
     """The state file exists but cannot be used; the message names the file."""
@@ -79,12 +80,14 @@ def load_state(path: str | Path, max_ms: float) -> dict[str, Any] | None:
     if not isinstance(state, dict):
         raise StateError(f"{path}: expected a JSON object")
     for key in P95_KEYS:
-        # Scored under a longer request timeout than the fleet's today (lowered since, up to
-        # LOWERED_TIMEOUT x): no request takes that long any more, so the score is forgotten
-        # (measured again), not the whole state. Beyond that, it is no score (refused below).
+        # Scored under a longer request timeout than the fleet's today (lowered since, by any
+        # factor: a state scored at 400 s was refused once the timeout went from 600 to 30 s):
+        # no request takes that long any more, so the score is forgotten (measured again), not
+        # the whole state. Past the longest timeout a fleet accepts, it is no score (refused
+        # below: a 1.7e305 p95 once switched regression detection off).
         v = state.get(key)
         if (not isinstance(v, bool) and isinstance(v, int | float)
-                and max_ms < v <= LOWERED_TIMEOUT * max_ms):
+                and max_ms < v <= LONGEST_TIMEOUT_MS):
             state[key] = None
     try:
         check_state(state, max_ms)

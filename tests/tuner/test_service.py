@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import shutil
+import subprocess
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -388,6 +390,9 @@ def test_unreadable_state_file_is_not_overwritten(tmp_path: Path) -> None:
     ({"routers": [{"url": "http://x:1", "token_file": "admin-token"},
                   {"url": "http://x:1/", "token_file": "admin-token"}]},
      r"routers\[1\].url: .* listed twice"),  # renumbered its own versions without end
+    ({"routers": [{"url": "http://Router:80", "token_file": "admin-token"},
+                  {"url": "http://router", "token_file": "admin-token"}]},
+     r"routers\[1\].url: .* listed twice"),  # the same router, written otherwise
 ])
 def test_config_errors_name_the_field(tmp_path: Path, extra: dict, match: str) -> None:
     class Fake:
@@ -473,6 +478,25 @@ def test_the_fleet_file_sets_the_objective_target_and_timeout(tmp_path: Path) ->
         load_config(path)
     cfg = load_config(write_config(tmp_path, [router], fleet="fleet.yaml", request_timeout_s=90))
     assert cfg.limits.max_ms == 90_000.0
+    # an empty fleet: key names no fleet file, so nothing to contradict (it was refused)
+    cfg = load_config(write_config(tmp_path, [router], fleet=None, request_timeout_s=90))
+    assert cfg.limits.max_ms == 90_000.0
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl CLI")
+def test_a_tls_pair_grpc_serves_is_accepted(tmp_path: Path) -> None:
+    """An RSA-1024 pair was refused at OpenSSL's default security level, which gRPC does not
+    apply (it serves the pair)."""
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:1024", "-nodes", "-keyout",
+                    str(tmp_path / "key.pem"), "-out", str(tmp_path / "cert.pem"), "-days", "1",
+                    "-subj", "/CN=localhost"], check=True, capture_output=True)
+
+    class Fake:
+        url = "http://127.0.0.1:9"
+
+    cfg = load_config(write_config(tmp_path, [Fake()], tls_cert_file="cert.pem",  # type: ignore[list-item]
+                                   tls_key_file="key.pem"))
+    assert cfg.tls is not None
 
 
 def test_spans_are_taken_while_a_verdict_computes_and_reach_the_tuner_after_it(
