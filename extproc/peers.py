@@ -91,16 +91,17 @@ class PeerLink:
             outbox.clear()  # best effort: not replayed after a reconnection
             return
         assert self._nc is not None
-        data = encode(self.router.router_id, outbox)
+        messages = encode(self.router.router_id, outbox)
         outbox.clear()
         # Buffered by the client and flushed by its own task; it raises only once closed.
-        asyncio.get_running_loop().create_task(self._publish(data))
+        asyncio.get_running_loop().create_task(self._publish(messages))
 
-    async def _publish(self, data: bytes) -> None:
+    async def _publish(self, messages: list[bytes]) -> None:
         try:
             assert self._nc is not None
-            await self._nc.publish(self.subject, data)
-            self.sent += 1
+            for data in messages:  # in order: an open before its close
+                await self._nc.publish(self.subject, data)
+                self.sent += 1
         except Exception as exc:  # closed or draining: the bookings are lost, as documented
             log.debug("nats publish: %s", exc)
 

@@ -51,7 +51,10 @@ FORMAT = 1  # of a bookings message: {"v": FORMAT, "router": id, "b": [[id, kind
 # that decodes more than one sequence or over more context than its prompt (`n`, a batch of
 # prompts: `RequestFeatures.choices`, `.context_tokens`). A row of six is a request of one
 # sequence over its prompt, as every router before the longer row wrote and read (a message
-# with a longer row is refused whole by those: they counted such a request as one sequence).
+# with a longer row is refused whole by those: they counted such a request as one sequence). So
+# a close is always six (the receiver releases what its open booked), and the longer opens go in
+# a message of their own, sent first: one of them no longer costs an older router the other
+# rows' closes (their opens applied, their requests held until the request timeout).
 MAX_BOOKINGS = 10_000  # per message: a burst's worth; a larger message is refused whole
 MAX_BLOCKS = 1 << 20  # per booking (a 64M-token prompt at 64 tokens a block)
 # How long a router's own choice is echoed for each live peer: longer than a booking takes over a
@@ -76,12 +79,16 @@ class Booking:
     context: int | None = None  # ... over these prompt tokens between them (None: the prompt)
 
 
-def encode(router: str, bookings: Sequence[Booking]) -> bytes:
-    """One message of a router's bookings (compact JSON: hashes are 64-bit integers)."""
+def encode(router: str, bookings: Sequence[Booking]) -> list[bytes]:
+    """A router's bookings as messages to send in order (compact JSON: hashes are 64-bit
+    integers): the opens of longer rows first, then every other booking in its order, so each
+    open still comes before its close."""
     rows = [[b.decision_id, b.kind, b.replica, b.prompt_tokens, b.uncached_tokens,
-             list(b.block_hashes), *_decode_batch(b)] for b in bookings]
-    return json.dumps({"v": FORMAT, "router": router, "b": rows},
-                      separators=(",", ":")).encode()
+             list(b.block_hashes), *(_decode_batch(b) if b.kind == OPENED else ())]
+            for b in bookings]
+    groups = ([r for r in rows if len(r) > 6], [r for r in rows if len(r) == 6])
+    return [json.dumps({"v": FORMAT, "router": router, "b": g}, separators=(",", ":")).encode()
+            for g in groups if g]
 
 
 def decode(data: bytes) -> list[Booking]:
