@@ -41,6 +41,7 @@ import ctypes
 import json
 import logging
 import os
+import secrets
 import signal
 import sys
 import time
@@ -60,7 +61,7 @@ from prometheus_client import (
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from extproc.admin import WEIGHTS_MAX_BYTES
+from extproc.admin import DISABLED, WEIGHTS_MAX_BYTES
 from extproc.telemetry import log_event
 from gorgo import shutdown
 from gorgo.core.contract import WEIGHT_BOUNDS
@@ -140,7 +141,11 @@ def worker_ports(base: int, n: int, metrics_port: int) -> list[int]:
 class Supervisor:
     def __init__(self, args: argparse.Namespace, n: int, token: str | None) -> None:
         self.args = args
-        self.token = token
+        self.token = token  # the operator's: None, and the admin API answers 403
+        # What the supervisor and the workers share: the operator's, else one of their own, so a
+        # restarted worker can still take on its peers' fleet (a fleet file they all refused
+        # was what it ran).
+        self._worker_token = token or secrets.token_urlsafe(32)
         self.workers = [Worker(k, p) for k, p in enumerate(worker_ports(args.port, n,
                                                                          args.metrics_port))]
         self.replay: dict[str, Any] | None = None  # the weights every worker runs, once PUT
@@ -199,8 +204,7 @@ class Supervisor:
         """Start worker ``w`` and wait for its READY line; a failure is a UserError."""
         w.runs += 1
         env = {k: v for k, v in os.environ.items() if k != "GORGO_ADMIN_TOKEN"}
-        if self.token:  # the workers check the same token (never on a command line)
-            env["GORGO_ADMIN_TOKEN"] = self.token
+        env["GORGO_ADMIN_TOKEN"] = self._worker_token  # never on a command line
         # Its own session: a stop signal to the supervisor's group (Ctrl-C, killpg, systemd)
         # reaches the workers once, from the supervisor, not twice (a second one cuts a drain).
         w.proc = await asyncio.create_subprocess_exec(
@@ -241,7 +245,7 @@ class Supervisor:
     def _adopts(self, w: Worker) -> bool:
         """A restarted worker starts from the file: it takes on its peers' fleet (the admin
         changes they took since; a file they have not read yet they read again together)."""
-        return w.runs > 1 and self.token is not None
+        return w.runs > 1
 
     async def _adopt(self, w: Worker) -> tuple[int, bytes]:
         """``w`` takes on the fleet document of the first peer that answers; with none up, the
@@ -344,7 +348,7 @@ class Supervisor:
     # --- fan-out --------------------------------------------------------------------------------
 
     def _auth(self) -> dict[str, str]:
-        return {"authorization": f"Bearer {self.token}"} if self.token else {}
+        return {"authorization": f"Bearer {self._worker_token}"}
 
     async def _send(self, w: Worker, method: str, path: str, body: bytes | None = None,
                     headers: dict[str, str] | None = None) -> tuple[int, bytes]:
@@ -385,7 +389,16 @@ class Supervisor:
             "workers": [{"worker": w.index, "status": s}
                         for w, (s, _) in zip(live, answers, strict=True)]}}, status=502), answers
 
+    def _disabled(self) -> web.Response | None:
+        """Without the operator's token the admin API is off, as a single router's: the workers
+        hold the supervisor's own token, which no client has."""
+        if self.token is not None:
+            return None
+        return web.json_response({"error": {"message": DISABLED, "field": None}}, status=403)
+
     async def put_weights(self, request: web.Request) -> web.Response:
+        if (off := self._disabled()) is not None:
+            return off
         if (request.content_length or 0) > WEIGHTS_MAX_BYTES:
             return web.json_response({"error": {"message": f"body is over {WEIGHTS_MAX_BYTES}"
                                                            " bytes", "field": None}}, status=413)
@@ -412,6 +425,8 @@ class Supervisor:
 
     async def admin_other(self, request: web.Request) -> web.Response:
         """Any other admin call: a read from the first worker that is up, a change to all."""
+        if (off := self._disabled()) is not None:
+            return off
         if request.method == "GET" or request.path == "/admin/explain":
             live = self._live()
             if not live:
@@ -429,6 +444,8 @@ class Supervisor:
         return response
 
     async def get_weights(self, request: web.Request) -> web.Response:
+        if (off := self._disabled()) is not None:
+            return off
         live = self._live()
         if not live:
             return web.json_response({"error": {"message": "no worker is up"}}, status=503)

@@ -335,6 +335,45 @@ def test_a_restarted_worker_runs_its_peers_fleet_and_the_clusters_file_never_lea
                         for names in seen), seen
 
 
+def test_without_the_admin_token_a_restarted_worker_still_runs_its_peers_fleet(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No admin change exists without the token, but a fleet file every worker refused was what
+    a restarted worker ran (and worker 0 wrote it to the clusters file, Envoy's fail-open
+    cluster gone); the admin API stays off for clients."""
+    cds, fleet = tmp_path / "cds.yaml", tmp_path / "fleet.yaml"
+    replicas = [{"name": f"r{k}", "region": "local", "address": f"127.0.0.1:{9 + k}",
+                 "engine": "vllm"} for k in range(2)]
+    doc = {"name": "no-token", "regions": {"local": {}}, "replicas": replicas}
+    fleet.write_text(yaml.safe_dump(doc))
+    monkeypatch.delenv("GORGO_ADMIN_TOKEN", raising=False)
+    proc = GorgoProcess(["extproc", "--fleet", str(fleet), "--port", "0", "--metrics-port", "0",
+                         "--workers", "2", "--cds-file", str(cds)], timeout=60)
+    url = f"http://127.0.0.1:{proc.field('metrics')}"
+
+    def metric(name: str) -> list[str]:
+        return [line for line in str(_call("GET", url + "/metrics")[1]).splitlines()
+                if line.startswith(name)]
+    try:
+        tmp = fleet.with_suffix(".tmp")
+        tmp.write_text(yaml.safe_dump({**doc, "replicas": replicas[1:]}))  # drops the default
+        os.replace(tmp, fleet)
+        assert wait_for(lambda: len([line for line in metric("gorgo_fleet_reloads_total{")
+                                     if 'result="error"' in line]) == 2, 30, 0.2)
+        before = len(metric("gorgo_worker_restarts_total{"))
+        os.kill(_worker_pid_of(proc, 0), signal.SIGKILL)
+        assert wait_for(lambda: len(metric("gorgo_worker_restarts_total{")) > before
+                        and "gorgo_workers_up 2.0" in metric("gorgo_workers_up"), 60, 0.2)
+        rates = {line.split('replica="', 1)[1].split('"', 1)[0] + "@"
+                 + line.split('worker="', 1)[1].split('"', 1)[0]
+                 for line in metric("gorgo_prefill_rate_tokens_per_second{")}
+        assert rates == {"r0@0", "r1@0", "r0@1", "r1@1"}
+        assert {c["name"] for c in yaml.safe_load(cds.read_text())["resources"]} >= {"r0", "r1"}
+        status, body = _call("GET", url + "/admin/fleet")
+        assert status == 403 and body["error"]["message"] == "admin API disabled"
+    finally:
+        proc.stop()
+
+
 def test_a_stop_signal_while_the_workers_start_is_a_clean_stop(stack: Stack) -> None:
     """A SIGTERM to the process group (init systems, `GorgoProcess.stop`) while worker 0 was
     still starting ended with exit 2 and "worker 0 did not start"."""
