@@ -417,13 +417,16 @@ def _processing_mode(spec: FleetSpec, body_mode: str, *, request_headers: bool) 
         "request_body_mode": BODY_MODES[body_mode],
         "response_header_mode": "SKIP" if spec.extproc.skip_response_headers else "SEND",
         "response_body_mode": "NONE",
-        # Envoy requires trailers to be sent in full-duplex mode. In that mode it also closes
-        # the router's stream once nothing more can be sent to it: with the response trailers
-        # skipped, at the response headers, while the answer still streams, and the router
-        # released the request's booking there (every stream looked finished: 9 concurrent
-        # streams all went to one replica). Sent, the stream lasts as long as the response.
+        # Envoy requires the request trailers to be sent in full-duplex mode. In that mode it
+        # also closes the router's stream once nothing more can be sent to it: with the response
+        # trailers skipped, at the response headers, while the answer still streams, and the
+        # router releases the request's booking there (9 concurrent streams all went to one
+        # replica). Sent (`extproc.response_trailers: send`), the stream and the booking last as
+        # long as the response, and the answer fails if the router dies before it ends (3 of 3
+        # streaming answers cut by a SIGKILL), so that is the operator's choice, not the default.
         "request_trailer_mode": "SEND" if duplex else "SKIP",
-        "response_trailer_mode": "SEND" if duplex else "SKIP",
+        "response_trailer_mode": "SEND" if duplex and spec.extproc.response_trailers == "send"
+                                 else "SKIP",
     }
 
 

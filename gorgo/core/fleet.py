@@ -266,10 +266,19 @@ class ExtProcMode:
     ``skip`` saves that round trip too: the body message carries what the router reads of the
     headers as ext_proc request attributes, and Envoy holds the headers until the body is
     answered, then sets the routing headers from the decision's metadata (`gorgo envoy-config`).
-    Body-less GETs still send their headers: they have no body message to route on."""
+    Body-less GETs still send their headers: they have no body message to route on.
+
+    ``response_trailers`` (full-duplex body mode only): ``skip`` (the default) lets Envoy close
+    the router's stream at the response headers, so an answer never depends on the router once
+    it streams, but the request's booking ends there too (concurrent streams look finished and
+    may pile onto one replica until the engines' scrapes show them); ``send`` keeps the stream,
+    and the booking, for the whole response, but then a router that dies, or stops past
+    ``--drain-s``, cuts every answer still streaming through it (Envoy cannot fail a
+    full-duplex stream open)."""
 
     response_headers: str = "send"
     request_headers: str = "send"
+    response_trailers: str = "skip"
 
     @property
     def skip_response_headers(self) -> bool:
@@ -729,12 +738,15 @@ def _sharing(raw: Mapping[str, Any], path: str, fleet: str) -> Sharing | None:
     return Sharing(nats=url, subject=subject, stagger_ms=stagger)
 
 
+DEFAULT_EXTPROC = ExtProcMode()
+
+
 def _extproc(raw: Mapping[str, Any], path: str) -> ExtProcMode:
     eraw = _mapping(raw.get("extproc") or {}, path)
     _check_keys(eraw, set(ExtProcMode.__dataclass_fields__), path)
     modes = {}
     for key in ExtProcMode.__dataclass_fields__:
-        modes[key] = _str(eraw, key, path, "send")
+        modes[key] = _str(eraw, key, path, getattr(DEFAULT_EXTPROC, key))
         if modes[key] not in HEADER_MODES:
             raise FleetError(f"{path}.{key}: must be one of {', '.join(HEADER_MODES)}, "
                              f"got {modes[key]!r}")

@@ -51,9 +51,12 @@ def _sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def _stack(tmp: Path, n: int = 3) -> Stack:
+def _stack(tmp: Path, n: int = 3, trailers: str = "send", **extra: object) -> Stack:
+    """``trailers``: the fleet's extproc.response_trailers (``send``: the router's stream
+    lasts the whole response, what most of these tests look at)."""
     return start_stack(tmp, n=n, body_mode="full-duplex", endpoint_picker=True,
-                       limits={"max_body_bytes": LIMIT})
+                       limits={"max_body_bytes": LIMIT}, extproc={"response_trailers": trailers},
+                       **extra)
 
 
 @pytest.fixture(scope="module")
@@ -210,7 +213,7 @@ def _h2_request(port: int, body: bytes, trailers: bool) -> tuple[dict[str, str],
 def plain(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     """Full duplex in cluster-header mode, with the retry route (on by default)."""
     stack = start_stack(tmp_path_factory.mktemp("duplex-plain"), n=3, body_mode="full-duplex",
-                        limits={"max_body_bytes": LIMIT})
+                        limits={"max_body_bytes": LIMIT}, extproc={"response_trailers": "send"})
     yield stack
     stop_stack(stack)
 
@@ -309,6 +312,33 @@ def test_a_stop_lets_the_answers_streaming_through_the_router_end_whole(tmp_path
         assert [a[0] for a in answers] == [200, 200]
         assert all(a[2].endswith(b"data: [DONE]\n\n") for a in answers)
         assert st.extproc.p.wait(30) == 0
+    finally:
+        st.lt.loop.call_soon_threadsafe(hold.set)
+        stop_stack(st)
+
+
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGTERM])
+def test_by_default_answers_streaming_outlive_the_router(tmp_path: Path,
+                                                         how: signal.Signals) -> None:
+    """With the response trailers sent, Envoy kept the router's stream for the whole response:
+    a router that died, or stopped past --drain-s, cut every answer still streaming (3 of 3).
+    By default they are skipped: the stream, and the booking, end at the response headers."""
+    st = _stack(tmp_path, n=2, trailers="skip", extproc_args=("--drain-s", "1"))
+    hold = asyncio.Event()
+    try:
+        for u in st.upstreams:
+            u.hold = hold
+        body = json.dumps({**chat("streaming"), "stream": True}).encode()
+        held = [asyncio.run_coroutine_threadsafe(
+            post(st.url + "/v1/chat/completions", body, {}), st.lt.loop) for _ in range(3)]
+        assert wait_for(lambda: sum(len(u.served) for u in st.upstreams) == 3, 10)
+        assert wait_for(lambda: GorgoMetrics(st).total("gorgo_open_decisions") == 0, 10)
+        os.kill(st.extproc.p.pid, how)
+        st.extproc.p.wait(30)
+        st.lt.loop.call_soon_threadsafe(hold.set)
+        answers = [h.result(timeout=30) for h in held]
+        assert [a[0] for a in answers] == [200] * 3
+        assert all(a[2].endswith(b"data: [DONE]\n\n") for a in answers)
     finally:
         st.lt.loop.call_soon_threadsafe(hold.set)
         stop_stack(st)

@@ -26,7 +26,7 @@ from gorgo.core.contract import (
     STREAM_HEADER,
 )
 from gorgo.core.contract import TTFT_ATTR as TTFT_TAG
-from gorgo.core.fleet import load_fleet, parse_fleet
+from gorgo.core.fleet import FleetError, load_fleet, parse_fleet
 from gorgo.envoy_config import (
     EXTPROC_CLUSTER,
     FLEET_CLUSTER,
@@ -327,3 +327,25 @@ def test_envoys_own_timeouts_and_the_fail_open_body_limit_answer_as_the_api_does
     duplex = render_bootstrap(spec, body_mode="full-duplex")["static_resources"]["listeners"][0][
         "filter_chains"][0]["filters"][0]["typed_config"]
     assert "envoy.filters.http.buffer" not in [f["name"] for f in duplex["http_filters"]]
+
+
+@pytest.mark.parametrize(("trailers", "duplex_mode"), [(None, "SKIP"), ("skip", "SKIP"),
+                                                       ("send", "SEND")])
+def test_the_response_trailers_are_the_operators_choice(trailers: str | None,
+                                                         duplex_mode: str) -> None:
+    """Sent, a full-duplex answer depends on the router until it ends (a dead router cut every
+    answer streaming through it); skipped, the booking ends at the response headers."""
+    raw = yaml.safe_load(EXAMPLE.read_text())
+    if trailers is not None:
+        raw["extproc"] = {"response_trailers": trailers}
+    spec = parse_fleet(raw)
+
+    def mode(body_mode: str) -> dict:
+        hcm = render_bootstrap(spec, body_mode=body_mode)["static_resources"]["listeners"][0][
+            "filter_chains"][0]["filters"][0]["typed_config"]
+        ext = next(f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.ext_proc")
+        return ext["typed_config"]["processing_mode"]
+    assert mode("full-duplex")["response_trailer_mode"] == duplex_mode
+    assert mode("buffered")["response_trailer_mode"] == "SKIP"
+    with pytest.raises(FleetError, match=r"extproc\.response_trailers: must be one of"):
+        parse_fleet({**raw, "extproc": {"response_trailers": "always"}})
