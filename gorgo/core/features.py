@@ -411,15 +411,27 @@ def _policy(headers: Mapping[str, str], known: Collection[str] | None) -> str | 
 
 def _named_model(raw_body: bytes, limits: Limits) -> str | None:
     """The model a request of another path (`routes.extra_paths`: embeddings, ...) names in its
-    JSON body, if it names one: where it can be served. Its body is the engine's to judge."""
+    JSON body, if it names one: where it can be served. The body is otherwise the engine's to
+    judge, so the inference paths' container count does not apply (an embeddings batch of 50,001
+    token-id arrays lost its model that way and went to replicas of another model); a body
+    that is no JSON object names none."""
     if not raw_body:
         return None
     try:
-        body = parse_json_body(raw_body, limits.max_json_depth, limits.max_json_containers)
-    except RequestError:
+        body = json.loads(raw_body)
+    except ValueError:
         return None
-    model = body.get("model")
-    return model if isinstance(model, str) and model.isascii() else None
+    except RecursionError:
+        raise RequestError(400, f"JSON nesting deeper than {limits.max_json_depth} "
+                                "levels.") from None
+    model = body.get("model") if isinstance(body, dict) else None
+    if not isinstance(model, str):
+        return None
+    try:  # a non-ASCII name is a model no replica serves (a 404), not "any replica"
+        model.encode("utf-8")
+    except UnicodeEncodeError:
+        raise RequestError(400, "'model' is not valid Unicode text.", param="model") from None
+    return model
 
 
 def extract_features(
