@@ -19,6 +19,7 @@ import subprocess
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import h2.config
@@ -68,6 +69,26 @@ def st(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 
 def _body(content: str) -> bytes:
     return json.dumps(chat(content)).encode()
+
+
+def _streams_held(st: Stack, hold: asyncio.Event, k: int) -> list[Any]:
+    """``k`` streaming answers whose replicas send their headers and first chunk, then wait
+    for ``hold``: the futures of their (status, headers, body, ...) once they end."""
+    for u in st.upstreams:
+        u.hold = hold
+    before = sum(len(u.served) for u in st.upstreams)
+    body = json.dumps({**chat("streaming"), "stream": True}).encode()
+    held = [asyncio.run_coroutine_threadsafe(
+        post(st.url + "/v1/chat/completions", body, {}), st.lt.loop) for _ in range(k)]
+    assert wait_for(lambda: sum(len(u.served) for u in st.upstreams) == before + k, 10)
+    return held
+
+
+def _ended_whole(st: Stack, hold: asyncio.Event, held: list[Any]) -> bool:
+    """Let the held answers end: whether each was a 200 that reached its end."""
+    st.lt.loop.call_soon_threadsafe(hold.set)
+    answers = [h.result(timeout=30) for h in held]
+    return all(a[0] == 200 and a[2].endswith(b"data: [DONE]\n\n") for a in answers)
 
 
 async def _post_chunked(url: str, pieces: list[bytes]) -> tuple[int, dict, bytes]:
@@ -243,19 +264,11 @@ def test_a_streaming_answer_stays_booked_until_it_ends(mode: str, st: Stack,
     looked idle and concurrent streams all went to one."""
     stack = st if mode == "picker" else plain
     hold = asyncio.Event()
-    for u in stack.upstreams:
-        u.hold = hold
     try:
-        body = json.dumps({**chat("held"), "stream": True}).encode()
-        before = sum(len(u.served) for u in stack.upstreams)
-        held = [asyncio.run_coroutine_threadsafe(
-            post(stack.url + "/v1/chat/completions", body, {}), stack.lt.loop)
-            for _ in range(3)]
-        assert wait_for(lambda: sum(len(u.served) for u in stack.upstreams) == before + 3, 10)
+        held = _streams_held(stack, hold, 3)
         time.sleep(0.5)  # the answers' first chunks are out; their ends are held
         assert GorgoMetrics(stack).total("gorgo_open_decisions") == 3
-        stack.lt.loop.call_soon_threadsafe(hold.set)
-        assert [h.result(timeout=30)[0] for h in held] == [200] * 3
+        assert _ended_whole(stack, hold, held)
         assert wait_for(lambda: GorgoMetrics(stack).total("gorgo_open_decisions") == 0, 10)
     finally:
         stack.lt.loop.call_soon_threadsafe(hold.set)
@@ -297,20 +310,12 @@ def test_a_stop_lets_the_answers_streaming_through_the_router_end_whole(tmp_path
     st = _stack(tmp_path, n=2)
     hold = asyncio.Event()
     try:
-        for u in st.upstreams:
-            u.hold = hold
-        body = json.dumps({**chat("streaming"), "stream": True}).encode()
-        held = [asyncio.run_coroutine_threadsafe(
-            post(st.url + "/v1/chat/completions", body, {}), st.lt.loop) for _ in range(2)]
-        assert wait_for(lambda: sum(len(u.served) for u in st.upstreams) == 2, 10)
+        held = _streams_held(st, hold, 2)
         time.sleep(0.5)  # the response headers and first chunks are out
         os.kill(st.extproc.p.pid, signal.SIGTERM)
         time.sleep(2.5)  # past the drain's quiet time: the streams still hold it
         assert st.extproc.p.poll() is None
-        st.lt.loop.call_soon_threadsafe(hold.set)
-        answers = [h.result(timeout=30) for h in held]
-        assert [a[0] for a in answers] == [200, 200]
-        assert all(a[2].endswith(b"data: [DONE]\n\n") for a in answers)
+        assert _ended_whole(st, hold, held)
         assert st.extproc.p.wait(30) == 0
     finally:
         st.lt.loop.call_soon_threadsafe(hold.set)
@@ -326,19 +331,11 @@ def test_by_default_answers_streaming_outlive_the_router(tmp_path: Path,
     st = _stack(tmp_path, n=2, trailers="skip", extproc_args=("--drain-s", "1"))
     hold = asyncio.Event()
     try:
-        for u in st.upstreams:
-            u.hold = hold
-        body = json.dumps({**chat("streaming"), "stream": True}).encode()
-        held = [asyncio.run_coroutine_threadsafe(
-            post(st.url + "/v1/chat/completions", body, {}), st.lt.loop) for _ in range(3)]
-        assert wait_for(lambda: sum(len(u.served) for u in st.upstreams) == 3, 10)
+        held = _streams_held(st, hold, 3)
         assert wait_for(lambda: GorgoMetrics(st).total("gorgo_open_decisions") == 0, 10)
         os.kill(st.extproc.p.pid, how)
         st.extproc.p.wait(30)
-        st.lt.loop.call_soon_threadsafe(hold.set)
-        answers = [h.result(timeout=30) for h in held]
-        assert [a[0] for a in answers] == [200] * 3
-        assert all(a[2].endswith(b"data: [DONE]\n\n") for a in answers)
+        assert _ended_whole(st, hold, held)
     finally:
         st.lt.loop.call_soon_threadsafe(hold.set)
         stop_stack(st)
