@@ -62,7 +62,7 @@ class _Stream:
     """Per-request state carried between the messages of one ext_proc stream."""
 
     __slots__ = ("answered", "chunks", "decided_at", "decision", "duplex", "fallback", "headers",
-                 "opened", "path", "served", "size", "trace")
+                 "opened", "path", "served", "size", "status", "stream", "trace")
     # The replicas are kept by name: a fleet reload may re-index them mid-stream.
 
     def __init__(self) -> None:
@@ -72,6 +72,8 @@ class _Stream:
         self.decision: Decision | None = None
         self.decided_at = 0.0  # perf_counter() when decided
         self.served = ""  # the replica that answered: the decision's, or the retry's
+        self.stream = False  # the request asked for a streamed answer
+        self.status = ""  # the response's, once its headers came through the router
         self.fallback: str | None = None  # the replica Envoy retries on, if any
         # (trace id, span id) of Envoy's ext_proc span, when decision spans are exported
         self.trace: tuple[bytes, bytes] | None = None
@@ -208,11 +210,29 @@ class ExtProcService(ExternalProcessorServicer):
             if pending:
                 self.pending_streams -= 1
             if st.decision is not None:
-                self.router.complete(st.decision.id)
+                later = self._held_past_close(st)
+                if later > 0.0:
+                    asyncio.get_running_loop().call_later(later, self.router.complete,
+                                                          st.decision.id)
+                else:
+                    self.router.complete(st.decision.id)
                 served = self.router.state.index.get(st.served)
                 if served is not None:  # else removed: its label sets are gone
                     self.metrics.request_seconds.labels(*self.metrics.replica(served)).observe(
                         time.perf_counter() - st.decided_at)
+
+    def _held_past_close(self, st: _Stream) -> float:
+        """Seconds a request's booking outlives its stream: in full-duplex mode with the
+        response trailers skipped (the default), Envoy closes the stream at the response
+        headers, while a streamed answer still decodes (its booking ended there: 9 concurrent
+        streams went to one replica). Its predicted decoding time then, within the request
+        timeout; nothing for an answer already whole, or an error."""
+        spec = self.router.spec
+        if not (st.duplex and st.stream and st.status[:1] == "2"
+                and spec.extproc.response_trailers == "skip" and st.decision is not None):
+            return 0.0
+        decode_ms = st.decision.terms.get("decode", 0.0)
+        return min(decode_ms / 1000.0, spec.timeouts.request_s) if decode_ms > 0.0 else 0.0
 
     def _last_message(self, kind: str | None, req: pb.ProcessingRequest) -> bool:
         """Whether the message just answered is the last Envoy sends the router: the response
@@ -316,7 +336,7 @@ class ExtProcService(ExternalProcessorServicer):
         if d is None:
             return messages.CONTINUE_RESPONSE_HEADERS
         headers = messages.header_dict(msg)
-        status = headers.get(":status", "")
+        status = st.status = headers.get(":status", "")
         s = self.router.state
         chosen = s.index.get(st.served)  # None: removed by a reload since the decision
         attempts = headers.get(ATTEMPT_COUNT_HEADER, "1")
@@ -358,7 +378,7 @@ class ExtProcService(ExternalProcessorServicer):
         if isinstance(d, Rejection):
             self._span(st, t0, wall0, {OUTCOME_ATTR: d.reason, ROUTER_STATUS_ATTR: d.status})
             return self._refuse(d)
-        st.decision = d
+        st.decision, st.stream = d, f.stream
         try:
             return self._answer(st, f, d, on_headers, retry, t0, wall0)
         except Exception:  # the decision cannot be told to Envoy: released, never half-booked

@@ -419,11 +419,12 @@ def _processing_mode(spec: FleetSpec, body_mode: str, *, request_headers: bool) 
         "response_body_mode": "NONE",
         # Envoy requires the request trailers to be sent in full-duplex mode. In that mode it
         # also closes the router's stream once nothing more can be sent to it: with the response
-        # trailers skipped, at the response headers, while the answer still streams, and the
-        # router releases the request's booking there (9 concurrent streams all went to one
-        # replica). Sent (`extproc.response_trailers: send`), the stream and the booking last as
-        # long as the response, and the answer fails if the router dies before it ends (3 of 3
-        # streaming answers cut by a SIGKILL), so that is the operator's choice, not the default.
+        # trailers skipped, at the response headers, while the answer still streams (the router
+        # holds a streamed answer's booking for its predicted decoding: released there, 9
+        # concurrent streams all went to one replica). Sent (`extproc.response_trailers:
+        # send`), the stream and the booking last as long as the response, and the answer fails
+        # if the router dies before it ends (3 of 3 streaming answers cut by a SIGKILL), so
+        # that is the operator's choice, not the default.
         "request_trailer_mode": "SEND" if duplex else "SKIP",
         "response_trailer_mode": "SEND" if duplex and spec.extproc.response_trailers == "send"
                                  else "SKIP",

@@ -270,11 +270,10 @@ class ExtProcMode:
 
     ``response_trailers`` (full-duplex body mode only): ``skip`` (the default) lets Envoy close
     the router's stream at the response headers, so an answer never depends on the router once
-    it streams, but the request's booking ends there too (concurrent streams look finished and
-    may pile onto one replica until the engines' scrapes show them); ``send`` keeps the stream,
-    and the booking, for the whole response, but then a router that dies, or stops past
-    ``--drain-s``, cuts every answer still streaming through it (Envoy cannot fail a
-    full-duplex stream open)."""
+    it streams; the booking of a streamed answer is then held for its predicted decoding time
+    (the `decode` term), not its real end; ``send`` keeps the stream, and the booking, for the
+    whole response, but then a router that dies, or stops past ``--drain-s``, cuts every answer
+    still streaming through it (Envoy cannot fail a full-duplex stream open)."""
 
     response_headers: str = "send"
     request_headers: str = "send"

@@ -11,13 +11,14 @@ from typing import Any
 import pytest
 
 from extproc import messages
-from extproc.service import ExtProcService
+from extproc.service import ExtProcService, _Stream
 from extproc.telemetry import RouterMetrics
 from gorgo._xds.envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue
 from gorgo._xds.envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import (
     ProcessingMode,
 )
 from gorgo._xds.envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from gorgo.core.decision import Decision
 from gorgo.core.fleet import parse_fleet
 from gorgo.core.router import Router
 
@@ -275,3 +276,24 @@ def test_an_answer_that_cannot_be_built_fails_open_counted_and_releases_its_book
     assert answers[1] == messages.CONTINUE_REQUEST_BODY  # the default route, as Envoy fails open
     assert _sample(service, "gorgo_fail_open_total") == 1
     assert booked == [1] and router.open_requests == 0  # released once, by the failure
+
+
+@pytest.mark.parametrize(("duplex", "stream", "status", "trailers", "decode_ms", "held_s"), [
+    (True, True, "200", "skip", 1500.0, 1.5),  # the stream closed while the answer decodes
+    (True, True, "200", "skip", 1e12, 600.0),  # within the request timeout
+    (True, False, "200", "skip", 1500.0, 0.0),  # a whole answer: done at its headers
+    (True, True, "503", "skip", 1500.0, 0.0),  # an error decodes nothing
+    (True, True, "", "skip", 1500.0, 0.0),  # no response through the router
+    (True, True, "200", "send", 1500.0, 0.0),  # the stream lasts the response
+    (False, True, "200", "skip", 1500.0, 0.0),  # buffered: likewise
+    (True, True, "200", "skip", float("nan"), 0.0),
+])
+def test_a_booking_outlives_a_stream_closed_before_its_answer_decoded(
+        duplex: bool, stream: bool, status: str, trailers: str, decode_ms: float,
+        held_s: float) -> None:
+    router = _router(extproc={"response_trailers": trailers})
+    service = ExtProcService(router, RouterMetrics(router.state, lambda: 0))
+    st = _Stream()
+    st.duplex, st.stream, st.status = duplex, stream, status
+    st.decision = Decision(0, "gorgo", terms={"decode": decode_ms})
+    assert service._held_past_close(st) == pytest.approx(held_s)

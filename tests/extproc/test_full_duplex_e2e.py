@@ -71,13 +71,14 @@ def _body(content: str) -> bytes:
     return json.dumps(chat(content)).encode()
 
 
-def _streams_held(st: Stack, hold: asyncio.Event, k: int) -> list[Any]:
-    """``k`` streaming answers whose replicas send their headers and first chunk, then wait
-    for ``hold``: the futures of their (status, headers, body, ...) once they end."""
+def _streams_held(st: Stack, hold: asyncio.Event, k: int, **fields: Any) -> list[Any]:
+    """``k`` streaming answers (their bodies with ``fields``) whose replicas send their headers
+    and first chunk, then wait for ``hold``: the futures of their (status, headers, body, ...)
+    once they end."""
     for u in st.upstreams:
         u.hold = hold
     before = sum(len(u.served) for u in st.upstreams)
-    body = json.dumps({**chat("streaming"), "stream": True}).encode()
+    body = json.dumps({**chat("streaming"), "stream": True, **fields}).encode()
     held = [asyncio.run_coroutine_threadsafe(
         post(st.url + "/v1/chat/completions", body, {}), st.lt.loop) for _ in range(k)]
     assert wait_for(lambda: sum(len(u.served) for u in st.upstreams) == before + k, 10)
@@ -327,12 +328,16 @@ def test_by_default_answers_streaming_outlive_the_router(tmp_path: Path,
                                                          how: signal.Signals) -> None:
     """With the response trailers sent, Envoy kept the router's stream for the whole response:
     a router that died, or stopped past --drain-s, cut every answer still streaming (3 of 3).
-    By default they are skipped: the stream, and the booking, end at the response headers."""
+    By default they are skipped: the stream ends at the response headers, and the booking
+    is held past it for the answer's predicted decoding (it ended there: 9 concurrent streams
+    went to one replica); 20,000 tokens take longer than this test."""
     st = _stack(tmp_path, n=2, trailers="skip", extproc_args=("--drain-s", "1"))
     hold = asyncio.Event()
     try:
-        held = _streams_held(st, hold, 3)
-        assert wait_for(lambda: GorgoMetrics(st).total("gorgo_open_decisions") == 0, 10)
+        held = _streams_held(st, hold, 3, max_tokens=20_000)
+        streams = f"cluster.{EXTPROC_CLUSTER}.upstream_rq_active"
+        assert wait_for(lambda: st.envoy.stats(streams).get(streams) == 0, 10)  # closed
+        assert GorgoMetrics(st).total("gorgo_open_decisions") == 3  # still booked
         os.kill(st.extproc.p.pid, how)
         st.extproc.p.wait(30)
         assert _ended_whole(st, hold, held)
