@@ -1,18 +1,21 @@
 """Read queue length, running requests and KV usage out of SGLang's or vLLM's /metrics text.
 
 Engines label their series (model_name, engine, ...) and a replica may serve several models, so
-values of one name are summed over label sets (usage is averaged). Unknown lines are ignored:
-engines add metrics between releases and a scrape must not break on them.
+values of one name are summed over label sets (usage is averaged), each sample within its bounds
+first: one engine's NaN or infinite count once made the whole sum NaN, read as 0. Unknown lines
+are ignored: engines add metrics between releases and a scrape must not break on them.
 """
 
 from __future__ import annotations
 
+import itertools
 import re
 from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from gorgo.core.kv_events import MAX_GPU_BLOCKS, block_size_ok
+from gorgo.core.state import MAX_ENGINE_REQS, scraped
 
 NAMES = {
     "sglang": ("sglang:num_queue_reqs", "sglang:num_running_reqs", "sglang:token_usage"),
@@ -72,13 +75,19 @@ def _lines_of(names: tuple[str, ...]) -> re.Pattern[str]:
 # thousands of histogram buckets the router never reads; the Prometheus parser costs about
 # 0.2 s a megabyte, on the thread that also times the RTT probes.
 _READ = {flavor: _lines_of((*names, *ALIASES, CACHE_CONFIG)) for flavor, names in NAMES.items()}
+# The most of those lines a page may hold (an engine has one per model and rank, with TYPE and
+# HELP): 140,000 of them, within the page size limit, once held that thread 4.5 s.
+MAX_READ_LINES = 10_000
 
 
 def parse_engine_metrics(text: str, flavor: str) -> EngineLoad:
     queue_name, running_name, usage_name = NAMES[flavor]
     sums: dict[str, list[float]] = {queue_name: [], running_name: [], usage_name: []}
     cache = None
-    text = "\n".join(m[0] for m in _READ[flavor].finditer(text)) + "\n"
+    lines = [m[0] for m in itertools.islice(_READ[flavor].finditer(text), MAX_READ_LINES + 1)]
+    if len(lines) > MAX_READ_LINES:
+        raise MetricsFormatError(f"over {MAX_READ_LINES} lines of the series read")
+    text = "\n".join(lines) + "\n"
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             name = ALIASES.get(sample.name, sample.name)
@@ -88,10 +97,10 @@ def parse_engine_metrics(text: str, flavor: str) -> EngineLoad:
                 cache = _cache_config(sample.labels)
     if not sums[queue_name] or not sums[running_name]:
         raise MetricsFormatError(f"no {queue_name} / {running_name} in {flavor} metrics")
-    usage = sums[usage_name]
+    usage = [scraped(u, 1.0, 0.0) for u in sums[usage_name] if u == u]  # NaN: not reported
     return EngineLoad(
-        queue_reqs=sum(sums[queue_name]),
-        running_reqs=sum(sums[running_name]),
+        queue_reqs=sum(scraped(v, MAX_ENGINE_REQS, 0.0) for v in sums[queue_name]),
+        running_reqs=sum(scraped(v, MAX_ENGINE_REQS, 0.0) for v in sums[running_name]),
         kv_usage=sum(usage) / len(usage) if usage else float("nan"),
         cache=cache,
     )

@@ -18,6 +18,7 @@ engine down, a bad payload) drops the replica back to its approximate view and s
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import re
 import threading
@@ -34,6 +35,7 @@ from prometheus_client.registry import Collector
 from zmq.utils.monitor import parse_monitor_message
 
 from extproc.loop_thread import LoopThread
+from extproc.signals import read_capped
 from extproc.telemetry import REPLICA_LABELS, RepeatedFailures, RouterMetrics, log_event
 from gorgo.core.features import RequestFeatures
 from gorgo.core.fleet import KVEventsSpec, ReplicaSpec
@@ -56,6 +58,11 @@ log = logging.getLogger("gorgo.kv_events")
 SOURCES_PATH = "/kv_event_sources"
 RETRY_S = 1.0
 REPLAY_TIMEOUT_S = 2.0
+# The largest answer of /kv_event_sources read (a few hundred bytes), and the largest KV-event
+# message taken from a socket (a batch of one step's stores; a peer past it is disconnected): a
+# 400 MB frame on the subscriber's port was once received whole before it was refused.
+MAX_SOURCES_BYTES = 64 * 1024
+MAX_EVENT_MESSAGE_BYTES = 64 * 1024 * 1024
 _WILDCARD_HOST = re.compile(r"^(tcp://)(\*|\[::\]|::|0\.0\.0\.0)(:\d+)$")
 
 
@@ -167,9 +174,9 @@ class KVEventsClient:
                 raise
             except Exception as exc:  # no publisher yet, engine down, bad payload: start over
                 self._failed(i, replica, exc)
-            self.streams[i] = EventStream(gaps=self.streams[i].gaps,
-                                          restarts=self.streams[i].restarts,
-                                          lost=self.streams[i].lost)
+            old = self.streams[i]
+            self.streams[i] = EventStream(gaps=old.gaps, restarts=old.restarts, lost=old.lost,
+                                          repeats=old.repeats)
             self._post(i, [], False)
             await asyncio.sleep(RETRY_S)
 
@@ -189,7 +196,8 @@ class KVEventsClient:
                 session.get(f"http://{replica.address}{SOURCES_PATH}") as resp:
             if resp.status != 200:
                 raise ValueError(f"{SOURCES_PATH}: status {resp.status}")
-            return parse_sources(await resp.json(content_type=None))
+            return parse_sources(json.loads(await read_capped(resp, MAX_SOURCES_BYTES,
+                                                              SOURCES_PATH)))
 
     async def _subscribe(self, i: int, replica: ReplicaSpec) -> None:
         assert self._ctx is not None
@@ -197,6 +205,7 @@ class KVEventsClient:
         address, bind = subscriber_endpoint(src.endpoint, replica.host)
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.MAXMSGSIZE, MAX_EVENT_MESSAGE_BYTES)
         sub.setsockopt(zmq.SUBSCRIBE, src.topic.encode())
         # Each (re)connection of the engine: connected where we connect, accepted where we bind.
         monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_ACCEPTED)
@@ -258,6 +267,7 @@ class KVEventsClient:
         assert self._ctx is not None
         dealer = self._ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
+        dealer.setsockopt(zmq.MAXMSGSIZE, MAX_EVENT_MESSAGE_BYTES)
         try:
             dealer.connect(endpoint)
             await dealer.send_multipart([b"", max(seq, 0).to_bytes(8, "big")])
@@ -316,7 +326,9 @@ class _KVCollector(Collector):
         batches = CounterMetricFamily("gorgo_kv_event_batches", "KV event batches received live",
                                       labels=REPLICA_LABELS)
         gaps = CounterMetricFamily("gorgo_kv_event_gaps", "Sequence gaps filled by replay "
-                                   "(gap), engine restarts, gaps the replay could not fill (lost)",
+                                   "(gap), engine restarts, gaps the replay could not fill "
+                                   "(lost), live batches dropped as repeats of replayed ones "
+                                   "(repeat)",
                                    labels=[*REPLICA_LABELS, "kind"])
         errors = CounterMetricFamily(
             "gorgo_kv_event_errors", "Failures that dropped a precise replica to its approximate "
@@ -339,7 +351,8 @@ class _KVCollector(Collector):
             synced.add_metric(where, float(precise.live(i)))
             blocks.add_metric(where, float(precise.blocks_held(i)))
             batches.add_metric(where, c.batches[i])
-            for kind, n in (("gap", st.gaps), ("restart", st.restarts), ("lost", st.lost)):
+            for kind, n in (("gap", st.gaps), ("restart", st.restarts), ("lost", st.lost),
+                            ("repeat", st.repeats)):
                 gaps.add_metric([*where, kind], n)
             for kind, n in c.errors[i].items():
                 errors.add_metric([*where, kind], n)

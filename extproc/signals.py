@@ -53,6 +53,20 @@ RTT_LATE_SHARE = 0.25
 # A metrics page is read up to this size (a vLLM page is tens of kilobytes); past it the scrape
 # is an error: the page would be held in memory whole, on every replica, every interval.
 MAX_METRICS_BYTES = 16 * 1024 * 1024
+# A health answer is read up to this size (engines answer an empty or tiny body); past it the
+# probe fails: a 100 MB body once took the router to 476 MB, an endless one to 1.4 GB per probe.
+MAX_HEALTH_BYTES = 64 * 1024
+
+
+async def read_capped(resp: aiohttp.ClientResponse, most: int, what: str) -> bytes:
+    """An engine's answer body, read up to ``most`` bytes (ValueError past it): never held whole
+    whatever the engine sends."""
+    body = bytearray()
+    async for chunk in resp.content.iter_chunked(1 << 16):
+        body += chunk
+        if len(body) > most:
+            raise ValueError(f"{what} over {most} bytes")
+    return bytes(body)
 
 
 class LoopLag:
@@ -228,11 +242,11 @@ class Signals:
         timed_out = False
         try:
             async with self._session.get(replica.health_url, trace_request_ctx=ctx) as resp:
-                await resp.read()
+                await read_capped(resp, MAX_HEALTH_BYTES, "health answer")
                 ok = resp.status == 200
         except TimeoutError:
             ok, timed_out = False, True
-        except (aiohttp.ClientError, OSError):
+        except (aiohttp.ClientError, OSError, ValueError):
             ok = False
         rtt_ms = (time.perf_counter() - t0) * 1000
         late = self.lag.worst_since(started)
@@ -295,11 +309,7 @@ class Signals:
             async with self._session.get(replica.metrics_url) as resp:
                 if resp.status != 200:
                     raise ValueError(f"status {resp.status}")
-                page = bytearray()
-                async for chunk in resp.content.iter_chunked(1 << 16):
-                    page += chunk
-                    if len(page) > MAX_METRICS_BYTES:
-                        raise ValueError(f"metrics page over {MAX_METRICS_BYTES} bytes")
+                page = await read_capped(resp, MAX_METRICS_BYTES, "metrics page")
             load = parse_engine_metrics(page.decode(), replica.metrics_flavor)
         except Exception as exc:  # stale values age out on their own
             self._count(self.metrics.scrape_errors, generation, i)

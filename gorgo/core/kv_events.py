@@ -16,6 +16,7 @@ decides what a subscriber must do (`EventStream`); sockets and msgpack live in t
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +27,10 @@ MEDIUM = "GPU"
 # engine's, low enough that tokens = blocks x block size stays exact in int64 arithmetic.
 MAX_BLOCK_SIZE = 1 << 16
 MAX_GPU_BLOCKS = 1 << 40
+# Batches whose publication time a subscriber keeps, the newest: a live batch behind them is told
+# apart from a repeat (the same seq and time: it was queued on the socket while a replay answered
+# it too) by that time. Above the SUB and PUB sockets' default queues (1,000 messages each).
+RECENT_BATCHES = 4096
 
 
 def block_size_ok(size: object) -> bool:
@@ -80,6 +85,8 @@ def decode_event(raw: Any) -> KVEvent | None:
         return KVEvent(CLEARED)
     if kind not in (STORED, REMOVED):
         return None
+    if raw.get("medium", MEDIUM) not in (MEDIUM, None):
+        return None  # another tier (vLLM's CPU offloading): other block sizes, not GPU blocks
     hashes = raw.get("block_hashes")
     if not isinstance(hashes, list):
         raise EventFormatError(f"{kind}.block_hashes must be a list")
@@ -151,8 +158,13 @@ class EventStream:
     that and never removed stay unknown (under-counted, never invented).
 
     A reconnection (the engine process went away and came back, or the network did) replays from
-    0: a history that ends before the batches already applied is a new process, whose first
-    batches were published before the subscription was back, so the set is rebuilt from it.
+    0: a history that ends before the batches already applied, or whose batch at the last seq
+    applied was published at another time, is a new process, whose first batches were published
+    before the subscription was back, so the set is rebuilt from it.
+
+    A live batch behind the next seq that repeats one applied (same seq, same time) is dropped:
+    it was queued on the socket while a replay answered it (one lost batch and a burst after it
+    once read as nine engine restarts, each clearing the set).
 
     ``synced`` is False until the first replay answered and while a gap is open: the router uses
     its approximate view of the replica then.
@@ -165,6 +177,9 @@ class EventStream:
     restarts: int = 0
     lost: int = 0  # replays that could not fill their gap
     resyncing: bool = False
+    repeats: int = 0  # live batches dropped as repeats of applied ones
+    # Publication times of the newest batches applied: seqs expected - len(recent) .. expected - 1.
+    recent: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT_BATCHES))
 
     @property
     def synced(self) -> bool:
@@ -190,12 +205,17 @@ class EventStream:
         assert self.expected is not None, "start() first"
         if batch.seq == self.expected:
             self.expected += 1
+            self.recent.append(batch.ts)
             return [Action(APPLY, batch)]
+        if batch.seq < self.expected and self._applied_at(batch.seq) == batch.ts:
+            self.repeats += 1
+            return []
         self.held.append(batch)
         self.replaying = True
         if batch.seq < self.expected:
             self.restarts += 1
             self.expected = 0
+            self.recent.clear()
             return [Action(CLEAR), Action(REPLAY, seq=0)]
         self.gaps += 1
         return [Action(REPLAY, seq=self.expected)]
@@ -204,7 +224,7 @@ class EventStream:
         """The replay's answer (in seq order, end marker excluded); then the held live batches."""
         want = 0 if self.expected is None else self.expected
         out: list[Action] = []
-        if self.resyncing and (batches[-1].seq if batches else -1) < want - 1:
+        if self.resyncing and self._new_process(batches, want):
             self.restarts += 1
             want = 0
             out.append(Action(CLEAR))
@@ -219,14 +239,32 @@ class EventStream:
             self.lost += 1  # nothing buffered, yet live batches are past what we have
             out.append(Action(CLEAR))
             want = self.held[0].seq
+        if out:
+            self.recent.clear()
         for b in sorted([*batches, *self.held], key=lambda b: b.seq):
             if b.seq == want:
                 out.append(Action(APPLY, b))
+                self.recent.append(b.ts)
                 want += 1
         self.expected = want
         self.held.clear()
         self.replaying = False
         return out
+
+    def _applied_at(self, seq: int) -> float | None:
+        """The publication time of the applied batch ``seq``, if still kept."""
+        assert self.expected is not None
+        k = seq - (self.expected - len(self.recent))
+        return self.recent[k] if 0 <= k < len(self.recent) else None
+
+    def _new_process(self, batches: list[EventBatch], want: int) -> bool:
+        """Whether a history replayed from 0 is another process's than the batches applied: it
+        ends before them, or its batch at the last seq applied was published at another time."""
+        if (batches[-1].seq if batches else -1) < want - 1:
+            return True
+        last = self._applied_at(want - 1) if want > 0 else None
+        same = next((b for b in batches if b.seq == want - 1), None)
+        return last is not None and same is not None and same.ts != last
 
     def replay_failed(self) -> list[Action]:
         """No answer from the replay socket: try again; live batches stay held meanwhile."""

@@ -150,3 +150,56 @@ def test_reconnection_tells_a_new_engine_from_the_same_one() -> None:
     idle = EventStream(expected=3)
     idle.reconnected()
     assert kinds(idle.replayed([])) == [(CLEAR, 0)] and idle.expected == 0
+
+
+def stamped(seq: int, ts: float) -> EventBatch:
+    return EventBatch(seq, ts, (KVEvent(STORED, (seq,), None, (), 1),))
+
+
+def test_live_repeats_of_replayed_batches_are_dropped_not_restarts() -> None:
+    # One batch lost on the wire, then a burst: the burst, queued on the socket while the replay
+    # answered it too, arrives live behind the next seq. It read as nine engine restarts, each
+    # clearing the view.
+    s = EventStream()
+    s.start()
+    s.replayed([stamped(0, 10.0)])
+    assert kinds(s.live(stamped(2, 12.0))) == [(REPLAY, 1)]
+    assert kinds(s.replayed([stamped(k, 10.0 + k) for k in range(1, 6)])) == [
+        (APPLY, 1), (APPLY, 2), (APPLY, 3), (APPLY, 4), (APPLY, 5)]
+    for k in range(3, 6):
+        assert s.live(stamped(k, 10.0 + k)) == []
+    assert s.restarts == 0 and s.repeats == 3 and s.synced
+    assert kinds(s.live(stamped(6, 16.0))) == [(APPLY, 6)]
+    # Behind the next seq at another time: a new process counting from 0 again.
+    assert kinds(s.live(stamped(1, 99.0))) == [(CLEAR, 0), (REPLAY, 0)]
+    assert s.restarts == 1
+
+
+def test_reconnection_to_a_longer_history_of_a_new_process_is_a_restart() -> None:
+    # The link came back after a new process had published as many batches as were applied:
+    # its history does not end early, but its batch at the last seq applied is another one.
+    s = EventStream()
+    s.start()
+    s.replayed([stamped(0, 1.0), stamped(1, 2.0)])
+    s.reconnected()
+    out = s.replayed([stamped(0, 50.0), stamped(1, 51.0), stamped(2, 52.0)])
+    assert kinds(out) == [(CLEAR, 0), (APPLY, 0), (APPLY, 1), (APPLY, 2)]
+    assert s.restarts == 1 and s.expected == 3
+    same = EventStream()
+    same.start()
+    same.replayed([stamped(0, 1.0), stamped(1, 2.0)])
+    same.reconnected()
+    assert kinds(same.replayed([stamped(0, 1.0), stamped(1, 2.0), stamped(2, 3.0)])) == [
+        (APPLY, 2)]
+    assert same.restarts == 0
+
+
+def test_events_of_another_tier_are_ignored() -> None:
+    # vLLM's CPU offloading publishes its own stores (block_size 0, or its own size): one failed
+    # every resubscription, another re-keyed the replica's block size.
+    raw = [0.0, [{"type": "BlockStored", "block_hashes": [1], "block_size": 0, "medium": "CPU"},
+                 {"type": "BlockStored", "block_hashes": [2], "block_size": 256, "medium": "CPU"},
+                 {"type": "BlockRemoved", "block_hashes": [3], "medium": "CPU"},
+                 {"type": "BlockStored", "block_hashes": [4], "block_size": 16, "medium": "GPU"},
+                 {"type": "BlockStored", "block_hashes": [5], "block_size": 16}]]
+    assert [e.block_hashes for e in decode_batch(0, raw).events] == [(4,), (5,)]

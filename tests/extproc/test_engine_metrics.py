@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from extproc.engine_metrics import MetricsFormatError, parse_engine_metrics
+from extproc.engine_metrics import MAX_READ_LINES, MetricsFormatError, parse_engine_metrics
 
 SGLANG = """\
 # HELP sglang:num_queue_reqs The number of requests in the waiting queue
@@ -42,6 +42,23 @@ def test_vllm_sums_engines_and_averages_usage() -> None:
     load = parse_engine_metrics(VLLM, "vllm")
     assert (load.queue_reqs, load.running_reqs) == (5.0, 17.0)
     assert load.kv_usage == pytest.approx(0.6)
+
+
+def test_each_sample_is_bounded_before_the_engines_are_summed() -> None:
+    # One engine's NaN made the whole sum NaN, read as 0: the other engine's 7 waiting were lost.
+    w, r, u = "vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc"
+    load = parse_engine_metrics(
+        f'{w}{{engine="0"}} 7\n{w}{{engine="1"}} NaN\n{r}{{engine="0"}} +Inf\n'
+        f'{r}{{engine="1"}} -Inf\n{u}{{engine="0"}} 0.9\n{u}{{engine="1"}} NaN\n', "vllm")
+    assert (load.queue_reqs, load.running_reqs, load.kv_usage) == (7.0, 1e6, 0.9)
+
+
+def test_a_page_of_too_many_read_lines_is_refused_before_parsing() -> None:
+    # 140,000 lines of a read series (within the 16 MiB page limit) held the probes' thread 4.5 s.
+    w = "vllm:num_requests_waiting"
+    page = VLLM + "".join(f'{w}{{a="{k}"}} 1\n' for k in range(MAX_READ_LINES))
+    with pytest.raises(MetricsFormatError, match="lines"):
+        parse_engine_metrics(page, "vllm")
 
 
 def test_old_vllm_usage_name() -> None:

@@ -15,6 +15,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
+import extproc.kv_events as kv_events_module
 from extproc.kv_events import KVEventsClient, parse_sources, subscriber_endpoint
 from extproc.telemetry import RouterMetrics
 from gorgo.core.features import extract_features, prompt_text
@@ -168,6 +169,39 @@ def test_an_unreadable_batch_is_counted_and_warned_and_the_view_comes_back(
     warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert any("event=kv_events_failed replica=v kind=format" in m and "token_ids" in m
                for m in warned), warned
+
+
+def test_a_message_over_the_size_limit_is_refused_unread(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Anything reaching the port the router binds could push a 400 MB frame, received whole.
+    monkeypatch.setattr(kv_events_module, "MAX_EVENT_MESSAGE_BYTES", 4096)
+
+    async def go() -> None:
+        router, fake = _precise_replica()
+        s = router.state
+        await fake.publish([1, 2])
+        client = KVEventsClient(router, RouterMetrics(s, lambda: 0))
+        await client.start()
+        big = zmq.asyncio.Context()
+        sender = big.socket(zmq.PUB)
+        sender.connect(router.spec.replicas[0].precise.kv_events.endpoint)
+        try:
+            await until(lambda: s.precise.live(0) and s.precise.blocks_held(0) == 2, "history")
+            await asyncio.sleep(0.3)  # both SUB connections are up by now
+            payload = msgpack.packb(encode_batch(time.time(), [KVEvent(
+                STORED, tuple(range(1 << 40, (1 << 40) + 600)), None, (), BT)]))
+            assert len(payload) > 4096
+            await sender.send_multipart([b"kv", fake.seq.to_bytes(8, "big"), payload])
+            await asyncio.sleep(0.5)
+            assert s.precise.blocks_held(0) == 2 and client.batches[0] == 0
+            await fake.publish([3])  # the engine's own batches still come through
+            await until(lambda: s.precise.blocks_held(0) == 3, "a live batch")
+        finally:
+            sender.close(0)
+            big.term()
+            await client.stop()
+            await fake.close()
+
+    asyncio.run(go())
 
 
 async def _chat(port: int, text: str) -> dict:

@@ -107,6 +107,44 @@ def test_a_page_over_the_size_limit_is_a_scrape_error_and_the_next_one_applies(
     asyncio.run(asyncio.wait_for(go(), 60))
 
 
+def test_a_health_answer_over_its_size_limit_is_a_failed_probe_not_read_whole() -> None:
+    # An engine answered /health with 100 MB (the router grew by 412 MB and counted it healthy)
+    # or an endless body (1.4 GB in one probe): it is read up to MAX_HEALTH_BYTES.
+    body = {"size": signals_module.MAX_HEALTH_BYTES + 1}
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response(body=b"x" * body["size"])
+
+    async def go() -> None:
+        app = web.Application()
+        app.router.add_get("/health", health)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        router = Router(parse_fleet({
+            "regions": {"a": None}, "signals": {"scrape_interval_s": 3600},
+            "replicas": [{"name": "v", "region": "a", "address": f"127.0.0.1:{port}",
+                          "engine": "vllm"}]}))
+        m = RouterMetrics(router.state, lambda: 0)
+        signals = Signals(router, m)
+        errors = m.probe_errors.labels(*m.replica(0))
+        try:
+            await signals.start()  # its first probes fail too
+            for _ in range(3):
+                await signals.probe_all()
+            failed = errors._value.get()
+            assert failed >= 3 and not router.state.healthy[0]
+            body["size"] = 2
+            await signals.probe_all()
+            assert errors._value.get() == failed and router.state.healthy[0]
+        finally:
+            await signals.stop()
+            await runner.cleanup()
+
+    asyncio.run(asyncio.wait_for(go(), 60))
+
+
 def test_a_probe_out_when_a_reload_renumbers_the_replicas_is_charged_to_no_one() -> None:
     """Its index named the removed replica; after the reload it named another (or none)."""
     async def go() -> None:
