@@ -288,8 +288,6 @@ class ExtProcServer:
             await self.kv_events.stop()
         if self.outcomes is not None:
             await self.outcomes.stop()
-        if self.peers is not None:
-            await self.peers.stop()
         await self.signals.stop()
         await self.metrics.spans.stop()
         if self._http is not None:
@@ -300,6 +298,13 @@ class ExtProcServer:
             with contextlib.redirect_stderr(io.StringIO()):
                 await self._grpc.stop(grace)
                 await asyncio.sleep(0)
+        if self.peers is not None:
+            # Every request still open (cut streams, bookings held past their stream) is closed
+            # for the peers: stopped first, the link lost those closes, and every rolling
+            # restart left the peers counting the answers then streaming for the request timeout.
+            self.router.complete_all()
+            await self.peers.flush()
+            await self.peers.stop()
 
 
 async def serve(args: argparse.Namespace, spec: FleetSpec, token: str | None,

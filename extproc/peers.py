@@ -1,14 +1,18 @@
 """Shared bookings over NATS (fleet ``sharing:``): each router publishes what it routes and what
 ends, and applies the other routers' bookings as its own (`gorgo.core.peers`).
 
-Every booking of one turn of the router's loop goes out as one message on the fleet's subject
-(core NATS: at most once, in order per publisher). Delivery is best effort by design: a lost open
-leaves the peers undercounting, as they would without sharing; a lost close is expired after the
-fleet's request timeout. While the server is unreachable the router routes on what it has and
-keeps reconnecting; what it routed meanwhile is not replayed (those requests are mostly over by
-then). A message that does not decode is counted and dropped whole. Who may publish on the
-subject is the NATS server's to decide (credentials in the URL, or TLS): a publisher there can
-make the routers believe replicas busier than they are, never route a request itself.
+The bookings of one turn of the router's loop go out in as few messages as the server's
+`max_payload` allows on the fleet's subject (core NATS: at most once, in order per publisher).
+Delivery is best effort by design: a lost open leaves the peers undercounting, as they would
+without sharing; a lost close is expired after the fleet's request timeout. While the server is
+unreachable the router routes on what it has and keeps reconnecting; what it opened meanwhile is
+not replayed (those requests are mostly over by then), but what it closed is, once back (a
+blip of seconds once left every peer counting the requests that ended during it for the whole
+request timeout). A message that does not decode is counted and dropped whole; one the server
+refuses is counted (`direction="failed"`) and logged. Who may publish on the subject is the NATS
+server's to decide (credentials in the URL, or TLS): a publisher there can make the routers
+believe replicas busier, or caching more, than they are, up to the bounds of `gorgo.core.peers`
+(peers and bookings believed), never route a request itself.
 """
 
 from __future__ import annotations
@@ -16,12 +20,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from extproc.telemetry import RouterMetrics, log_event
-from gorgo.core.peers import decode, encode
+from extproc.telemetry import RepeatedFailures, RouterMetrics, log_event
+from gorgo.core.peers import CLOSED, Booking, decode, encode
 from gorgo.core.router import Router
 
 if TYPE_CHECKING:
@@ -29,6 +34,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("gorgo.peers")
 RECONNECT_S = 1.0  # between attempts while the server is unreachable
+# Closes kept while the server is unreachable, to send once back (the oldest go first past it).
+MAX_UNSENT_CLOSES = 100_000
 
 
 class PeerLink:
@@ -42,9 +49,12 @@ class PeerLink:
         self._nc: Client | None = None
         self._task: asyncio.Task[None] | None = None
         self._flush_due = False
+        self._unsent: deque[Booking] = deque(maxlen=MAX_UNSENT_CLOSES)
         self.sent = 0
         self.received = 0
         self.bad = 0
+        self.failed = 0
+        self._failures = RepeatedFailures(log, "peers_publish_failed")
         router.share(self._wake)
         metrics.registry.register(_PeerCollector(self))
 
@@ -84,26 +94,46 @@ class PeerLink:
 
     def _flush(self) -> None:
         self._flush_due = False
+        messages = self._take()
+        if messages:
+            # Buffered by the client and flushed by its own task.
+            asyncio.get_running_loop().create_task(self._publish(messages))
+
+    def _take(self) -> list[bytes]:
+        """The messages of what is booked and unsent (none while unreachable: the closes wait)."""
         outbox = self.router.outbox
-        if not outbox:
-            return
+        if outbox is None or not (outbox or self._unsent):
+            return []
         if not self.connected:
-            outbox.clear()  # best effort: not replayed after a reconnection
-            return
+            # Opens are not replayed after a reconnection; closes are (see the module docstring).
+            self._unsent.extend(b for b in outbox if b.kind == CLOSED)
+            outbox.clear()
+            return []
         assert self._nc is not None
-        messages = encode(self.router.router_id, outbox)
+        bookings = [*self._unsent, *outbox]
+        self._unsent.clear()
         outbox.clear()
-        # Buffered by the client and flushed by its own task; it raises only once closed.
-        asyncio.get_running_loop().create_task(self._publish(messages))
+        return encode(self.router.router_id, bookings, self._nc.max_payload)
 
     async def _publish(self, messages: list[bytes]) -> None:
-        try:
-            assert self._nc is not None
-            for data in messages:  # in order: an open before its close
+        for data in messages:  # in order: an open before its close
+            try:
+                assert self._nc is not None
                 await self._nc.publish(self.subject, data)
                 self.sent += 1
-        except Exception as exc:  # closed or draining: the bookings are lost, as documented
-            log.debug("nats publish: %s", exc)
+            except Exception as exc:  # refused, closed or draining: these bookings are lost
+                self.failed += 1
+                self._failures(exc, bytes=len(data))
+
+    async def flush(self) -> None:
+        """Send what is booked now and wait until the server has it (a stop's last closes)."""
+        await self._publish(self._take())
+        if self.connected:
+            assert self._nc is not None
+            try:
+                await self._nc.flush(timeout=2)
+            except Exception as exc:
+                log.debug("nats flush: %s", exc)
 
     async def _on_message(self, msg: Any) -> None:
         try:
@@ -124,7 +154,8 @@ class PeerLink:
         log_event(log, "peers_disconnected", logging.WARNING, url=_redacted(self.url))
 
     async def _reconnected(self) -> None:
-        log_event(log, "peers_reconnected", url=_redacted(self.url))
+        log_event(log, "peers_reconnected", url=_redacted(self.url), closes=len(self._unsent))
+        self._wake()  # the closes kept while it was unreachable
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -159,7 +190,7 @@ class _PeerCollector:
         msgs = CounterMetricFamily("gorgo_peer_messages", "Bookings messages by direction",
                                    labels=["direction"])
         for direction, n in (("sent", link.sent), ("received", link.received),
-                             ("bad", link.bad)):
+                             ("bad", link.bad), ("failed", link.failed)):
             msgs.add_metric([direction], n)
         books = CounterMetricFamily("gorgo_peer_bookings",
                                     "Other routers' bookings: applied, ignored (unknown replica, "

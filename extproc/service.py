@@ -223,16 +223,25 @@ class ExtProcService(ExternalProcessorServicer):
 
     def _held_past_close(self, st: _Stream) -> float:
         """Seconds a request's booking outlives its stream: in full-duplex mode with the
-        response trailers skipped (the default), Envoy closes the stream at the response
-        headers, while a streamed answer still decodes (its booking ended there: 9 concurrent
-        streams went to one replica). Its predicted decoding time then, within the request
-        timeout; nothing for an answer already whole, or an error."""
+        response trailers skipped (the default), Envoy closes the stream once nothing more can
+        be sent to the router, while the answer still runs (its booking ended there: 9
+        concurrent streams went to one replica). At the response headers, a streamed answer
+        still decodes: its predicted decoding time (nothing for an answer already whole, or an
+        error). With the response headers skipped too, right after the request: its predicted
+        first token and decoding (every request looked finished once routed). Within the
+        request timeout."""
         spec = self.router.spec
-        if not (st.duplex and st.stream and st.status[:1] == "2"
-                and spec.extproc.response_trailers == "skip" and st.decision is not None):
+        d = st.decision
+        if not (st.duplex and d is not None and spec.extproc.response_trailers == "skip"):
             return 0.0
-        decode_ms = st.decision.terms.get("decode", 0.0)
-        return min(decode_ms / 1000.0, spec.timeouts.request_s) if decode_ms > 0.0 else 0.0
+        decode_ms = d.terms.get("decode", 0.0)
+        if st.status:
+            held_ms = decode_ms if st.stream and st.status[:1] == "2" else 0.0
+        elif spec.extproc.skip_response_headers:
+            held_ms = d.predicted_ms + decode_ms
+        else:
+            held_ms = 0.0  # the response headers never came: the request failed
+        return min(held_ms / 1000.0, spec.timeouts.request_s) if held_ms > 0.0 else 0.0
 
     def _last_message(self, kind: str | None, req: pb.ProcessingRequest) -> bool:
         """Whether the message just answered is the last Envoy sends the router: the response

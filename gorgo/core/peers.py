@@ -53,10 +53,25 @@ FORMAT = 1  # of a bookings message: {"v": FORMAT, "router": id, "b": [[id, kind
 # sequence over its prompt, as every router before the longer row wrote and read (a message
 # with a longer row is refused whole by those: they counted such a request as one sequence). So
 # a close is always six (the receiver releases what its open booked), and the longer opens go in
-# a message of their own, sent first: one of them no longer costs an older router the other
-# rows' closes (their opens applied, their requests held until the request timeout).
+# messages of their own: one of them no longer costs an older router the other rows' closes
+# (their opens applied, their requests held until the request timeout).
 MAX_BOOKINGS = 10_000  # per message: a burst's worth; a larger message is refused whole
 MAX_BLOCKS = 1 << 20  # per booking (a 64M-token prompt at 64 tokens a block)
+# A message's size, at most (NATS refuses a larger one: its default max_payload, 1 MiB). A loop
+# turn's bookings go out in as many messages as they need; a close carries no hashes (its
+# receiver releases what the open booked), and an open too long for one message goes without its
+# last blocks (its peers count it in flight, and the rest of its prefix). One turn of 14 prompts
+# of a megabyte once went out as one message the server refused: its closes with it, and the
+# peers held those requests until the request timeout.
+MAX_MESSAGE_BYTES = 1 << 20
+_HASH_BYTES = 21  # a 64-bit hash in JSON, with its comma
+_SEP = (",", ":")
+# Whom this router believes, at most: the peers it tracks, and the other routers' open bookings.
+# Past them a booking is ignored (a publisher of 30 messages of 10,000 never-closed opens once
+# held 300,000 bookings, 157 MB, for the request timeout; 200 made-up router ids made every
+# request wait out its turn behind them).
+MAX_PEERS = 256
+MAX_PEER_BOOKINGS = 200_000
 # How long a router's own choice is echoed for each live peer: longer than a booking takes over a
 # bus within a region (about a millisecond), short against the gaps between decisions outside a
 # burst. The offline result did not move between 1 ms and 200 ms.
@@ -79,16 +94,39 @@ class Booking:
     context: int | None = None  # ... over these prompt tokens between them (None: the prompt)
 
 
-def encode(router: str, bookings: Sequence[Booking]) -> list[bytes]:
+def encode(router: str, bookings: Sequence[Booking],
+           max_bytes: int = MAX_MESSAGE_BYTES) -> list[bytes]:
     """A router's bookings as messages to send in order (compact JSON: hashes are 64-bit
-    integers): the opens of longer rows first, then every other booking in its order, so each
-    open still comes before its close."""
+    integers), each within ``max_bytes`` and ``MAX_BOOKINGS``, and each of rows of one length
+    (six fields, or the longer opens), in the bookings' own order: a retry's close and re-open of
+    a request of several sequences once went out re-open first, which the peers took for a
+    repeat, and then the close removed the request from their view while it ran."""
+    keep = max((max_bytes - 1024) // _HASH_BYTES, 0)  # hashes of an open that fit a message
     rows = [[b.decision_id, b.kind, b.replica, b.prompt_tokens, b.uncached_tokens,
-             list(b.block_hashes), *(_decode_batch(b) if b.kind == OPENED else ())]
+             list(b.block_hashes[:keep]) if b.kind == OPENED else [],
+             *(_decode_batch(b) if b.kind == OPENED else ())]
             for b in bookings]
-    groups = ([r for r in rows if len(r) > 6], [r for r in rows if len(r) == 6])
-    return [json.dumps({"v": FORMAT, "router": router, "b": g}, separators=(",", ":")).encode()
-            for g in groups if g]
+    head = len(json.dumps({"v": FORMAT, "router": router, "b": []}, separators=_SEP))
+    out: list[bytes] = []
+    batch: list[str] = []
+    size, width = head, 0
+    for row in rows:
+        text = json.dumps(row, separators=_SEP)
+        if batch and (len(row) != width or size + len(text) + 1 > max_bytes
+                      or len(batch) >= MAX_BOOKINGS):
+            out.append(_message(router, batch))
+            batch, size = [], head
+        batch.append(text)
+        size += len(text) + 1
+        width = len(row)
+    if batch:
+        out.append(_message(router, batch))
+    return out
+
+
+def _message(router: str, rows: list[str]) -> bytes:
+    return (f'{{"v":{FORMAT},"router":{json.dumps(router)},"b":[' + ",".join(rows)
+            + "]}").encode()
 
 
 def decode(data: bytes) -> list[Booking]:
@@ -96,8 +134,8 @@ def decode(data: bytes) -> list[Booking]:
     format (a peer's bad message is refused whole, never half applied)."""
     try:
         msg = json.loads(data)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ValueError(f"not JSON: {exc}") from None
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        raise ValueError(f"not JSON: {type(exc).__name__}: {str(exc)[:100]}") from None
     if not isinstance(msg, dict) or msg.get("v") != FORMAT:
         raise ValueError(f"not a bookings message of format {FORMAT}")
     router, rows = msg.get("router"), msg.get("b")
@@ -173,13 +211,13 @@ class PeerBookings:
         return sum(1 for r, at in self._heard.items() if at > now - PEER_LIVE_S and r < me)
 
     def apply(self, s: FleetState, b: Booking, now: float) -> None:
-        self._heard[b.router] = now
         key = (b.router, b.decision_id)
         if b.kind == CLOSED:
             held = self._open.pop(key, None)
             if held is None:
                 self.ignored += 1
                 return
+            self._heard[b.router] = now
             self._release(s, held)
             self.applied += 1
             return
@@ -192,9 +230,13 @@ class PeerBookings:
         limits = s.spec.limits
         too_long = (b.prompt_tokens > limits.max_prompt_chars
                     or b.seqs > limits.max_choices * limits.max_messages)
-        if b.kind != OPENED or i is None or key in self._open or too_long:
+        # Peers and bookings are only believed up to a bound: a flood is ignored, not held.
+        full = (len(self._open) >= MAX_PEER_BOOKINGS
+                or (b.router not in self._heard and len(self._heard) >= MAX_PEERS))
+        if b.kind != OPENED or i is None or key in self._open or too_long or full:
             self.ignored += 1
             return
+        self._heard[b.router] = now
         hashes = np.asarray(b.block_hashes, dtype=np.uint64)
         s.now = max(s.now, now)
         s.book(i, hashes, b.prompt_tokens, b.uncached_tokens, b.seqs, b.context)

@@ -109,8 +109,10 @@ class Router:
     def reload(self, spec: FleetSpec) -> FleetDiff:
         """Take on a new fleet: unchanged replicas keep their state (`FleetState.reindexed`) and
         their open requests, which are re-indexed; a removed replica's open requests are
-        forgotten (its streams still finish; their `complete` finds nothing to release). Raises
-        FleetError, changing nothing, for what a running router cannot take on."""
+        forgotten (its streams still finish; their `complete` finds nothing to release), and
+        closed for the peers (a peer whose fleet kept the replica held them until the request
+        timeout). Raises FleetError, changing nothing, for what a running router cannot take
+        on."""
         if spec.policy not in self.policies:
             raise FleetError(
                 f"policy: unknown policy {spec.policy!r} (known: {', '.join(REGISTRY)})")
@@ -122,6 +124,7 @@ class Router:
             j = state.index.get(self.state.names[entry.replica])
             if j is None or self.state.names[entry.replica] not in diff.kept:
                 del self._open[key]
+                self._publish(key, CLOSED, entry)
             else:
                 entry.replica = j
         self.peers.reindexed(self.state.names, state.index, set(diff.kept))
@@ -347,6 +350,10 @@ class Router:
         self.state.unbook(entry.replica, entry.block_hashes, entry.prompt_tokens, entry.uncached,
                           seqs=entry.seqs, context=entry.context)
         return True
+
+    def complete_all(self) -> int:
+        """Release every open request (a stop: the peers count none of them after it)."""
+        return sum(self.complete(d) for d in list(self._open))
 
     def reassign(self, decision_id: str, replica: int) -> bool:
         """A retry served the request elsewhere: move its accounting there (False if closed)."""

@@ -5,6 +5,7 @@ message format refuses anything malformed whole."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -209,10 +210,26 @@ def test_the_wire_format_round_trips() -> None:
            Booking("r", "d2", OPENED, "r0", 10, 4, (), 6, 30),  # n = 3 of 2 prompts
            Booking("r", "d3", OPENED, "r0", 10, 4, (), 3)]  # a batch of 3 prompts, n = 1
     messages = encode("r", out)
-    assert [b for m in messages for b in decode(m)] == [out[2], out[3], out[0], out[1]]
+    assert [b for m in messages for b in decode(m)] == out
     # One sequence over its prompt keeps the six-field row the routers before seqs read, and
-    # the longer rows go first in a message of their own.
-    assert [[len(r) for r in json.loads(m)["b"]] for m in messages] == [[8, 8], [6, 6]]
+    # the longer rows go in messages of their own, in order.
+    assert [[len(r) for r in json.loads(m)["b"]] for m in messages] == [[6, 6], [8, 8]]
+
+
+def test_a_retry_of_several_sequences_stays_in_the_peers_view() -> None:
+    # The close and re-open of a retry went out re-open first (the longer rows were sent
+    # first): the peer ignored the re-open as a repeat and the close removed the request.
+    a, b = pair()
+    f = features(a, "retried n=2 " * 100)
+    d = a.route(replace(f, choices=2), 0.0)
+    assert isinstance(d, Decision)
+    deliver(a, b)
+    other = (d.replica + 1) % 3
+    a.reassign(d.id, other)
+    deliver(a, b)
+    expected = [0, 0, 0]
+    expected[other] = 1
+    assert b.state.inflight_reqs.tolist() == expected and b.peers.ignored == 0
 
 
 def test_a_router_before_sequences_loses_no_close_to_a_longer_row() -> None:
@@ -287,3 +304,64 @@ def test_fleet_sharing_defaults_to_the_fleets_subject() -> None:
     assert parse_fleet(DOC).sharing.subject == "gorgo.bookings.f"  # type: ignore[union-attr]
     assert parse_fleet(DOC).sharing.stagger_ms == 2.0  # type: ignore[union-attr]
     assert parse_fleet({k: v for k, v in DOC.items() if k != "sharing"}).sharing is None
+
+
+def test_a_turn_goes_out_in_messages_within_the_servers_payload_limit() -> None:
+    # 14 prompts of a megabyte and the closes of three earlier requests, in one loop turn, were
+    # one message the NATS server refused (1 MiB): the closes were lost with it.
+    hashes = tuple(range(2**63, 2**63 + 4000))  # ~80 KB of hashes each
+    turn = [Booking("r", f"c{k}", CLOSED, "r0", 10, 4, hashes) for k in range(3)]
+    turn += [Booking("r", f"o{k}", OPENED, "r1", 300_000, 300_000, hashes) for k in range(14)]
+    turn.append(Booking("r", "huge", OPENED, "r2", 300_000, 300_000, tuple(range(60_000))))
+    messages = encode("r", turn, max_bytes=200_000)
+    assert len(messages) > 1 and all(len(m) <= 200_000 for m in messages)
+    got = [b for m in messages for b in decode(m)]
+    assert [(b.decision_id, b.kind) for b in got] == [(b.decision_id, b.kind) for b in turn]
+    assert all(b.block_hashes == () for b in got if b.kind == CLOSED)  # a close needs none
+    assert all(b.block_hashes == hashes for b in got[3:17])
+    # too long for any message: sent without its last blocks, still counted in flight
+    assert got[17].block_hashes == tuple(range(len(got[17].block_hashes)))
+    assert 0 < len(got[17].block_hashes) < 60_000
+
+
+def test_a_reload_that_removes_a_replica_closes_its_requests_for_the_peers() -> None:
+    a, b = pair()
+    ds = [a.route(features(a, f"reloaded {k} " * 100), 0.0) for k in range(6)]
+    assert all(isinstance(d, Decision) for d in ds)
+    deliver(a, b)
+    assert b.state.inflight_reqs.sum() == 6
+    gone = a.state.names[ds[0].replica]
+    a.reload(parse_fleet({**DOC, "replicas": [r for r in DOC["replicas"] if r["name"] != gone]}))
+    deliver(a, b)  # b's fleet kept the replica: it held those requests for the request timeout
+    assert b.state.inflight_reqs[b.state.index[gone]] == 0
+    for d in ds:
+        a.complete(d.id)
+    deliver(a, b)
+    assert b.state.inflight_reqs.sum() == 0 and len(b.peers) == 0
+
+
+def test_what_a_router_believes_of_its_peers_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    import gorgo.core.peers as peers_module
+
+    monkeypatch.setattr(peers_module, "MAX_PEERS", 3)
+    monkeypatch.setattr(peers_module, "MAX_PEER_BOOKINGS", 5)
+    _, b = pair()
+    # Bookings that apply to nothing make no live peer (200 made-up ids once held every
+    # request for its turn behind them).
+    for k in range(10):
+        b.apply_peer(Booking(f"z{k}", "1", CLOSED, "r0"), 0.0)
+        b.apply_peer(Booking(f"y{k}", "1", OPENED, "elsewhere", 10, 10), 0.0)
+    assert b.peers.live_peers(0.0) == 0 and b.stagger_s(0.0) == 0.0
+    for k in range(5):  # three peers are tracked, the fourth is ignored
+        b.apply_peer(Booking(f"p{k}", "1", OPENED, "r0", 10, 10), 0.0)
+    assert b.peers.live_peers(0.0) == 3 and len(b.peers) == 3
+    for k in range(5):  # open bookings: five at most
+        b.apply_peer(Booking("p0", f"more{k}", OPENED, "r1", 10, 10), 0.0)
+    assert len(b.peers) == 5 and b.state.inflight_reqs.sum() == 5
+    b.apply_peer(Booking("p0", "more0", CLOSED, "r1"), 0.0)
+    assert len(b.peers) == 4
+
+
+def test_a_deeply_nested_message_is_a_bad_message() -> None:
+    with pytest.raises(ValueError, match="not JSON"):
+        decode(b"[" * 200_000)

@@ -297,3 +297,20 @@ def test_a_booking_outlives_a_stream_closed_before_its_answer_decoded(
     st.duplex, st.stream, st.status = duplex, stream, status
     st.decision = Decision(0, "gorgo", terms={"decode": decode_ms})
     assert service._held_past_close(st) == pytest.approx(held_s)
+
+
+@pytest.mark.parametrize(("response_headers", "status", "held_s"), [
+    # Envoy closes the stream right after the request: every request looked finished once
+    # routed (0 in flight while three answers ran). Its first token and decoding then.
+    ("skip", "", 2.0),
+    ("send", "", 0.0),  # sent, yet none came: the request failed
+])
+def test_with_the_response_headers_skipped_a_booking_outlives_the_request(
+        response_headers: str, status: str, held_s: float) -> None:
+    router = _router(extproc={"response_headers": response_headers})
+    service = ExtProcService(router, RouterMetrics(router.state, lambda: 0))
+    for stream in (True, False):  # a whole answer decodes too, after the stream closed
+        st = _Stream()
+        st.duplex, st.stream, st.status = True, stream, status
+        st.decision = Decision(0, "gorgo", predicted_ms=500.0, terms={"decode": 1500.0})
+        assert service._held_past_close(st) == pytest.approx(held_s)

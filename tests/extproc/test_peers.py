@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
+from pathlib import Path
 from types import SimpleNamespace
 
 import nats
@@ -107,6 +108,43 @@ def test_sharing_resumes_after_the_server_restarts() -> None:
         lt.run(route("after the restart"))
         assert wait_for(lambda: b.state.inflight_reqs.sum() == 1, 5)
         assert b.peers.applied == 1
+    finally:
+        for link in links:
+            lt.run(link.stop())
+        lt.close()
+        server.stop()
+
+
+def test_closes_made_while_the_server_is_down_are_sent_once_it_is_back() -> None:
+    # A blip of seconds left the peer counting the requests that ended in it for request_s.
+    server = NatsProcess().start()
+    a, b = routers(server.url)
+    lt = LoopThread()
+    links = [PeerLink(r, RouterMetrics(r.state, lambda: 0)) for r in (a, b)]
+
+    async def route(text: str) -> Decision:
+        d = a.route(request(a, text), 0.0)
+        assert isinstance(d, Decision)
+        return d
+
+    async def complete(d: Decision) -> None:
+        a.complete(d.id)
+
+    try:
+        for link in links:
+            lt.run(link.start())
+        assert wait_for(lambda: all(link.connected for link in links), 10)
+        ds = [lt.run(route(f"before the outage {k}")) for k in range(3)]
+        assert wait_for(lambda: b.state.inflight_reqs.sum() == 3, 5)
+        server.stop()
+        assert wait_for(lambda: not any(link.connected for link in links), 10)
+        for d in ds[:2]:
+            lt.run(complete(d))
+        lt.run(route("during the outage"))  # its open is not replayed, as documented
+        server = NatsProcess(server.port).start()
+        assert wait_for(lambda: all(link.connected for link in links), 15)
+        assert wait_for(lambda: b.state.inflight_reqs.sum() == 1, 5)
+        assert len(b.peers) == 1
     finally:
         for link in links:
             lt.run(link.stop())
@@ -242,3 +280,34 @@ def test_the_routers_own_model_list_waits_for_no_turn(monkeypatch: pytest.Monkey
     other = headers_only("/v1/chat/completions")  # no body: refused, after its turn
     assert other[0].immediate_response.status.code == 400
     assert waits == pytest.approx([0.002])
+
+
+@pytest.mark.envoy
+def test_a_stopped_router_closes_its_open_requests_for_the_peers(
+        tmp_path: Path, nats_server: NatsProcess) -> None:
+    # A rolling restart stopped the NATS link before the streams the stop cut had closed: the
+    # peers counted the answers then streaming for request_s.
+    st = start_stack(tmp_path, n=2, sharing={"nats": nats_server.url})
+    peer = GorgoProcess(["extproc", "--fleet", str(st.fleet_path), "--port", "0",
+                         "--metrics-port", "0"], timeout=60)
+
+    def peer_metric(name: str) -> float:
+        return GorgoMetrics(SimpleNamespace(extproc=peer)).total(name)  # type: ignore[arg-type]
+
+    slow = e2e.CHUNK_GAP_S
+    try:
+        assert wait_for(lambda: peer_metric("gorgo_peers_connected") == 1, 15)
+        assert wait_for(lambda: GorgoMetrics(st).total("gorgo_peers_connected") == 1, 15)
+        e2e.CHUNK_GAP_S = 1.5  # an answer streaming for several seconds
+        answer = asyncio.run_coroutine_threadsafe(
+            post(st.url + "/v1/chat/completions", chat("streaming through a stop"), {}),
+            st.lt.loop)
+        assert wait_for(lambda: peer_metric("gorgo_peer_open_bookings") == 1, 10)
+        st.extproc.stop()  # SIGTERM: the drain, then the stop
+        assert wait_for(lambda: peer_metric("gorgo_peer_open_bookings") == 0, 10)
+        assert peer_metric("gorgo_inflight_requests") == 0
+        answer.result(30)
+    finally:
+        e2e.CHUNK_GAP_S = slow
+        peer.stop()
+        stop_stack(st)
