@@ -32,6 +32,8 @@ import yaml
 
 from gorgo.core.contract import (
     API_PATHS,
+    ATTEMPTS_ATTR,
+    ATTEMPTS_FORMAT,
     CLUSTER_FIELD,
     CLUSTER_HEADER,
     CONTROL_HEADERS,
@@ -340,6 +342,7 @@ def _tracing(otlp: str | None, service_name: str, token: str | None,
     if otlp is None:
         return None
     tags: list[dict[str, Any]] = [{"tag": TTFT_ATTR, "value": TTFT_FORMAT},
+                                  {"tag": ATTEMPTS_ATTR, "value": ATTEMPTS_FORMAT},
                                   {"tag": PROXY_REGION_ATTR, "literal": {"value": proxy_region}}]
     tags += [{"tag": f"{SPAN_PREFIX}{k}", "value": f"%DYNAMIC_METADATA({METADATA_NAMESPACE}:{k})%"}
              for k in (*DECISION_FIELDS, *REQUEST_FIELDS)]
@@ -367,7 +370,7 @@ def _ttft_log(token: str | None) -> dict:
     status is set; its first body byte follows at once for a stream) and only for a decision.
     Envoy cannot tell whether an earlier entry of the stream already carried the TTFT, so each
     open stream sends one entry per interval; the tuner counts its decision's TTFT once."""
-    attrs = {TTFT_ATTR: TTFT_FORMAT, STATUS_ATTR: "%RESPONSE_CODE%",
+    attrs = {TTFT_ATTR: TTFT_FORMAT, STATUS_ATTR: "%RESPONSE_CODE%", ATTEMPTS_ATTR: ATTEMPTS_FORMAT,
              LOG_TYPE_ATTR: "%ACCESS_LOG_TYPE%",
              **{f"{SPAN_PREFIX}{k}": f"%DYNAMIC_METADATA({METADATA_NAMESPACE}:{k})%"
                 for k in DECISION_FIELDS}}

@@ -294,8 +294,9 @@ class Window:
     def end(self, s: Sample) -> None:
         """The E2E of a decision whose TTFT this window already holds (or holds now). A stream
         that failed after its first byte is an error where the objective scores the whole
-        request (else it would be neither scored nor an error: missing, then left out)."""
-        if s.ok:
+        request (else it would be neither scored nor an error: missing, then left out), as is
+        one cut with a 2xx status (`Sample.cut`)."""
+        if s.ok and not s.cut:
             self.e2e.append(s.e2e_ms)
             if s.arrival_s > 0:
                 self.e2e_arrival.append(s.arrival_s)
@@ -660,6 +661,9 @@ class Tuner:
         self._pending: list[Evaluation] = []  # routed, waiting for their requests to report
         self._open: Window | None = None  # routing now (None: a bridge or nothing is live)
         self._drift_run = 0  # monitor windows in a row beyond the drift threshold (signed)
+        # Converged (`_start_monitor`): since when the incumbent is live, the longest request its
+        # monitor windows saw, and how long it had been live when the baseline's window opened.
+        self._monitor_since, self._longest_ms, self._baseline_age_ms = 0.0, 0.0, math.inf
         self.spreads: list[Spread] = []  # of the last `spread_history` evaluations scored
         # The warm-up's requests, until the first evaluation is scored: its window noise
         # (`_warmup_spread`) is that evaluation's, which has no scored one before it to learn from.
@@ -670,10 +674,11 @@ class Tuner:
 
     def observe(self, s: Sample) -> None:
         self.seen += 1
-        # The residuals do not depend on who chose the replica: every request calibrates.
-        if self.calibrator is not None:
+        # The residuals do not depend on who chose the replica: every request calibrates, but
+        # for one Envoy retried (served elsewhere than its terms and replica say).
+        if self.calibrator is not None and not s.retried:
             self.calibrator.observe(s)
-        if self.fit is not None:
+        if self.fit is not None and not s.retried:
             self.fit.observe(s)
         if s.policy != self.cfg.policy:
             self.other_policy += 1
@@ -1107,10 +1112,16 @@ class Tuner:
         return self._end_monitor_window(now)
 
     def _start_monitor(self, now: float) -> Proposal:
-        """Publish the incumbent; the first monitor window (larger than an evaluation's) sets the
-        baseline that later windows are checked against for drift."""
+        """Publish the incumbent; a monitor window (larger than an evaluation's) sets the
+        baseline that later windows are checked against for drift: the first to open once the
+        version has been live for as long as the longest request its windows have seen (set
+        again if a longer one comes). Not the first window: its requests all began under the
+        new version, so it closes on the first to end, the short ones, while later windows
+        also hold the long requests begun before them (under `e2e`, stationary traffic then
+        read as a drift: a search restarted 45 s after it converged, in 3 of 3 seeds)."""
         self.phase = CONVERGED
         self.baseline_p95 = None
+        self._monitor_since, self._longest_ms, self._baseline_age_ms = now, 0.0, math.inf
         self._drift_run = 0
         self._abandon()
         self._refresh_rates()
@@ -1133,14 +1144,25 @@ class Tuner:
     def _end_monitor_window(self, now: float) -> Proposal | None:
         w = self._open
         assert w is not None
-        p95 = statistic(score_values(w, self.cfg, None), self.cfg)
+        values = score_values(w, self.cfg, None)
+        p95 = statistic(values, self.cfg)
+        if self.cfg.objective != SLO:  # latencies in ms (an SLO's are hits)
+            self._longest_ms = max(self._longest_ms, float(np.max(values, initial=0.0)))
         if self._regressed(p95):
             self._rollback(p95, now)
             return self._restart("rollback", p95, now)
         self.last_good = self.last_good_p95 = None
+        # A window counts once its version had been live, when it opened, for as long as the
+        # longest request seen: the baseline's too, else it is set again from a later one.
+        settled = (w.opened_at - self._monitor_since) * 1000.0 >= self._longest_ms
+        if self._baseline_age_ms < self._longest_ms:
+            self.baseline_p95, self._drift_run = None, 0
         base = self.baseline_p95
-        if base is None or base <= 0:
+        if not settled:
+            pass
+        elif base is None or base <= 0:
             self.baseline_p95 = p95
+            self._baseline_age_ms = (w.opened_at - self._monitor_since) * 1000.0
             self.revision += 1
         elif abs(p95 - base) > self.cfg.drift * base:
             step = 1 if p95 > base else -1

@@ -26,9 +26,12 @@ from opentelemetry.proto.logs.v1.logs_pb2 import LogRecord
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
 from gorgo.core.contract import (
+    ATTEMPTS_ATTR,
+    CUT_STREAM_FLAGS,
     LOG_END,
     LOG_PERIODIC,
     LOG_TYPE_ATTR,
+    RESPONSE_FLAGS_ATTR,
     SPAN_PREFIX,
     STATUS_ATTR,
     TERM_FIELDS,
@@ -94,6 +97,14 @@ class Sample:
     end_unix_s: float = 0.0
     source: int | None = None  # the export it came in (the receiver numbers them); None: offline
     start_unix_s: float = 0.0  # 0: unknown (then end_unix_s - e2e_ms)
+    # The stream ended after its first byte without its whole answer (Envoy's response flags: a
+    # reset, a timeout, the client leaving), its status still 2xx: its TTFT holds, its E2E is
+    # no answer's (cut streams once scored as fast successes under `e2e`).
+    cut: bool = False
+    # Envoy retried it on the next-best replica: served by another replica than the one it names
+    # (the decision's), with the failed try in its TTFT. Scored in its window; no calibration
+    # or weight-fit row (a retried request once fitted the failed replica at 325 ms, 100x).
+    retried: bool = False
 
     @property
     def ok(self) -> bool:
@@ -152,6 +163,21 @@ def _text(attrs: dict[str, Any], key: str) -> str:
     if not _present(attrs, key) or not isinstance(attrs[key], str):
         raise SpanDropped(MALFORMED, f"{key} missing")
     return attrs[key]
+
+
+def _retried(attrs: dict[str, Any]) -> bool:
+    """Whether Envoy tried the request more than once (the attempt count, absent: once)."""
+    n = attrs.get(ATTEMPTS_ATTR)
+    try:
+        return n is not None and int(n) > 1
+    except (TypeError, ValueError):
+        return False
+
+
+def _cut(attrs: dict[str, Any]) -> bool:
+    """Whether Envoy's response flags (comma-separated, "-" for none) say the stream was cut."""
+    flags = attrs.get(RESPONSE_FLAGS_ATTR)
+    return isinstance(flags, str) and not CUT_STREAM_FLAGS.isdisjoint(flags.split(","))
 
 
 def parse_span(span: Span, max_ms: float, source: int | None = None) -> Sample:
@@ -223,6 +249,8 @@ def parse_attributes(attrs: dict[str, Any], start: int, end: int | None, max_ms:
         end_unix_s=0.0 if end is None else end / 1e9,
         source=source,
         start_unix_s=start / 1e9,
+        cut=first_byte and end is not None and _cut(attrs),
+        retried=_retried(attrs),
     )
     if s.ttft_ms > max_ms or s.e2e_ms > max_ms:  # NaN (still open) is no violation
         raise SpanDropped(OUT_OF_RANGE, f"TTFT {s.ttft_ms:g} ms, E2E {s.e2e_ms:g} ms > {max_ms:g}")

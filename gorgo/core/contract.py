@@ -23,6 +23,18 @@ TTFT_ATTR = "gorgo.first_byte_us"
 # bootstrap: with a proxy per region, Jaeger tells their spans apart by it.
 PROXY_REGION_ATTR = "gorgo.proxy_region"
 STATUS_ATTR = "http.status_code"
+# Envoy's own span tag of the request's response flags: a stream reset or timed out after its
+# 2xx headers (the replica's reset UR/UC/UPE, a timeout UT/SI/DT/UMSDR, Envoy's own LR/OM, the
+# client leaving DC/DPE) still reports its status, 200: these flags tell such a cut stream from a
+# whole one.
+RESPONSE_FLAGS_ATTR = "response_flags"
+# Envoy's %UPSTREAM_REQUEST_ATTEMPT_COUNT% (span and TTFT log): a request Envoy retried on the
+# next-best replica was served by another replica than the decision's, which its span names
+# (the decision's metadata): such a request says nothing of either replica's rates or weights.
+ATTEMPTS_ATTR = "gorgo.attempts"
+ATTEMPTS_FORMAT = "%UPSTREAM_REQUEST_ATTEMPT_COUNT%"
+CUT_STREAM_FLAGS = frozenset({"UR", "UC", "UPE", "UT", "SI", "DT", "UMSDR", "LR", "OM", "DC",
+                              "DPE"})
 # Envoy -> tuner, over OTLP logs: the HTTP connection manager's periodic access log sends an open
 # stream's first-token time before the stream ends. Each record carries the span's attribute names
 # (TTFT_ATTR, STATUS_ATTR, gorgo.<decision field>) plus the entry's %ACCESS_LOG_TYPE%; only these

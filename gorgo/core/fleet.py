@@ -129,7 +129,9 @@ POSITIVE = {"strict": True}  # 0 would time out at once, or spin a loop
 class Timeouts:
     message_ms: int = field(default=1000, metadata=POSITIVE)  # Envoy's ext_proc message_timeout
     connect_ms: int = field(default=2000, metadata=POSITIVE)
-    request_s: float = 600.0  # a whole request, stream included (Envoy route timeout)
+    # a whole request, stream included (Envoy route timeout); 0 is no "no timeout" here: the
+    # tuner's range, a peer booking's life and a held booking all end at it
+    request_s: float = field(default=600.0, metadata=POSITIVE)
     idle_s: float = 60.0  # no byte either way for this long ends a stream (non-streamed: request_s)
     probe_ms: int = field(default=2000, metadata=POSITIVE)
 

@@ -237,6 +237,9 @@ def _del(path: list) -> Any:
         (_set(["chars_per_token"], 0), "fleet.chars_per_token: must be > 0"),
         (_set(["timeouts"], {"message_ms": 1.5}), "fleet.timeouts.message_ms: expected an integer"),
         (_set(["signals"], {"metrics_stale_s": -1}), "fleet.signals.metrics_stale_s: must be > 0"),
+        # "0s" is no timeout to Envoy, but the tuner's range, peer bookings and held bookings
+        # end at it: the tuner then refused a key its config never set
+        (_set(["timeouts"], {"request_s": 0}), "fleet.timeouts.request_s: must be > 0"),
         (_set(["regions", "us-east"], {"sim": {"rtt_ms": "far"}}),
          "fleet.regions.us-east.sim.rtt_ms: expected a number"),
         # YAML's .nan and .inf are numbers: a NaN passes every comparison and would make every

@@ -26,6 +26,8 @@ from gorgo.envoy_config import FLEET_CLUSTER, render_bootstrap
 from gorgo.harness.envoy_proc import EnvoyProcess
 from gorgo.harness.procs import GorgoProcess, LoopThread, free_port, wait_for
 from tests.support.e2e import GorgoMetrics, chat
+from tuner.receiver import ExportLimits, TraceReceiver
+from tuner.samples import Sample
 
 pytestmark = pytest.mark.envoy
 
@@ -133,7 +135,7 @@ async def _post(url: str, body: dict) -> tuple[int, dict, bytes, str | None]:
         return r.status, headers, data, error
 
 
-def start_retry_stack(tmp: Path, n: int = 3, **retries) -> RetryStack:
+def start_retry_stack(tmp: Path, n: int = 3, otlp: str | None = None, **retries) -> RetryStack:
     lt = LoopThread()
     ups = [FaultyUpstream(f"r{i}") for i in range(n)]
     for u in ups:
@@ -157,7 +159,8 @@ def start_retry_stack(tmp: Path, n: int = 3, **retries) -> RetryStack:
     ext = GorgoProcess(["extproc", "--fleet", str(fleet), "--port", str(grpc_port),
                         "--metrics-port", "0"])
     boot = render_bootstrap(load_fleet(fleet), listen=f"127.0.0.1:{listen}",
-                            extproc=f"127.0.0.1:{grpc_port}", admin=f"127.0.0.1:{free_port()}")
+                            extproc=f"127.0.0.1:{grpc_port}", admin=f"127.0.0.1:{free_port()}",
+                            otlp=otlp)
     st = RetryStack(ups, ext, EnvoyProcess(boot).start(), f"http://127.0.0.1:{listen}", lt)
     assert wait_for(lambda: all(GorgoMetrics(st).rtt_known()), 10)
     return st
@@ -232,6 +235,44 @@ def test_failure_after_response_bytes_is_not_retried(stack: RetryStack) -> None:
         assert body.count(b"data: ") == 2 and b"[DONE]" not in body
     assert sum(u.hits for u in stack.ups) == 3
     assert stack.retry_stats().get("upstream_rq_retry", 0) == 0
+
+
+@pytest.mark.slow
+def test_a_cut_or_retried_stream_reaches_the_tuner_as_such(tmp_path: Path) -> None:
+    # Envoy's span still says 200 for a stream the replica reset mid-way: the tuner scored such
+    # streams as fast successes under e2e. Envoy's response flags tell them apart.
+    got: list[Sample] = []
+    lt = LoopThread()
+    rx = TraceReceiver(got.extend, None, ExportLimits(max_ms=600_000.0))
+    port = lt.run(rx.start("127.0.0.1", 0))
+    st = start_retry_stack(tmp_path, otlp=f"127.0.0.1:{port}")
+    try:
+        st.post_many([{**chat(f"whole {k} " * 30), "stream": True} for k in range(2)])
+        for u in st.ups:
+            u.mode = "midstream"
+        cut = st.post_many([{**chat(f"cut {k} " * 30), "stream": True} for k in range(2)])
+        assert all(error == "ClientPayloadError" for _, _, _, error in cut)
+        assert wait_for(lambda: len([s for s in got if not s.early]) >= 4, 15)
+        ends = {s.decision_id: s for s in got if not s.early}
+        cut_ids = {h["x-gorgo-decision-id"] for _, h, _, _ in cut}
+        assert all(s.status == 200 and s.ok for s in ends.values())
+        assert {d for d, s in ends.items() if s.cut} == cut_ids
+        # A request Envoy retried on the next-best replica: its span names the decision's
+        # replica (r0, which failed), so the tuner keeps it out of calibration and the fit.
+        for u in st.ups:
+            u.mode = "ok"
+        st.ups[0].mode = "503"
+        got.clear()
+        results = st.post_many([{**chat(f"retried {k} " * 30), "stream": True} for k in range(6)])
+        assert wait_for(lambda: len([s for s in got if not s.early]) >= 6, 15)
+        retried = {h["x-gorgo-decision-id"] for _, h, _, _ in results
+                   if h["x-envoy-attempt-count"] == "2"}
+        assert retried and {s.decision_id for s in got if s.retried} == retried
+        assert {s.replica for s in got if s.retried} == {"r0"}
+    finally:
+        stop_retry_stack(st)
+        lt.run(rx.stop())
+        lt.close()
 
 
 @pytest.mark.parametrize("budget_percent", [20, 100])

@@ -13,6 +13,7 @@ import yaml
 
 from gorgo.core.contract import (
     API_PATHS,
+    ATTEMPTS_ATTR,
     CLUSTER_HEADER,
     CONTROL_HEADERS,
     DECISION_FIELDS,
@@ -117,6 +118,7 @@ def test_bootstrap_shape() -> None:
     tags = {t["tag"]: t.get("value", t.get("literal")) for t in hcm["tracing"]["custom_tags"]}
     assert tags[TTFT_TAG] == TTFT_FORMAT
     assert tags[PROXY_REGION_ATTR] == {"value": spec.proxy_region}  # which proxy, in Jaeger
+    assert tags[ATTEMPTS_ATTR] == "%UPSTREAM_REQUEST_ATTEMPT_COUNT%"  # served by a retry
     for key in DECISION_FIELDS:
         assert tags[f"gorgo.{key}"] == f"%DYNAMIC_METADATA(gorgo:{key})%"
 

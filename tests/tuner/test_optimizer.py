@@ -1008,6 +1008,44 @@ def test_a_stream_that_fails_after_its_first_byte_is_an_error_where_e2e_is_score
         assert (w.errors, w.missing) == (error + 1, 0)
 
 
+def test_a_stream_cut_with_a_2xx_status_is_an_error_where_e2e_is_scored() -> None:
+    # A replica's reset or a client leaving mid-stream still reports 200: such streams scored
+    # as fast successes under e2e (104 ms against whole streams' 155).
+    for objective, error in (("ttft", 0), ("e2e", 1)):
+        for early_first in (True, False):
+            t = Tuner(es_config(objective=objective, window_samples=5, pairs=1), seed=1)
+            v = t.next_weights(0.0).weights.version
+            t.routed(v, 1)
+            cut = replace(mk(100.0, v), decision_id="d0", cut=True)
+            if early_first:
+                t.observe(early_mk(100.0, v, "d0"))
+                t.observe_end(cut)
+            else:
+                t.observe(cut)
+            w = t.window_for(v)
+            assert (w.errors, w.missing, w.e2e) == (error, 0, [])
+            assert len(w.ttft) == 1  # its first token came
+
+
+def test_a_retried_request_is_scored_but_neither_calibrates_nor_fits() -> None:
+    # Served by the next-best replica, it names the one that failed: its TTFT (with the failed
+    # try) once fitted the failed replica's rate at 325 ms against 3 ms.
+    t = Tuner(es_config(window_samples=5, pairs=1, calibrate=True, model_step=True), seed=1)
+    v = t.next_weights(0.0).weights.version
+    assert t.calibrator is not None and t.fit is not None
+
+    def rows() -> tuple[int, int]:
+        assert t.calibrator is not None and t.fit is not None
+        return sum(map(len, t.calibrator._rows.values())), len(t.fit)
+
+    t.observe(replace(mk(325.0, v), decision_id="d0", retried=True))
+    assert rows() == (0, 0)
+    t.observe(replace(mk(3.0, v), decision_id="d1"))
+    assert rows() == (1, 1)
+    w = t.window_for(v)
+    assert w is not None and sorted(w.ttft) == [3.0, 325.0]
+
+
 def test_a_resumed_rollback_stays_inside_todays_bounds() -> None:
     """A state saved on probation under wider bounds: the weights a rollback publishes (and the
     fitted point already tried) are clipped to the configured bounds, as the incumbent is."""
@@ -1022,3 +1060,44 @@ def test_a_resumed_rollback_stays_inside_todays_bounds() -> None:
     p = t.next_weights(1.0)
     assert t.history[-2]["event"] == "rollback"
     assert p.point == W(2.0, 0.5)
+
+
+def _stationary_converged_run(seed: int, seconds: float = 240.0) -> Tuner:
+    """A converged tuner resumed from its state, monitoring stationary traffic under `e2e`:
+    20 req/s whose E2E is lognormal about 3 s (sigma 1, the spread of output lengths)."""
+    import heapq
+
+    rng = np.random.default_rng(seed)
+    cfg = OptimizerConfig(model_step=False, calibrate=False, objective="e2e")
+    state = Tuner(cfg, seed=seed).snapshot()
+    state.update(phase=CONVERGED, evaluations=30, accepted=5, sigma=0.02, incumbent_p95=1000.0)
+    t = Tuner.restore(cfg, state)
+    t.next_weights(0.0)
+    heap: list[tuple[float, int, Sample]] = []
+    now, did, tick, nxt = 0.0, 0, 0.5, rng.exponential(1 / 20.0)
+    while now < seconds and t.phase == CONVERGED:
+        if heap and heap[0][0] <= min(nxt, tick):
+            now, _, s = heapq.heappop(heap)
+            t.observe(s)
+        elif nxt <= tick:
+            now, did = nxt, did + 1
+            ttft = 200.0 * rng.lognormal(0, 0.3)
+            e2e = ttft + 3000.0 * rng.lognormal(0, 1.0)
+            s = replace(mk(ttft, t.active.weights.version), e2e_ms=e2e, decision_id=f"d{did}",
+                        start_unix_s=1e9 + now, end_unix_s=1e9 + now + e2e / 1e3)
+            heapq.heappush(heap, (now + e2e / 1000.0, did, s))
+            nxt = now + rng.exponential(1 / 20.0)
+        else:
+            now = tick
+            t.next_weights(now)
+            tick += 0.5
+    return t
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_a_converged_tuner_takes_no_drift_from_its_first_windows_under_e2e(seed: int) -> None:
+    # The first monitor window closes on the first requests to end, the short ones: taken as
+    # the baseline, stationary traffic read as a drift and the search restarted within 47 s.
+    t = _stationary_converged_run(seed)
+    assert t.phase == CONVERGED, [h for h in t.history if h["event"] == "restart"]
+    assert t.baseline_p95 is not None and t.baseline_p95 > 12_000  # the true p95 is ~15.7 s

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from gorgo.core.contract import SPAN_PREFIX, TERM_FIELDS, TTFT_ATTR
+from gorgo.core.contract import (
+    ATTEMPTS_ATTR,
+    RESPONSE_FLAGS_ATTR,
+    SPAN_PREFIX,
+    TERM_FIELDS,
+    TTFT_ATTR,
+)
 from gorgo.core.terms import EXCLUDED, TERMS, TTFT
 from tuner.samples import (
     FOREIGN,
@@ -113,6 +119,24 @@ def test_a_request_that_ended_with_no_first_byte_is_an_error_never_left_out(
         s = parse(span(attrs(**over), duration_ms=900.0))
         assert (s.status, s.ok) == (seen, False)
         assert s.ttft_ms == pytest.approx(900.0) and s.e2e_ms == pytest.approx(900.0)
+
+
+@pytest.mark.parametrize(("flags", "cut"), [
+    ("UR", True), ("UPE", True), ("DC", True), ("UT,UR", True), ("-", False), ("DI", False),
+    (None, False)])
+def test_envoys_response_flags_tell_a_cut_stream_from_a_whole_one(span_builders, flags,
+                                                                  cut) -> None:
+    # A replica's reset or the client leaving after the first byte still reports 200.
+    attrs, span, _ = span_builders
+    s = parse(span(attrs(**{RESPONSE_FLAGS_ATTR: flags}), duration_ms=812.5))
+    assert (s.status, s.ok, s.cut) == (200, True, cut)
+
+
+@pytest.mark.parametrize(("attempts", "retried"), [("2", True), ("1", False), ("-", False),
+                                                   (None, False)])
+def test_a_request_envoy_retried_is_marked(span_builders, attempts, retried) -> None:
+    attrs, span, _ = span_builders
+    assert parse(span(attrs(**{ATTEMPTS_ATTR: attempts}))).retried is retried
 
 
 def test_a_504_at_the_route_timeout_is_an_error_not_out_of_range(span_builders) -> None:
