@@ -68,7 +68,7 @@ def load_admin_token(path: str | None, env: Mapping[str, str] = os.environ) -> s
     return token
 
 
-class _Invalid(Exception):
+class Invalid(Exception):
     def __init__(self, status: int, message: str, field: str | None, **extra: Any) -> None:
         super().__init__(message)
         self.status = status
@@ -86,28 +86,50 @@ def _error(status: int, message: str, field: str | None = None, **extra: Any) ->
     return web.json_response(body, status=status, headers=headers)
 
 
-async def _read_json(request: web.Request, limit: int) -> dict[str, Any]:
-    """The body as a JSON object, refused (413, 400) before it can cost more than ``limit``
-    bytes or ``MAX_DEPTH`` levels of nesting."""
+async def read_body(request: web.Request, limit: int) -> bytes:
+    """The body, refused (413, an `Invalid`) before it can cost more than ``limit`` bytes."""
     if (request.content_length or 0) > limit:
-        raise _Invalid(413, f"body is over {limit} bytes", None)
+        raise Invalid(413, f"body is over {limit} bytes", None)
     raw = bytearray()
     async for chunk in request.content.iter_chunked(65536):
         raw += chunk
         if len(raw) > limit:
-            raise _Invalid(413, f"body is over {limit} bytes", None)
+            raise Invalid(413, f"body is over {limit} bytes", None)
+    return bytes(raw)
+
+
+async def _read_json(request: web.Request, limit: int) -> dict[str, Any]:
+    """The body as a JSON object, refused (413, 400) before it can cost more than ``limit``
+    bytes or ``MAX_DEPTH`` levels of nesting."""
+    raw = await read_body(request, limit)
     try:
-        return parse_json_body(bytes(raw), MAX_DEPTH)
+        return parse_json_body(raw, MAX_DEPTH)
     except RequestError as err:
-        raise _Invalid(400, err.message, None) from None
+        raise Invalid(400, err.message, None) from None
+
+
+def authorize(request: web.Request, token: bytes | None) -> web.Response | None:
+    """None when ``request`` carries the operator's bearer token; else the error to answer
+    (403 while the admin API is off: no token configured)."""
+    if token is None:
+        return _error(403, DISABLED)
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    given = given.strip()
+    # A token is ASCII (load_admin_token): anything else is wrong, not a decoding error.
+    ok = scheme.lower() == "bearer" and given.isascii() and hmac.compare_digest(given.encode(),
+                                                                                 token)
+    return None if ok else _error(401, "missing or wrong bearer token")
 
 
 def _number(value: Any, field: str, lo: float, hi: float) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise _Invalid(400, f"{field} must be a number", field)
-    x = float(value)
+        raise Invalid(400, f"{field} must be a number", field)
+    try:
+        x = float(value)
+    except OverflowError:  # an integer of hundreds of digits: a 500 with a traceback
+        raise Invalid(400, f"{field} is outside [{lo:g}, {hi:g}]", field) from None
     if not math.isfinite(x) or not lo <= x <= hi:
-        raise _Invalid(400, f"{field}={value!r} is outside [{lo:g}, {hi:g}]", field)
+        raise Invalid(400, f"{field}={value!r} is outside [{lo:g}, {hi:g}]", field)
     return x
 
 
@@ -121,14 +143,7 @@ class AdminApi:
         )
 
     def _authorize(self, request: web.Request) -> web.Response | None:
-        if self._token is None:
-            return _error(403, DISABLED)
-        scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        given = given.strip()
-        # A token is ASCII (load_admin_token): anything else is wrong, not a decoding error.
-        ok = (scheme.lower() == "bearer" and given.isascii()
-              and hmac.compare_digest(given.encode(), self._token))
-        return None if ok else _error(401, "missing or wrong bearer token")
+        return authorize(request, self._token)
 
     def current(self) -> dict[str, Any]:
         s = self.router.state
@@ -151,7 +166,7 @@ class AdminApi:
             return denied
         try:
             weights, rates = self._validate(await _read_json(request, WEIGHTS_MAX_BYTES))
-        except _Invalid as exc:
+        except Invalid as exc:
             self.updates.labels(str(exc.status)).inc()
             return exc.response()
         self.router.state.set_weights(weights, rates)
@@ -164,11 +179,11 @@ class AdminApi:
     def _validate(self, body: dict[str, Any]) -> tuple[Weights, dict[str, float | None]]:
         for key in body:
             if key not in _FIELDS:
-                raise _Invalid(400, f"unknown field {key!r} (allowed: {', '.join(_FIELDS)})", key)
+                raise Invalid(400, f"unknown field {key!r} (allowed: {', '.join(_FIELDS)})", key)
         if "version" not in body:
-            raise _Invalid(400, "version is required", "version")
+            raise Invalid(400, "version is required", "version")
         if not set(WEIGHT_BOUNDS) & set(body):
-            raise _Invalid(400, f"at least one weight is required ({', '.join(WEIGHT_BOUNDS)})",
+            raise Invalid(400, f"at least one weight is required ({', '.join(WEIGHT_BOUNDS)})",
                            None)
         # A weight left out keeps its active value (a publisher that tunes only some of them).
         values = {k: _number(body[k], k, lo, hi) for k, (lo, hi) in WEIGHT_BOUNDS.items()
@@ -176,24 +191,24 @@ class AdminApi:
         version = body["version"]
         if (isinstance(version, bool) or not isinstance(version, int)
                 or not 0 <= version <= VERSION_MAX):
-            raise _Invalid(400, f"version must be an integer in [0, {VERSION_MAX}]", "version")
+            raise Invalid(400, f"version must be an integer in [0, {VERSION_MAX}]", "version")
         rates: dict[str, float | None] = {}
         raw_rates = body.get("prefill_rate")
         if raw_rates is not None:
             if not isinstance(raw_rates, dict):
-                raise _Invalid(400, "prefill_rate must be an object {replica: tokens/s or null}",
+                raise Invalid(400, "prefill_rate must be an object {replica: tokens/s or null}",
                                "prefill_rate")
             names = self.router.state.names
             for name, value in raw_rates.items():
                 field = f"prefill_rate.{name}"
                 if name not in names:
-                    raise _Invalid(400, f"unknown replica {name!r}", field)
+                    raise Invalid(400, f"unknown replica {name!r}", field)
                 # null: back to the fleet file's hint (an operator undoing a calibrated rate)
                 rates[name] = None if value is None else _number(value, field,
                                                                  *PREFILL_RATE_BOUNDS)
         active = self.router.state.weights.version
         if version <= active:
-            raise _Invalid(409, f"version {version} is not above the active version {active}",
+            raise Invalid(409, f"version {version} is not above the active version {active}",
                            "version", active_version=active)
         return self.router.state.weights.replace(values, version), rates
 
@@ -206,7 +221,7 @@ class AdminApi:
         try:
             # The request's own body rides as a JSON string: room for it escaped.
             spec = await _read_json(request, 2 * self.router.spec.limits.max_body_bytes + 65536)
-        except _Invalid as exc:
+        except Invalid as exc:
             return exc.response()
         try:
             path = str(spec.get("path", "/v1/chat/completions"))
@@ -239,7 +254,7 @@ class FleetAdmin:
             diff = change()
         except KeyError as exc:
             return _error(404, f"unknown replica {exc.args[0]!r}", "name")
-        except _Invalid as exc:
+        except Invalid as exc:
             return exc.response()
         except FleetError as exc:
             return _error(400, f"fleet not changed: {exc}")
@@ -257,7 +272,7 @@ class FleetAdmin:
             return self.api._authorize(request)
         try:
             raw = await _read_json(request, WEIGHTS_MAX_BYTES)
-        except _Invalid as exc:
+        except Invalid as exc:
             return exc.response()
         return await self._change(request, lambda: self.reloader.add(raw))
 
@@ -280,7 +295,7 @@ class FleetAdmin:
             return self.api._authorize(request)
         try:
             body = await _read_json(request, DOCUMENT_MAX_BYTES)
-        except _Invalid as exc:
+        except Invalid as exc:
             return exc.response()
         text, stamp = body.get("document"), body.get("file_stamp")
         if not isinstance(text, str) or set(body) - {"document", "file_stamp"}:
@@ -299,7 +314,7 @@ class FleetAdmin:
         name = request.match_info["name"]
         try:
             body = await _read_json(request, WEIGHTS_MAX_BYTES) if request.can_read_body else {}
-        except _Invalid as exc:
+        except Invalid as exc:
             return exc.response()
         drain = body.get("drain", True)
         if not isinstance(drain, bool) or set(body) - {"drain"}:

@@ -61,7 +61,7 @@ from prometheus_client import (
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from extproc.admin import DISABLED, WEIGHTS_MAX_BYTES
+from extproc.admin import DOCUMENT_MAX_BYTES, WEIGHTS_MAX_BYTES, Invalid, authorize, read_body
 from extproc.telemetry import log_event
 from gorgo import shutdown
 from gorgo.core.contract import WEIGHT_BOUNDS
@@ -72,6 +72,10 @@ READY_TIMEOUT_S = 60.0  # a worker imports, loads the fleet and binds within thi
 STOP_GRACE_S = 10.0  # beyond the workers' own --drain-s
 READ_TIMEOUT_S = 3.0  # a worker's /metrics, /readyz or admin read: a hung one is left out
 WRITE_TIMEOUT_S = 10.0  # an admin change (a reload, weights) a worker applies
+BODY_READ_S = 10.0  # an admin call's whole body, before the supervisor acts on it (else a 408)
+# The largest admin body the supervisor reads: an explained request (each worker refuses what
+# is over its own fleet's limit, twice its `limits.max_body_bytes` and 64 KiB, at most).
+EXPLAIN_MAX_BYTES = 2 * (64 << 20) + (64 << 10)
 BACKOFF_BASE_S = 0.5
 BACKOFF_MAX_S = 10.0
 STABLE_S = 10.0  # a worker that ran this long resets the restart backoff
@@ -142,6 +146,7 @@ class Supervisor:
     def __init__(self, args: argparse.Namespace, n: int, token: str | None) -> None:
         self.args = args
         self.token = token  # the operator's: None, and the admin API answers 403
+        self._token = token.encode() if token else None
         # What the supervisor and the workers share: the operator's, else one of their own, so a
         # restarted worker can still take on its peers' fleet (a fleet file they all refused
         # was what it ran).
@@ -372,10 +377,31 @@ class Supervisor:
     def _pass(status: int, body: bytes) -> web.Response:
         return web.Response(status=status, body=body, content_type="application/json")
 
-    async def _fan_out(self, request: web.Request) -> tuple[web.Response, list[tuple[int, bytes]]]:
+    async def _admitted(self, request: web.Request) -> web.Response | bytes:
+        """An admin call's body, once its token is the operator's and the whole body came within
+        its size and ``BODY_READ_S``; else the error to answer. Both before any lock: a client
+        without a token holding a body open once held every admin change, and a restarted
+        worker's start, for as long as it liked."""
+        denied = authorize(request, self._token)
+        if denied is not None:
+            return denied
+        limit = (WEIGHTS_MAX_BYTES if request.path == "/admin/weights"
+                 else EXPLAIN_MAX_BYTES if request.path == "/admin/explain"
+                 else DOCUMENT_MAX_BYTES)
+        try:
+            async with asyncio.timeout(BODY_READ_S):
+                return await read_body(request, limit)
+        except Invalid as exc:
+            return exc.response()
+        except TimeoutError:
+            return web.json_response({"error": {"message": f"body not received within "
+                                                           f"{BODY_READ_S:g} s", "field": None}},
+                                     status=408)
+
+    async def _fan_out(self, request: web.Request,
+                       body: bytes) -> tuple[web.Response, list[tuple[int, bytes]]]:
         """``request`` sent to every worker that is up: their answer when they agree, else a 502
         naming each worker's status; and the answers themselves."""
-        body = await request.read()
         headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARDED}
         live = self._live()
         if not live:
@@ -389,21 +415,12 @@ class Supervisor:
             "workers": [{"worker": w.index, "status": s}
                         for w, (s, _) in zip(live, answers, strict=True)]}}, status=502), answers
 
-    def _disabled(self) -> web.Response | None:
-        """Without the operator's token the admin API is off, as a single router's: the workers
-        hold the supervisor's own token, which no client has."""
-        if self.token is not None:
-            return None
-        return web.json_response({"error": {"message": DISABLED, "field": None}}, status=403)
-
     async def put_weights(self, request: web.Request) -> web.Response:
-        if (off := self._disabled()) is not None:
-            return off
-        if (request.content_length or 0) > WEIGHTS_MAX_BYTES:
-            return web.json_response({"error": {"message": f"body is over {WEIGHTS_MAX_BYTES}"
-                                                           " bytes", "field": None}}, status=413)
+        body = await self._admitted(request)
+        if isinstance(body, web.Response):
+            return body
         async with self._lock:
-            response, answers = await self._fan_out(request)
+            response, answers = await self._fan_out(request, body)
             applied = [b for status, b in answers if status == 200]
             if applied:  # what a restarted worker, or one left behind, is brought to
                 self.replay = _replay_body(json.loads(applied[0]))
@@ -425,14 +442,14 @@ class Supervisor:
 
     async def admin_other(self, request: web.Request) -> web.Response:
         """Any other admin call: a read from the first worker that is up, a change to all."""
-        if (off := self._disabled()) is not None:
-            return off
+        body = await self._admitted(request)
+        if isinstance(body, web.Response):
+            return body
         if request.method == "GET" or request.path == "/admin/explain":
             live = self._live()
             if not live:
                 return web.json_response({"error": {"message": "no worker is up"}}, status=503)
             headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARDED}
-            body = await request.read()
             answer = (503, b"")
             for w in live:  # the first worker that answers: a hung one times out
                 answer = await self._send(w, request.method, request.path_qs, body, headers)
@@ -440,12 +457,12 @@ class Supervisor:
                     break
             return self._pass(*answer)
         async with self._lock:  # a restarting worker adopts its peers' fleet before or after it
-            response, _ = await self._fan_out(request)
+            response, _ = await self._fan_out(request, body)
         return response
 
     async def get_weights(self, request: web.Request) -> web.Response:
-        if (off := self._disabled()) is not None:
-            return off
+        if (denied := authorize(request, self._token)) is not None:
+            return denied
         live = self._live()
         if not live:
             return web.json_response({"error": {"message": "no worker is up"}}, status=503)
@@ -489,7 +506,7 @@ class Supervisor:
         return web.Response(text="ok")
 
     def _app(self) -> web.Application:
-        app = web.Application(client_max_size=2 * WEIGHTS_MAX_BYTES)
+        app = web.Application(client_max_size=EXPLAIN_MAX_BYTES)
         app.router.add_get("/metrics", self.metrics)
         app.router.add_get("/healthz", self.healthz)
         app.router.add_get("/readyz", self.readyz)

@@ -8,6 +8,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -179,6 +180,30 @@ def test_a_worker_restarted_after_a_replica_left_takes_the_weights_without_its_r
     assert got["workers"] == [{"worker": 0, "version": 9}, {"worker": 1, "version": 9}]
     status, ready = _http(stack, "GET", "/readyz")
     assert status == 200 and ready["checks"] == {"worker0": True, "worker1": True}
+
+
+def test_a_client_holding_an_admin_body_open_holds_no_change_back(stack: Stack) -> None:
+    # Without a token, an announced body never sent held the supervisor's lock: every admin
+    # change, and a restarted worker's start, waited for as long as the client liked.
+    port = stack.extproc.field("metrics")
+    held = []
+    for auth in ("", f"authorization: Bearer {TOKEN}\r\n"):
+        sock = socket.create_connection(("127.0.0.1", port))
+        sock.sendall(f"PUT /admin/weights HTTP/1.1\r\nhost: x\r\n{auth}"
+                     "content-type: application/json\r\ncontent-length: 100\r\n\r\n".encode())
+        held.append(sock)
+    try:
+        assert held[0].recv(65536).startswith(b"HTTP/1.1 401")  # at once, unread
+        version = _http(stack, "GET", "/admin/weights")[1]["version"]  # type: ignore[index]
+        status, _ = _http(stack, "PUT", "/admin/weights",
+                          {"rtt": 1.0, "queue": 1.0, "version": version + 1}, timeout=5.0)
+        assert status == 200
+        held[1].settimeout(30)
+        answer = held[1].recv(65536)  # the token's owner who never sends its body: a 408
+        assert answer.startswith(b"HTTP/1.1 408") and b'"error"' in answer
+    finally:
+        for sock in held:
+            sock.close()
 
 
 def test_sighup_reloads_every_worker_and_the_supervisor_lives(stack: Stack) -> None:

@@ -90,6 +90,10 @@ ATTACKS = [
     ("POST", "/admin/explain", b'{"headers": {"x-gorgo-policy": "nope"}}', 400),
     ("PUT", "/admin/weights", b"{" + b" " * (WEIGHTS_MAX_BYTES + 1) + b"}", 413),
     ("PUT", "/admin/weights", b"\xff\xfe", 400),
+    # A weight or a rate of 401 digits: float() overflowed, a bare 500 with a traceback.
+    ("PUT", "/admin/weights", b'{"version": 9, "rtt": 1' + b"0" * 400 + b"}", 400),
+    ("PUT", "/admin/weights", b'{"version": 9, "prefill_rate": {"r0": 1' + b"0" * 400 + b"}}",
+     400),
 ]
 
 
