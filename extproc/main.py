@@ -60,6 +60,9 @@ HEALTH_INTERVAL_S = 1.0
 # new streams elsewhere before the port closes.
 DRAIN_QUIET_S = 1.5
 DRAIN_S = 20.0  # default --drain-s: under Kubernetes' default 30 s termination grace
+# --workers at most this many per core: a router is one busy core at most (100,000 started 256
+# processes, the machine's load at 84, before any stop could end them)
+MAX_WORKERS_PER_CORE = 4
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -160,7 +163,9 @@ class ExtProcServer:
         register(self.service, self._grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
         try:
-            self.grpc_port = self._grpc.add_insecure_port(f"{host}:{port}")
+            # an IPv6 host in brackets, as gRPC reads it (`--host ::` failed to bind)
+            bind = f"[{host}]" if ":" in host and not host.startswith("[") else host
+            self.grpc_port = self._grpc.add_insecure_port(f"{bind}:{port}")
         except RuntimeError:  # "Failed to bind": the port was taken since check_port
             self.grpc_port = 0
         if not self.grpc_port:
@@ -375,8 +380,10 @@ def main(args: argparse.Namespace) -> int:
                         "(extproc.response_headers: skip): pass --envoy-admin HOST:PORT so the "
                         "router still learns each replica's errors")
     workers = args.workers if args.workers > 0 else (os.cpu_count() or 1)
-    if args.workers < 0:
-        raise UserError(f"--workers must be >= 0 (0 = one per core), got {args.workers}")
+    most = MAX_WORKERS_PER_CORE * (os.cpu_count() or 1)
+    if not 0 <= args.workers <= most:
+        raise UserError(f"--workers must be 0 (one per core) to {most} ({MAX_WORKERS_PER_CORE} "
+                        f"per core), got {args.workers}")
     if workers > 1:
         return asyncio.run(supervise(args, workers, token))
     return asyncio.run(serve(args, spec, token, discovery))

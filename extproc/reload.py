@@ -24,7 +24,7 @@ from typing import Any
 import yaml
 
 from extproc.telemetry import RouterMetrics, log_event
-from gorgo.core.fleet import FleetError, FleetSpec, read_fleet
+from gorgo.core.fleet import FleetError, FleetSpec, parse_yaml, read_fleet
 from gorgo.core.membership import FleetDiff
 from gorgo.core.router import Router
 
@@ -135,9 +135,9 @@ class FleetReloader:
         if self.doc is None:
             raise FleetError("fleet: this router has no fleet file to change")
         try:
-            doc = yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            raise FleetError(f"document: not valid YAML: {exc}") from None
+            doc = parse_yaml(text)
+        except ValueError as exc:
+            raise FleetError(f"document: {exc}") from None
         self.adopting = True
         try:
             diff = self.apply_doc(doc, "admin document")

@@ -181,6 +181,8 @@ class Supervisor:
                            "--metrics-port)")
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30))
         for w in self.workers:  # one after another: a bad fleet fails once, not N times
+            if self._stopping():  # a stop during the start: the workers left are not started
+                break
             await self._spawn(w)
         if a.metrics_port >= 0:
             self._http = web.AppRunner(self._app(), access_log=None)

@@ -41,12 +41,16 @@ from gorgo.core.contract import (
     DECISION_HEADER,
     ENDPOINTS_FIELD,
     ENDPOINTS_HEADER,
+    EXTPROC_CLUSTER,
+    FLEET_CLUSTER,
     HEALTH_PATH,
     LIVE_SERVICE,
     LOG_END,
     LOG_PERIODIC,
     LOG_TYPE_ATTR,
     METADATA_NAMESPACE,
+    OTLP_CLUSTER,
+    PICKER_CLUSTER,
     PICKER_HEADER,
     PICKER_NAMESPACE,
     PROXY_REGION_ATTR,
@@ -67,10 +71,6 @@ from gorgo.envoy_typed import check_bootstrap
 from gorgo.errors import MAX_PORT, UserError
 
 _T = "type.googleapis.com/"
-EXTPROC_CLUSTER = "gorgo_extproc"
-OTLP_CLUSTER = "otel_collector"
-PICKER_CLUSTER = "picker_original_dst"
-FLEET_CLUSTER = "gorgo_fleet"
 # Only failures before any response byte: Envoy never retries once headers went downstream.
 RETRY_ON = "connect-failure,reset,refused-stream,retriable-status-codes"
 RETRY_STATUS_CODES = (503,)
@@ -177,10 +177,24 @@ TIMEOUT_FLAGS = ("UT", "SI")  # upstream request timeout, stream idle timeout
 
 
 def _hostport(value: str) -> tuple[str, int]:
+    """HOST:PORT as Envoy's socket address takes it: an IPv6 host without its brackets (kept,
+    Envoy refused the file, or `--extproc '[::1]:P'` skipped the router for every request)."""
     host, _, port = value.rpartition(":")
     if not (host and port.isascii() and port.isdigit() and int(port) <= MAX_PORT):
         raise UserError(f"expected HOST:PORT with a port of 0 to {MAX_PORT}, got {value!r}")
-    return host, int(port)
+    if host.startswith("[") != host.endswith("]"):
+        raise UserError(f"an IPv6 host is written in brackets ([::1]:{port}), got {value!r}")
+    return _unbracketed(host), int(port)
+
+
+def _duration(seconds: float) -> str:
+    """Seconds as Envoy's Duration text, in fixed point (``{:g}`` wrote 1e+06s for a request
+    timeout of 1,000,000 s, which Envoy refused naming its own field, not the fleet's)."""
+    return f"{seconds:.9f}".rstrip("0").rstrip(".") + "s"
+
+
+def _unbracketed(host: str) -> str:
+    return host.removeprefix("[").removesuffix("]")
 
 
 def _cluster(name: str, addresses: list[tuple[str, int]], connect_ms: int,
@@ -195,7 +209,7 @@ def _cluster(name: str, addresses: list[tuple[str, int]], connect_ms: int,
     c: dict[str, Any] = {
         "name": name,
         "type": kind,
-        "connect_timeout": f"{connect_ms / 1000:g}s",
+        "connect_timeout": _duration(connect_ms / 1000),
         "lb_policy": "ROUND_ROBIN",
         **({"dns_lookup_family": "V4_PREFERRED"} if kind == "STRICT_DNS" else {}),
         "load_assignment": {
@@ -239,12 +253,12 @@ def _fleet_cluster(spec: FleetSpec) -> dict:
     active requests, so a fleet-wide outage cannot multiply the load."""
     r = spec.retries
     endpoints = [{"endpoint": {"address": {"socket_address": {
-        "address": rep.host.removeprefix("[").removesuffix("]"), "port_value": rep.port}}}}
+        "address": _unbracketed(rep.host), "port_value": rep.port}}}}
         for rep in spec.replicas]
     return {
         "name": FLEET_CLUSTER,
         "type": "STATIC",
-        "connect_timeout": f"{spec.timeouts.connect_ms / 1000:g}s",
+        "connect_timeout": _duration(spec.timeouts.connect_ms / 1000),
         "load_assignment": {"cluster_name": FLEET_CLUSTER,
                             "endpoints": [{"lb_endpoints": endpoints}]},
         "load_balancing_policy": _lb_policy(
@@ -267,7 +281,7 @@ def forwarded_paths(spec: FleetSpec) -> tuple[str, ...]:
 
 def _routes(spec: FleetSpec, picker: bool) -> list[dict]:
     t = spec.timeouts
-    limits = {"timeout": f"{t.request_s:g}s", "idle_timeout": f"{t.idle_s:g}s"}
+    limits = {"timeout": _duration(t.request_s), "idle_timeout": _duration(t.idle_s)}
     # RE2 full match on the path without its query: /v1/models/../../metrics or /metrics%2f do
     # not match, and fleet paths are plain unreserved characters (checked by the fleet schema).
     paths = {"safe_regex": {"regex": "|".join(re.escape(p) for p in forwarded_paths(spec))}}
@@ -283,7 +297,7 @@ def _routes(spec: FleetSpec, picker: bool) -> list[dict]:
         whole = on(header)
         whole["headers"].append({"name": STREAM_HEADER, "string_match": {"exact": "false"}})
         return [{"match": whole, "route": {**action, **limits,
-                                           "idle_timeout": f"{t.request_s:g}s"}},
+                                           "idle_timeout": _duration(t.request_s)}},
                 {"match": on(header), "route": {**action, **limits}}]
 
     routes = []
@@ -470,8 +484,8 @@ def render_bootstrap(
         "typed_config": {
             "@type": _T + "envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
             "grpc_service": {"envoy_grpc": {"cluster_name": EXTPROC_CLUSTER},
-                             "timeout": f"{t.connect_ms / 1000:g}s"},
-            "message_timeout": f"{t.message_ms / 1000:g}s",
+                             "timeout": _duration(t.connect_ms / 1000)},
+            "message_timeout": _duration(t.message_ms / 1000),
             "failure_mode_allow": True,
             "metadata_options": {"receiving_namespaces": {"untyped": [METADATA_NAMESPACE]}},
             # Only what the router reads: never a client's authorization or cookies.
@@ -487,7 +501,7 @@ def render_bootstrap(
         "HttpConnectionManager",
         "stat_prefix": "gorgo_ingress",
         "codec_type": "AUTO",
-        "stream_idle_timeout": f"{t.idle_s:g}s",
+        "stream_idle_timeout": _duration(t.idle_s),
         "request_timeout": "0s",
         # Routing headers are set by the router only: a client's copy is dropped before any
         # filter or route sees it.
@@ -581,7 +595,7 @@ def render_bootstrap(
     interval = spec.observability.ttft_log_interval_s
     if otlp is not None and interval > 0:
         logs.append(_ttft_log(otlp_token))
-        hcm["access_log_options"] = {"access_log_flush_interval": f"{interval:g}s"}
+        hcm["access_log_options"] = {"access_log_flush_interval": _duration(interval)}
     if logs:
         hcm["access_log"] = logs
     clusters = [] if cds else replica_clusters(spec)
@@ -591,7 +605,7 @@ def render_bootstrap(
     # check, so its share of requests is routed by the others, not failed open.
     if duplex or len(workers) > 1:
         clusters[-1]["health_checks"] = [{
-            "timeout": f"{t.connect_ms / 1000:g}s", "interval": EXTPROC_HEALTH_INTERVAL,
+            "timeout": _duration(t.connect_ms / 1000), "interval": EXTPROC_HEALTH_INTERVAL,
             "no_traffic_interval": EXTPROC_HEALTH_INTERVAL, "unhealthy_threshold": 1,
             "healthy_threshold": 1, "grpc_health_check": {"service_name": LIVE_SERVICE},
         }]
@@ -603,7 +617,7 @@ def render_bootstrap(
             "name": PICKER_CLUSTER,
             "type": "ORIGINAL_DST",
             "lb_policy": "CLUSTER_PROVIDED",
-            "connect_timeout": f"{t.connect_ms / 1000:g}s",
+            "connect_timeout": _duration(t.connect_ms / 1000),
             "original_dst_lb_config": {"use_http_header": True, "http_header_name": PICKER_HEADER},
         })
     return {
@@ -637,7 +651,8 @@ def replica_clusters(spec: FleetSpec) -> list[dict]:
     """One cluster per replica, and with retries the override-host cluster of them all: what
     changes with the fleet's membership."""
     t = spec.timeouts
-    clusters = [_cluster(r.cluster, [(r.host, r.port)], t.connect_ms) for r in spec.replicas]
+    clusters = [_cluster(r.cluster, [(_unbracketed(r.host), r.port)], t.connect_ms)
+                for r in spec.replicas]
     if spec.retries.enabled:
         clusters.append(_fleet_cluster(spec))
     if spec.extproc.skip_response_headers:

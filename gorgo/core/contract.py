@@ -62,6 +62,14 @@ EXTPROC_SPAN = "async envoy.service.ext_proc.v3.ExternalProcessor.Process egress
 # for. SERVING while the process runs and takes streams; NOT_SERVING from a stop signal on, while
 # it drains (a hung process does not answer, and is taken out the same way).
 LIVE_SERVICE = "gorgo.live"
+# The clusters of the Envoy config GORGO renders besides the replicas' own (no replica's cluster
+# may take one: an admin add named gorgo_fleet sent every request to one replica, and one named
+# gorgo_extproc to the router's gRPC port).
+EXTPROC_CLUSTER = "gorgo_extproc"
+OTLP_CLUSTER = "otel_collector"
+PICKER_CLUSTER = "picker_original_dst"
+FLEET_CLUSTER = "gorgo_fleet"
+RESERVED_CLUSTERS = frozenset({EXTPROC_CLUSTER, OTLP_CLUSTER, PICKER_CLUSTER, FLEET_CLUSTER})
 # Router -> Envoy: the chosen replica's cluster, and the ordered IP:port list Envoy's override-host
 # policy retries on (attempt k goes to the k-th address).
 CLUSTER_HEADER = "x-gorgo-cluster"

@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 import yaml
 
 from gorgo.core.block_hashes import DEFAULT_SEED
-from gorgo.core.contract import API_PATHS, HEALTH_PATH, WEIGHT_BOUNDS
+from gorgo.core.contract import API_PATHS, HEALTH_PATH, RESERVED_CLUSTERS, WEIGHT_BOUNDS
 from gorgo.core.terms import BY_NAME, OBJECTIVES, TTFT
 from gorgo.core.weights import Weights
 from gorgo.errors import UserError
@@ -446,9 +446,53 @@ def _region(name: str, raw: Any, path: str) -> RegionSpec:
 
 
 def _address(value: str, path: str) -> str:
+    """host:port in the one form Envoy matches a retry's endpoint by (its override-host list):
+    an IP as Python writes it, an IPv6 one in brackets, an ASCII port without leading zeros
+    (`127.0.0.1:08000` or `[0:0::1]:P` sent a third of the retried requests elsewhere); a DNS
+    name as given. Never a URL (`http://...` was probed at `http://http://...` for ever)."""
     host, sep, port = value.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise FleetError(f"{path}: expected host:port, got {value!r}")
+    if not (sep and host and port.isascii() and port.isdigit() and 0 < int(port) < 65536) \
+            or "/" in value or any(c.isspace() for c in value):
+        raise FleetError(f"{path}: expected host:port (an IPv6 host in brackets, no URL), "
+                         f"got {value!r}")
+    bracketed = host.startswith("[") and host.endswith("]")
+    try:
+        ip = ipaddress.ip_address(host[1:-1] if bracketed else host)
+    except ValueError:
+        if bracketed or ":" in host or not _DNS_NAME.fullmatch(host):
+            raise FleetError(f"{path}: {host!r} is neither an IP address (IPv6 in brackets) "
+                             "nor a DNS name") from None
+        return f"{host}:{int(port)}"
+    if ip.version == 6 and not bracketed:
+        raise FleetError(f"{path}: an IPv6 address is written in brackets, [{ip}]:{int(port)}, "
+                         f"got {value!r}")
+    return f"[{ip}]:{int(port)}" if ip.version == 6 else f"{ip}:{int(port)}"
+
+
+def _label(obj: Mapping[str, Any], key: str, path: str, default: str | None = None) -> str:
+    """A name that travels in headers, Envoy's cluster names and log lines: no control
+    character or surrounding space (YAML's `name: |` keeps a newline, and every request to such
+    a replica failed with an empty 500)."""
+    value = _str(obj, key, path, default)
+    if value != value.strip() or any(ord(c) < 32 or ord(c) == 127 for c in value):
+        raise FleetError(f"{path}.{key}: no control characters or surrounding spaces, "
+                         f"got {value!r}")
+    return value
+
+
+def _url(obj: Mapping[str, Any], key: str, path: str, default: str) -> str:
+    """An http(s) URL with a host and a valid port (a URL without its scheme, or a port of
+    99999, left the replica ejected for good, with no reason logged)."""
+    value = _str(obj, key, path, default)
+    parts = urlsplit(value)
+    try:
+        port = parts.port
+    except ValueError:
+        port = -1
+    if parts.scheme not in ("http", "https") or not parts.hostname or port == -1 \
+            or any(c.isspace() for c in value):
+        raise FleetError(f"{path}.{key}: expected an http(s) URL like http://host:port/path, "
+                         f"got {value!r}")
     return value
 
 
@@ -461,7 +505,7 @@ def _replica(raw: Any, path: str, regions: set[str]) -> ReplicaSpec:
          *PRECISE_FIELDS},
         path,
     )
-    name = _str(raw, "name", path)
+    name = _label(raw, "name", path)
     region = _str(raw, "region", path)
     if region not in regions:
         raise FleetError(f"{path}.region: unknown region {region!r} (known: {sorted(regions)})")
@@ -489,11 +533,11 @@ def _replica(raw: Any, path: str, regions: set[str]) -> ReplicaSpec:
     return ReplicaSpec(
         name=name,
         region=region,
-        cluster=_str(raw, "cluster", path, name),
+        cluster=_cluster_name(raw, path, name),
         address=address,
         engine=engine,
-        health_url=_str(raw, "health_url", path, f"http://{address}/health"),
-        metrics_url=_str(raw, "metrics_url", path, f"http://{address}/metrics"),
+        health_url=_url(raw, "health_url", path, f"http://{address}/health"),
+        metrics_url=_url(raw, "metrics_url", path, f"http://{address}/metrics"),
         prefill_rate=_num(raw, "prefill_rate", path, 10000.0, strict=True),
         kv_capacity_tokens=_num(raw, "kv_capacity_tokens", path, 500_000, minimum=1, cast=int),
         sim=sim,
@@ -503,6 +547,15 @@ def _replica(raw: Any, path: str, regions: set[str]) -> ReplicaSpec:
         params=_term_params(raw, path),
         **_models(raw, path),
     )
+
+
+def _cluster_name(raw: Mapping[str, Any], path: str, name: str) -> str:
+    cluster = _label(raw, "cluster", path, name)
+    if cluster in RESERVED_CLUSTERS:
+        raise FleetError(f"{path}.cluster: {cluster!r} is a cluster of GORGO's own Envoy config "
+                         f"(reserved: {', '.join(sorted(RESERVED_CLUSTERS))}); name the replica "
+                         "or its cluster otherwise")
+    return cluster
 
 
 def _term_params(raw: Mapping[str, Any], path: str) -> tuple[tuple[str, str, float], ...]:
@@ -622,6 +675,10 @@ def _section(raw: Mapping[str, Any], key: str, cls: type, path: str) -> Any:
 
 # Python's JSON decoder recurses per level and stops at the interpreter's recursion limit (1000
 # frames, less the caller's); a depth limit well inside it is the one a client ever meets.
+# A DNS name (a Service, a host): letters, digits, '-', '_' and '.'.
+_DNS_NAME = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_.-]{0,252})")
+# gRPC takes a message of at most 2^31 - 1 bytes, and the router's is the body plus 64 KiB.
+MAX_BODY_BYTES = 2**31 - 1 - 65536
 MAX_JSON_DEPTH = 256
 
 
@@ -631,6 +688,9 @@ def _limits(raw: Mapping[str, Any], path: str) -> Limits:
     for name in Limits.__dataclass_fields__:
         if getattr(limits, name) < 1:
             raise FleetError(f"{path}.limits.{name}: must be >= 1, got {getattr(limits, name)!r}")
+    if limits.max_body_bytes > MAX_BODY_BYTES:  # gRPC's message limit is an int32
+        raise FleetError(f"{path}.limits.max_body_bytes: must be <= {MAX_BODY_BYTES}, "
+                         f"got {limits.max_body_bytes!r}")
     if limits.max_json_depth > MAX_JSON_DEPTH:
         raise FleetError(f"{path}.limits.max_json_depth: must be <= {MAX_JSON_DEPTH}, "
                          f"got {limits.max_json_depth!r}")
@@ -725,6 +785,10 @@ def _sharing(raw: Mapping[str, Any], path: str, fleet: str) -> Sharing | None:
     _check_keys(sraw, {"nats", "subject", "stagger_ms"}, path)
     url = _str(sraw, "nats", path, "")
     parts = urlsplit(url)
+    try:
+        parts.port  # noqa: B018 (raises on a port out of range or not a number)
+    except ValueError:
+        parts = parts._replace(scheme="")
     if parts.scheme not in ("nats", "tls") or not parts.hostname:
         raise FleetError(f"{path}.nats: expected a NATS server URL like nats://host:4222, "
                          f"got {url!r}")
@@ -889,17 +953,47 @@ def parse_fleet(raw: Any, source: str = "fleet") -> FleetSpec:
     )
 
 
+class _StrictLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (the last one silently
+    won: two `limits:` blocks kept only the second)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                duplicate = key in seen
+            except TypeError:  # an unhashable key: the base class says so
+                break
+            if duplicate:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r}", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def parse_yaml(text: str) -> Any:
+    """A fleet document's YAML (a file's, or one the admin API was sent): ValueError, on one
+    line, for what is not valid YAML, repeats a key, or nests past the parser's depth."""
+    try:
+        return yaml.load(text, Loader=_StrictLoader)
+    except yaml.YAMLError as exc:
+        raise ValueError("not valid YAML: " + " ".join(str(exc).split())) from None
+    except RecursionError:
+        raise ValueError("not valid YAML: nested too deep") from None
+
+
 def read_fleet(path: str | Path) -> Any:
     """The decoded YAML document of a fleet file (not yet validated)."""
     path = Path(path)
     try:
-        return yaml.safe_load(path.read_text())
+        return parse_yaml(path.read_text())
     except OSError as exc:
         raise FleetError(f"{path}: cannot read fleet file: {exc.strerror}") from None
-    except yaml.YAMLError as exc:
-        raise FleetError(f"{path}: not valid YAML: {exc}") from None
     except UnicodeDecodeError:
         raise FleetError(f"{path}: not UTF-8 text") from None
+    except ValueError as exc:
+        raise FleetError(f"{path}: {exc}") from None
 
 
 def load_fleet(path: str | Path) -> FleetSpec:

@@ -265,7 +265,11 @@ class FleetState:
         new.prefix = self.prefix.reindexed(
             [self.index[carried[name]] if name in carried else None for name in new.names],
             new.prefix.capacity)
-        new.weights = self.weights
+        # Weights an admin PUT or the tuner set (version > 0) stand; the file's own follow the
+        # file (an edited `weights:` was reloaded "successfully" and never applied, and a
+        # restarted worker then ran the new file's weights beside its peers' old ones).
+        if self.weights.version > 0:
+            new.weights = self.weights
         new.now = self.now
         new.reuse_share = self.reuse_share
         new._arrivals, new._arrival_tokens = self._arrivals, self._arrival_tokens

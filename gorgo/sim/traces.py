@@ -347,7 +347,7 @@ def chat_trace(
     earlier request of the same user. Lengths are lognormal with the given medians
     (``*_tokens``); a conversation that would outgrow ``max_context`` starts over.
     """
-    if users < 1 or rate <= 0 or requests_per_user < 1:
+    if users < 1 or not 0 < rate < math.inf or requests_per_user < 1:  # NaN: all at once
         raise ValueError("need users >= 1, rate > 0 and requests_per_user >= 1")
     first = 1.0 / requests_per_user
     if not 0.0 <= multi_turn <= 1.0 - first:

@@ -212,6 +212,26 @@ def _del(path: list) -> Any:
         (_set(["replicas", 0, "address"], "h:http"), "fleet.replicas[0].address: expected host"),
         (_del(["replicas", 0, "address"]), "fleet.replicas[0].address: required"),
         (_set(["replicas", 0, "address"], 8000), "fleet.replicas[0].address: expected a non-empty"),
+        # a URL was probed at http://http://... for ever, and turned retries off
+        (_set(["replicas", 0, "address"], "http://10.0.0.9:8000"),
+         "fleet.replicas[0].address: expected host:port (an IPv6 host in brackets, no URL)"),
+        (_set(["replicas", 0, "address"], "::1:8000"),
+         "fleet.replicas[0].address: an IPv6 address is written in brackets, [::1]:8000"),
+        (_set(["replicas", 0, "address"], "h:١٨٠٠"), "fleet.replicas[0].address: expected host"),
+        (_set(["replicas", 0, "address"], "a b:80"), "fleet.replicas[0].address: expected host"),
+        (_set(["replicas", 0, "address"], "[h]:80"), "fleet.replicas[0].address: '[h]' is"),
+        (_set(["replicas", 0, "health_url"], "10.0.0.9:8000/health"),
+         "fleet.replicas[0].health_url: expected an http(s) URL"),
+        (_set(["replicas", 0, "metrics_url"], "http://10.0.0.9:99999/metrics"),
+         "fleet.replicas[0].metrics_url: expected an http(s) URL"),
+        # names travel in headers and Envoy's cluster names
+        (_set(["replicas", 0, "name"], "a\n"), "fleet.replicas[0].name: no control characters"),
+        (_set(["replicas", 0, "cluster"], " a"), "fleet.replicas[0].cluster: no control"),
+        (_set(["replicas", 0, "name"], "gorgo_fleet"),
+         "fleet.replicas[0].cluster: 'gorgo_fleet' is a cluster of GORGO's own Envoy config"),
+        (_set(["replicas", 0, "cluster"], "gorgo_extproc"), "fleet.replicas[0].cluster: 'gorgo_"),
+        (_set(["limits"], {"max_body_bytes": 2**31}), "fleet.limits.max_body_bytes: must be <="),
+        (_set(["sharing"], {"nats": "nats://127.0.0.1:99999"}), "fleet.sharing.nats: expected"),
         # required strings
         (_del(["replicas", 0, "name"]), "fleet.replicas[0].name: required"),
         (_set(["replicas", 0, "name"], ""), "fleet.replicas[0].name: expected a non-empty"),
@@ -365,6 +385,29 @@ def test_load_fleet_invalid_yaml(tmp_path: Path) -> None:
     path.write_text("regions: [unclosed\n")
     with pytest.raises(FleetError, match="not valid YAML"):
         load_fleet(path)
+
+
+@pytest.mark.parametrize(("address", "canonical"), [
+    # Envoy's override-host list matches only its own form: a retry went elsewhere
+    ("127.0.0.1:08000", "127.0.0.1:8000"), ("[0:0::1]:8000", "[::1]:8000"),
+    ("[::FFFF:10.0.0.1]:80", "[::ffff:a00:1]:80"), ("vllm-0.vllm:8000", "vllm-0.vllm:8000")])
+def test_addresses_take_the_one_form_envoy_matches(address: str, canonical: str) -> None:
+    raw = doc()
+    raw["replicas"][0]["address"] = address
+    assert parse_fleet(raw).replicas[0].address == canonical
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("limits: {max_messages: 10}\nlimits: {max_messages: 4096}\n", "duplicate key 'limits'"),
+    ("a: " + "[" * 5000 + "]" * 5000 + "\n", "nested too deep"),
+])
+def test_a_fleet_file_with_a_repeated_key_or_deep_nesting_is_one_line(
+        tmp_path: Path, text: str, message: str) -> None:
+    path = tmp_path / "f.yaml"
+    path.write_text(text)
+    with pytest.raises(FleetError, match=message) as info:
+        load_fleet(path)
+    assert "\n" not in str(info.value)
 
 
 def test_load_fleet_empty_file(tmp_path: Path) -> None:

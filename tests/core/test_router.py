@@ -306,6 +306,17 @@ def test_decisions_are_counted_per_weights_version_and_policy() -> None:
     assert len(r.routed) == ROUTED_VERSIONS and 0 not in r.routed and 7 not in r.routed
 
 
+def test_a_reload_takes_the_files_weights_until_weights_are_put() -> None:
+    # An edited `weights:` reloaded "successfully" and never applied (and a restarted worker
+    # then ran the file's new weights beside its peers' old ones).
+    r = Router(spec())
+    r.reload(spec(weights={"rtt": 3.0, "queue": 2.0}))
+    assert (r.state.weights["rtt"], r.state.weights["queue"]) == (3.0, 2.0)
+    r.state.set_weights(Weights({"rtt": 0.5, "queue": 0.5}, 4))  # the tuner's, or an operator's
+    r.reload(spec(weights={"rtt": 9.0}))
+    assert r.state.weights["rtt"] == 0.5 and r.state.weights.version == 4
+
+
 # --- per-model settings (the fleet file's models:) ---------------------------------------------
 
 

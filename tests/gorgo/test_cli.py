@@ -169,11 +169,20 @@ def test_explain_router_prints_the_table_unless_json(body: Path,
      "replicas[0].discover: a fleet that discovers replicas by DNS runs without a clusters"),
     (["envoy-config", "{tmp}/discovered.yaml", "--cds-file", "{tmp}/cds.yaml"], "envoy-config",
      "runs without a clusters file"),
+    # 100,000 workers started 256 processes before any stop could end them
+    (["extproc", "--fleet", str(EXAMPLE), "--workers", "100000"], "extproc", "per core), got"),
+    # a NaN rate fired the whole trace at once
+    (["replay", "--trace", "chat:rate=nan", "--url", "http://127.0.0.1:1"], "replay", "rate"),
+    # a traceback of thousands of lines
+    (["envoy-config", "{tmp}/deep.yaml"], "envoy-config", "nested too deep"),
+    (["envoy-config", "{tmp}/twice.yaml"], "envoy-config", "duplicate key 'limits'"),
 ])
 def test_other_user_errors_are_one_line(argv: list[str], command: str, says: str,
                                         tmp_path: Path,
                                         capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "binary.yaml").write_bytes(b"\xff\xfe\x00fleet")
+    (tmp_path / "deep.yaml").write_text("a: " + "[" * 5000 + "]" * 5000 + "\n")
+    (tmp_path / "twice.yaml").write_text("limits: {max_messages: 10}\nlimits: {}\n")
     (tmp_path / "discovered.yaml").write_text(yaml.safe_dump({
         "regions": {"local": None}, "endpoint_picker": True,
         "replicas": [{"name": "vllm", "region": "local", "engine": "vllm",

@@ -37,6 +37,7 @@ from gorgo.envoy_config import (
     render_bootstrap,
     render_yaml,
 )
+from gorgo.errors import UserError
 from gorgo.harness.envoy_proc import envoy_binary
 
 REPO = Path(__file__).resolve().parents[2]
@@ -351,3 +352,25 @@ def test_the_response_trailers_are_the_operators_choice(trailers: str | None,
     assert mode("buffered")["response_trailer_mode"] == "SKIP"
     with pytest.raises(FleetError, match=r"extproc\.response_trailers: must be one of"):
         parse_fleet({**raw, "extproc": {"response_trailers": "always"}})
+
+
+def test_ipv6_hosts_reach_envoy_without_their_brackets() -> None:
+    # Kept, Envoy refused the file ("malformed IP address: [::1]"), or took the replica for a
+    # DNS name: every request a 503; `--extproc '[::1]:P'` skipped the router for every request.
+    spec = parse_fleet({"regions": {"a": {}}, "replicas": [
+        {"name": "r0", "region": "a", "engine": "sglang", "address": "[::1]:8000"},
+        {"name": "r1", "region": "a", "engine": "sglang", "address": "[::1]:8001"}]})
+    boot = render_bootstrap(spec, listen="[::1]:10000", extproc="[::1]:50051",
+                            admin="[::1]:9901", otlp="[::1]:4317")
+    clusters = {c["name"]: c for c in boot["static_resources"]["clusters"]}
+    for name, port in (("r0", 8000), ("gorgo_extproc", 50051), ("otel_collector", 4317)):
+        c = clusters[name]
+        assert c["type"] == "STATIC", name
+        (endpoint,) = c["load_assignment"]["endpoints"][0]["lb_endpoints"]
+        assert endpoint["endpoint"]["address"]["socket_address"] == {
+            "address": "::1", "port_value": port}
+    listener = boot["static_resources"]["listeners"][0]["address"]["socket_address"]
+    assert listener["address"] == "::1"
+    assert boot["admin"]["address"]["socket_address"]["address"] == "::1"
+    with pytest.raises(UserError, match="brackets"):
+        render_bootstrap(spec, listen="[::1:10000", extproc="127.0.0.1:1", admin="127.0.0.1:2")
