@@ -24,7 +24,7 @@ from typing import Any
 import yaml
 
 from extproc.telemetry import RouterMetrics, log_event
-from gorgo.core.fleet import FleetError, FleetSpec, parse_yaml, read_fleet
+from gorgo.core.fleet import FleetError, FleetSpec, ip_literal, parse_yaml, read_fleet
 from gorgo.core.membership import FleetDiff
 from gorgo.core.router import Router
 
@@ -93,11 +93,18 @@ class FleetReloader:
     def apply_spec(self, doc: Any, spec: FleetSpec, reason: str) -> FleetDiff:
         """Take on ``spec``, parsed from ``doc`` (a DNS answer changed: the running document
         with new answers); a FleetError leaves the running fleet as it was."""
+        retried = self.router.spec.retries.enabled
         try:
             diff = self._apply(spec)
         except FleetError as exc:
             self._failed(reason, exc)
             raise
+        if retried and not spec.retries.enabled:
+            # Off by default once a replica is reached by a DNS name (Envoy's override-host
+            # list matches IP:port): an admin add of one switched them off with nothing said.
+            named = next((r.address for r in spec.replicas if not ip_literal(r.host)), None)
+            log_event(log, "retries_off", logging.WARNING, reason=reason,
+                      cause=f"replica address {named}" if named else "retries.enabled: false")
         self.doc, self.last_error = doc, None
         if self._adopted is not None:
             self._adopted(doc, spec)
