@@ -123,17 +123,23 @@ class ReplicaSpec:
 
 # A section field's bounds beyond ">= 0", as keyword arguments of `_num` (`_section` reads them).
 POSITIVE = {"strict": True}  # 0 would time out at once, or spin a loop
+# Envoy's longest Duration (10,000 years): a timeout past it was refused by Envoy naming its own
+# field, not the fleet's.
+ENVOY_MAX_S = 315_576_000_000
+SECONDS = {"strict": True, "maximum": ENVOY_MAX_S}
+MILLISECONDS = {"strict": True, "maximum": ENVOY_MAX_S * 1000}
 
 
 @dataclass(frozen=True, slots=True)
 class Timeouts:
-    message_ms: int = field(default=1000, metadata=POSITIVE)  # Envoy's ext_proc message_timeout
-    connect_ms: int = field(default=2000, metadata=POSITIVE)
+    message_ms: int = field(default=1000, metadata=MILLISECONDS)  # Envoy's ext_proc message_timeout
+    connect_ms: int = field(default=2000, metadata=MILLISECONDS)
     # a whole request, stream included (Envoy route timeout); 0 is no "no timeout" here: the
     # tuner's range, a peer booking's life and a held booking all end at it
-    request_s: float = field(default=600.0, metadata=POSITIVE)
-    idle_s: float = 60.0  # no byte either way for this long ends a stream (non-streamed: request_s)
-    probe_ms: int = field(default=2000, metadata=POSITIVE)
+    request_s: float = field(default=600.0, metadata=SECONDS)
+    # no byte either way for this long ends a stream (non-streamed: request_s); 0: never
+    idle_s: float = field(default=60.0, metadata={"maximum": ENVOY_MAX_S})
+    probe_ms: int = field(default=2000, metadata=MILLISECONDS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -673,12 +679,12 @@ def _section(raw: Mapping[str, Any], key: str, cls: type, path: str) -> Any:
     return cls(**values)
 
 
-# Python's JSON decoder recurses per level and stops at the interpreter's recursion limit (1000
-# frames, less the caller's); a depth limit well inside it is the one a client ever meets.
 # A DNS name (a Service, a host): letters, digits, '-', '_' and '.'.
 _DNS_NAME = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_.-]{0,252})")
 # gRPC takes a message of at most 2^31 - 1 bytes, and the router's is the body plus 64 KiB.
 MAX_BODY_BYTES = 2**31 - 1 - 65536
+# Python's JSON decoder recurses per level and stops at the interpreter's recursion limit (1000
+# frames, less the caller's); a depth limit well inside it is the one a client ever meets.
 MAX_JSON_DEPTH = 256
 
 
@@ -724,7 +730,8 @@ def _retries(raw: Mapping[str, Any], replicas: tuple[ReplicaSpec, ...], path: st
     return Retries(
         enabled=enabled,
         budget_percent=percent,
-        min_retry_concurrency=_num(rraw, "min_retry_concurrency", path, 3, cast=int),
+        min_retry_concurrency=_num(rraw, "min_retry_concurrency", path, 3, cast=int,
+                                   maximum=2**32 - 1),  # Envoy's UInt32Value
     )
 
 

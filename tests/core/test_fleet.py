@@ -231,6 +231,11 @@ def _del(path: list) -> Any:
          "fleet.replicas[0].cluster: 'gorgo_fleet' is a cluster of GORGO's own Envoy config"),
         (_set(["replicas", 0, "cluster"], "gorgo_extproc"), "fleet.replicas[0].cluster: 'gorgo_"),
         (_set(["limits"], {"max_body_bytes": 2**31}), "fleet.limits.max_body_bytes: must be <="),
+        # past Envoy's own ranges: Envoy refused the render naming its field, not the fleet's
+        (_set(["timeouts"], {"request_s": 1e12}), "fleet.timeouts.request_s: must be <="),
+        (_set(["timeouts"], {"connect_ms": 2**53}), "fleet.timeouts.connect_ms: must be <="),
+        (_set(["retries"], {"min_retry_concurrency": 2**40}),
+         "fleet.retries.min_retry_concurrency: must be <="),
         (_set(["sharing"], {"nats": "nats://127.0.0.1:99999"}), "fleet.sharing.nats: expected"),
         # required strings
         (_del(["replicas", 0, "name"]), "fleet.replicas[0].name: required"),

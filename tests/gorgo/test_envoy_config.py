@@ -33,6 +33,7 @@ from gorgo.envoy_config import (
     FLEET_CLUSTER,
     PICKER_CLUSTER,
     TTFT_FORMAT,
+    _duration,
     forwarded_paths,
     render_bootstrap,
     render_yaml,
@@ -374,3 +375,11 @@ def test_ipv6_hosts_reach_envoy_without_their_brackets() -> None:
     assert boot["admin"]["address"]["socket_address"]["address"] == "::1"
     with pytest.raises(UserError, match="brackets"):
         render_bootstrap(spec, listen="[::1:10000", extproc="127.0.0.1:1", admin="127.0.0.1:2")
+
+
+@pytest.mark.parametrize(("seconds", "text"), [
+    (600.0, "600s"), (0.25, "0.25s"), (0, "0s"), (1_000_000, "1000000s"), (1234567, "1234567s"),
+    (1e-7, "0.0000001s"), (86400.5, "86400.5s")])
+def test_durations_are_written_in_fixed_point(seconds: float, text: str) -> None:
+    # {:g} wrote 1e+06s and 1.23457e+06s (rounded), which Envoy refused or misread
+    assert _duration(seconds) == text
