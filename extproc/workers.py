@@ -65,6 +65,7 @@ from extproc.admin import DOCUMENT_MAX_BYTES, WEIGHTS_MAX_BYTES, Invalid, author
 from extproc.telemetry import log_event
 from gorgo import shutdown
 from gorgo.core.contract import WEIGHT_BOUNDS
+from gorgo.core.fleet import FleetError, Limits, load_fleet
 from gorgo.errors import UserError, bind_error, check_port
 
 log = logging.getLogger("gorgo.workers")
@@ -73,9 +74,6 @@ STOP_GRACE_S = 10.0  # beyond the workers' own --drain-s
 READ_TIMEOUT_S = 3.0  # a worker's /metrics, /readyz or admin read: a hung one is left out
 WRITE_TIMEOUT_S = 10.0  # an admin change (a reload, weights) a worker applies
 BODY_READ_S = 10.0  # an admin call's whole body, before the supervisor acts on it (else a 408)
-# The largest admin body the supervisor reads: an explained request (each worker refuses what
-# is over its own fleet's limit, twice its `limits.max_body_bytes` and 64 KiB, at most).
-EXPLAIN_MAX_BYTES = 2 * (64 << 20) + (64 << 10)
 BACKOFF_BASE_S = 0.5
 BACKOFF_MAX_S = 10.0
 STABLE_S = 10.0  # a worker that ran this long resets the restart backoff
@@ -146,6 +144,13 @@ class Supervisor:
     def __init__(self, args: argparse.Namespace, n: int, token: str | None) -> None:
         self.args = args
         self.token = token  # the operator's: None, and the admin API answers 403
+        # The largest explained request a worker takes (twice the body limit, and 64 KiB): the
+        # start's fleet sets it, as a reload cannot raise `limits.max_body_bytes`.
+        try:
+            body_limit = load_fleet(args.fleet).limits.max_body_bytes
+        except FleetError:  # the workers say why, as they start
+            body_limit = Limits().max_body_bytes
+        self.explain_max_bytes = 2 * body_limit + 65536
         self._token = token.encode() if token else None
         # What the supervisor and the workers share: the operator's, else one of their own, so a
         # restarted worker can still take on its peers' fleet (a fleet file they all refused
@@ -388,7 +393,7 @@ class Supervisor:
         if denied is not None:
             return denied
         limit = (WEIGHTS_MAX_BYTES if request.path == "/admin/weights"
-                 else EXPLAIN_MAX_BYTES if request.path == "/admin/explain"
+                 else self.explain_max_bytes if request.path == "/admin/explain"
                  else DOCUMENT_MAX_BYTES)
         try:
             async with asyncio.timeout(BODY_READ_S):
@@ -508,7 +513,7 @@ class Supervisor:
         return web.Response(text="ok")
 
     def _app(self) -> web.Application:
-        app = web.Application(client_max_size=EXPLAIN_MAX_BYTES)
+        app = web.Application(client_max_size=max(self.explain_max_bytes, DOCUMENT_MAX_BYTES))
         app.router.add_get("/metrics", self.metrics)
         app.router.add_get("/healthz", self.healthz)
         app.router.add_get("/readyz", self.readyz)

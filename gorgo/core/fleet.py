@@ -123,9 +123,9 @@ class ReplicaSpec:
 
 # A section field's bounds beyond ">= 0", as keyword arguments of `_num` (`_section` reads them).
 POSITIVE = {"strict": True}  # 0 would time out at once, or spin a loop
-# Envoy's longest Duration (10,000 years): a timeout past it was refused by Envoy naming its own
-# field, not the fleet's.
-ENVOY_MAX_S = 315_576_000_000
+# Envoy's longest timeout (INT64_MAX nanoseconds): a timeout past it was refused by Envoy naming
+# its own field, not the fleet's.
+ENVOY_MAX_S = 9_223_372_035
 SECONDS = {"strict": True, "maximum": ENVOY_MAX_S}
 MILLISECONDS = {"strict": True, "maximum": ENVOY_MAX_S * 1000}
 
@@ -967,6 +967,8 @@ class _StrictLoader(yaml.SafeLoader):
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen = set()
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor`: its keys may repeat
+                continue
             key = self.construct_object(key_node, deep=deep)
             try:
                 duplicate = key in seen

@@ -415,6 +415,22 @@ def test_a_fleet_file_with_a_repeated_key_or_deep_nesting_is_one_line(
     assert "\n" not in str(info.value)
 
 
+def test_yaml_merge_keys_are_no_duplicates(tmp_path: Path) -> None:
+    # `<<: *anchor` was refused as YAML the strict loader could not construct (a regression of
+    # the duplicate-key check): explicit keys override the merged ones, as YAML says.
+    path = tmp_path / "f.yaml"
+    path.write_text(
+        "regions: {a: {}}\n"
+        "replicas:\n"
+        "  - &base {name: r0, region: a, engine: sglang, address: '10.0.0.1:8000'}\n"
+        "  - <<: *base\n"
+        "    name: r1\n"
+        "    address: '10.0.0.2:8000'\n")
+    spec = load_fleet(path)
+    assert [(r.name, r.address, r.engine) for r in spec.replicas] == [
+        ("r0", "10.0.0.1:8000", "sglang"), ("r1", "10.0.0.2:8000", "sglang")]
+
+
 def test_load_fleet_empty_file(tmp_path: Path) -> None:
     path = tmp_path / "empty.yaml"
     path.write_text("")

@@ -1,10 +1,14 @@
-"""The supervisor's port plan (`extproc.workers.worker_ports`), without processes."""
+"""The supervisor's port plan (`extproc.workers.worker_ports`) and limits, without processes."""
 
 from __future__ import annotations
 
-import pytest
+import argparse
+from pathlib import Path
 
-from extproc.workers import worker_ports
+import pytest
+import yaml
+
+from extproc.workers import Supervisor, worker_ports
 
 
 @pytest.mark.parametrize(("base", "n", "metrics", "ports"), [
@@ -17,3 +21,15 @@ from extproc.workers import worker_ports
 def test_workers_take_ports_from_base_past_the_metrics_port(base: int, n: int, metrics: int,
                                                              ports: list[int]) -> None:
     assert worker_ports(base, n, metrics) == ports
+
+
+def test_the_supervisor_takes_explained_requests_as_large_as_its_workers_do(
+        tmp_path: Path) -> None:
+    # A fixed 128 MiB cap refused what a worker of a 100 MiB body limit takes (2 x + 64 KiB).
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text(yaml.safe_dump({
+        "regions": {"a": {}}, "limits": {"max_body_bytes": 100 << 20},
+        "replicas": [{"name": "r0", "region": "a", "engine": "sglang",
+                      "address": "10.0.0.1:8000"}]}))
+    args = argparse.Namespace(fleet=str(fleet), port=0, metrics_port=0)
+    assert Supervisor(args, 2, "token").explain_max_bytes == 2 * (100 << 20) + 65536
