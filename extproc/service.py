@@ -32,6 +32,7 @@ from gorgo._xds.envoy.service.ext_proc.v3.external_processor_pb2_grpc import (
 )
 from gorgo.core.contract import (
     ATTEMPT_COUNT_HEADER,
+    MODELS_PATH,
     OUTCOME_ATTR,
     ROUTER_STATUS_ATTR,
     SPAN_PREFIX,
@@ -84,7 +85,6 @@ class _Stream:
         self.answered = False
 
 
-MODELS_PATH = "/v1/models"
 
 
 def models_body(spec: FleetSpec) -> dict[str, Any]:

@@ -49,6 +49,7 @@ from gorgo.core.contract import (
     LOG_PERIODIC,
     LOG_TYPE_ATTR,
     METADATA_NAMESPACE,
+    MODELS_PATH,
     OTLP_CLUSTER,
     PICKER_CLUSTER,
     PICKER_HEADER,
@@ -300,7 +301,19 @@ def _routes(spec: FleetSpec, picker: bool) -> list[dict]:
                                            "idle_timeout": _duration(t.request_s)}},
                 {"match": on(header), "route": {**action, **limits}}]
 
-    routes = []
+    # Another method than POST on an inference path (a browser's CORS preflight, a GET) has no
+    # body to route by: the fail-open replica answers it as an engine would (its CORS headers, its
+    # 405), the router not asked (it answered 400 "Request body is empty", so every browser app
+    # calling the engines broke behind GORGO).
+    bodies = "|".join(re.escape(p) for p in API_PATHS if p != MODELS_PATH)
+    routes: list[dict[str, Any]] = [{
+        "match": {"safe_regex": {"regex": bodies}, "headers": [
+            {"name": ":method", "string_match": {"exact": "POST"}, "invert_match": True}]},
+        "route": {"cluster": spec.default_cluster, **limits},
+        "typed_per_filter_config": {"envoy.filters.http.ext_proc": {
+            "@type": _T + "envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute",
+            "disabled": True}},
+    }]
     if picker:
         routes += routed(PICKER_HEADER, {"cluster": PICKER_CLUSTER})
     if spec.retries.enabled:
@@ -501,6 +514,10 @@ def render_bootstrap(
         "HttpConnectionManager",
         "stat_prefix": "gorgo_ingress",
         "codec_type": "AUTO",
+        # HTTP/1.0 (nginx's default to its upstreams, HAProxy's health checks): refused, its
+        # refusal went through the router and the connection closed before it was written
+        # (an empty reply) where the engine alone answers it.
+        "http_protocol_options": {"accept_http_10": True},
         "stream_idle_timeout": _duration(t.idle_s),
         "request_timeout": "0s",
         # Routing headers are set by the router only: a client's copy is dropped before any

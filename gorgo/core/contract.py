@@ -115,7 +115,8 @@ ENDPOINTS_FIELD = "endpoints"
 STREAM_FIELD = "stream"
 # What Envoy forwards: the OpenAI-style inference API and the engines' health path (exact paths,
 # plus the fleet's routes.extra_paths); any other path is a 404 from Envoy itself.
-API_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models")
+MODELS_PATH = "/v1/models"
+API_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", MODELS_PATH)
 HEALTH_PATH = "/health"
 
 # Decision fields, in the order they are tagged: identity, the prediction, each term, tokens.

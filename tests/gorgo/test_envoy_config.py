@@ -95,14 +95,24 @@ def test_bootstrap_shape() -> None:
     assert ext["processing_mode"]["request_body_mode"] == "BUFFERED"
     assert [p["exact"] for p in ext["forward_rules"]["allowed_headers"]["patterns"]] == list(
         ROUTER_READS)
-    routes = [r["route"] for r in _routes(hcm)[:-1]]
+    routes = [r["route"] for r in _routes(hcm)[1:-1]]
     # picker (ORIGINAL_DST) -> endpoint list with one retry -> single cluster -> default, each
     # routed one first for a non-streamed answer, which waits as long as the whole request.
     assert [r.get("cluster", r.get("cluster_header")) for r in routes] == [
         PICKER_CLUSTER, PICKER_CLUSTER, FLEET_CLUSTER, FLEET_CLUSTER, CLUSTER_HEADER,
         CLUSTER_HEADER, spec.default_cluster]
+    # First, another method than POST on an inference path: to the fail-open replica, the router
+    # not asked (a browser's CORS preflight was a 400 "Request body is empty").
+    first = _routes(hcm)[0]
+    assert first["match"]["headers"] == [
+        {"name": ":method", "string_match": {"exact": "POST"}, "invert_match": True}]
+    assert re.compile(first["match"]["safe_regex"]["regex"]).fullmatch("/v1/responses")
+    assert not re.compile(first["match"]["safe_regex"]["regex"]).fullmatch("/v1/models")
+    assert first["route"]["cluster"] == spec.default_cluster
+    assert first["typed_per_filter_config"]["envoy.filters.http.ext_proc"]["disabled"] is True
+    assert hcm["http_protocol_options"] == {"accept_http_10": True}  # nginx's default upstream
     unstreamed = {"name": STREAM_HEADER, "string_match": {"exact": "false"}}
-    for k, r in enumerate(_routes(hcm)[:-2]):
+    for k, r in enumerate(_routes(hcm)[1:-2]):
         whole = k % 2 == 0
         assert (unstreamed in r["match"]["headers"]) is whole
         assert r["route"]["idle_timeout"] == (f"{spec.timeouts.request_s:g}s" if whole
@@ -133,7 +143,7 @@ def test_retries_off_keeps_single_cluster_routing() -> None:
     assert FLEET_CLUSTER not in names
     hcm = boot["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0][
         "typed_config"]
-    routes = [r["route"] for r in _routes(hcm)[:-1]]
+    routes = [r["route"] for r in _routes(hcm)[1:-1]]
     assert [r.get("cluster", r.get("cluster_header")) for r in routes] == [
         CLUSTER_HEADER, CLUSTER_HEADER, spec.default_cluster]
 
@@ -153,7 +163,7 @@ def test_only_the_api_and_the_health_path_are_forwarded() -> None:
     spec = load_fleet(EXAMPLE)
     spec = replace(spec, routes=replace(spec.routes, extra_paths=("/v1/embeddings",)))
     assert forwarded_paths(spec) == (*API_PATHS, HEALTH_PATH, "/v1/embeddings")
-    *forwarding, last = _routes(_hcm(render_bootstrap(spec, picker=True)))
+    _, *forwarding, last = _routes(_hcm(render_bootstrap(spec, picker=True)))  # 1st: not POST
     for r in forwarding:
         regex = re.compile(r["match"]["safe_regex"]["regex"])
         assert [p for p in (*forwarded_paths(spec), "/metrics", "/flush_cache", "/v1/models/x",
