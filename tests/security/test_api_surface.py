@@ -106,6 +106,36 @@ def test_only_the_inference_api_reaches_the_engines(stack: LiveStack) -> None:
     assert set(API_PATHS) >= {"/v1/chat/completions", "/v1/completions", "/v1/responses"}
 
 
+def _raw(url: str, request: bytes) -> bytes:
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as s:
+        s.sendall(request)
+        data = b""
+        for _ in range(10_000):
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+    return data
+
+
+def test_other_methods_and_http_1_0_reach_an_engine_as_they_would_alone(
+        stack: LiveStack) -> None:
+    # A CORS preflight (or a GET) on an inference path was the router's 400 "Request body is
+    # empty"; now the engine answers it (the simulated one: 405), the router not asked.
+    for method in ("OPTIONS", "GET"):
+        status, headers, body = call(stack.url + "/v1/chat/completions", method)
+        assert status == 405, (method, status, body[:200])
+        assert "x-gorgo-decision-id" not in headers
+    # HTTP/1.0 (nginx's default to its upstreams) got an empty reply: the codec refused it.
+    body = json.dumps(chat()).encode()
+    answer = _raw(stack.url, b"POST /v1/chat/completions HTTP/1.0\r\nhost: gorgo\r\n"
+                  b"content-type: application/json\r\ncontent-length: "
+                  + str(len(body)).encode() + b"\r\n\r\n" + body)
+    assert answer.startswith(b"HTTP/1.0 200"), answer[:200]
+    assert b"x-gorgo-decision-id" in answer  # routed by the router
+
+
 # --- finding 4: clients chose their priority and policy ------------------------------------------
 
 
