@@ -53,7 +53,7 @@ from gorgo.core.tokens import Tokenization
 from gorgo.harness.docblock import public_args, stop_on_signals, write_block
 from gorgo.harness.procs import GorgoProcess, free_ports, stop_group, wait_for
 from gorgo.harness.stack import LiveStack, StackOptions, with_free_ports
-from gorgo.sim.bench import ci95
+from gorgo.sim.bench import ci95, pct
 from gorgo.sim.offline import Simulation
 from gorgo.sim.presets import PRESETS
 from gorgo.sim.replay import replay, select_window
@@ -244,6 +244,13 @@ def _p(values: Sequence[float | None], q: float) -> float:
     return math.nan if v is None else v
 
 
+def _p_all(values: Sequence[float | None], q: float) -> float:
+    """A latency percentile over every request sent, a failed one (None) as unbounded, as
+    `gorgo bench sim` counts them: over the served ones only, a router that failed its slowest
+    requests looked faster."""
+    return pct(np.array([math.inf if x is None else x for x in values], dtype=float), q)
+
+
 def run_live(router: Router, fleet_doc: dict[str, Any], requests: Sequence[TraceRequest],
              time_scale: float, load: float, seed: int, bin_dir: Path | None,
              timeout_s: float, tok: Tokenization) -> Run:
@@ -265,8 +272,9 @@ def run_live(router: Router, fleet_doc: dict[str, Any], requests: Sequence[Trace
     prompt = sum(r.prompt_tokens or 0 for r in ok)
     return Run(
         router=router.key, load=load, seed=seed, n=len(res.records), ok=len(ok),
-        ttft_p50_ms=_p([r.ttft_ms for r in ok], 50), ttft_p95_ms=_p([r.ttft_ms for r in ok], 95),
-        e2e_p95_ms=_p([r.e2e_ms for r in ok], 95),
+        ttft_p50_ms=_p_all([r.ttft_ms if r.outcome == "ok" else None for r in res.records], 50),
+        ttft_p95_ms=_p_all([r.ttft_ms if r.outcome == "ok" else None for r in res.records], 95),
+        e2e_p95_ms=_p_all([r.e2e_ms if r.outcome == "ok" else None for r in res.records], 95),
         cache_hit=100.0 * sum(r.cached_tokens or 0 for r in ok) / prompt if prompt else math.nan,
         regions={g: 100.0 * sum(n for name, n in finished.items() if region_of[name] == g)
                  / total for g in regions},
@@ -282,9 +290,13 @@ def run_offline(policy: str, fleet_doc: dict[str, Any], requests: Sequence[Trace
     """The slice through the offline simulator, arrivals scaled like the live replay's."""
     wl = workload_from_requests("slice", requests, tok)
     sim = Simulation(parse_fleet(fleet_doc), policy, seed=seed)
-    served = sim.run((wl.arrivals * time_scale).tolist(), wl.features, wl.output_tokens).served()
-    return {"ttft_p95_ms": _p([r.ttft * 1000.0 for r in served], 95),
-            "e2e_p95_ms": _p([r.e2e * 1000.0 for r in served], 95)}
+    records = sim.run((wl.arrivals * time_scale).tolist(), wl.features,
+                      wl.output_tokens).records
+    ok = [r.status == 200 for r in records]
+    return {"ttft_p95_ms": _p_all([r.ttft * 1000.0 if s else None
+                                   for r, s in zip(records, ok, strict=True)], 95),
+            "e2e_p95_ms": _p_all([r.e2e * 1000.0 if s else None
+                                  for r, s in zip(records, ok, strict=True)], 95)}
 
 
 # --- report ---------------------------------------------------------------------------------

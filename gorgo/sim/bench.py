@@ -103,9 +103,12 @@ def pct(values: np.ndarray, q: float) -> float:
         return math.nan
     if np.isfinite(values).all():
         return float(percentile(values, q))
-    finite = np.where(np.isfinite(values), values, 1e300)
-    p = float(np.percentile(finite, q))
-    return math.inf if p >= 1e299 else p
+    # Unbounded once the rank's upper neighbour is a failure: interpolating toward a finite
+    # stand-in reported exactly 5 % failed as a p95 of 5e298 ms.
+    ordered = np.sort(values)
+    if not np.isfinite(ordered[math.ceil(q / 100.0 * (ordered.size - 1))]):
+        return math.inf
+    return float(np.percentile(ordered, q))
 
 
 def run_metrics(res: SimResult, spec: FleetSpec) -> tuple[dict[str, float], np.ndarray]:

@@ -39,7 +39,7 @@ import json
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from functools import cache
 from pathlib import Path
 
@@ -201,9 +201,11 @@ def _bracket(probes: list[Probe], reference: Probe) -> tuple[float | None, float
 
 
 def fleet_digest(spec: FleetSpec) -> str:
-    """A short digest of everything in the fleet that changes its capacity."""
-    text = repr((spec.replicas, spec.regions, spec.signals, spec.block_tokens,
-                 spec.chars_per_token))
+    """A short digest of everything in the fleet that may change its capacity: all of it but
+    its name and the policy and objective the probe replaces (shedding, weights and penalties
+    once shared a key with the fleet without them, though its probe refused requests)."""
+    text = repr({f.name: getattr(spec, f.name) for f in fields(spec)
+                 if f.name not in ("name", "policy", "objective")})
     return hashlib.blake2b(text.encode(), digest_size=6).hexdigest()
 
 

@@ -6,6 +6,7 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from gorgo.cli import main as cli_main
@@ -16,6 +17,7 @@ from gorgo.sim.bench import (
     losses,
     nested_ci,
     parse_policies,
+    pct,
     policy_setup,
     tables,
     trace_windows,
@@ -211,3 +213,25 @@ def test_bench_cli_writes_table_json_and_plots(tmp_path: Path) -> None:
     assert {(r["policy"], r["window"], r["seed"]): r["metrics"] for r in again["runs"]} == before
     assert "--rerun gorgo@e2e" in again["command"]
     assert cli_main([*argv, "--rerun", "kv-cost"]) == 2  # not among --policies: a user error
+
+
+def test_a_percentile_is_unbounded_once_its_rank_reaches_a_failure() -> None:
+    # 75 failed of 1,500: the p95 was reported as 5e298 ms (interpolated toward a stand-in).
+    values = np.arange(1500, dtype=float)
+    values[-75:] = np.inf
+    assert pct(values, 95) == math.inf
+    values = np.arange(1500, dtype=float)
+    values[-74:] = np.inf
+    assert pct(values, 95) == pytest.approx(1424.05)
+
+
+def test_the_capacity_key_covers_what_changes_the_probe() -> None:
+    # Shedding refused requests in the probe, yet the fleet without it shared its cached capacity.
+    from dataclasses import replace
+
+    from gorgo.sim.capacity import fleet_digest
+
+    spec = preset_fleet("paper")
+    shed = replace(spec, shedding=replace(spec.shedding, slo_ms=500.0))
+    assert fleet_digest(shed) != fleet_digest(spec)
+    assert fleet_digest(replace(spec, name="other")) == fleet_digest(spec)

@@ -16,6 +16,7 @@ from typing import Any
 
 from gorgo.core.fleet import FleetSpec
 from gorgo.core.terms import OBJECTIVES, SLO
+from gorgo.sim.capacity import fleet_digest
 from gorgo.sim.pool import fork_pool
 from gorgo.sim.tunebench.points import (
     KEYS,
@@ -174,7 +175,7 @@ def _capacity(args: argparse.Namespace, spec: FleetSpec, workload: Workload) -> 
     if args.capacity is not None:
         return float(args.capacity)
     label_ = args.fleet if args.fleet in PRESETS else Path(args.fleet).name
-    key = cache_key(args.trace, label_, spec, workload.n)
+    key = cache_key(workload.trace, label_, spec, workload.n)  # its window's own (as bench sim)
     cache = args.capacity_cache or args.out.parent / "capacity.json"
 
     def compute() -> Any:
@@ -245,7 +246,9 @@ def main(args: argparse.Namespace) -> int:
     digest = model_digest()
     slo = f"slo={config.slo_ttft_ms!r}|" if _CTX["slo_ttft_ms"] else ""
     where = "" if window is None else f"@{workload.trace}"
-    slice_key = (f"{args.trace}{where}|{args.fleet}|{spec.name}|n={workload.n}|"
+    # the fleet's contents too: runs of a fleet file since edited were reused
+    fleet = f"{args.fleet}|{spec.name}:{fleet_digest(spec)}"
+    slice_key = (f"{args.trace}{where}|{fleet}|n={workload.n}|"
                  f"scale={scale!r}|{POLICY}|objective={spec.objective}|{slo}code={digest}")
     static = load_cache(cache_path, slice_key)
     log(f"bench tune: {workload.n} requests at load {args.load:g} = "
