@@ -807,11 +807,17 @@ def _kept_runs(args: argparse.Namespace, workloads: list[Workload], policies: li
     seeds = list(range(1, args.seeds + 1))
     same = (doc.get("trace") == args.trace
             and [(w.label, w.n) for w in windows] == [(w.trace, w.n) for w in workloads]
-            and sorted(doc["loads"]) == sorted(loads) and doc["seeds"] == seeds)
+            and sorted(doc["loads"]) == sorted(loads) and doc["seeds"] == seeds
+            and (doc.get("fleet") or {}).get("name") == str(args.fleet))
     if not same:
-        raise UserError(f"--rerun: {args.out / 'results.json'} ran other windows, loads or "
-                        "seeds than this command")
+        raise UserError(f"--rerun: {args.out / 'results.json'} ran another fleet, windows, "
+                        "loads or seeds than this command")
     kept = [r for r in runs if r["policy"] in policies and r["policy"] not in rerun]
+    # ... and every kept run with this command's routers (a hetero run once kept paper's)
+    if any((r.get("routers"), r.get("placement")) != (args.routers, args.router_placement)
+           for r in kept):
+        raise UserError(f"--rerun: {args.out / 'results.json'} ran other --routers or "
+                        "--router-placement than this command")
     want = (len(policies) - len(rerun)) * len(windows) * len(loads) * len(seeds)
     if len(kept) != want:
         raise UserError(f"--rerun: {args.out / 'results.json'} holds {len(kept)} of the "

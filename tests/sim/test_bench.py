@@ -213,6 +213,10 @@ def test_bench_cli_writes_table_json_and_plots(tmp_path: Path) -> None:
     assert {(r["policy"], r["window"], r["seed"]): r["metrics"] for r in again["runs"]} == before
     assert "--rerun gorgo@e2e" in again["command"]
     assert cli_main([*argv, "--rerun", "kv-cost"]) == 2  # not among --policies: a user error
+    # Another fleet, or other routers, kept the runs of the first beside new ones (rc 0).
+    other = [a if a != "paper" else "hetero" for a in argv]
+    assert cli_main([*other, "--rerun", "gorgo@e2e"]) == 2
+    assert cli_main([*argv, "--routers", "2", "--rerun", "gorgo@e2e"]) == 2
 
 
 def test_a_percentile_is_unbounded_once_its_rank_reaches_a_failure() -> None:

@@ -23,7 +23,8 @@ target (common random numbers: a tuned run on seed s is compared with the grid o
 Convergence. Every incumbent a tuned run holds is re-run statically (its weights and the prefill
 rates published with it) on the same slice and seed. The run has converged at sample n when the
 incumbent from n on, to the end of the run, stays within ``tolerance`` (5 %) of the seed's target;
-samples are completed requests the router's `gorgo` policy routed, counted from the start.
+samples are requests the router's `gorgo` policy routed whose first token reached the tuner
+(with early samples, before they completed), counted from the start.
 
 A/A runs (`NullTuner`: the candidate is always the incumbent) measure how often the whole loop
 accepts a candidate that is not better. Static runs are cached per trace slice, time scale and a
