@@ -32,6 +32,7 @@ from gorgo._xds.envoy.service.ext_proc.v3.external_processor_pb2_grpc import (
 )
 from gorgo.core.contract import (
     ATTEMPT_COUNT_HEADER,
+    BODY_PATHS,
     MODELS_PATH,
     OUTCOME_ATTR,
     ROUTER_STATUS_ATTR,
@@ -185,7 +186,7 @@ class ExtProcService(ExternalProcessorServicer):
                     # This router's turn among its peers (shared bookings; 0 otherwise); the
                     # router's own answer to /v1/models books nothing and waits for no turn.
                     hold = self.router.stagger_s(self.clock())
-                    if hold > 0.0 and not (kind == "request_headers" and self._lists_models(
+                    if hold > 0.0 and not (kind == "request_headers" and self._decides_nothing(
                             messages.header_dict(req.request_headers))):
                         await asyncio.sleep(hold)
                 if st.duplex and kind in _DUPLEX_KINDS:
@@ -269,6 +270,12 @@ class ExtProcService(ExternalProcessorServicer):
             return messages.immediate(200, self._models, "gorgo_models")
         return None
 
+    def _decides_nothing(self, headers: dict[str, str]) -> bool:
+        """Whether a request without a body is passed on with no decision: the router's own
+        model list, or an inference path with nothing to route by."""
+        return (self._lists_models(headers)
+                or headers.get(":path", "/").split("?", 1)[0] in BODY_PATHS)
+
     def _lists_models(self, headers: dict[str, str]) -> bool:
         """Whether the router answers this request itself, with the fleet's model list."""
         # Envoy forwards no :method (ROUTER_READS): any method of /v1/models gets the list.
@@ -284,8 +291,13 @@ class ExtProcService(ExternalProcessorServicer):
             return self._reject(RequestError(
                 413, f"Request body of {length} bytes exceeds the limit of {self.max_body}.",
                 code="request_too_large"))
-        if msg.end_of_stream:  # no body will follow: decide on the headers alone
-            return self._decide(st, b"", on_headers=True)
+        if msg.end_of_stream:  # no body will follow
+            if st.path.split("?", 1)[0] in BODY_PATHS:
+                # Nothing to route by (a CORS preflight, a GET, an empty POST through a gateway
+                # that sends every method here): passed on unrouted, for the engine to answer
+                # as it would alone (it was the router's 400 "Request body is empty").
+                return messages.CONTINUE_REQUEST_HEADERS
+            return self._decide(st, b"", on_headers=True)  # on the headers alone
         return messages.CONTINUE_REQUEST_HEADERS
 
     def _on_request_body(self, st: _Stream, req: pb.ProcessingRequest) -> pb.ProcessingResponse:

@@ -34,6 +34,7 @@ from gorgo.core.contract import (
     API_PATHS,
     ATTEMPTS_ATTR,
     ATTEMPTS_FORMAT,
+    BODY_PATHS,
     CLUSTER_FIELD,
     CLUSTER_HEADER,
     CONTROL_HEADERS,
@@ -49,7 +50,6 @@ from gorgo.core.contract import (
     LOG_PERIODIC,
     LOG_TYPE_ATTR,
     METADATA_NAMESPACE,
-    MODELS_PATH,
     OTLP_CLUSTER,
     PICKER_CLUSTER,
     PICKER_HEADER,
@@ -305,7 +305,7 @@ def _routes(spec: FleetSpec, picker: bool) -> list[dict]:
     # body to route by: the fail-open replica answers it as an engine would (its CORS headers, its
     # 405), the router not asked (it answered 400 "Request body is empty", so every browser app
     # calling the engines broke behind GORGO).
-    bodies = "|".join(re.escape(p) for p in API_PATHS if p != MODELS_PATH)
+    bodies = "|".join(re.escape(p) for p in BODY_PATHS)
     routes: list[dict[str, Any]] = [{
         "match": {"safe_regex": {"regex": bodies}, "headers": [
             {"name": ":method", "string_match": {"exact": "POST"}, "invert_match": True}]},
@@ -517,7 +517,8 @@ def render_bootstrap(
         # HTTP/1.0 (nginx's default to its upstreams, HAProxy's health checks): refused, its
         # refusal went through the router and the connection closed before it was written
         # (an empty reply) where the engine alone answers it.
-        "http_protocol_options": {"accept_http_10": True},
+        # ... with no Host header too (HAProxy's `option httpchk` sends none): a 400 without it
+        "http_protocol_options": {"accept_http_10": True, "default_host_for_http_10": "gorgo"},
         "stream_idle_timeout": _duration(t.idle_s),
         "request_timeout": "0s",
         # Routing headers are set by the router only: a client's copy is dropped before any

@@ -116,7 +116,8 @@ STREAM_FIELD = "stream"
 # What Envoy forwards: the OpenAI-style inference API and the engines' health path (exact paths,
 # plus the fleet's routes.extra_paths); any other path is a 404 from Envoy itself.
 MODELS_PATH = "/v1/models"
-API_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", MODELS_PATH)
+BODY_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")  # routed by the body
+API_PATHS = (*BODY_PATHS, MODELS_PATH)
 HEALTH_PATH = "/health"
 
 # Decision fields, in the order they are tagged: identity, the prediction, each term, tokens.

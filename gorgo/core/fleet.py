@@ -132,7 +132,8 @@ MILLISECONDS = {"strict": True, "maximum": ENVOY_MAX_S * 1000}
 
 @dataclass(frozen=True, slots=True)
 class Timeouts:
-    message_ms: int = field(default=1000, metadata=MILLISECONDS)  # Envoy's ext_proc message_timeout
+    # Envoy's ext_proc message_timeout, which it bounds at an hour
+    message_ms: int = field(default=1000, metadata={"strict": True, "maximum": 3_600_000})
     connect_ms: int = field(default=2000, metadata=MILLISECONDS)
     # a whole request, stream included (Envoy route timeout); 0 is no "no timeout" here: the
     # tuner's range, a peer booking's life and a held booking all end at it
@@ -964,21 +965,26 @@ class _StrictLoader(yaml.SafeLoader):
     """YAML's safe loader, refusing a key given twice in one mapping (the last one silently
     won: two `limits:` blocks kept only the second)."""
 
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-        seen = set()
-        for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor`: its keys may repeat
-                continue
-            key = self.construct_object(key_node, deep=deep)
-            try:
-                duplicate = key in seen
-            except TypeError:  # an unhashable key: the base class says so
-                break
-            if duplicate:
-                raise yaml.constructor.ConstructorError(
-                    None, None, f"duplicate key {key!r}", key_node.start_mark)
-            seen.add(key)
-        return super().construct_mapping(node, deep=deep)
+    def flatten_mapping(self, node: yaml.MappingNode) -> None:
+        # Checked once per mapping, before merges (`<<: *anchor`) flatten it in place: a merged
+        # key may repeat an explicit one, which overrides it (YAML's rule).
+        checked = self.__dict__.setdefault("_checked", set())
+        if id(node) not in checked:
+            checked.add(id(node))
+            seen = set()
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node)
+                try:
+                    duplicate = key in seen
+                except TypeError:  # an unhashable key: the base class says so
+                    break
+                if duplicate:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"duplicate key {key!r}", key_node.start_mark)
+                seen.add(key)
+        super().flatten_mapping(node)
 
 
 def parse_yaml(text: str) -> Any:

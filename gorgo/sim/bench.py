@@ -47,7 +47,14 @@ from gorgo.core.policies import REGISTRY
 from gorgo.core.terms import OBJECTIVES
 from gorgo.errors import UserError
 from gorgo.progress import StatusLine
-from gorgo.sim.capacity import Capacity, cache_key, cached_capacity, find_capacity, probe
+from gorgo.sim.capacity import (
+    Capacity,
+    cache_key,
+    cached_capacity,
+    find_capacity,
+    fleet_digest,
+    probe,
+)
 from gorgo.sim.lookahead import LOOKAHEAD, LOOKAHEAD_OBJECTIVES
 from gorgo.sim.offline import SimResult
 from gorgo.sim.pool import fork_pool
@@ -103,12 +110,15 @@ def pct(values: np.ndarray, q: float) -> float:
         return math.nan
     if np.isfinite(values).all():
         return float(percentile(values, q))
-    # Unbounded once the rank's upper neighbour is a failure: interpolating toward a finite
-    # stand-in reported exactly 5 % failed as a p95 of 5e298 ms.
+    # numpy's linear percentile, a failure unbounded: at a whole rank, that request's; else
+    # unbounded once the upper neighbour failed (interpolating toward a finite stand-in reported
+    # exactly 5 % failed as a p95 of 5e298 ms; toward inf with weight 0 gave NaN).
     ordered = np.sort(values)
-    if not np.isfinite(ordered[math.ceil(q / 100.0 * (ordered.size - 1))]):
-        return math.inf
-    return float(np.percentile(ordered, q))
+    h = q / 100.0 * (ordered.size - 1)
+    lo, hi = math.floor(h), math.ceil(h)
+    if lo == hi or not np.isfinite(ordered[hi]):
+        return float(ordered[hi])
+    return float(ordered[lo] + (h - lo) * (ordered[hi] - ordered[lo]))
 
 
 def run_metrics(res: SimResult, spec: FleetSpec) -> tuple[dict[str, float], np.ndarray]:
@@ -808,7 +818,8 @@ def _kept_runs(args: argparse.Namespace, workloads: list[Workload], policies: li
     same = (doc.get("trace") == args.trace
             and [(w.label, w.n) for w in windows] == [(w.trace, w.n) for w in workloads]
             and sorted(doc["loads"]) == sorted(loads) and doc["seeds"] == seeds
-            and (doc.get("fleet") or {}).get("name") == str(args.fleet))
+            and (doc.get("fleet") or {}).get("name") == str(args.fleet)
+            and (doc.get("fleet") or {}).get("digest") == fleet_digest(_CTX["spec"]))
     if not same:
         raise UserError(f"--rerun: {args.out / 'results.json'} ran another fleet, windows, "
                         "loads or seeds than this command")
@@ -883,7 +894,7 @@ def write_outputs(
     doc = {
         "command": command,
         "trace": args.trace,
-        "fleet": {"name": str(args.fleet), "replicas": [
+        "fleet": {"name": str(args.fleet), "digest": fleet_digest(spec), "replicas": [
             {"name": r.name, "region": r.region, "profile": r.sim.profile if r.sim else None,
              "speed": r.sim.speed if r.sim else None} for r in spec.replicas],
             "regions": {g.name: {"rtt_ms": g.rtt_ms, "jitter_ms": g.jitter_ms}

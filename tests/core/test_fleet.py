@@ -234,6 +234,7 @@ def _del(path: list) -> Any:
         # past Envoy's own ranges: Envoy refused the render naming its field, not the fleet's
         (_set(["timeouts"], {"request_s": 1e12}), "fleet.timeouts.request_s: must be <="),
         (_set(["timeouts"], {"connect_ms": 2**53}), "fleet.timeouts.connect_ms: must be <="),
+        (_set(["timeouts"], {"message_ms": 3_600_001}), "fleet.timeouts.message_ms: must be <="),
         (_set(["retries"], {"min_retry_concurrency": 2**40}),
          "fleet.retries.min_retry_concurrency: must be <="),
         (_set(["sharing"], {"nats": "nats://127.0.0.1:99999"}), "fleet.sharing.nats: expected"),

@@ -264,7 +264,8 @@ def test_the_service_holds_a_decision_for_its_routers_turn(
 
 def test_the_routers_own_model_list_waits_for_no_turn(monkeypatch: pytest.MonkeyPatch) -> None:
     """GET /v1/models, which the router answers itself and books nothing for, is not held for
-    the router's turn; any other headers-only request goes to the router, and is."""
+    the router's turn, nor an inference path without a body (passed on unrouted); any other
+    headers-only request is decided by the router, and is."""
     doc = fleet("nats://127.0.0.1:4222")
     for r in doc["replicas"]:
         r["models"] = ["m"]
@@ -277,9 +278,11 @@ def test_the_routers_own_model_list_waits_for_no_turn(monkeypatch: pytest.Monkey
 
     listed = headers_only("/v1/models")
     assert listed[0].HasField("immediate_response") and waits == []
-    other = headers_only("/v1/chat/completions")  # no body: refused, after its turn
-    assert other[0].immediate_response.status.code == 400
-    assert waits == pytest.approx([0.002])
+    bodiless = headers_only("/v1/chat/completions")  # a CORS preflight: the engine's to answer
+    assert bodiless[0].HasField("request_headers") and waits == []
+    assert not bodiless[0].request_headers.response.header_mutation.set_headers  # unrouted
+    other = headers_only("/health")  # routed on its headers, after its turn
+    assert other[0].HasField("request_headers") and waits == pytest.approx([0.002])
 
 
 @pytest.mark.envoy

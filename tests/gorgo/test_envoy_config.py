@@ -110,7 +110,9 @@ def test_bootstrap_shape() -> None:
     assert not re.compile(first["match"]["safe_regex"]["regex"]).fullmatch("/v1/models")
     assert first["route"]["cluster"] == spec.default_cluster
     assert first["typed_per_filter_config"]["envoy.filters.http.ext_proc"]["disabled"] is True
-    assert hcm["http_protocol_options"] == {"accept_http_10": True}  # nginx's default upstream
+    # HTTP/1.0 (nginx's default upstream protocol), Host-less too (HAProxy's health checks)
+    assert hcm["http_protocol_options"] == {"accept_http_10": True,
+                                            "default_host_for_http_10": "gorgo"}
     unstreamed = {"name": STREAM_HEADER, "string_match": {"exact": "false"}}
     for k, r in enumerate(_routes(hcm)[1:-2]):
         whole = k % 2 == 0

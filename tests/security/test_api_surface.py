@@ -134,6 +134,9 @@ def test_other_methods_and_http_1_0_reach_an_engine_as_they_would_alone(
                   + str(len(body)).encode() + b"\r\n\r\n" + body)
     assert answer.startswith(b"HTTP/1.0 200"), answer[:200]
     assert b"x-gorgo-decision-id" in answer  # routed by the router
+    # ... and without a Host header (HAProxy's `option httpchk` sends none): it was a 400
+    answer = _raw(stack.url, b"GET /health HTTP/1.0\r\n\r\n")
+    assert answer.startswith(b"HTTP/1.0 200"), answer[:200]
 
 
 # --- finding 4: clients chose their priority and policy ------------------------------------------

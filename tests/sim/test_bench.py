@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 
 from gorgo.cli import main as cli_main
 from gorgo.core.fleet import parse_fleet
@@ -46,8 +47,6 @@ def test_presets_match_the_paper_fleet() -> None:
 
 
 def test_fleet_yaml_path_is_accepted(tmp_path: Path) -> None:
-    import yaml
-
     path = tmp_path / "f.yaml"
     path.write_text(yaml.safe_dump(fleet_document({"us-east": 1}, name="mine")))
     assert resolve_fleet(str(path)).name == "mine"
@@ -217,6 +216,14 @@ def test_bench_cli_writes_table_json_and_plots(tmp_path: Path) -> None:
     other = [a if a != "paper" else "hetero" for a in argv]
     assert cli_main([*other, "--rerun", "gorgo@e2e"]) == 2
     assert cli_main([*argv, "--routers", "2", "--rerun", "gorgo@e2e"]) == 2
+    # ... and a fleet file edited in place (same path, other contents)
+    edited = tmp_path / "edited.yaml"
+    edited.write_text(yaml.safe_dump(fleet_document({"us-east": 2}, name="edited")))
+    first = [a if a != "paper" else str(edited) for a in argv]
+    assert cli_main([*first, "--policies", "round-robin", "--out", str(tmp_path / "e")]) == 0
+    edited.write_text(yaml.safe_dump(fleet_document({"us-east": 1}, name="edited")))
+    assert cli_main([*first, "--policies", "round-robin,gorgo", "--out", str(tmp_path / "e"),
+                     "--rerun", "gorgo"]) == 2
 
 
 def test_a_percentile_is_unbounded_once_its_rank_reaches_a_failure() -> None:
@@ -227,6 +234,12 @@ def test_a_percentile_is_unbounded_once_its_rank_reaches_a_failure() -> None:
     values = np.arange(1500, dtype=float)
     values[-74:] = np.inf
     assert pct(values, 95) == pytest.approx(1424.05)
+    # A rank on the last served request is that request (interpolating toward inf with weight
+    # 0 gave NaN, which the interval then dropped).
+    for n, failed, q in ((101, 5, 95), (3, 1, 50), (2001, 100, 95)):
+        values = np.arange(n, dtype=float)
+        values[n - failed:] = np.inf
+        assert pct(values, q) == float(n - failed - 1)
 
 
 def test_the_capacity_key_covers_what_changes_the_probe() -> None:
