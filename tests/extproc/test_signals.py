@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import numpy as np
 import pytest
@@ -70,6 +71,23 @@ def test_router_probes_rtt_and_scrapes_sglang_and_vllm_metrics() -> None:
     asyncio.run(asyncio.wait_for(go(), 60))
 
 
+async def _fake_engine(path: str, handler: Any) -> tuple[web.AppRunner, Router, RouterMetrics,
+                                                         Signals]:
+    """One vLLM replica whose ``path`` ``handler`` answers, and a router's signals for it."""
+    app = web.Application()
+    app.router.add_get(path, handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    router = Router(parse_fleet({
+        "regions": {"a": None}, "signals": {"scrape_interval_s": 3600},
+        "replicas": [{"name": "v", "region": "a", "address": f"127.0.0.1:{port}",
+                      "engine": "vllm"}]}))
+    m = RouterMetrics(router.state, lambda: 0)
+    return runner, router, m, Signals(router, m)
+
+
 def test_a_page_over_the_size_limit_is_a_scrape_error_and_the_next_one_applies(
         monkeypatch: pytest.MonkeyPatch) -> None:
     page = VLLM + "".join(f'vllm:iteration_tokens_total_bucket{{le="{k}"}} 1\n' for k in range(20))
@@ -78,18 +96,7 @@ def test_a_page_over_the_size_limit_is_a_scrape_error_and_the_next_one_applies(
         return web.Response(text=page, content_type="text/plain")
 
     async def go() -> None:
-        app = web.Application()
-        app.router.add_get("/metrics", metrics)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        port = free_port()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
-        router = Router(parse_fleet({
-            "regions": {"a": None}, "signals": {"scrape_interval_s": 3600},
-            "replicas": [{"name": "v", "region": "a", "address": f"127.0.0.1:{port}",
-                          "engine": "vllm"}]}))
-        m = RouterMetrics(router.state, lambda: 0)
-        signals = Signals(router, m)
+        runner, router, m, signals = await _fake_engine("/metrics", metrics)
         errors = m.scrape_errors.labels(*m.replica(0))
         monkeypatch.setattr(signals_module, "MAX_METRICS_BYTES", len(page) - 1)
         try:
@@ -116,18 +123,7 @@ def test_a_health_answer_over_its_size_limit_is_a_failed_probe_not_read_whole() 
         return web.Response(body=b"x" * body["size"])
 
     async def go() -> None:
-        app = web.Application()
-        app.router.add_get("/health", health)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        port = free_port()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
-        router = Router(parse_fleet({
-            "regions": {"a": None}, "signals": {"scrape_interval_s": 3600},
-            "replicas": [{"name": "v", "region": "a", "address": f"127.0.0.1:{port}",
-                          "engine": "vllm"}]}))
-        m = RouterMetrics(router.state, lambda: 0)
-        signals = Signals(router, m)
+        runner, router, m, signals = await _fake_engine("/health", health)
         errors = m.probe_errors.labels(*m.replica(0))
         try:
             await signals.start()  # its first probes fail too

@@ -61,19 +61,24 @@ def chat(text: str = "hello there") -> dict[str, Any]:
 
 def raw_get(url: str, path: str, extra: int) -> tuple[int, bytes]:
     """A GET over a raw socket with ``extra`` padding headers (urllib adds its own headers)."""
-    host, port = url.removeprefix("http://").split(":")
     pads = "".join(f"x-pad-{i}: v\r\n" for i in range(extra))
     request = f"GET {path} HTTP/1.1\r\nhost: gorgo\r\nconnection: close\r\n{pads}\r\n"
+    head, _, body = _raw(url, request.encode()).partition(b"\r\n\r\n")
+    return int(head.split()[1]), body
+
+
+def _raw(url: str, request: bytes) -> bytes:
+    """``request`` over a raw socket, and everything read until Envoy closes it."""
+    host, port = url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=30) as s:
-        s.sendall(request.encode())
+        s.sendall(request)
         data = b""
-        for _ in range(10_000):  # until Envoy closes the connection (connection: close)
+        for _ in range(10_000):
             chunk = s.recv(65536)
             if not chunk:
                 break
             data += chunk
-    head, _, body = data.partition(b"\r\n\r\n")
-    return int(head.split()[1]), body
+    return data
 
 
 def is_openai_error(body: bytes, code: str) -> bool:
@@ -104,19 +109,6 @@ def test_only_the_inference_api_reaches_the_engines(stack: LiveStack) -> None:
     status, headers, body = call(stack.url + "/v1/chat/completions", "POST", chat())
     assert status == 200 and "x-gorgo-decision-id" in headers
     assert set(API_PATHS) >= {"/v1/chat/completions", "/v1/completions", "/v1/responses"}
-
-
-def _raw(url: str, request: bytes) -> bytes:
-    host, port = url.removeprefix("http://").split(":")
-    with socket.create_connection((host, int(port)), timeout=30) as s:
-        s.sendall(request)
-        data = b""
-        for _ in range(10_000):
-            chunk = s.recv(65536)
-            if not chunk:
-                break
-            data += chunk
-    return data
 
 
 def test_other_methods_and_http_1_0_reach_an_engine_as_they_would_alone(
