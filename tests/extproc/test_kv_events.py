@@ -141,17 +141,25 @@ def test_history_live_gap_restart_and_lost() -> None:
     asyncio.run(go())
 
 
+async def _synced() -> tuple[Router, FakePublisher, KVEventsClient]:
+    """A precise replica whose two stored blocks the router's subscription has synced, its SUB
+    connection up (it joined late)."""
+    router, fake = _precise_replica()
+    s = router.state
+    await fake.publish([1, 2])
+    client = KVEventsClient(router, RouterMetrics(s, lambda: 0))
+    await client.start()
+    await until(lambda: s.precise.live(0) and s.precise.blocks_held(0) == 2, "history")
+    await asyncio.sleep(0.3)
+    return router, fake, client
+
+
 def test_an_unreadable_batch_is_counted_and_warned_and_the_view_comes_back(
         caplog: pytest.LogCaptureFixture) -> None:
     async def go() -> None:
-        router, fake = _precise_replica()
+        router, fake, client = await _synced()
         s = router.state
-        await fake.publish([1, 2])
-        client = KVEventsClient(router, RouterMetrics(s, lambda: 0))
-        await client.start()
         try:
-            await until(lambda: s.precise.live(0) and s.precise.blocks_held(0) == 2, "history")
-            await asyncio.sleep(0.3)  # the SUB connection is up by now (it joined late)
             bad = msgpack.packb([1.0, [{"type": STORED, "block_hashes": [3], "token_ids": 5,
                                         "block_size": BT}], 0])
             await fake.pub.send_multipart([b"kv", fake.seq.to_bytes(8, "big"), bad])
@@ -176,17 +184,13 @@ def test_a_message_over_the_size_limit_is_refused_unread(monkeypatch: pytest.Mon
     monkeypatch.setattr(kv_events_module, "MAX_EVENT_MESSAGE_BYTES", 4096)
 
     async def go() -> None:
-        router, fake = _precise_replica()
+        router, fake, client = await _synced()
         s = router.state
-        await fake.publish([1, 2])
-        client = KVEventsClient(router, RouterMetrics(s, lambda: 0))
-        await client.start()
         big = zmq.asyncio.Context()
         sender = big.socket(zmq.PUB)
         sender.connect(router.spec.replicas[0].precise.kv_events.endpoint)
         try:
-            await until(lambda: s.precise.live(0) and s.precise.blocks_held(0) == 2, "history")
-            await asyncio.sleep(0.3)  # both SUB connections are up by now
+            await asyncio.sleep(0.3)  # its connection is up by now
             payload = msgpack.packb(encode_batch(time.time(), [KVEvent(
                 STORED, tuple(range(1 << 40, (1 << 40) + 600)), None, (), BT)]))
             assert len(payload) > 4096
