@@ -23,6 +23,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter
 
+from extproc.bodies import TooLarge, read_capped
 from extproc.reload import FleetReloader
 from extproc.telemetry import log_event
 from gorgo.core.contract import PREFILL_RATE_BOUNDS, VERSION_MAX, WEIGHT_BOUNDS
@@ -90,12 +91,10 @@ async def read_body(request: web.Request, limit: int) -> bytes:
     """The body, refused (413, an `Invalid`) before it can cost more than ``limit`` bytes."""
     if (request.content_length or 0) > limit:
         raise Invalid(413, f"body is over {limit} bytes", None)
-    raw = bytearray()
-    async for chunk in request.content.iter_chunked(65536):
-        raw += chunk
-        if len(raw) > limit:
-            raise Invalid(413, f"body is over {limit} bytes", None)
-    return bytes(raw)
+    try:
+        return await read_capped(request.content, limit, "body")
+    except TooLarge:
+        raise Invalid(413, f"body is over {limit} bytes", None) from None
 
 
 async def _read_json(request: web.Request, limit: int) -> dict[str, Any]:

@@ -22,7 +22,7 @@ import aiohttp
 
 from extproc.engine_metrics import decimal_count
 from extproc.telemetry import RepeatedFailures, log_event
-from gorgo.core.fleet import FleetSpec
+from gorgo.core.fleet import FleetSpec, unbracketed
 from gorgo.core.router import Router
 
 log = logging.getLogger("gorgo.envoy_admin")
@@ -121,7 +121,7 @@ class EnvoyOutcomes:
             return
         self._spec = spec
         self._by_cluster = {r.cluster: i for i, r in enumerate(spec.replicas)}
-        self._by_host = {(r.host.removeprefix("[").removesuffix("]"), r.port): i
+        self._by_host = {(unbracketed(r.host), r.port): i
                          for i, r in enumerate(spec.replicas)}
 
     def apply(self, data: Mapping[str, Any], now: float) -> None:

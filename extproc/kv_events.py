@@ -34,8 +34,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 from zmq.utils.monitor import parse_monitor_message
 
+from extproc.bodies import read_capped
 from extproc.loop_thread import LoopThread
-from extproc.signals import read_capped
 from extproc.telemetry import REPLICA_LABELS, RepeatedFailures, RouterMetrics, log_event
 from gorgo.core.features import RequestFeatures
 from gorgo.core.fleet import KVEventsSpec, ReplicaSpec
@@ -196,7 +196,7 @@ class KVEventsClient:
                 session.get(f"http://{replica.address}{SOURCES_PATH}") as resp:
             if resp.status != 200:
                 raise ValueError(f"{SOURCES_PATH}: status {resp.status}")
-            return parse_sources(json.loads(await read_capped(resp, MAX_SOURCES_BYTES,
+            return parse_sources(json.loads(await read_capped(resp.content, MAX_SOURCES_BYTES,
                                                               SOURCES_PATH)))
 
     async def _subscribe(self, i: int, replica: ReplicaSpec) -> None:

@@ -32,7 +32,7 @@ from gorgo import shutdown
 from gorgo._xds.envoy.service.ext_proc.v3 import external_processor_pb2
 from gorgo.core.contract import LIVE_SERVICE
 from gorgo.core.discovery import dns_sources, refuse_clusters_file
-from gorgo.core.fleet import FleetError, FleetSpec, parse_fleet
+from gorgo.core.fleet import FleetError, FleetSpec, host_port, parse_fleet
 from gorgo.core.membership import FleetDiff
 from gorgo.core.router import Router
 from gorgo.envoy_config import write_cds
@@ -164,8 +164,7 @@ class ExtProcServer:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
         try:
             # an IPv6 host in brackets, as gRPC reads it (`--host ::` failed to bind)
-            bind = f"[{host}]" if ":" in host and not host.startswith("[") else host
-            self.grpc_port = self._grpc.add_insecure_port(f"{bind}:{port}")
+            self.grpc_port = self._grpc.add_insecure_port(host_port(host, port))
         except RuntimeError:  # "Failed to bind": the port was taken since check_port
             self.grpc_port = 0
         if not self.grpc_port:

@@ -86,6 +86,9 @@ class _Stream:
         self.answered = False
 
 
+def _routed_by_body(path: str) -> bool:
+    """Whether a request to ``path`` is routed by what its body says (an inference path)."""
+    return path.split("?", 1)[0] in BODY_PATHS
 
 
 def models_body(spec: FleetSpec) -> dict[str, Any]:
@@ -273,8 +276,7 @@ class ExtProcService(ExternalProcessorServicer):
     def _decides_nothing(self, headers: dict[str, str]) -> bool:
         """Whether a request without a body is passed on with no decision: the router's own
         model list, or an inference path with nothing to route by."""
-        return (self._lists_models(headers)
-                or headers.get(":path", "/").split("?", 1)[0] in BODY_PATHS)
+        return self._lists_models(headers) or _routed_by_body(headers.get(":path", "/"))
 
     def _lists_models(self, headers: dict[str, str]) -> bool:
         """Whether the router answers this request itself, with the fleet's model list."""
@@ -292,7 +294,7 @@ class ExtProcService(ExternalProcessorServicer):
                 413, f"Request body of {length} bytes exceeds the limit of {self.max_body}.",
                 code="request_too_large"))
         if msg.end_of_stream:  # no body will follow
-            if st.path.split("?", 1)[0] in BODY_PATHS:
+            if _routed_by_body(st.path):
                 # Nothing to route by (a CORS preflight, a GET, an empty POST through a gateway
                 # that sends every method here): passed on unrouted, for the engine to answer
                 # as it would alone (it was the router's 400 "Request body is empty").

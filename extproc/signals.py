@@ -32,6 +32,7 @@ import aiohttp
 import numpy as np
 from prometheus_client import Counter
 
+from extproc.bodies import TooLarge, read_capped
 from extproc.engine_metrics import EngineLoad, parse_engine_metrics
 from extproc.loop_thread import LoopThread
 from extproc.telemetry import RouterMetrics, log_event
@@ -57,16 +58,6 @@ MAX_METRICS_BYTES = 16 * 1024 * 1024
 # probe fails: a 100 MB body once took the router to 476 MB, an endless one to 1.4 GB per probe.
 MAX_HEALTH_BYTES = 64 * 1024
 
-
-async def read_capped(resp: aiohttp.ClientResponse, most: int, what: str) -> bytes:
-    """An engine's answer body, read up to ``most`` bytes (ValueError past it): never held whole
-    whatever the engine sends."""
-    body = bytearray()
-    async for chunk in resp.content.iter_chunked(1 << 16):
-        body += chunk
-        if len(body) > most:
-            raise ValueError(f"{what} over {most} bytes")
-    return bytes(body)
 
 
 class LoopLag:
@@ -242,11 +233,11 @@ class Signals:
         timed_out = False
         try:
             async with self._session.get(replica.health_url, trace_request_ctx=ctx) as resp:
-                await read_capped(resp, MAX_HEALTH_BYTES, "health answer")
+                await read_capped(resp.content, MAX_HEALTH_BYTES, "health answer")
                 ok = resp.status == 200
         except TimeoutError:
             ok, timed_out = False, True
-        except (aiohttp.ClientError, OSError, ValueError):
+        except (aiohttp.ClientError, OSError, TooLarge):
             ok = False
         rtt_ms = (time.perf_counter() - t0) * 1000
         late = self.lag.worst_since(started)
@@ -309,7 +300,7 @@ class Signals:
             async with self._session.get(replica.metrics_url) as resp:
                 if resp.status != 200:
                     raise ValueError(f"status {resp.status}")
-                page = await read_capped(resp, MAX_METRICS_BYTES, "metrics page")
+                page = await read_capped(resp.content, MAX_METRICS_BYTES, "metrics page")
             load = parse_engine_metrics(page.decode(), replica.metrics_flavor)
         except Exception as exc:  # stale values age out on their own
             self._count(self.metrics.scrape_errors, generation, i)

@@ -67,7 +67,7 @@ from gorgo.core.contract import (
     TTFT_LOG_NAME,
 )
 from gorgo.core.discovery import dns_sources, refuse_clusters_file
-from gorgo.core.fleet import FleetSpec, load_fleet, read_fleet
+from gorgo.core.fleet import FleetSpec, load_fleet, read_fleet, unbracketed
 from gorgo.envoy_typed import check_bootstrap
 from gorgo.errors import MAX_PORT, UserError
 
@@ -185,17 +185,13 @@ def _hostport(value: str) -> tuple[str, int]:
         raise UserError(f"expected HOST:PORT with a port of 0 to {MAX_PORT}, got {value!r}")
     if host.startswith("[") != host.endswith("]"):
         raise UserError(f"an IPv6 host is written in brackets ([::1]:{port}), got {value!r}")
-    return _unbracketed(host), int(port)
+    return unbracketed(host), int(port)
 
 
 def _duration(seconds: float) -> str:
     """Seconds as Envoy's Duration text, in fixed point (``{:g}`` wrote 1e+06s for a request
     timeout of 1,000,000 s, which Envoy refused naming its own field, not the fleet's)."""
     return f"{seconds:.9f}".rstrip("0").rstrip(".") + "s"
-
-
-def _unbracketed(host: str) -> str:
-    return host.removeprefix("[").removesuffix("]")
 
 
 def _cluster(name: str, addresses: list[tuple[str, int]], connect_ms: int,
@@ -254,7 +250,7 @@ def _fleet_cluster(spec: FleetSpec) -> dict:
     active requests, so a fleet-wide outage cannot multiply the load."""
     r = spec.retries
     endpoints = [{"endpoint": {"address": {"socket_address": {
-        "address": _unbracketed(rep.host), "port_value": rep.port}}}}
+        "address": unbracketed(rep.host), "port_value": rep.port}}}}
         for rep in spec.replicas]
     return {
         "name": FLEET_CLUSTER,
@@ -305,14 +301,12 @@ def _routes(spec: FleetSpec, picker: bool) -> list[dict]:
     # body to route by: the fail-open replica answers it as an engine would (its CORS headers, its
     # 405), the router not asked (it answered 400 "Request body is empty", so every browser app
     # calling the engines broke behind GORGO).
+    not_post = {"name": ":method", "string_match": {"exact": "POST"}, "invert_match": True}
     bodies = "|".join(re.escape(p) for p in BODY_PATHS)
     routes: list[dict[str, Any]] = [{
-        "match": {"safe_regex": {"regex": bodies}, "headers": [
-            {"name": ":method", "string_match": {"exact": "POST"}, "invert_match": True}]},
+        "match": {"safe_regex": {"regex": bodies}, "headers": [not_post]},
         "route": {"cluster": spec.default_cluster, **limits},
-        "typed_per_filter_config": {"envoy.filters.http.ext_proc": {
-            "@type": _T + "envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute",
-            "disabled": True}},
+        "typed_per_filter_config": _extproc_per_route({"disabled": True}),
     }]
     if picker:
         routes += routed(PICKER_HEADER, {"cluster": PICKER_CLUSTER})
@@ -327,14 +321,11 @@ def _routes(spec: FleetSpec, picker: bool) -> list[dict]:
     if spec.extproc.skip_request_headers:
         # Requests other than POSTs (a GET of /v1/models or /health has no body) are matched
         # here before they are routed, and still send their headers to the router.
-        not_post = {"name": ":method", "string_match": {"exact": "POST"}, "invert_match": True}
         mode = _processing_mode(spec, "buffered", request_headers=True)
         routes.append({
             "match": {**paths, "headers": [not_post]},
             "route": {"cluster": spec.default_cluster, **limits},
-            "typed_per_filter_config": {"envoy.filters.http.ext_proc": {
-                "@type": _T + "envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute",
-                "overrides": {"processing_mode": mode}}},
+            "typed_per_filter_config": _extproc_per_route({"overrides": {"processing_mode": mode}}),
         })
     routes.append({"match": on(None), "route": {"cluster": spec.default_cluster, **limits}})
     # Everything else is Envoy's own 404, decided before the router is asked (ext_proc off).
@@ -344,11 +335,15 @@ def _routes(spec: FleetSpec, picker: bool) -> list[dict]:
         "response_headers_to_add": [{
             "header": {"key": "content-type", "value": "application/json"},
             "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}],
-        "typed_per_filter_config": {"envoy.filters.http.ext_proc": {
-            "@type": _T + "envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute",
-            "disabled": True}},
+        "typed_per_filter_config": _extproc_per_route({"disabled": True}),
     })
     return routes
+
+
+def _extproc_per_route(settings: dict[str, Any]) -> dict[str, Any]:
+    """A route's own ext_proc settings (off, or another processing mode)."""
+    return {"envoy.filters.http.ext_proc": {
+        "@type": _T + "envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute", **settings}}
 
 
 def _otlp_service(token: str | None) -> dict:
@@ -669,7 +664,7 @@ def replica_clusters(spec: FleetSpec) -> list[dict]:
     """One cluster per replica, and with retries the override-host cluster of them all: what
     changes with the fleet's membership."""
     t = spec.timeouts
-    clusters = [_cluster(r.cluster, [(_unbracketed(r.host), r.port)], t.connect_ms)
+    clusters = [_cluster(r.cluster, [(unbracketed(r.host), r.port)], t.connect_ms)
                 for r in spec.replicas]
     if spec.retries.enabled:
         clusters.append(_fleet_cluster(spec))

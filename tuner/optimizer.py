@@ -1154,23 +1154,21 @@ class Tuner:
         self.last_good = self.last_good_p95 = None
         # A window counts once its version had been live, when it opened, for as long as the
         # longest request seen: the baseline's too, else it is set again from a later one.
-        settled = (w.opened_at - self._monitor_since) * 1000.0 >= self._longest_ms
+        age_ms = (w.opened_at - self._monitor_since) * 1000.0
         if self._baseline_age_ms < self._longest_ms:
             self.baseline_p95, self._drift_run = None, 0
         base = self.baseline_p95
-        if not settled:
-            pass
-        elif base is None or base <= 0:
-            self.baseline_p95 = p95
-            self._baseline_age_ms = (w.opened_at - self._monitor_since) * 1000.0
-            self.revision += 1
-        elif abs(p95 - base) > self.cfg.drift * base:
-            step = 1 if p95 > base else -1
-            self._drift_run = self._drift_run + step if self._drift_run * step > 0 else step
-            if abs(self._drift_run) >= self.cfg.drift_windows:
-                return self._restart("drift", p95, now)
-        else:
-            self._drift_run = 0
+        if age_ms >= self._longest_ms:
+            if base is None or base <= 0:
+                self.baseline_p95, self._baseline_age_ms = p95, age_ms
+                self.revision += 1
+            elif abs(p95 - base) > self.cfg.drift * base:
+                step = 1 if p95 > base else -1
+                self._drift_run = self._drift_run + step if self._drift_run * step > 0 else step
+                if abs(self._drift_run) >= self.cfg.drift_windows:
+                    return self._restart("drift", p95, now)
+            else:
+                self._drift_run = 0
         fresh = Window(MONITOR, w.version, now, needs_end=self.cfg.needs_end)
         for version, win in list(self._windows.items()):
             if win is w:

@@ -34,7 +34,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from gorgo.core.fleet import FleetError, FleetSpec, parse_fleet
+from gorgo.core.fleet import FleetError, FleetSpec, host_port, parse_fleet
 
 DISCOVER = "discover"
 DEFAULT_INTERVAL_S = 10.0
@@ -149,10 +149,6 @@ def replica_name(prefix: str, ip: str) -> str:
     return f"{prefix}-{re.sub(r'[.:%]', '-', ip)}"
 
 
-def _address(ip: str, port: int) -> str:
-    return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
-
-
 def expand(raw: Mapping[str, Any], sources: Sequence[DnsSource],
            answers: Mapping[str, Sequence[str]] | None) -> tuple[dict[str, Any], list[int]]:
     """The document with each ``discover:`` entry replaced, and for each replica of the result the
@@ -177,7 +173,7 @@ def expand(raw: Mapping[str, Any], sources: Sequence[DnsSource],
         for ip in sorted(set(answers.get(s.dns, ()))):
             name = replica_name(s.prefix, ip)
             replicas.append({**template, "name": name, "cluster": name,
-                             "address": _address(ip, s.port)})
+                             "address": host_port(ip, s.port)})
             origin.append(i)
     doc["replicas"] = replicas
     doc["retries"] = {**(doc.get("retries") or {}), "enabled": False}

@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import SplitResult, urlsplit
 
 import yaml
 
@@ -471,9 +471,9 @@ def _address(value: str, path: str) -> str:
                              "nor a DNS name") from None
         return f"{host}:{int(port)}"
     if ip.version == 6 and not bracketed:
-        raise FleetError(f"{path}: an IPv6 address is written in brackets, [{ip}]:{int(port)}, "
-                         f"got {value!r}")
-    return f"[{ip}]:{int(port)}" if ip.version == 6 else f"{ip}:{int(port)}"
+        raise FleetError(f"{path}: an IPv6 address is written in brackets, "
+                         f"{host_port(str(ip), int(port))}, got {value!r}")
+    return host_port(str(ip), int(port))
 
 
 def _label(obj: Mapping[str, Any], key: str, path: str, default: str | None = None) -> str:
@@ -492,11 +492,7 @@ def _url(obj: Mapping[str, Any], key: str, path: str, default: str) -> str:
     99999, left the replica ejected for good, with no reason logged)."""
     value = _str(obj, key, path, default)
     parts = urlsplit(value)
-    try:
-        port = parts.port
-    except ValueError:
-        port = -1
-    if parts.scheme not in ("http", "https") or not parts.hostname or port == -1 \
+    if parts.scheme not in ("http", "https") or not parts.hostname or not _port_ok(parts) \
             or any(c.isspace() for c in value):
         raise FleetError(f"{path}.{key}: expected an http(s) URL like http://host:port/path, "
                          f"got {value!r}")
@@ -554,6 +550,15 @@ def _replica(raw: Any, path: str, regions: set[str]) -> ReplicaSpec:
         params=_term_params(raw, path),
         **_models(raw, path),
     )
+
+
+def _port_ok(parts: SplitResult) -> bool:
+    """Whether a URL's port, if it names one, is a number of 0 to 65535."""
+    try:
+        parts.port  # noqa: B018 (urllib checks it on access)
+    except ValueError:
+        return False
+    return True
 
 
 def _cluster_name(raw: Mapping[str, Any], path: str, name: str) -> str:
@@ -704,10 +709,20 @@ def _limits(raw: Mapping[str, Any], path: str) -> Limits:
     return limits
 
 
+def unbracketed(host: str) -> str:
+    """A host as a socket address takes it: an IPv6 address without its URL brackets."""
+    return host.removeprefix("[").removesuffix("]")
+
+
+def host_port(host: str, port: int) -> str:
+    """host:port as URLs and gRPC read it: an IPv6 address in brackets."""
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
 def ip_literal(host: str) -> bool:
     """True for an IPv4 or (bracketed) IPv6 address, False for a DNS name."""
     try:
-        ipaddress.ip_address(host.removeprefix("[").removesuffix("]"))
+        ipaddress.ip_address(unbracketed(host))
     except ValueError:
         return False
     return True
@@ -793,11 +808,7 @@ def _sharing(raw: Mapping[str, Any], path: str, fleet: str) -> Sharing | None:
     _check_keys(sraw, {"nats", "subject", "stagger_ms"}, path)
     url = _str(sraw, "nats", path, "")
     parts = urlsplit(url)
-    try:
-        parts.port  # noqa: B018 (raises on a port out of range or not a number)
-    except ValueError:
-        parts = parts._replace(scheme="")
-    if parts.scheme not in ("nats", "tls") or not parts.hostname:
+    if parts.scheme not in ("nats", "tls") or not parts.hostname or not _port_ok(parts):
         raise FleetError(f"{path}.nats: expected a NATS server URL like nats://host:4222, "
                          f"got {url!r}")
     subject = _str(sraw, "subject", path, f"gorgo.bookings.{fleet}")
