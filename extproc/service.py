@@ -43,6 +43,7 @@ from gorgo.core.contract import (
 from gorgo.core.decision import SHED, UNKNOWN_MODEL, Decision, Rejection
 from gorgo.core.features import RequestError, RequestFeatures, extract_features
 from gorgo.core.fleet import FleetSpec
+from gorgo.core.membership import identity
 from gorgo.core.router import Router
 
 log = logging.getLogger("gorgo.extproc")
@@ -63,9 +64,11 @@ def _decides(kind: str | None, req: pb.ProcessingRequest, duplex: bool) -> bool:
 class _Stream:
     """Per-request state carried between the messages of one ext_proc stream."""
 
-    __slots__ = ("answered", "chunks", "decided_at", "decision", "duplex", "fallback", "headers",
-                 "opened", "path", "served", "size", "status", "stream", "trace")
-    # The replicas are kept by name: a fleet reload may re-index them mid-stream.
+    __slots__ = ("answered", "chunks", "decided_at", "decision", "duplex", "fallback",
+                 "fallback_id", "headers", "opened", "path", "served", "served_id", "size",
+                 "status", "stream", "trace")
+    # The replicas are kept by name and identity: a fleet reload may re-index them mid-stream,
+    # or point a name at another replica (`_replica`).
 
     def __init__(self) -> None:
         self.opened = False  # the request's headers were read (from either message)
@@ -74,9 +77,11 @@ class _Stream:
         self.decision: Decision | None = None
         self.decided_at = 0.0  # perf_counter() when decided
         self.served = ""  # the replica that answered: the decision's, or the retry's
+        self.served_id: tuple[str, ...] = ()
         self.stream = False  # the request asked for a streamed answer
         self.status = ""  # the response's, once its headers came through the router
         self.fallback: str | None = None  # the replica Envoy retries on, if any
+        self.fallback_id: tuple[str, ...] = ()
         # (trace id, span id) of Envoy's ext_proc span, when decision spans are exported
         self.trace: tuple[bytes, bytes] | None = None
         # FULL_DUPLEX_STREAMED only: the body so far, and whether the request is answered.
@@ -220,7 +225,7 @@ class ExtProcService(ExternalProcessorServicer):
                                                           st.decision.id)
                 else:
                     self.router.complete(st.decision.id)
-                served = self.router.state.index.get(st.served)
+                served = self._replica(st.served, st.served_id)
                 if served is not None:  # else removed: its label sets are gone
                     self.metrics.request_seconds.labels(*self.metrics.replica(served)).observe(
                         time.perf_counter() - st.decided_at)
@@ -361,18 +366,18 @@ class ExtProcService(ExternalProcessorServicer):
         headers = messages.header_dict(msg)
         status = st.status = headers.get(":status", "")
         s = self.router.state
-        chosen = s.index.get(st.served)  # None: removed by a reload since the decision
+        chosen = self._replica(st.served, st.served_id)  # None: removed since the decision
         attempts = headers.get(ATTEMPT_COUNT_HEADER, "1")
         if st.fallback is not None and attempts.isdigit() and int(attempts) > 1:
             # Envoy retried on the next-best replica: the chosen one failed before answering.
             if chosen is not None:
                 s.record_failed_response(chosen, self.clock())
                 self.metrics.retried.labels(*self.metrics.replica(chosen)).inc()
-            st.served = st.fallback
-            fallback = s.index.get(st.fallback)
+            st.served, st.served_id = st.fallback, st.fallback_id
+            fallback = self._replica(st.fallback, st.fallback_id)
             if fallback is not None:
                 self.router.reassign(d.id, fallback)
-        served = s.index.get(st.served)
+        served = self._replica(st.served, st.served_id)
         if served is not None:
             self.metrics.upstream_status.labels(*self.metrics.replica(served),
                                                 f"{status[:1]}xx").inc()
@@ -381,6 +386,14 @@ class ExtProcService(ExternalProcessorServicer):
             elif status[:1] in ("2", "4"):
                 s.record_success(served)
         return messages.tag_response(st.served, d.id)
+
+    def _replica(self, name: str, ident: tuple[str, ...]) -> int | None:
+        """The index of replica ``name`` if it is still the one the stream was sent to: None
+        once a reload removed it or pointed the name at another address (a new replica, which
+        must not be credited with the old one's answers, failures or load)."""
+        s = self.router.state
+        i = s.index.get(name)
+        return i if i is not None and identity(s.spec.replicas[i]) == ident else None
 
     # --- decisions ------------------------------------------------------------------------------
 
@@ -421,7 +434,7 @@ class ExtProcService(ExternalProcessorServicer):
         """The routing answer for decision ``d``: route, headers, metadata, metrics, span;
         ``retry``: whether it may name the next-best replica for Envoy's retry route."""
         s = self.router.state
-        st.served = s.names[d.replica]
+        st.served, st.served_id = s.names[d.replica], identity(s.spec.replicas[d.replica])
         if self._warm is not None:
             self._warm.submit(f)
         replica, region = self.metrics.replica(d.replica)
@@ -429,7 +442,8 @@ class ExtProcService(ExternalProcessorServicer):
                   **request_fields(f, s.spec.replicas[d.replica].engine)}
         endpoint = s.spec.replicas[d.replica].address if self.picker else None
         fallback = next_best(d) if self.retries and retry else None
-        st.fallback = None if fallback is None else s.names[fallback]
+        st.fallback, st.fallback_id = (None, ()) if fallback is None else (
+            s.names[fallback], identity(s.spec.replicas[fallback]))
         # Only with a routable next-best replica: a one-address list would leave the retry to
         # Envoy's fallback round robin, which may pick the failed or an ejected replica.
         endpoints = None if fallback is None else [

@@ -55,10 +55,10 @@ def explain(router: Router, f: RequestFeatures, now: float) -> Explanation:
     refused: Rejection | None = None
     try:
         mask = router.admissible(f)  # the replicas routing would consider, as Router.route
-        terms = cost_terms(f, s)
         if isinstance(mask, Rejection):
             refused, mask = mask, None
         s.candidates, s.model_settings = mask, router.settings_for(f)
+        terms = cost_terms(f, s)
         weights, _ = s.scoring()
         total = terms.total(weights, latency_only=True)  # as the decision predicts it
         winner: int | None = None

@@ -31,7 +31,7 @@ from gorgo.core.fleet import FleetError, FleetSpec, ModelSettings
 from gorgo.core.membership import FleetDiff, check_reloadable, diff_fleets
 from gorgo.core.peers import CLOSED, OPENED, Booking, Echoes, PeerBookings
 from gorgo.core.policies import REGISTRY, make_policy
-from gorgo.core.policies.base import Policy
+from gorgo.core.policies.base import Policy, PolicyBase
 from gorgo.core.state import FleetState
 
 ROUTED_VERSIONS = 64  # weights versions whose decision counts are kept
@@ -93,7 +93,12 @@ class Router:
     def _use(self, spec: FleetSpec) -> None:
         """Everything derived from the fleet spec but the state."""
         self.spec = spec
+        before = getattr(self, "policies", {})
         self.policies: dict[str, Policy] = {n: make_policy(n, spec) for n in REGISTRY}
+        for name, policy in self.policies.items():
+            old = before.get(name)
+            if isinstance(policy, PolicyBase) and type(old) is type(policy):
+                policy.carry(old)
         self.policies.update(self._extra_policies)
         self.default_policy = spec.policy
         # Each name a request may ask for (aliases too) -> its model's settings (`models:`).
@@ -232,32 +237,34 @@ class Router:
         mask = self.admissible(f)
         if isinstance(mask, Rejection):
             return mask
-        terms = cost_terms(f, s)
-        # The model's replicas only, for admission and every policy (FleetState.routable), and
-        # its own weights and objective where the fleet file sets them (FleetState.scoring).
+        # The model's replicas only, for the terms, admission and every policy
+        # (FleetState.routable: another model's replica is neither a cache nor a load of this
+        # request's), and its own weights and objective where the fleet file sets them
+        # (FleetState.scoring), until it is booked.
         s.candidates, s.model_settings = mask, self.settings_for(f)
-        weights, _ = s.scoring()
-        # Predicted TTFT, what the span reports and admission compares with the SLO: the TTFT
-        # terms that are latencies of this request (not the penalty or congestion).
-        predicted = terms.total(weights, latency_only=True)
         try:
+            terms = cost_terms(f, s)
+            weights, _ = s.scoring()
+            # Predicted TTFT, what the span reports and admission compares with the SLO: the
+            # TTFT terms that are latencies of this request (not the penalty or congestion).
+            predicted = terms.total(weights, latency_only=True)
             shed = self._admit(f, predicted)
             if shed is not None:
                 return shed
             d = self.policy_for(f).choose(f, s)
+            i = d.replica
+            d.terms = terms.at(i)
+            d.predicted_ms = float(predicted[i])
+            d.uncached_tokens = int(terms.uncached_tokens[i])
+            d.prompt_tokens = f.prompt_tokens
+            d.weights_version = weights.version  # 0 for a model's fixed weights: not the tuner's
+            s.record_sent(i, f, d.uncached_tokens)
         except NoReplicaAvailable as exc:
             return Rejection(503, NO_REPLICA, exc.retry_after_s, "No healthy replica is available.")
         finally:
             s.candidates = s.model_settings = None
-        i = d.replica
-        d.terms = terms.at(i)
-        d.predicted_ms = float(predicted[i])
-        d.uncached_tokens = int(terms.uncached_tokens[i])
-        d.prompt_tokens = f.prompt_tokens
-        d.weights_version = weights.version  # 0 for a model's fixed weights: not the tuner's
         d.id = f"{self._id_prefix}-{next(self._ids)}"
         self._count(d.weights_version, d.policy)
-        s.record_sent(i, f, d.uncached_tokens)
         self._open[d.id] = _Open(i, f.prompt_tokens, d.uncached_tokens, f.block_hashes,
                                  f.choices, f.context_tokens)
         self._publish(d.id, OPENED, self._open[d.id])

@@ -40,6 +40,11 @@ def scraped(value: float, most: float, if_nan: float) -> float:
     return min(max(value, 0.0), most) if value == value else if_nan
 
 
+def _blocks(spec: FleetSpec, i: int) -> int:
+    """The prefix blocks replica i's KV pool holds by the fleet file (until its engine says)."""
+    return max(1, spec.replicas[i].kv_capacity_tokens // spec.block_tokens)
+
+
 class FleetState:
     """Per-replica arrays plus the prefix index; one instance per router process."""
 
@@ -110,7 +115,7 @@ class FleetState:
         # Also while a request is scored: its model's settings from the fleet file's ``models:``
         # (None: the fleet's), read through `scoring`.
         self.model_settings: ModelSettings | None = None
-        blocks = [max(1, r.kv_capacity_tokens // spec.block_tokens) for r in spec.replicas]
+        blocks = [_blocks(spec, i) for i in range(n)]
         self.prefix = PrefixIndex(n, None if unbounded_prefix else blocks)
         # The engines' own block sets, for `cache: precise` replicas (None when there is none).
         self.precise = PreciseCache(spec) if any(r.precise for r in spec.replicas) else None
@@ -122,6 +127,9 @@ class FleetState:
         # time constant DEMAND_TAU_S, as of the last arrival (see demand()).
         self._arrivals = 0.0
         self._arrival_tokens = 0.0
+        # The same per replica booked, so a model's demand is its replicas' sum (`demand`).
+        self._arrivals_on = np.zeros(n)
+        self._arrival_tokens_on = np.zeros(n)
         self._arrivals_at = 0.0
         self._first_arrival: float | None = None
         self._match_for: tuple | None = None
@@ -265,6 +273,12 @@ class FleetState:
         new.prefix = self.prefix.reindexed(
             [self.index[carried[name]] if name in carried else None for name in new.names],
             new.prefix.capacity)
+        # So does a prefix capacity still at the old file's `kv_capacity_tokens`: an edit there
+        # reached the size check but never the index of an engine that reports none (SGLang).
+        if self.prefix.capacity is not None:
+            for j, i in pairs:
+                if self.prefix.capacity[i] == _blocks(self.spec, i):
+                    new.prefix.set_capacity(j, _blocks(spec, j))
         # Weights an admin PUT or the tuner set (version > 0) stand; the file's own follow the
         # file (an edited `weights:` was reloaded "successfully" and never applied, and a
         # restarted worker then ran the new file's weights beside its peers' old ones).
@@ -278,7 +292,9 @@ class FleetState:
         return new
 
     def demand(self) -> tuple[float, float]:
-        """(requests/s, mean prompt tokens) arriving at this router, as of ``self.now``.
+        """(requests/s, mean prompt tokens) arriving at this router, as of ``self.now``: for the
+        request's model while one is scored (``candidates``: the arrivals booked on its
+        replicas), else for the whole fleet.
 
         An exponentially decayed count over DEMAND_TAU_S, divided by the window it has actually
         covered so the estimate is unbiased in the first seconds (the window is at least 1 s,
@@ -286,17 +302,28 @@ class FleetState:
         """
         if self._first_arrival is None:
             return 0.0, 0.0
+        arrivals, tokens = self._arrivals, self._arrival_tokens
+        if self.candidates is not None:
+            arrivals = float(self._arrivals_on[self.candidates].sum())
+            tokens = float(self._arrival_tokens_on[self.candidates].sum())
+            if arrivals <= 0.0:
+                return 0.0, 0.0
         decay = math.exp(-max(self.now - self._arrivals_at, 0.0) / DEMAND_TAU_S)
         elapsed = max(self.now - self._first_arrival, 1.0)
         window = -DEMAND_TAU_S * math.expm1(-elapsed / DEMAND_TAU_S)
-        return self._arrivals * decay / window, self._arrival_tokens / self._arrivals
+        return arrivals * decay / window, tokens / arrivals
 
     # --- writers ------------------------------------------------------------------------------
 
     def record_sent(self, i: int, f: RequestFeatures, uncached: int) -> None:
-        """A request was routed to replica i: count it in flight and in its prefix cache."""
+        """A request was routed to replica i: count it in flight and in its prefix cache.
+        Called while it is scored: the reuse share is over its model's replicas (another
+        model's copy of the same text is no cache of this one's)."""
         if f.prompt_tokens > 0:
-            seen = float(cached_tokens(f, self).max()) / f.prompt_tokens
+            cached = cached_tokens(f, self)
+            if self.candidates is not None:
+                cached = cached[self.candidates]
+            seen = float(cached.max(initial=0)) / f.prompt_tokens
             self.reuse_share += REUSE_EWMA_ALPHA * (seen - self.reuse_share)
         self.book(i, f.block_hashes, f.prompt_tokens, uncached, f.choices,
                   f.context_tokens)
@@ -334,7 +361,7 @@ class FleetState:
         self.inflight_seqs[i] += seqs
         self.inflight_context[i] += prompt_tokens if context is None else context
         self.inflight_uncached[i] += uncached
-        self._note_arrival(prompt_tokens)
+        self._note_arrival(i, prompt_tokens)
 
     def echo(self, i: int, prompt_tokens: int, uncached: int, copies: int) -> None:
         """``copies`` more requests like one just routed to replica i counted in flight and in
@@ -352,12 +379,17 @@ class FleetState:
         self.eng_backlog_at[i] = self.now
         self.sent_since_scrape[i] = max(self.sent_since_scrape[i] + copies * uncached, 0)
 
-    def _note_arrival(self, prompt_tokens: int) -> None:
+    def _note_arrival(self, i: int, prompt_tokens: int) -> None:
         if self._first_arrival is None:
             self._first_arrival = self.now
         decay = math.exp(-max(self.now - self._arrivals_at, 0.0) / DEMAND_TAU_S)
         self._arrivals = self._arrivals * decay + 1.0
         self._arrival_tokens = self._arrival_tokens * decay + prompt_tokens
+        if decay != 1.0:
+            self._arrivals_on *= decay
+            self._arrival_tokens_on *= decay
+        self._arrivals_on[i] += 1.0
+        self._arrival_tokens_on[i] += prompt_tokens
         self._arrivals_at = max(self.now, self._arrivals_at)
 
     def release_inflight(self, i: int, prompt_tokens: int, uncached: int = 0,

@@ -183,3 +183,43 @@ def test_reload_takes_on_the_new_models_and_drains() -> None:
     assert isinstance(d, Decision) and router.state.names[d.replica] == "a2"
     r = router.route(_features(router, "beta"), 0.0)
     assert isinstance(r, Rejection) and r.status == 404
+
+
+def test_a_kv_capacity_edited_in_the_file_reaches_the_prefix_index_of_a_kept_replica() -> None:
+    """SGLang reports no pool size: the file's is the index's bound, and an edit must apply
+    (it reached the size check but the index kept the old bound until a restart). A bound the
+    engine reported stays."""
+    router = Router(parse_fleet(_doc(_replica("a", 1, kv_capacity_tokens=100_000),
+                                     _replica("b", 2, kv_capacity_tokens=100_000))))
+    router.state.prefix.insert(0, np.arange(1, 101, dtype=np.uint64))  # 100 blocks cached
+    router.state.prefix.set_capacity(1, 5_000)  # b's engine said
+    router.reload(parse_fleet(_doc(_replica("a", 1, kv_capacity_tokens=400),
+                                   _replica("b", 2, kv_capacity_tokens=400))))
+    prefix = router.state.prefix
+    assert prefix.capacity is not None
+    assert (prefix.capacity[0], prefix.blocks_held(0)) == (6, 6)  # 400 tokens, 64 a block
+    assert prefix.capacity[1] == 5_000
+
+
+@pytest.mark.parametrize("policy", ["round-robin", "random", "least-request"])
+def test_a_reload_does_not_restart_a_policys_turn_or_sequence(policy: str) -> None:
+    """Reloads come often (an admin drain, each DNS change, SIGHUP): round robin's turn, the
+    tie-break's rotation and the generators go on (reloads every 2 requests sent round robin's
+    traffic to 2 of 4 replicas)."""
+    doc = _doc(*(_replica(f"r{k}", k + 1) for k in range(4)), policy=policy)
+
+    def names(reload_every: int | None) -> list[str]:
+        router = Router(parse_fleet(doc))
+        router.state.healthy[:] = True
+        out = []
+        for k in range(40):
+            if reload_every and k % reload_every == 0:
+                router.reload(parse_fleet(doc))
+                router.state.healthy[:] = True
+            d = router.route(_features(router, None, f"q{k}"), 1.0)
+            assert isinstance(d, Decision)
+            out.append(router.state.names[d.replica])
+            router.complete(d.id)
+        return out
+
+    assert names(2) == names(None)

@@ -397,3 +397,79 @@ def test_a_fleet_of_one_model_applies_its_settings_to_requests_naming_none() -> 
            "replicas": [{"name": "a1", "engine": "sim", "region": "local", "address": "h:1",
                          "models": ["alpha"]}]}
     assert Router(parse_fleet(doc)).route(req("x"), now=0.0).policy == "least-request"
+
+
+def _model_fleet(policy: str, **extra: object) -> FleetSpec:
+    """alpha on a1 and a2, beta on b1, with ``extra`` merged into every replica."""
+    return parse_fleet({
+        "regions": {"near": {}, "far": {}}, "block_tokens": 4, "chars_per_token": 1.0,
+        "policy": policy, "objective": "e2e",
+        "replicas": [{"name": n, "engine": "sim", "region": "near", "address": f"h:{k + 1}",
+                      "models": [m], **extra}
+                     for k, (n, m) in enumerate([("a1", "alpha"), ("a2", "alpha"),
+                                                 ("b1", "beta")])],
+    })
+
+
+def test_another_models_cache_is_no_reuse_of_this_ones() -> None:
+    """The same text cached on a replica of another model is no cache this request could keep:
+    it priced a 909 ms `reuse` term and moved the request (block hashes do not name the
+    model)."""
+    prompt = "system prompt shared by both models. " * 11
+
+    def alpha_after(beta_first: bool) -> Decision:
+        r = Router(_model_fleet("gorgo"))
+        r.state.reuse_share = 0.9
+        if beta_first:
+            d = r.route(model_req("beta", prompt), now=0.0)
+            assert isinstance(d, Decision) and r.complete(d.id)
+            r.state.reuse_share = 0.9
+        r.state.add_inflight(1, 2000, 2000)  # a2 has prefill queued
+        d = r.route(model_req("alpha", prompt), now=0.0)
+        assert isinstance(d, Decision)
+        return d
+
+    cold, warm = alpha_after(False), alpha_after(True)
+    assert warm.terms["reuse"] == 0.0
+    assert (warm.replica, warm.scores.tolist()) == (cold.replica, cold.scores.tolist())
+
+
+def test_cache_aware_weighs_the_load_of_the_requests_models_replicas_only() -> None:
+    """SGLang's gateway keeps a worker set per model: 100 requests of another model in flight
+    turned this model's cache hit into a least-load miss."""
+    conv = "a long conversation with model alpha " * 60
+
+    def next_turn(beta_load: int) -> str:
+        r = Router(_model_fleet("cache-aware"))
+        first = r.route(model_req("alpha", conv), now=0.0)
+        assert isinstance(first, Decision)
+        for k in range(beta_load):
+            r.route(model_req("beta", f"b{k}"), now=0.0)
+        d = r.route(model_req("alpha", conv + " and its next turn"), now=0.0)
+        assert isinstance(d, Decision)
+        assert d.replica == first.replica, "the cached replica, load within the model even"
+        return r.state.names[d.replica]
+
+    assert next_turn(0) == next_turn(100)
+
+
+def test_irb_plans_each_model_over_its_own_replicas_and_demand() -> None:
+    """One plan over the whole fleet put every weight on another model's nearest replica and
+    split this model's traffic by capacity, its RTTs unseen (157 near / 143 far)."""
+    r = Router(_model_fleet("irb"))
+    s = r.state
+    for i, rtt in enumerate((1.0, 100.0, 0.5)):  # a1 near, a2 far, b1 nearest
+        s.observe_rtt(i, rtt)
+    now, seen = 0.0, []
+    for k in range(100):
+        now += 0.5
+        r.tick(now)
+        d = r.route(model_req("alpha", f"q{k} " * 100), now=now)
+        assert isinstance(d, Decision)
+        seen.append(s.names[d.replica])
+        r.complete(d.id)
+    assert seen.count("a1") == 100
+    irb = r.policies["irb"]
+    assert irb.plans["alpha"].weights.tolist() == [1.0, 0.0, 0.0]
+    assert irb.plans["beta"].weights.tolist() == [0.0, 0.0, 1.0]
+    assert irb.plans["beta"].rate_rps == 0.0  # beta was sent nothing: alpha's demand is alpha's

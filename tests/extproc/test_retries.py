@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -63,8 +64,11 @@ def _headers(pairs: dict[str, str], end: bool = False) -> pb.HttpHeaders:
         HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs.items()]))
 
 
-def _exchange(spec_doc: dict, response: dict[str, str]) -> tuple[list, Router]:
-    """One request through the servicer (round robin), then ``response`` as its headers."""
+def _exchange(spec_doc: dict, response: dict[str, str],
+              between: Callable[[Router, ExtProcService], None] | None = None,
+              ) -> tuple[list, Router]:
+    """One request through the servicer (round robin), then ``response`` as its headers
+    (``between`` runs before they come)."""
     router = Router(parse_fleet(spec_doc))
     service = ExtProcService(router, RouterMetrics(router.state, lambda: 0))
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
@@ -79,7 +83,9 @@ def _exchange(spec_doc: dict, response: dict[str, str]) -> tuple[list, Router]:
 
     async def run() -> list:
         async def it():
-            for r in reqs:
+            for k, r in enumerate(reqs):
+                if k == 2 and between is not None:
+                    between(router, service)
                 yield r
         return [a async for a in service.Process(it(), None)]
 
@@ -114,3 +120,26 @@ def test_no_list_without_a_second_routable_replica_or_with_retries_off() -> None
         assert messages.ENDPOINTS_HEADER not in routed
         assert routed[messages.CLUSTER_HEADER] in router.state.clusters
         assert _set_headers(answers[2].response_headers.response)[messages.REPLICA_HEADER]
+
+
+@pytest.mark.parametrize("response", [{":status": "200", "x-envoy-attempt-count": "2"},
+                                      {":status": "503"}, {":status": "200"}])
+def test_a_replica_replaced_mid_stream_is_credited_with_nothing_of_the_old_ones(
+        response: dict[str, str]) -> None:
+    """A reload that points a name at another address makes a new replica (unroutable until
+    probed, no load, no cache); the old one's stream answering after it must not make the new
+    one healthy, penalise it, or book the request and its prompt on it."""
+    doc = _doc(["10.0.0.1", "10.0.0.2", "10.0.0.3"])
+    moved = {"replicas": [{**r, "address": f"10.9.9.{k}:9000"}
+                          for k, r in enumerate(doc["replicas"])]}
+
+    def replace_all(router: Router, service: ExtProcService) -> None:
+        router.reload(parse_fleet({**doc, **moved}))
+        service.reloaded()
+
+    _, router = _exchange(doc, response, replace_all)
+    s = router.state
+    assert not s.healthy.any()
+    assert s.failures.tolist() == [0, 0, 0] and s.penalty_ms.tolist() == [0, 0, 0]
+    assert s.inflight_reqs.tolist() == [0, 0, 0]
+    assert [s.prefix.blocks_held(i) for i in range(s.n)] == [0, 0, 0]

@@ -36,6 +36,7 @@ class PolicyBase:
     name = "base"
     refresh_interval_s = 0.0  # no background refresh
     unbounded_prefix = False  # True: the Router keeps an unbounded prefix index when default
+    carried: tuple[str, ...] = ()  # attributes a reload carries over (`carry`)
 
     def __init__(self, spec: FleetSpec) -> None:
         self.spec = spec
@@ -43,6 +44,16 @@ class PolicyBase:
 
     def refresh(self, s: FleetState) -> None:
         """Recompute slow-moving state; nothing to do for a policy that scores per request."""
+
+    def carry(self, old: PolicyBase) -> None:
+        """Go on from ``old``, this policy as built for the fleet before a reload: a reload (an
+        admin drain, a DNS change, SIGHUP, a touched file) must not restart the tie-break's
+        rotation, round robin's turn or a generator's sequence (reloads every 2 requests sent
+        all of round robin's traffic to half the replicas). What is indexed by replica
+        (plans, salts) is rebuilt for the new fleet, not carried."""
+        self._ticks = old._ticks
+        for name in self.carried:
+            setattr(self, name, getattr(old, name))
 
     def pick_lowest(
         self,

@@ -10,7 +10,7 @@ all go to one worker (least load, ties to the first), where the older smallest-t
 alternate. That older rule is kept as ``cache-aware-tree`` (``cache_aware_tree.py``).
 
 1. Load = the router's own count of requests in flight per worker (``Worker::load``), taken over
-   every worker, healthy or not, exactly as SGLang does. Imbalanced when
+   every worker of the request's model, healthy or not, exactly as SGLang does. Imbalanced when
    ``max - min > 64`` and ``max > 1.5 * min``: route to the least-loaded healthy worker.
 2. Else the longest prefix any worker holds; match rate = matched / prompt length. Above 0.3,
    route to a worker holding that longest match; otherwise (a miss) to the least-loaded worker.
@@ -46,7 +46,9 @@ class CacheAware(PolicyBase):
     def choose(self, f: RequestFeatures, s: FleetState) -> Decision:
         ok = routable_or_raise(s)
         load = s.inflight_reqs
-        hi, lo = int(load.max()), int(load.min())
+        # SGLang's gateway keeps a worker set per model: another model's load is not imbalance.
+        pool = load if s.candidates is None else load[s.candidates]
+        hi, lo = int(pool.max()), int(pool.min())
         if hi - lo > self.balance_abs_threshold and hi > lo * self.balance_rel_threshold:
             return self.pick_lowest(load, s)
         if f.prompt_tokens > 0:

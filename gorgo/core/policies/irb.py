@@ -7,7 +7,8 @@ per-engine weights; a low-latency proxy applies them. Only the architecture is p
 linear program below is ours.
 
 Control plane (``refresh``, every ``refresh_interval_s``): demand is the request rate and mean
-prompt tokens this router observes (``s.demand()``). Replica i prefills ``mu_i = prefill_rate_i /
+prompt tokens this router observes (``s.demand()``); a fleet of several models gets a plan per
+model, over its replicas and the demand booked on them. Replica i prefills ``mu_i = prefill_rate_i /
 mean_tokens`` requests/s and may be loaded to ``UTILISATION_CAP * mu_i``. Expected latency of
 sending it ``x_i`` requests/s is RTT plus an M/M/1 sojourn, ``x_i * (rtt_i + 1/(mu_i - x_i))``;
 that is convex, so it is cut into ``SEGMENTS`` equal slices of capacity, each priced at the
@@ -96,28 +97,61 @@ def solve_weights(
 
 class Irb(PolicyBase):
     name = "irb"
+    carried = ("rng",)
     refresh_interval_s = REFRESH_INTERVAL_S
     utilisation_cap = UTILISATION_CAP
 
     def __init__(self, spec: FleetSpec) -> None:
         super().__init__(spec)
         self.salts = replica_salts(spec)
-        self.plan: Plan | None = None
+        self.plan: Plan | None = None  # the whole fleet's
+        self.plans: dict[str, Plan] = {}  # each model's, over its replicas and its own demand
         self.rng = np.random.default_rng(stable_hash(f"irb:{spec.name}"))
 
     def refresh(self, s: FleetState) -> None:
+        """Solve the fleet's plan and, in a fleet of several models, one per model: a model's
+        requests may only go to its replicas, so one fleet-wide plan put all of a model's weight
+        on another model's nearer replica and split its traffic by capacity, RTT unseen."""
+        was = s.candidates
+        try:
+            s.candidates = None
+            self.plan = self._solve(s)
+            solved: dict[bytes, Plan] = {}
+            plans = {}
+            for model, mask in s.model_masks.items():
+                key = mask.tobytes()
+                if key not in solved:
+                    s.candidates = mask
+                    solved[key] = self._solve(s)
+                plans[model] = solved[key]
+            self.plans = plans
+        finally:
+            s.candidates = was
+
+    def _solve(self, s: FleetState) -> Plan:
+        """A plan over the routable replicas for the demand they are sent (`FleetState.demand`,
+        both narrowed to ``s.candidates``)."""
         rate, tokens = s.demand()
         weights, overloaded, expected = solve_weights(
             rate, tokens, s.prefill_rate, s.rtt_or_default(), s.routable(),
             cap=self.utilisation_cap,
         )
-        self.plan = Plan(weights, rate, tokens, overloaded, expected, s.now)
+        return Plan(weights, rate, tokens, overloaded, expected, s.now)
 
-    def choose(self, f: RequestFeatures, s: FleetState) -> Decision:
+    def plan_for(self, f: RequestFeatures, s: FleetState) -> Plan:
+        """The plan of the request's model (the fleet's one model when it names none, as
+        `Router.candidates` resolves it), else the fleet's."""
         if self.plan is None:
             self.refresh(s)
         assert self.plan is not None
-        w = self.plan.weights
+        if s.candidates is None:
+            return self.plan
+        known = self.spec.models
+        model = f.model if f.model is not None or len(known) != 1 else known[0]
+        return self.plans.get(model, self.plan) if model is not None else self.plan
+
+    def choose(self, f: RequestFeatures, s: FleetState) -> Decision:
+        w = self.plan_for(f, s).weights
         ok = s.routable()
         if not (ok & (w > 0)).any():
             w = np.where(ok, s.prefill_rate, 0.0)

@@ -18,6 +18,7 @@ from gorgo.core.state import FleetState
 
 class RandomChoice(PolicyBase):
     name = "random"
+    carried = ("rng",)
 
     def __init__(self, spec: FleetSpec) -> None:
         super().__init__(spec)

@@ -12,6 +12,7 @@ from gorgo.core.state import FleetState
 
 class RoundRobin(PolicyBase):
     name = "round-robin"
+    carried = ("_cursor",)
     _cursor = 0
 
     def choose(self, f: RequestFeatures, s: FleetState) -> Decision:

@@ -9,12 +9,13 @@ gorgo's 71-75 %). This term prices it as the re-prefill the following turns woul
 
     reuse_i = (cached_best - cached_i) * 1000 / prefill_rate_i * turns
 
-with ``cached_best`` the most tokens of this prompt any live replica caches (healthy, not
-draining), and ``turns`` the expected number of further requests that reuse a prefix, learned
-online as a fleet EWMA: ``FleetState.reuse_share`` is the share of each routed prompt already
-cached on its best replica, and a prefix reused with probability r is reused r / (1 - r) more
-times on average (geometric). Capped at ``MAX_SHARE`` so a trace whose prompts all share one
-system prompt does not price a move as forever. Zero for the best-cached replica and wherever
+with ``cached_best`` the most tokens of this prompt any replica it may go to caches (healthy,
+not draining, serving its model: `FleetState.routable`), and ``turns`` the expected number of
+further requests that reuse a prefix, learned online as a fleet EWMA: ``FleetState.reuse_share``
+is the share of each routed prompt already cached on its best replica of its model, and a prefix
+reused with probability r is reused r / (1 - r) more times on average (geometric). Capped at
+``MAX_SHARE`` so a trace whose prompts all share one system prompt does not price a move as
+forever. Zero for the best-cached replica and wherever
 nothing is cached.
 
 Weighted (``reuse``) and no latency prediction (the tuner's fit leaves it out); the `e2e` and
@@ -50,7 +51,7 @@ def cached_tokens(f: RequestFeatures, s: FleetState) -> np.ndarray:
 
 def _reuse(f: RequestFeatures, s: FleetState) -> np.ndarray:
     cached = cached_tokens(f, s)
-    live = s.healthy & ~s.draining
+    live = s.routable()
     turns = expected_turns(s)
     if turns == 0.0 or not live.any():
         return np.zeros(s.n)
