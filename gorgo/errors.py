@@ -54,6 +54,14 @@ def at_least(lo: float, cast: type = int) -> Callable[[str], Any]:
     return parse
 
 
+def positive_number(text: str) -> float:
+    """An argparse type: a finite number above 0 (a speed, a factor)."""
+    value = at_least(0.0, float)(text)
+    if not 0.0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
 def bind_error(exc: OSError, what: str, hint: str) -> UserError:
     """A failed listen as a UserError: what the port was for, the OS's reason, what to do."""
     reason = os.strerror(exc.errno) if exc.errno else str(exc)  # asyncio's repeats the address

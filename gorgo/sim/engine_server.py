@@ -22,6 +22,7 @@ import bisect
 import contextlib
 import itertools
 import json
+import math
 import socket
 import struct
 import time
@@ -46,13 +47,14 @@ from gorgo.core.features import (
 )
 from gorgo.core.prompt_tokens import SimTokenizer
 from gorgo.core.tokens import DEFAULT_BLOCK_TOKENS, DEFAULT_CHARS_PER_TOKEN, Tokenization
-from gorgo.errors import UserError, bind_error, port_number
+from gorgo.errors import UserError, bind_error, port_number, positive_number
 from gorgo.sim.engine import ITL_BUCKETS_S, Engine, EngineRejected, EngineRequest, StepResult
 from gorgo.sim.kv_publish import HASH_ALGO, KVEventPublisher, SimHashing
 from gorgo.sim.profiles import PROFILES, get_profile
 
 FLAVORS = ("sglang", "vllm")
 FAIL_MODES = (None, "503", "reset")
+MAX_BODY_BYTES = 64 * 1024 * 1024
 SERVED_BY_HEADER = "x-gorgo-served-by"
 DEFAULT_MAX_TOKENS = 128
 MAX_LAG_S = 1.0  # behind schedule by more than this (a stalled loop): restart the clock
@@ -215,8 +217,9 @@ class _MetricsCollector(Collector):
 class EngineServer:
     """OpenAI-compatible front end of one simulated engine (see module docstring).
 
-    ``slowdown`` stretches every step (chaos: a slow replica); ``fail_mode`` "503" answers every
-    request with 503, "reset" resets every connection.
+    ``slowdown`` stretches every step (chaos: a slow replica), the one under way included, and
+    the engine's own step times with it (its ITL histogram is what a router reads);
+    ``fail_mode`` "503" answers every request with 503, "reset" resets every connection.
     """
 
     def __init__(
@@ -249,8 +252,10 @@ class EngineServer:
         self.name = name
         self.kv_events = kv_events
         self.hashing = SimHashing(tokenization) if kv_events is not None else None
-        self.slowdown = 1.0
-        self.fail_mode: str | None = None
+        self._speed = engine.speed
+        self._slowdown = 1.0
+        self._rescaled = asyncio.Event()
+        self._fail_mode: str | None = None
         self.created = int(time.time())
         self.ttft_counts = [0] * (len(TTFT_BUCKETS) + 1)
         self.ttft_sum = 0.0
@@ -265,9 +270,31 @@ class EngineServer:
         self._closing = False
         self.port: int | None = None
 
+    @property
+    def slowdown(self) -> float:
+        return self._slowdown
+
+    @slowdown.setter
+    def slowdown(self, factor: float) -> None:
+        if not (math.isfinite(factor) and factor > 0):
+            raise ValueError(f"slowdown factor must be a finite number > 0, got {factor!r}")
+        self._slowdown = factor
+        self.engine.speed = self._speed / factor
+        self._rescaled.set()
+
+    @property
+    def fail_mode(self) -> str | None:
+        return self._fail_mode
+
+    @fail_mode.setter
+    def fail_mode(self, mode: str | None) -> None:
+        if mode not in FAIL_MODES:
+            raise ValueError(f"fail mode must be one of {FAIL_MODES}, got {mode!r}")
+        self._fail_mode = mode
+
     # -- lifecycle --------------------------------------------------------------------------------
     def make_app(self) -> web.Application:
-        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app = web.Application(client_max_size=MAX_BODY_BYTES)
         app.router.add_post("/v1/chat/completions", self._handle_generate)
         app.router.add_post("/v1/completions", self._handle_generate)
         app.router.add_post("/v1/responses", self._handle_generate)
@@ -310,7 +337,9 @@ class EngineServer:
         return self.port
 
     async def stop(self) -> None:
-        """Stop listening; requests in flight end at once (503, or a stream cut before [DONE])."""
+        """Stop listening; requests in flight end at once, their connections reset as a
+        crashed engine's are (a stream ended cleanly before [DONE] read as a whole answer to
+        Envoy, and to the tuner)."""
         self._closing = True
         for p in self._pending.values():
             p.aborted = True
@@ -350,10 +379,7 @@ class EngineServer:
                 await self._wake.wait()
                 t = None
                 continue
-            deadline = t + res.duration * self.slowdown
-            delay = deadline - loop.time()
-            if delay > 0:
-                await asyncio.sleep(delay)
+            deadline = await self._step_end(t + res.duration)
             lag = max(0.0, loop.time() - deadline)
             self.lag_counts[bisect.bisect_left(STEP_LAG_BUCKETS, lag)] += 1
             self.lag_sum += lag
@@ -361,6 +387,25 @@ class EngineServer:
             if self.kv_events is not None:
                 self.kv_events.publish(engine.take_kv_events())
             t = deadline
+
+    async def _step_end(self, deadline: float) -> float:
+        """Wait until a step's ``deadline``; when the slowdown changes meanwhile, what is left of
+        the step runs at the new factor (a replica slowed 50x and set back to 1 took 20 s to
+        finish its step). Returns the step's end."""
+        loop = asyncio.get_running_loop()
+        while (delay := deadline - loop.time()) > 0:
+            scale = self._slowdown
+            self._rescaled.clear()
+            if scale == 1.0:  # the usual case: a change to a slowdown applies from the next step
+                await asyncio.sleep(delay)
+                break
+            try:
+                await asyncio.wait_for(self._rescaled.wait(), delay)
+            except TimeoutError:
+                break
+            now = loop.time()
+            deadline = now + (deadline - now) * self._slowdown / scale
+        return deadline
 
     def _deliver(self, res: StepResult, at: float) -> None:
         pending = self._pending
@@ -471,7 +516,7 @@ class EngineServer:
         parameters), without running it; completions render a list of such requests."""
         endpoint = "chat" if request.path.startswith("/v1/chat/") else "completions"
         try:
-            body = parse_json_body(await request.read())
+            body = parse_json_body(await _read(request))
             text = prompt_text(endpoint, body)
             stream = body.get("stream", False)
             max_tokens = output_bound(endpoint, body)
@@ -496,9 +541,8 @@ class EngineServer:
         endpoint = endpoint_for_path(request.path)
         assert endpoint in ("chat", "completions", "responses")
         responses = endpoint == "responses"
-        raw = await request.read()
         try:
-            body = parse_json_body(raw)
+            body = parse_json_body(await _read(request))
             text = prompt_text(endpoint, body)
             stream = body.get("stream", False)
             if not isinstance(stream, bool):
@@ -511,7 +555,7 @@ class EngineServer:
                 raise RequestError(400, "'previous_response_id' is not supported: this engine "
                                    "stores no responses; send the whole conversation as "
                                    "'input'.", param="previous_response_id")
-            if self.served and body.get("model") not in self.served:
+            if self.served and body.get("model") and body["model"] not in self.served:
                 raise RequestError(404, f"The model {body.get('model')!r} does not exist.",
                                    param="model", code="model_not_found")
         except RequestError as exc:
@@ -545,8 +589,9 @@ class EngineServer:
             while not pending.finished:
                 await pending.event.wait()
                 pending.event.clear()
-                if pending.aborted:
-                    return _error(503, "Server is shutting down.", "server_error")
+                if pending.aborted:  # what a crashed engine's client sees
+                    _reset(request)
+                    return web.Response(status=500)
             if responses:
                 return web.json_response(self._response_object(
                     rid, "msg_" + uuid.uuid4().hex, pending, int(time.time()), max_tokens))
@@ -654,8 +699,7 @@ class EngineServer:
                     out.append(chunk(None, self._usage(p)))
                 out.append("data: [DONE]\n\n")
             await resp.write("".join(out).encode())
-        await resp.write_eof()
-        return resp
+        return await self._end(request, resp, p)
 
     def _response_object(self, rid: str, msg_id: str, p: _Pending, created: int,
                          max_tokens: int, done: bool = True) -> dict[str, Any]:
@@ -714,7 +758,16 @@ class EngineServer:
                               item=final["output"][0]),
                         event("response.incomplete", response=final)]
             await resp.write("".join(out).encode())
-        await resp.write_eof()
+        return await self._end(request, resp, p)
+
+    @staticmethod
+    async def _end(request: web.Request, resp: web.StreamResponse,
+                   p: _Pending) -> web.StreamResponse:
+        """A stream's end: whole, or reset when the engine stopped under it."""
+        if p.aborted:
+            _reset(request)
+        else:
+            await resp.write_eof()
         return resp
 
 
@@ -731,6 +784,16 @@ def _output_text(text: str) -> dict[str, Any]:
 def _error(status: int, message: str, kind: str) -> web.Response:
     body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
     return web.json_response(body, status=status)
+
+
+async def _read(request: web.Request) -> bytes:
+    """The request's body, or the JSON 413 an OpenAI-style client can read (aiohttp's own is
+    plain text)."""
+    try:
+        return await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise RequestError(413, f"The request body is larger than this engine's "
+                                f"{MAX_BODY_BYTES} bytes.") from None
 
 
 def _reset(request: web.Request) -> None:
@@ -768,13 +831,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=port_number, default=0, help="0 picks a free port")
     parser.add_argument("--flavor", default="sglang", choices=FLAVORS,
                         help="whose metric names and stream shape to imitate")
-    parser.add_argument("--speed", type=float, default=1.0,
+    parser.add_argument("--speed", type=positive_number, default=1.0,
                         help="engine speed factor (2 = steps take half as long)")
     parser.add_argument("--stream-interval", type=int, default=1,
                         help="tokens per streamed content chunk")
     parser.add_argument("--model", default=None, help="served model name (default: profile name)")
     parser.add_argument("--name", default=None, help=f"value of the {SERVED_BY_HEADER} header")
-    parser.add_argument("--chars-per-token", type=float, default=DEFAULT_CHARS_PER_TOKEN)
+    parser.add_argument("--chars-per-token", type=positive_number,
+                        default=DEFAULT_CHARS_PER_TOKEN)
     parser.add_argument("--block-tokens", type=int, default=DEFAULT_BLOCK_TOKENS)
     parser.add_argument("--default-max-tokens", type=int, default=DEFAULT_MAX_TOKENS)
     parser.add_argument("--kv-events-endpoint", default=None,

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
 import shutil
 import tempfile
 from collections.abc import Collection, Sequence
@@ -32,7 +33,14 @@ from aiohttp import web
 from gorgo import shutdown
 from gorgo.core.fleet import FleetSpec, ReplicaSpec, load_fleet
 from gorgo.core.tokens import Tokenization
-from gorgo.errors import LOG_LEVELS, UserError, bind_error, check_port, port_or_off
+from gorgo.errors import (
+    LOG_LEVELS,
+    UserError,
+    bind_error,
+    check_port,
+    port_or_off,
+    positive_number,
+)
 from gorgo.sim.engine import Engine
 from gorgo.sim.engine_server import EngineServer
 from gorgo.sim.kv_publish import KVEventPublisher
@@ -138,6 +146,30 @@ class SimFleet:
 
     # --- chaos controls ----------------------------------------------------------------------
 
+    def _act(self, name: str, action: str, body: dict[str, Any]) -> str | None:
+        """Apply a control action that needs no await, or check that kill/revive can run;
+        returns why it conflicts with the replica's state (409), raises ValueError on a bad
+        value (400)."""
+        server, link = self.servers[name], self.links[name]
+        up = server._runner is not None
+        if action == "kill":
+            return None if up else f"{name} is not running"
+        if action == "revive":
+            return f"{name} is running" if up else None
+        if action == "slowdown":
+            server.slowdown = _number(body.get("factor", 1.0), "factor")
+        elif action == "fail":
+            server.fail_mode = body.get("mode")
+        elif action == "partition":
+            link.set_partition(body.get("mode"))
+        elif action == "rtt":
+            rtt = _number(body["rtt_ms"], "rtt_ms", 0.0)
+            link.set_rtt(rtt, _number(body.get("jitter_ms", 0.0), "jitter_ms", 0.0))
+        else:
+            raise ValueError("unknown action (known: kill, revive, slowdown, fail, partition, "
+                             "rtt)")
+        return None
+
     async def kill(self, name: str) -> None:
         """Stop an engine (connections reset, port closed) until `revive`."""
         await self.servers[name].stop()
@@ -171,22 +203,20 @@ class SimFleet:
             name, action = req.match_info["name"], req.match_info["action"]
             if name not in self.servers:
                 return web.json_response({"error": f"unknown replica {name!r}"}, status=404)
-            body = await req.json() if req.can_read_body else {}
-            server, link = self.servers[name], self.links[name]
-            if action == "kill":
-                await self.kill(name)
-            elif action == "revive":
-                await self.revive(name)
-            elif action == "slowdown":
-                server.slowdown = float(body.get("factor", 1.0))
-            elif action == "fail":
-                server.fail_mode = body.get("mode")
-            elif action == "partition":
-                link.set_partition(body.get("mode"))
-            elif action == "rtt":
-                link.set_rtt(float(body["rtt_ms"]), float(body.get("jitter_ms", 0.0)))
-            else:
-                return web.json_response({"error": f"unknown action {action!r}"}, status=400)
+            try:
+                body = await req.json() if req.can_read_body else {}
+                if not isinstance(body, dict):
+                    raise ValueError("the body must be a JSON object")
+                conflict = self._act(name, action, body)
+                if conflict:
+                    return web.json_response({"error": conflict}, status=409)
+                if action == "kill":
+                    await self.kill(name)
+                elif action == "revive":
+                    await self.revive(name)
+            except (ValueError, TypeError, KeyError) as exc:  # json's errors are ValueErrors
+                what = f"missing {exc}" if isinstance(exc, KeyError) else str(exc)
+                return web.json_response({"error": f"{action}: {what}"}, status=400)
             return web.json_response(self.status()[name])
 
         app = web.Application()
@@ -195,9 +225,20 @@ class SimFleet:
         return app
 
 
+def _number(value: Any, field: str, least: float | None = None) -> float:
+    """A finite number (above 0, or at least ``least``), or a ValueError naming ``field``."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"{field} must be a finite number, got {value!r}")
+    if (value < least) if least is not None else (value <= 0):
+        raise ValueError(f"{field} must be {'>= ' + str(least) if least is not None else '> 0'}"
+                         f", got {value!r}")
+    return float(value)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("fleet", help="fleet YAML file (replicas with engine: sim are started)")
-    p.add_argument("--speed", type=float, default=1.0, help="engine speed factor for all replicas")
+    p.add_argument("--speed", type=positive_number, default=1.0,
+                   help="engine speed factor for all replicas")
     p.add_argument("--stream-interval", type=int, default=8, help="tokens per streamed chunk")
     p.add_argument("--seed", type=int, default=0, help="seed of the links' jitter")
     p.add_argument("--model", default=None, help="served model name (default: profile name)")

@@ -15,6 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gorgo.core.features import prompt_text
 from gorgo.core.tokens import Tokenization
+from gorgo.sim import engine_server
 from gorgo.sim.engine import Engine
 from gorgo.sim.engine_server import SERVED_BY_HEADER, EngineServer, add_arguments, build_server
 from gorgo.sim.profiles import EngineProfile, get_profile
@@ -417,14 +418,86 @@ def test_stop_ends_requests_in_flight_promptly():
             start = loop.time()
             await srv.stop()
             assert loop.time() - start < 1.0
-            resp = await plain
-            assert resp.status == 503
-            error_of(await resp.json())
-            body = await streamed.text()
-            assert "[DONE]" not in body  # a cut stream, not a completed one
+            # Reset, as a crashed engine's connections are: a stream ended cleanly before
+            # [DONE] read as a whole answer to Envoy (no UPE flag), and to the tuner.
+            with pytest.raises(aiohttp.ClientError):
+                await (await plain).read()
+            with pytest.raises(aiohttp.ClientPayloadError):
+                await streamed.text()
             streamed.close()
 
     asyncio.run(main())
+
+
+def test_a_slowdown_set_back_applies_to_the_step_under_way():
+    """Chaos: a replica slowed 2000x and set back to 1 finished its step at the old factor
+    (20 s for a prompt that takes a tenth of a second)."""
+    profile = get_profile("h100-llama3-8b")
+    slow_s = 2000 * profile.step_time_s(4000, 0, 4000)
+
+    async def fn(srv, session):
+        srv.slowdown = 2000.0
+        url = srv.url + "/v1/chat/completions"
+        sent = asyncio.ensure_future(session.post(url, json=chat_body("z " * 8000,
+                                                                      max_tokens=1)))
+        # The engine model has run the step; the server holds its end for the slowed time.
+        await _until(lambda: len(srv._pending) == 1 and not srv.engine.has_work())
+        srv.slowdown = 1.0
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        resp = await asyncio.wait_for(sent, slow_s)
+        assert resp.status == 200
+        return loop.time() - start
+
+    assert slow_s > 60.0
+    assert serve(fn, profile=profile, speed=1.0) < slow_s / 4
+
+
+def test_the_engines_itl_histogram_counts_the_slowdown():
+    """What a router reads of a slowed replica's decoding: its clients' inter-token gaps, not
+    the unslowed step (61 ms seen, 6 ms reported at 10x)."""
+    profile = get_profile("h100-llama3-8b")
+
+    def itl(slowdown: float) -> float:
+        async def fn(srv, session):
+            srv.slowdown = slowdown
+            async with session.post(srv.url + "/v1/chat/completions",
+                                    json=chat_body("hi", max_tokens=20)) as resp:
+                await resp.read()
+            return srv.engine._itl_sum / srv.engine._itl_count
+
+        return serve(fn, profile=profile, speed=20.0)
+
+    assert itl(10.0) == pytest.approx(10 * itl(1.0), rel=0.05)
+
+
+def test_a_request_naming_no_model_is_served_as_vllm_serves_it():
+    """vLLM takes a missing or empty `model` as its served model (the router sends such a
+    request to a one-model fleet's replicas); a wrong name is still a 404."""
+    async def fn(srv, session):
+        url = srv.url + "/v1/chat/completions"
+        statuses = []
+        for model in (None, "", "other"):
+            body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+            if model is not None:
+                body["model"] = model
+            async with session.post(url, json=body) as resp:
+                statuses.append(resp.status)
+        return statuses
+
+    assert serve(fn, served=(MODEL,), flavor="vllm") == [200, 200, 404]
+
+
+def test_a_body_over_the_engines_limit_is_a_json_413(monkeypatch):
+    monkeypatch.setattr(engine_server, "MAX_BODY_BYTES", 1024)
+
+    async def fn(srv, session):
+        async with session.post(srv.url + "/v1/chat/completions",
+                                json=chat_body("x" * 4096)) as resp:
+            return resp.status, error_of(await resp.json())
+
+    status, err = serve(fn)
+    assert status == 413 and "1024 bytes" in err["message"]
 
 
 # -- what peer routers call ------------------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import aiohttp
@@ -89,6 +90,47 @@ def test_fleet_serves_through_links_and_obeys_controls() -> None:
             await fleet.stop()
 
     asyncio.run(asyncio.wait_for(go(), 30))
+
+
+@pytest.mark.parametrize(("action", "body", "status", "says"), [
+    ("slowdown", {"factor": "x"}, 400, "factor must be a finite number"),
+    ("slowdown", {"factor": float("inf")}, 400, "factor must be a finite number"),
+    ("slowdown", {"factor": 0}, 400, "factor must be > 0"),
+    ("fail", {"mode": "500"}, 400, "fail mode must be one of"),
+    ("partition", {"mode": "nope"}, 400, "partition mode must be one of"),
+    ("rtt", {"rtt_ms": -1}, 400, "rtt_ms must be >= 0"),
+    ("rtt", {}, 400, "missing 'rtt_ms'"),
+    ("slowdown", "not json", 400, "slowdown:"),
+    ("slowdown", [1], 400, "a JSON object"),
+    ("revive", {}, 409, "r0 is running"),
+    ("reboot", {}, 400, "unknown action"),
+])
+def test_chaos_controls_refuse_what_they_cannot_do(action: str, body: object, status: int,
+                                                    says: str) -> None:
+    """A bad value is a 400 naming it (they were bare 500s, or accepted and ignored: a fail mode
+    of "500" showed in /status and changed nothing; a factor of inf froze the replica for
+    good); reviving a running replica a 409. The replica is left as it was."""
+    async def go() -> tuple[int, str, dict]:
+        fleet = SimFleet(_spec([free_port()]))
+        await fleet.start()
+        runner = aiohttp.web.AppRunner(fleet.control_app())
+        await runner.setup()
+        site = aiohttp.web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{runner.addresses[-1][1]}/replicas/r0/{action}"
+        try:
+            async with aiohttp.ClientSession() as s:
+                data = body if isinstance(body, str) else json.dumps(body)
+                async with s.post(url, data=data) as r:
+                    return r.status, (await r.json())["error"], fleet.status()["r0"]
+        finally:
+            await runner.cleanup()
+            await fleet.stop()
+
+    got, error, after = asyncio.run(asyncio.wait_for(go(), 30))
+    assert got == status and says in error
+    assert (after["up"], after["slowdown"], after["fail_mode"], after["partition"]) == (
+        True, 1.0, None, None)
 
 
 def test_fleet_runs_one_region_on_a_bind_host() -> None:
