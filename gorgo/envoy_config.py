@@ -65,6 +65,8 @@ from gorgo.core.contract import (
     STREAM_HEADER,
     TTFT_ATTR,
     TTFT_LOG_NAME,
+    UPLOAD_ATTR,
+    UPLOAD_FORMAT,
 )
 from gorgo.core.discovery import dns_sources, refuse_clusters_file
 from gorgo.core.fleet import FleetSpec, load_fleet, read_fleet, unbracketed
@@ -360,10 +362,14 @@ def _otlp_service(token: str | None) -> dict:
 def _tracing(otlp: str | None, service_name: str, token: str | None,
              proxy_region: str) -> dict | None:
     """Envoy's span per request: the first-token time, the decision's fields and the proxy's
-    region (several proxies, one per region, export to the same collector)."""
+    region (several proxies, one per region, export to the same collector). Every request is
+    sampled, whatever its client's `traceparent` says: Envoy follows a parent's "not sampled"
+    flag (OpenTelemetry SDKs with a ratio sampler send it on most requests) unless a sampler is
+    set, and the tuner needs every routed request's span (its windows waited for them)."""
     if otlp is None:
         return None
     tags: list[dict[str, Any]] = [{"tag": TTFT_ATTR, "value": TTFT_FORMAT},
+                                  {"tag": UPLOAD_ATTR, "value": UPLOAD_FORMAT},
                                   {"tag": ATTEMPTS_ATTR, "value": ATTEMPTS_FORMAT},
                                   {"tag": PROXY_REGION_ATTR, "literal": {"value": proxy_region}}]
     tags += [{"tag": f"{SPAN_PREFIX}{k}", "value": f"%DYNAMIC_METADATA({METADATA_NAMESPACE}:{k})%"}
@@ -376,6 +382,11 @@ def _tracing(otlp: str | None, service_name: str, token: str | None,
                 "@type": _T + "envoy.config.trace.v3.OpenTelemetryConfig",
                 "grpc_service": _otlp_service(token),
                 "service_name": service_name,
+                "sampler": {
+                    "name": "envoy.tracers.opentelemetry.samplers.always_on",
+                    "typed_config": {"@type": _T + "envoy.extensions.tracers.opentelemetry"
+                                     ".samplers.v3.AlwaysOnSamplerConfig"},
+                },
             },
         },
         "custom_tags": tags,
@@ -392,8 +403,8 @@ def _ttft_log(token: str | None) -> dict:
     status is set; its first body byte follows at once for a stream) and only for a decision.
     Envoy cannot tell whether an earlier entry of the stream already carried the TTFT, so each
     open stream sends one entry per interval; the tuner counts its decision's TTFT once."""
-    attrs = {TTFT_ATTR: TTFT_FORMAT, STATUS_ATTR: "%RESPONSE_CODE%", ATTEMPTS_ATTR: ATTEMPTS_FORMAT,
-             LOG_TYPE_ATTR: "%ACCESS_LOG_TYPE%",
+    attrs = {TTFT_ATTR: TTFT_FORMAT, UPLOAD_ATTR: UPLOAD_FORMAT, STATUS_ATTR: "%RESPONSE_CODE%",
+             ATTEMPTS_ATTR: ATTEMPTS_FORMAT, LOG_TYPE_ATTR: "%ACCESS_LOG_TYPE%",
              **{f"{SPAN_PREFIX}{k}": f"%DYNAMIC_METADATA({METADATA_NAMESPACE}:{k})%"
                 for k in DECISION_FIELDS}}
     return {

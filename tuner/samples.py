@@ -37,6 +37,7 @@ from gorgo.core.contract import (
     TERM_FIELDS,
     TOKENS_MAX,
     TTFT_ATTR,
+    UPLOAD_ATTR,
     VERSION_MAX,
 )
 from gorgo.core.terms import EXCLUDED, TERMS, TTFT
@@ -229,12 +230,17 @@ def parse_attributes(attrs: dict[str, Any], start: int, end: int | None, max_ms:
                               f"no first byte, {STATUS_ATTR}={status}")
         status = status if status >= 400 else NO_FIRST_BYTE_STATUS
     assert end is not None or first_byte
-    # An error without a first byte waited at least its E2E, at most the request timeout (the
-    # route's timeout, which starts once the request is in, ends it a little past max_ms).
-    waited_ms = min((end - start) / 1e6, max_ms) if end is not None else math.nan
+    # From the request's last byte in (UPLOAD_ATTR): how fast its client sends is no part of
+    # the choice scored. An error without a first byte waited at least its E2E, at most the
+    # request timeout (the route's timeout, which starts once the request is in, ends it a
+    # little past max_ms).
+    upload_ms = _number(attrs, UPLOAD_ATTR) / 1000.0 if _present(attrs, UPLOAD_ATTR) else 0.0
+    total_ms = math.nan if end is None else max((end - start) / 1e6 - upload_ms, 0.0)
+    waited_ms = min(total_ms, max_ms)
     s = Sample(
-        ttft_ms=_number(attrs, TTFT_ATTR) / 1000.0 if first_byte else waited_ms,
-        e2e_ms=math.nan if end is None else (end - start) / 1e6 if first_byte else waited_ms,
+        ttft_ms=max(_number(attrs, TTFT_ATTR) / 1000.0 - upload_ms, 0.0) if first_byte
+        else waited_ms,
+        e2e_ms=total_ms if first_byte else waited_ms,
         status=status,
         replica=_text(attrs, SPAN_PREFIX + "replica"),
         region=_text(attrs, SPAN_PREFIX + "region"),

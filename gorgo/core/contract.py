@@ -33,6 +33,12 @@ RESPONSE_FLAGS_ATTR = "response_flags"
 # (the decision's metadata): such a request says nothing of either replica's rates or weights.
 ATTEMPTS_ATTR = "gorgo.attempts"
 ATTEMPTS_FORMAT = "%UPSTREAM_REQUEST_ATTEMPT_COUNT%"
+# Envoy's %COMMON_DURATION(DS_RX_BEG:DS_RX_END:us)% (span and TTFT log): how long the client took
+# to send its request. The router decides once the whole body is in, so no replica or weight has
+# a part in it: the tuner takes it off the TTFT and the E2E it scores (a body trickled in over
+# 2.4 s scored a replica that answered in 35 ms at 2,434 ms). Absent ("-"): none known.
+UPLOAD_ATTR = "gorgo.upload_us"
+UPLOAD_FORMAT = "%COMMON_DURATION(DS_RX_BEG:DS_RX_END:us)%"
 CUT_STREAM_FLAGS = frozenset({"UR", "UC", "UPE", "UT", "SI", "DT", "UMSDR", "LR", "OM", "DC",
                               "DPE"})
 # Envoy -> tuner, over OTLP logs: the HTTP connection manager's periodic access log sends an open

@@ -31,6 +31,7 @@ from gorgo.core.contract import (
     ROUTER_SPAN,
     TERM_FIELDS,
     TTFT_ATTR,
+    UPLOAD_ATTR,
 )
 from gorgo.core.otel import typed_attributes
 from gorgo.harness.procs import wait_for
@@ -100,6 +101,26 @@ def test_genai_attributes_have_the_conventions_names_types_and_units(
         assert 0 < ttfc < (ingress.end_time_unix_nano - ingress.start_time_unix_nano) / 1e9
     else:  # a whole answer has no first chunk
         assert GENAI_TTFC_ATTR not in typed
+
+
+def test_every_request_is_traced_whatever_its_clients_sampled_flag(stack: Stack) -> None:
+    """A client's `traceparent` saying "not sampled" (OpenTelemetry SDKs with a ratio sampler
+    send it on most requests) kept Envoy from exporting the request's span: the tuner never saw
+    its E2E (its windows under `e2e` waited for it). The span keeps the client's trace id, and
+    says how long the client took to send the request (the tuner takes it off)."""
+    trace_id = "5b" * 16
+    status, headers, _, _ = stack.post(
+        chat(PROMPT, stream=True), {"traceparent": f"00-{trace_id}-{'1c' * 8}-00"})
+    assert status == 200
+    did = headers["x-gorgo-decision-id"]
+
+    def ingress() -> list[Span]:
+        return [s for _, s in stack.sink.raw if _attrs(s).get("gorgo.decision_id") == did]
+
+    assert wait_for(lambda: ingress(), 15)
+    (span,) = ingress()
+    assert span.trace_id.hex() == trace_id
+    assert str(_attrs(span)[UPLOAD_ATTR]).isdigit()
 
 
 def test_the_router_span_is_the_decision_and_nothing_is_canceled(stack: Stack) -> None:

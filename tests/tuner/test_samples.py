@@ -10,8 +10,10 @@ from gorgo.core.contract import (
     SPAN_PREFIX,
     TERM_FIELDS,
     TTFT_ATTR,
+    UPLOAD_ATTR,
 )
 from gorgo.core.terms import EXCLUDED, TERMS, TTFT
+from tests.tuner.conftest import make_record
 from tuner.samples import (
     FOREIGN,
     MALFORMED,
@@ -19,6 +21,7 @@ from tuner.samples import (
     OUT_OF_RANGE,
     SpanDropped,
     parse_export,
+    parse_record,
     parse_span,
 )
 
@@ -42,6 +45,23 @@ def test_envoy_span_becomes_a_sample(span_builders) -> None:
                        "congestion": 3.5, "penalty": 0.0}
     assert (s.uncached_tokens, s.prompt_tokens) == (512, 1024)
     assert s.end_unix_s == pytest.approx(1_700_000_000.8125)
+
+
+@pytest.mark.parametrize(("upload", "first_byte", "duration_ms", "ttft_ms", "e2e_ms"), [
+    ("2300000", "2423456", 3112.5, 123.456, 812.5), ("-", None, 812.5, 123.456, 812.5),
+    (None, None, 812.5, 123.456, 812.5),
+    ("900000", "850000", 850.0, 0.0, 0.0)])  # an answer (an error) before the body was all in
+def test_the_clients_upload_is_taken_off_ttft_and_e2e(span_builders, upload, first_byte,
+                                                      duration_ms, ttft_ms, e2e_ms) -> None:
+    """A body trickled in over 2.4 s scored a replica that answered in 35 ms at 2,434 ms: the
+    router decides once the request is in, so no choice has a part in its upload. Span and
+    TTFT log alike."""
+    attrs, span, _ = span_builders
+    over = {k: v for k, v in ((UPLOAD_ATTR, upload), (TTFT_ATTR, first_byte)) if v is not None}
+    s = parse(span(attrs(**over), duration_ms=duration_ms))
+    assert (s.ttft_ms, s.e2e_ms) == (pytest.approx(ttft_ms), pytest.approx(e2e_ms))
+    early = parse_record(make_record(attrs(**over)), MAX_MS)
+    assert early.ttft_ms == pytest.approx(ttft_ms)
 
 
 def test_typed_attribute_values_are_accepted(span_builders) -> None:
