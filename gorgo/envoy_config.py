@@ -107,6 +107,15 @@ TOO_MANY_HEADERS_BODY = (
     '{"error":{"message":"Too many request headers.","type":"invalid_request_error",'
     '"param":null,"code":"request_header_fields_too_large"}}'
 )
+# Envoy's codec refusing a request that is not valid HTTP (a control character in a header, two
+# content-lengths, an unknown method): its details name the codec. The router's own 400s keep
+# their bodies.
+BAD_HTTP_BODY = (
+    '{"error":{"message":"The request is not valid HTTP (%RESPONSE_CODE_DETAILS%).",'
+    '"type":"invalid_request_error","param":null,"code":"bad_request"}}'
+)
+BAD_HTTP_FILTER = ("response.code == 400 && (response.code_details.startsWith('http1.') || "
+                   "response.code_details.startsWith('http2.'))")
 # Envoy's response code details when a header mutation (the router's routing headers) would take
 # the request past max_headers_count.
 HEADERS_FULL_DETAILS = "header_mutation_result_exceeds_limit"
@@ -296,8 +305,10 @@ def _routes(spec: FleetSpec, picker: bool) -> list[dict]:
         whole = on(header)
         whole["headers"].append({"name": STREAM_HEADER, "string_match": {"exact": "false"}})
         return [{"match": whole, "route": {**action, **limits,
-                                           "idle_timeout": _duration(t.request_s)}},
-                {"match": on(header), "route": {**action, **limits}}]
+                                           "idle_timeout": _duration(t.request_s)},
+                 "typed_per_filter_config": ROUTER_ON},
+                {"match": on(header), "route": {**action, **limits},
+                 "typed_per_filter_config": ROUTER_ON}]
 
     # Another method than POST on an inference path (a browser's CORS preflight, a GET) has no
     # body to route by: the fail-open replica answers it as an engine would (its CORS headers, its
@@ -329,7 +340,9 @@ def _routes(spec: FleetSpec, picker: bool) -> list[dict]:
             "route": {"cluster": spec.default_cluster, **limits},
             "typed_per_filter_config": _extproc_per_route({"overrides": {"processing_mode": mode}}),
         })
-    routes.append({"match": on(None), "route": {"cluster": spec.default_cluster, **limits}})
+    # The route every forwarded request first matches: the router is asked here.
+    routes.append({"match": on(None), "route": {"cluster": spec.default_cluster, **limits},
+                   "typed_per_filter_config": ROUTER_ON})
     # Everything else is Envoy's own 404, decided before the router is asked (ext_proc off).
     routes.append({
         "match": {"prefix": "/"},
@@ -343,9 +356,13 @@ def _routes(spec: FleetSpec, picker: bool) -> list[dict]:
 
 
 def _extproc_per_route(settings: dict[str, Any]) -> dict[str, Any]:
-    """A route's own ext_proc settings (off, or another processing mode)."""
+    """A route's own ext_proc settings (off, on, or on in another processing mode): the filter
+    is off by default, and any setting but ``disabled`` turns it on."""
     return {"envoy.filters.http.ext_proc": {
         "@type": _T + "envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute", **settings}}
+
+
+ROUTER_ON = _extproc_per_route({"overrides": {}})
 
 
 def _otlp_service(token: str | None) -> dict:
@@ -500,6 +517,11 @@ def render_bootstrap(
     t = spec.timeouts
     ext_proc = {
         "name": "envoy.filters.http.ext_proc",
+        # Off unless the route asks for it (`_extproc_per_route`): a request Envoy's codec
+        # refuses (a bad header, a bad content-length, a 70 KB header) is answered before any
+        # route, and with the filter on every stream its 400 or 431 waited for the router's
+        # response-headers call and was never written (an empty reply).
+        "disabled": True,
         "typed_config": {
             "@type": _T + "envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
             "grpc_service": {"envoy_grpc": {"cluster_name": EXTPROC_CLUSTER},
@@ -607,6 +629,16 @@ def render_bootstrap(
             "status_code": 431,
             "body_format_override": {
                 "text_format_source": {"inline_string": TOO_MANY_HEADERS_BODY},
+                "content_type": "application/json"},
+        }, {
+            "filter": {"extension_filter": {
+                "name": "envoy.access_loggers.extension_filters.cel",
+                "typed_config": {
+                    "@type": _T + "envoy.extensions.access_loggers.filters.cel.v3."
+                    "ExpressionFilter",
+                    "expression": BAD_HTTP_FILTER}}},
+            "body_format_override": {
+                "text_format_source": {"inline_string": BAD_HTTP_BODY},
                 "content_type": "application/json"},
         }]},
     }

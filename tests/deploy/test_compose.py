@@ -32,6 +32,7 @@ from gorgo.envoy_config import EXTPROC_CLUSTER, OTLP_CLUSTER, PICKER_CLUSTER, re
 from gorgo.harness.envoy_proc import envoy_binary
 from gorgo.sim.view import offset_addresses, view_doc
 from tuner.main import parse_config
+from tuner.receiver import MAX_MESSAGE_BYTES
 
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE = REPO / "docker-compose.yaml"
@@ -408,6 +409,22 @@ def _collector_ports() -> set[int]:
             for r in _collector()["receivers"].values()}
 
 
+def test_collector_exports_stay_under_the_tuners_message_limit() -> None:
+    """Envoy's span tags carry client headers (a 50 KB user-agent, a 51 KB span): each attribute
+    is cut and a batch bounded, so no client makes an export the tuner refuses whole."""
+    cfg = _collector()
+    (group,) = cfg["processors"]["transform/bound"]["trace_statements"]
+    (statement,) = group["statements"]
+    cut = int(re.fullmatch(r"truncate_all\(attributes, (\d+)\)", statement).group(1))
+    batch = cfg["processors"]["batch"]
+    assert batch["send_batch_size"] == batch["send_batch_max_size"] > 0
+    attributes = 64  # an Envoy request span has about 40: the contract's tags and Envoy's own
+    assert batch["send_batch_max_size"] * attributes * (cut + 64) < MAX_MESSAGE_BYTES
+    for name, pipeline in cfg["service"]["pipelines"].items():
+        if name.startswith("traces"):
+            assert pipeline["processors"][-2:] == ["transform/bound", "batch"], name
+
+
 def test_collector_config_is_wired(services: dict[str, Any]) -> None:
     svc = services["otel-collector"]
     config_arg = next(a for a in svc["command"] if a.startswith("--config="))
@@ -625,7 +642,10 @@ def test_dropin_envoy_validates_and_agrees_with_the_renderer() -> None:
     for key in ("request_timeout", "stream_idle_timeout", "early_header_mutation_extensions"):
         assert hcm[key] == ref_hcm[key], key
     assert hcm["route_config"]["internal_only_headers"] == list(CONTROL_HEADERS)
-    assert hcm["local_reply_config"]["mappers"] == ref_hcm["local_reply_config"]["mappers"][-1:]
+    # The 431 and the codec's 400: the router's own 413 and the upstream bodies are the fleet's.
+    assert hcm["local_reply_config"]["mappers"] == ref_hcm["local_reply_config"]["mappers"][-2:]
+    # Off by default, on where a route asks: a codec error is answered before any route.
+    assert ext["disabled"] is ref_ext["disabled"] is True
     *routes, not_found = hcm["route_config"]["virtual_hosts"][0]["routes"]
     assert [r["route"].get("cluster", r["route"].get("cluster_header")) for r in routes] == [
         PICKER_CLUSTER, PICKER_CLUSTER, CLUSTER_HEADER, CLUSTER_HEADER, "llm-a"]
@@ -637,6 +657,7 @@ def test_dropin_envoy_validates_and_agrees_with_the_renderer() -> None:
         assert r["match"]["safe_regex"] == ref_route["match"]["safe_regex"]
         assert {k: r["route"][k] for k in ("timeout", "idle_timeout")} == {
             k: ref_route["route"][k] for k in ("timeout", "idle_timeout")}
+        assert r["typed_per_filter_config"] == ref_route["typed_per_filter_config"]
     clusters, ref_clusters = _clusters(boot), _clusters(ref)
     for key in ("type", "lb_policy", "original_dst_lb_config"):
         assert clusters[PICKER_CLUSTER][key] == ref_clusters[PICKER_CLUSTER][key], key

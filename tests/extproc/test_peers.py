@@ -114,9 +114,10 @@ def test_sharing_resumes_after_the_server_restarts_with_the_closes_made_meanwhil
         assert a.state.inflight_reqs.sum() == 2 and a.outbox == []
         server = NatsProcess(server.port).start()
         assert wait_for(lambda: all(link.connected for link in links), 15)
-        assert wait_for(lambda: b.state.inflight_reqs.sum() == 1, 5) and len(b.peers) == 1
+        # Generous bounds: a loaded machine slows the reconnection's replay, never its outcome.
+        assert wait_for(lambda: b.state.inflight_reqs.sum() == 1, 20) and len(b.peers) == 1
         lt.run(route("after the restart"))
-        assert wait_for(lambda: b.state.inflight_reqs.sum() == 2, 5)
+        assert wait_for(lambda: b.state.inflight_reqs.sum() == 2, 20)
     finally:
         for link in links:
             lt.run(link.stop())

@@ -153,8 +153,8 @@ def test_the_render_holds_the_headers_until_the_body_is_answered(
     assert [m["append"]["header"]["key"] for m in mutations] == headers
     assert all("%DYNAMIC_METADATA(" in m["append"]["header"]["value"] for m in mutations)
     # A request without a body (a GET) still sends its headers, on a route of its own.
-    (get_route,) = [r for r in _routes(boot) if "typed_per_filter_config" in r
-                    and "overrides" in r["typed_per_filter_config"]["envoy.filters.http.ext_proc"]]
+    (get_route,) = [r for r in _routes(boot) if "processing_mode" in r.get(
+        "typed_per_filter_config", {}).get("envoy.filters.http.ext_proc", {}).get("overrides", {})]
     (method,) = get_route["match"]["headers"]
     assert method["string_match"] == {"exact": "POST"} and method["invert_match"]
     override = get_route["typed_per_filter_config"]["envoy.filters.http.ext_proc"]["overrides"]

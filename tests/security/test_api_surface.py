@@ -202,6 +202,26 @@ def test_headers_near_envoys_limit_get_a_clean_431(stack: LiveStack) -> None:
     assert seen[80] == 200 and seen[ENVOY_MAX_HEADERS - 2] == 431, seen
 
 
+@pytest.mark.parametrize(("head", "status", "code"), [
+    (b"POST /v1/chat/completions HTTP/1.1\r\nx-foo: a\x01b\r\n", 400, "bad_request"),
+    (b"POST /v1/chat/completions HTTP/1.1\r\ncontent-length: 5\r\n", 400, "bad_request"),
+    (b"FOO /v1/chat/completions HTTP/1.1\r\n", 400, "bad_request"),
+    (b"POST /v1/chat/completions HTTP/1.1\r\nx-big: " + b"A" * 70_000 + b"\r\n", 431,
+     "request_header_fields_too_large"),
+])
+def test_a_request_that_is_not_valid_http_gets_an_openai_style_error(
+        stack: LiveStack, head: bytes, status: int, code: str) -> None:
+    """Envoy's codec refuses these before any route; with the router's filter on every stream
+    the refusal waited for the router's response-headers call and was never written (an empty
+    reply). The router's filter is now off except on the forwarding routes."""
+    body = json.dumps(chat()).encode()
+    request = (head + b"host: gorgo\r\nconnection: close\r\ncontent-type: application/json\r\n"
+               + f"content-length: {len(body)}\r\n\r\n".encode() + body)
+    reply_head, _, reply = _raw(stack.url, request).partition(b"\r\n\r\n")
+    assert reply_head.split()[1:2] == [str(status).encode()], reply_head[:200]
+    assert is_openai_error(reply, code), reply[:200]
+
+
 def test_the_router_sees_only_the_headers_it_reads(stack: LiveStack) -> None:
     """`authorization` (and every other header) was forwarded to the router, which reads none of
     them. Envoy's ext_proc forward rules now send only what the router reads: an in-process router
