@@ -33,7 +33,7 @@ from gorgo.core.fleet import FleetError
 from gorgo.core.membership import FleetDiff
 from gorgo.core.router import Router
 from gorgo.core.weights import Weights
-from gorgo.errors import UserError
+from gorgo.errors import UserError, header_token
 
 log = logging.getLogger("gorgo.admin")
 
@@ -63,9 +63,8 @@ def load_admin_token(path: str | None, env: Mapping[str, str] = os.environ) -> s
         token = env.get(TOKEN_ENV, "").strip()
         if not token:
             return None
-    # It travels in an HTTP header, where only printable ASCII survives every client.
-    if not (token.isascii() and token.isprintable()):
-        raise AdminTokenError(f"{where}: admin token must be printable ASCII")
+    if not header_token(token):
+        raise AdminTokenError(f"{where}: admin token must be printable ASCII without spaces")
     return token
 
 

@@ -71,7 +71,7 @@ from gorgo.core.contract import (
 from gorgo.core.discovery import dns_sources, refuse_clusters_file
 from gorgo.core.fleet import FleetSpec, load_fleet, read_fleet, unbracketed
 from gorgo.envoy_typed import check_bootstrap
-from gorgo.errors import MAX_PORT, UserError
+from gorgo.errors import MAX_PORT, UserError, header_token
 
 _T = "type.googleapis.com/"
 # Only failures before any response byte: Envoy never retries once headers went downstream.
@@ -772,8 +772,9 @@ def _otlp_token(path: str | None, otlp: str | None) -> str | None:
         token = Path(path).read_text().strip()
     except OSError as exc:
         raise UserError(f"{path}: cannot read the OTLP token: {exc.strerror}") from None
-    if not token or not (token.isascii() and token.isprintable()):
-        raise UserError(f"{path}: the OTLP token must be one line of printable ASCII")
+    if not token or not header_token(token):
+        raise UserError(f"{path}: the OTLP token must be one line of printable ASCII without "
+                        "spaces")
     return token
 
 

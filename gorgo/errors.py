@@ -62,6 +62,13 @@ def positive_number(text: str) -> float:
     return value
 
 
+def header_token(token: str) -> bool:
+    """Whether a bearer token travels in an HTTP header as written: printable ASCII without
+    spaces (a tuner's router token with a newline inside passed its start and crashed its first
+    publish after READY; a space is no part of a bearer token either, RFC 6750)."""
+    return token.isascii() and token.isprintable() and " " not in token
+
+
 def bind_error(exc: OSError, what: str, hint: str) -> UserError:
     """A failed listen as a UserError: what the port was for, the OS's reason, what to do."""
     reason = os.strerror(exc.errno) if exc.errno else str(exc)  # asyncio's repeats the address

@@ -53,8 +53,8 @@ from prometheus_client.registry import Collector
 
 from gorgo import shutdown
 from gorgo.core.contract import WEIGHT_BOUNDS
-from gorgo.core.fleet import Timeouts, load_fleet
-from gorgo.errors import LOG_LEVELS, UserError, check_port
+from gorgo.core.fleet import Timeouts, http_url, load_fleet
+from gorgo.errors import LOG_LEVELS, UserError, check_port, header_token
 from tuner.calibration import CalibrationConfig
 from tuner.join import DUPLICATE, END, FIRST, Join
 from tuner.optimizer import OptimizerConfig, Tuner, config_from_mapping
@@ -105,10 +105,7 @@ def _same_url(a: str, b: str) -> bool:
         scheme = u.scheme.lower()
         return scheme, (u.hostname or ""), u.port or {"http": 80, "https": 443}.get(scheme), \
             u.path.rstrip("/")
-    try:
-        return key(a) == key(b)
-    except ValueError:  # a port urllib cannot read: the strings decide
-        return a.rstrip("/") == b.rstrip("/")
+    return key(a) == key(b)
 
 
 def _hostport(value: Any, key: str) -> tuple[str, int]:
@@ -130,15 +127,29 @@ def _read_secret(base: Path, value: Any, key: str) -> str:
         raise ConfigError(f"{key}: cannot read {path}: {exc.strerror}") from None
     if not token:
         raise ConfigError(f"{key}: {path} is empty")
+    if not header_token(token):  # else the first publish, after READY, failed with a traceback
+        raise ConfigError(f"{key}: {path} must hold one token of printable ASCII without spaces")
     return token
+
+
+def _finite(value: Any) -> float | None:
+    """``value`` as a finite float; None for anything else (inf, nan, an integer beyond a
+    float's range: math.isfinite raised OverflowError, a traceback)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    try:
+        x = float(value)
+    except OverflowError:
+        return None
+    return x if math.isfinite(x) else None
 
 
 def _positive(raw: Mapping[str, Any], key: str, default: float) -> float:
     value = raw.get(key, default)
-    if (isinstance(value, bool) or not isinstance(value, int | float) or not value > 0
-            or not math.isfinite(value)):
+    x = _finite(value)
+    if x is None or not x > 0:
         raise ConfigError(f"{key}: expected a positive number, got {value!r}")
-    return float(value)
+    return x
 
 
 def parse_config(raw: Any, base: Path) -> TunerConfig:
@@ -161,8 +172,9 @@ def parse_config(raw: Any, base: Path) -> TunerConfig:
         if not isinstance(r, Mapping) or set(r) - {"url", "token_file"}:
             raise ConfigError(f"{key}: expected {{url, token_file}}")
         url = r.get("url")
-        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
-            raise ConfigError(f"{key}.url: expected an http(s) URL, got {url!r}")
+        if not isinstance(url, str) or not http_url(url):
+            raise ConfigError(f"{key}.url: expected an http(s) URL like http://host:port, "
+                              f"got {url!r}")
         if any(_same_url(t.url, url) for t in routers):
             # two publishers to one router renumber each other's versions without end
             raise ConfigError(f"{key}.url: {url} is listed twice")
@@ -270,9 +282,15 @@ def _calibration(raw: Any) -> CalibrationConfig:
     for key, value in raw.items():
         if key not in names:
             raise ConfigError(f"calibration.{key}: unknown field (allowed: {sorted(names)})")
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ConfigError(f"calibration.{key}: expected a number, got {value!r}")
-        values[key] = int(value) if key in ("window", "min_samples") else float(value)
+        # .inf and .nan reached int() (a traceback) or passed every check
+        if key in ("window", "min_samples"):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ConfigError(f"calibration.{key}: expected an integer, got {value!r}")
+            values[key] = value
+        elif (x := _finite(value)) is None:
+            raise ConfigError(f"calibration.{key}: expected a finite number, got {value!r}")
+        else:
+            values[key] = x
     cfg = CalibrationConfig(**values)
     try:
         cfg.validate()

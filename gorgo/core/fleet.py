@@ -491,9 +491,7 @@ def _url(obj: Mapping[str, Any], key: str, path: str, default: str) -> str:
     """An http(s) URL with a host and a valid port (a URL without its scheme, or a port of
     99999, left the replica ejected for good, with no reason logged)."""
     value = _str(obj, key, path, default)
-    parts = urlsplit(value)
-    if parts.scheme not in ("http", "https") or not parts.hostname or not _port_ok(parts) \
-            or any(c.isspace() for c in value):
+    if not http_url(value):
         raise FleetError(f"{path}.{key}: expected an http(s) URL like http://host:port/path, "
                          f"got {value!r}")
     return value
@@ -552,13 +550,23 @@ def _replica(raw: Any, path: str, regions: set[str]) -> ReplicaSpec:
     )
 
 
-def _port_ok(parts: SplitResult) -> bool:
-    """Whether a URL's port, if it names one, is a number of 0 to 65535."""
+def http_url(value: str) -> bool:
+    """Whether ``value`` is an http(s) URL with a host and a valid port, without spaces (the
+    tuner took http://127.0.0.1:99999 and http:// as routers and retried them for ever)."""
     try:
-        parts.port  # noqa: B018 (urllib checks it on access)
+        parts = urlsplit(value)
+    except ValueError:  # an unclosed IPv6 bracket
+        return False
+    return (parts.scheme in ("http", "https") and bool(parts.hostname) and _port_ok(parts)
+            and not any(c.isspace() for c in value))
+
+
+def _port_ok(parts: SplitResult) -> bool:
+    """Whether a URL's port, if it names one, is a number of 1 to 65535 (0 connects nowhere)."""
+    try:
+        return parts.port != 0
     except ValueError:
         return False
-    return True
 
 
 def _cluster_name(raw: Mapping[str, Any], path: str, name: str) -> str:

@@ -224,6 +224,10 @@ def _del(path: list) -> Any:
          "fleet.replicas[0].health_url: expected an http(s) URL"),
         (_set(["replicas", 0, "metrics_url"], "http://10.0.0.9:99999/metrics"),
          "fleet.replicas[0].metrics_url: expected an http(s) URL"),
+        (_set(["replicas", 0, "metrics_url"], "http://10.0.0.9:0/metrics"),
+         "fleet.replicas[0].metrics_url: expected an http(s) URL"),  # connects nowhere
+        (_set(["replicas", 0, "health_url"], "http://[::1/health"),
+         "fleet.replicas[0].health_url: expected an http(s) URL"),  # urllib's ValueError
         # names travel in headers and Envoy's cluster names
         (_set(["replicas", 0, "name"], "a\n"), "fleet.replicas[0].name: no control characters"),
         (_set(["replicas", 0, "cluster"], " a"), "fleet.replicas[0].cluster: no control"),

@@ -229,6 +229,16 @@ def test_token_from_file_wins_over_env(tmp_path: Path) -> None:
         load_admin_token(str(tmp_path / "missing"), {})
 
 
+@pytest.mark.parametrize("token", ["a b", "a\nb", "a\tb", "t\u00f6k"])
+def test_a_token_no_header_carries_as_written_is_refused(tmp_path: Path, token: str) -> None:
+    """One check for every bearer token (gorgo.errors.header_token): the tuner sends this one."""
+    (tmp_path / "token").write_text(f"{token}\n")
+    with pytest.raises(AdminTokenError, match="printable ASCII without spaces"):
+        load_admin_token(str(tmp_path / "token"), {})
+    with pytest.raises(AdminTokenError, match="printable ASCII without spaces"):
+        load_admin_token(None, {TOKEN_ENV: token})
+
+
 def test_explain_shows_terms_without_routing() -> None:
     router = make_router()
     router.state.observe_rtt(0, 5.0)

@@ -236,6 +236,10 @@ def test_otlp_token_file_errors_are_one_line(tmp_path: Path, capsys) -> None:
     assert main(["envoy-config", str(EXAMPLE), "--otlp", "127.0.0.1:4317",
                  "--otlp-token-file", str(tmp_path / "missing")]) == 2
     assert "cannot read the OTLP token" in capsys.readouterr().err
+    (tmp_path / "spaced").write_text("s3cret token\n")  # the tuner refuses it too
+    assert main(["envoy-config", str(EXAMPLE), "--otlp", "127.0.0.1:4317",
+                 "--otlp-token-file", str(tmp_path / "spaced")]) == 2
+    assert "printable ASCII without spaces" in capsys.readouterr().err
 
 
 def _skip_spec():

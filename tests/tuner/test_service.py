@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import shutil
 import subprocess
 import threading
@@ -363,6 +364,12 @@ def test_unreadable_state_file_is_not_overwritten(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("extra", "match"), [
     ({"routers": []}, "routers"),
     ({"routers": [{"url": "ftp://x", "token_file": "admin-token"}]}, r"routers\[0\].url"),
+    # accepted, then retried for ever
+    ({"routers": [{"url": "http://127.0.0.1:99999", "token_file": "admin-token"}]},
+     r"routers\[0\].url"),
+    ({"routers": [{"url": "http://", "token_file": "admin-token"}]}, r"routers\[0\].url"),
+    ({"routers": [{"url": "http://x:0", "token_file": "admin-token"}]}, r"routers\[0\].url"),
+    ({"routers": [{"url": "http://[::1", "token_file": "admin-token"}]}, r"routers\[0\].url"),
     ({"routers": [{"url": "http://x", "token_file": "missing"}]}, r"routers\[0\].token_file"),
     ({"routers": [{"url": "http://x", "token": "inline"}]}, r"routers\[0\]"),
     ({"listen": "nowhere"}, "listen"),
@@ -372,6 +379,12 @@ def test_unreadable_state_file_is_not_overwritten(tmp_path: Path) -> None:
     ({"optimizer": {"bounds": {"queue": [0.05, 25]}}}, r"optimizer\.bounds\.queue"),
     ({"optimizer": {"bounds": {"warp": [1, 2]}}}, r"optimizer\.bounds\.warp"),
     ({"calibration": {"window": "big"}}, "calibration.window"),
+    # .inf and .nan: an OverflowError or ValueError traceback, or no check at all
+    ({"calibration": {"window": float("inf")}}, "calibration.window: expected an integer"),
+    ({"calibration": {"min_samples": float("nan")}}, "calibration.min_samples"),
+    ({"calibration": {"max_hint_factor": float("inf")}}, "calibration.max_hint_factor"),
+    ({"calibration": {"max_queue_share": 10**400}}, "calibration.max_queue_share"),
+    ({"tick_s": 10**400}, "tick_s"),
     ({"tls_cert_file": "cert.pem"}, "tls"),
     ({"tls_cert_file": "admin-token", "tls_key_file": "otlp-token"},
      "tls_cert_file: the certificate and key do not load"),
@@ -400,6 +413,26 @@ def test_config_errors_name_the_field(tmp_path: Path, extra: dict, match: str) -
 
     path = write_config(tmp_path, [Fake()], **extra)  # type: ignore[list-item]
     with pytest.raises(ConfigError, match=match):
+        load_config(path)
+
+
+@pytest.mark.parametrize("token", ["abc\ndef", "abc def", "ab\x7fc", "t\u00f6k\u00e9n"])
+@pytest.mark.parametrize("field", ["routers[0].token_file", "token_file"])
+def test_a_token_no_header_can_carry_is_refused_naming_its_field(tmp_path: Path, token: str,
+                                                                  field: str) -> None:
+    """A router token with a newline inside passed the start and crashed the first publish."""
+    class Fake:
+        url = "http://127.0.0.1:9"
+
+    path = write_config(tmp_path, [Fake()])  # type: ignore[list-item]
+    (tmp_path / "bad-token").write_text(token + "\n")
+    doc = yaml.safe_load(path.read_text())
+    if field == "token_file":
+        doc["token_file"] = "bad-token"
+    else:
+        doc["routers"][0]["token_file"] = "bad-token"
+    path.write_text(yaml.safe_dump(doc))
+    with pytest.raises(ConfigError, match=rf"^{re.escape(field)}: .*printable ASCII"):
         load_config(path)
 
 
