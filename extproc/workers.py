@@ -64,15 +64,13 @@ from prometheus_client.parser import text_string_to_metric_families
 from extproc.admin import DOCUMENT_MAX_BYTES, WEIGHTS_MAX_BYTES, Invalid, authorize, read_body
 from extproc.telemetry import log_event
 from gorgo import shutdown
-from gorgo.core.contract import WEIGHT_BOUNDS
+from gorgo.core.contract import WEIGHT_BOUNDS, WORKER_READ_TIMEOUT_S, WORKER_WRITE_TIMEOUT_S
 from gorgo.core.fleet import FleetError, Limits, load_fleet
 from gorgo.errors import UserError, bind_error, check_port
 
 log = logging.getLogger("gorgo.workers")
 READY_TIMEOUT_S = 60.0  # a worker imports, loads the fleet and binds within this
 STOP_GRACE_S = 10.0  # beyond the workers' own --drain-s
-READ_TIMEOUT_S = 3.0  # a worker's /metrics, /readyz or admin read: a hung one is left out
-WRITE_TIMEOUT_S = 10.0  # an admin change (a reload, weights) a worker applies
 BODY_READ_S = 10.0  # an admin call's whole body, before the supervisor acts on it (else a 408)
 BACKOFF_BASE_S = 0.5
 BACKOFF_MAX_S = 10.0
@@ -365,11 +363,12 @@ class Supervisor:
     async def _send(self, w: Worker, method: str, path: str, body: bytes | None = None,
                     headers: dict[str, str] | None = None) -> tuple[int, bytes]:
         """One worker's answer (status, body); 503 when it cannot be reached, or does not
-        answer a read within READ_TIMEOUT_S (a hung worker must not hold every scrape) or a
-        change within WRITE_TIMEOUT_S."""
+        answer a read within WORKER_READ_TIMEOUT_S (a hung worker must not hold every scrape) or
+        a change within WORKER_WRITE_TIMEOUT_S."""
         assert self._session is not None
         read = method == "GET" or path.startswith("/admin/explain")
-        timeout = aiohttp.ClientTimeout(total=READ_TIMEOUT_S if read else WRITE_TIMEOUT_S)
+        timeout = aiohttp.ClientTimeout(total=WORKER_READ_TIMEOUT_S if read
+                                        else WORKER_WRITE_TIMEOUT_S)
         try:
             async with self._session.request(method, w.url + path, data=body,
                                              headers=headers or {}, timeout=timeout) as r:

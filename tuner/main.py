@@ -20,6 +20,7 @@ Config (YAML; relative paths are relative to the config file)::
     state_file: tuner-state.json
     routers:
       - {url: "http://127.0.0.1:50052", token_file: admin-token}
+    publish_timeout_s: 12             # per router request: PUBLISH_TIMEOUT_S
     initial_weights: {rtt: 1.0, queue: 1.0}   # optional, every weight key; default: the
                                               # first router's live weights
     seed: 0
@@ -38,6 +39,8 @@ import contextlib
 import json
 import logging
 import math
+import os
+import signal
 import ssl
 from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass, field, fields
@@ -52,8 +55,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from gorgo import shutdown
-from gorgo.core.contract import WEIGHT_BOUNDS
-from gorgo.core.fleet import Timeouts, http_url, load_fleet
+from gorgo.core.contract import WEIGHT_BOUNDS, WORKER_WRITE_TIMEOUT_S
+from gorgo.core.fleet import Timeouts, http_url, load_fleet, unbracketed
 from gorgo.errors import LOG_LEVELS, UserError, check_port, header_token
 from tuner.calibration import CalibrationConfig
 from tuner.join import DUPLICATE, END, FIRST, Join
@@ -61,7 +64,7 @@ from tuner.optimizer import OptimizerConfig, Tuner, config_from_mapping
 from tuner.publisher import Publisher, RouterTarget
 from tuner.receiver import LOG_PREFIX, REJECTED, ExportLimits, TraceReceiver
 from tuner.samples import DROP_REASONS, Sample
-from tuner.state_store import StateError, load_state, save_state
+from tuner.state_store import StateError, load_state, lock_state, save_state
 
 log = logging.getLogger("gorgo.tuner")
 MAX_RENUMBERS_PER_TICK = 3
@@ -74,6 +77,10 @@ EARLY_TTFT, LATE_TTFT, ENDS_JOINED, DUPLICATES = ("early_ttft", "late_ttft", "en
 ROUTER_RETRY_S = 1.0
 ROUTER_WAIT_LOG_S = 30.0
 JOIN_SLACK_S = 30.0  # beyond the request timeout: Envoy's export buffering and retries
+# Above `gorgo extproc --workers`' wait for a hung worker (3 s for a read, 10 s for a change):
+# the supervisor answers once it gives up on the worker, and a tuner that gave up first (at the
+# former 2 s) lost that router's census.
+PUBLISH_TIMEOUT_S = WORKER_WRITE_TIMEOUT_S + 2.0
 
 
 class ConfigError(UserError, ValueError):
@@ -93,7 +100,7 @@ class TunerConfig:
     seed: int = 0
     tick_s: float = 0.5
     log_every_s: float = 30.0
-    publish_timeout_s: float = 2.0
+    publish_timeout_s: float = PUBLISH_TIMEOUT_S
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
 
@@ -114,7 +121,7 @@ def _hostport(value: Any, key: str) -> tuple[str, int]:
     host, sep, port = value.rpartition(":")
     if not sep or not host or not port.isdigit() or int(port) > 65535:
         raise ConfigError(f"{key}: expected HOST:PORT, got {value!r}")
-    return host.strip("[]"), int(port)
+    return unbracketed(host), int(port)
 
 
 def _read_secret(base: Path, value: Any, key: str) -> str:
@@ -257,7 +264,7 @@ def parse_config(raw: Any, base: Path) -> TunerConfig:
         initial_weights=initial,
         seed=seed, tick_s=_positive(raw, "tick_s", 0.5),
         log_every_s=_positive(raw, "log_every_s", 30.0),
-        publish_timeout_s=_positive(raw, "publish_timeout_s", 2.0),
+        publish_timeout_s=_positive(raw, "publish_timeout_s", PUBLISH_TIMEOUT_S),
         optimizer=optimizer, calibration=calibration,
     )
 
@@ -340,6 +347,7 @@ class _StatusCollector(Collector):
                                      "Exports refused for a missing or wrong token")
         unauth.add_metric([], counts.get("unauthenticated", 0))
         yield unauth
+        yield from self._routers()
         t = self.service.tuner
         w = GaugeMetricFamily("gorgo_tuner_incumbent_weight", "Incumbent weights", labels=["term"])
         for key, value in t.incumbent.items():
@@ -360,6 +368,25 @@ class _StatusCollector(Collector):
         ev.add_metric(["true"], t.accepted)
         ev.add_metric(["false"], t.evaluations - t.accepted)
         yield ev
+
+    def _routers(self) -> Iterator[Any]:
+        """Each router's publishing state, labelled by its URL (the config's routers: a bounded
+        set). A router refusing every publish was logged once and then showed nowhere."""
+        behind = {r["url"] for r in self.service.behind()}
+        acked = GaugeMetricFamily("gorgo_tuner_router_acked_version", "Version each router "
+                                  "last acknowledged (-1: none yet)", labels=["router"])
+        late = GaugeMetricFamily("gorgo_tuner_router_behind", "1 while a router has not "
+                                 "acknowledged the active version", labels=["router"])
+        done = CounterMetricFamily("gorgo_tuner_publishes", "Publishes each router accepted",
+                                   labels=["router"])
+        failed = CounterMetricFamily("gorgo_tuner_publish_failures", "Publishes each router "
+                                     "refused or did not answer", labels=["router"])
+        for r in self.service.publisher.status():
+            acked.add_metric([r["url"]], r["acked_version"])
+            late.add_metric([r["url"]], float(r["url"] in behind))
+            done.add_metric([r["url"]], r["published"])
+            failed.add_metric([r["url"]], r["failed"])
+        yield from (acked, late, done, failed)
 
 
 def _fmt(weights: Mapping[str, float]) -> str:
@@ -415,6 +442,7 @@ class TunerService:
         self.ticks = 0
         self._saved = -1
         self._loaded = False  # never overwrite a state file this process could not read
+        self._lock: int | None = None  # lock_state's descriptor while this service runs
         self._http: web.AppRunner | None = None
         self._busy = asyncio.Lock()
         self._held: list[tuple[str, Sample]] = []  # (join kind, sample) while the tuner is busy
@@ -510,18 +538,30 @@ class TunerService:
             waited += ROUTER_RETRY_S
 
     def save(self) -> None:
+        """The state, if it changed; a StateError naming the file if it cannot be written."""
         if self._loaded and self.tuner.revision != self._saved:
             save_state(self.cfg.state_file, self.tuner.snapshot())
             self._saved = self.tuner.revision
 
     async def start(self, stop: asyncio.Event | None = None) -> None:
-        """Take the tuner's start (its state, or the routers' weights: a fresh start without
-        `initial_weights` waits for a router; ``stop`` ends that wait) and open the ports."""
+        """Lock the state file, take the tuner's start (its state, or the routers' weights: a
+        fresh start without `initial_weights` waits for a router; ``stop`` ends that wait) and
+        open the ports."""
+        self._lock = lock_state(self.cfg.state_file)
+        for key in ("listen", "status_listen"):
+            value = getattr(self.cfg, key)
+            if value is not None:
+                host, port = _hostport(value, key)
+                check_port(host, port, f"{key} {value}", f"free it or change {key} in the config")
         await self.publisher.__aenter__()
         self.tuner = await self._initial_tuner(stop)
         self._follow()  # a replica removed from the fleet file since the state was saved
         self._loaded = True
-        self.save()
+        try:
+            self.save()
+        except StateError:
+            self._loaded = False  # the stop would only fail (and say so) once more
+            raise
         host, port = _hostport(self.cfg.listen, "listen")
         self.otlp_port = await self.receiver.start(host, port, self.cfg.tls)
         if self.cfg.status_listen is not None:
@@ -532,11 +572,19 @@ class TunerService:
             self.status_port = self._http.addresses[-1][1]
 
     async def stop(self) -> None:
+        """Close the ports, save the state and release its lock. A failing save is logged:
+        raised here, it came with a second traceback (stop runs in the start's error path)."""
         await self.receiver.stop()
         if self._http is not None:
             await self._http.cleanup()
         await self.publisher.__aexit__()
-        self.save()
+        try:
+            self.save()
+        except StateError as exc:
+            log.error("final save failed: %s", exc)
+        if self._lock is not None:
+            os.close(self._lock)
+            self._lock = None
 
     def _status_app(self) -> web.Application:
         registry = CollectorRegistry(auto_describe=True)
@@ -640,30 +688,46 @@ class TunerService:
             log.info("a router holds version %d: republishing as v%d", floor,
                      renumbered.weights.version if renumbered else -1)
 
+    def behind(self) -> list[dict[str, Any]]:
+        """`Publisher.status` of each router that has not acknowledged the active version."""
+        active = self.tuner.active
+        if active is None:
+            return []
+        return [r for r in self.publisher.status()
+                if r["acked_version"] < active.weights.version]
+
     def log_status(self) -> None:
         """A line every ``log_every_s``, from the tuner's fields: not `Tuner.status()`, which
-        also fits every replica's calibration window (`PrefillCalibrator.report`)."""
+        also fits every replica's calibration window (`PrefillCalibrator.report`); and one
+        for each router behind, for as long as it is (the publisher says a failure once)."""
         t = self.tuner
         c = self.receiver.counts
+        version = None if t.active is None else t.active.weights.version
         log.info("status: %s v%s, incumbent %s, sigma=%.3g, %d/%d accepted; "
                  "spans %d, samples %d, dropped %s",
-                 t.phase, None if t.active is None else t.active.weights.version,
+                 t.phase, version,
                  _fmt(t.incumbent), t.sigma, t.accepted, t.evaluations,
                  c.get("spans", 0), c.get("samples", 0),
                  {r: c.get(r, 0) for r in DROP_REASONS})
+        for r in self.behind():
+            acked = f"v{r['acked_version']}" if r["acked_version"] >= 0 else "no version"
+            log.warning("status: %s is behind: it acknowledged %s, not v%d (%d publishes "
+                        "failed; last: %s)", r["url"], acked, version, r["failed"],
+                        r["error"] or "none")
 
 
 async def serve(cfg: TunerConfig) -> int:
-    """Run until SIGTERM/SIGINT (0); a bad state file or a port in use is a UserError."""
-    for key in ("listen", "status_listen"):
-        value = getattr(cfg, key)
-        if value is not None:
-            host, port = _hostport(value, key)
-            check_port(host, port, f"{key} {value}", f"free it or change {key} in the config")
+    """Run until SIGTERM/SIGINT (0); a bad state file, one another tuner holds or a port in use
+    is a UserError."""
     service = TunerService(cfg)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     shutdown.on_stop(stop.set)
+    # Operators send SIGHUP to reload `gorgo extproc`; its default action ended the tuner
+    # silently (rc 129) without its final save.
+    with contextlib.suppress(NotImplementedError, RuntimeError):  # not the main thread
+        loop.add_signal_handler(signal.SIGHUP, log.info,
+                                "SIGHUP ignored: the tuner reads its config only at start")
     try:
         await service.start(stop)
     except (OSError, RuntimeError) as exc:  # a port taken since the check (gRPC: RuntimeError)
@@ -679,7 +743,7 @@ async def serve(cfg: TunerConfig) -> int:
             now = loop.time()
             try:
                 await service.tick(now)
-            except OSError as exc:
+            except (OSError, StateError) as exc:  # published nothing: tried again next tick
                 log.error("tick failed: %s", exc)
             if now - last_log >= cfg.log_every_s:
                 service.log_status()

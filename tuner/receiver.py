@@ -32,6 +32,7 @@ from google.protobuf.message import DecodeError
 from opentelemetry.proto.collector.logs.v1 import logs_service_pb2, logs_service_pb2_grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
+from gorgo.core.fleet import host_port
 from tuner.samples import Sample, count_records, count_spans, parse_export
 
 log = logging.getLogger("gorgo.tuner.receiver")
@@ -225,7 +226,7 @@ class TraceReceiver(trace_service_pb2_grpc.TraceServiceServicer):
             ])
         trace_service_pb2_grpc.add_TraceServiceServicer_to_server(self, self._server)
         logs_service_pb2_grpc.add_LogsServiceServicer_to_server(_LogsServicer(self), self._server)
-        address = f"{host}:{port}"
+        address = host_port(host, port)  # an IPv6 host in brackets: "::1:0" failed to bind
         if tls is None:
             self.port = self._server.add_insecure_port(address)
         else:

@@ -2,7 +2,8 @@
 
 A half-written file would lose the version counter, and a restarted tuner would then reissue
 versions the routers already hold (they refuse those with 409). So the JSON goes to a temporary
-file in the same directory, is fsynced, and replaces the old file with one rename.
+file in the same directory, is fsynced, and replaces the old file with one rename. One tuner at a
+time writes it: each holds a lock on ``<state_file>.lock`` while it runs (`lock_state`).
 
 A state file is trusted no more than a span: every field the tuner resumes from is checked when it
 is loaded (`check_state`): weights within the contract's bounds, rates within its rate bounds, a
@@ -15,6 +16,7 @@ the tuner stops rather than publish from it. A replica the routers no longer kno
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import math
 import os
@@ -35,23 +37,51 @@ P95_KEYS = ("incumbent_p95", "last_good_p95", "baseline_p95")
 LONGEST_TIMEOUT_MS = 1000.0 * MAX_INT  # timeouts.request_s is at most 2^53 s
 
 class StateError(UserError, ValueError):
-    """The state file exists but cannot be used; the message names the file."""
+    """The state file cannot be used (read, trusted, written or locked); the message names
+    the file."""
+
+
+def lock_state(path: str | Path) -> int:
+    """An exclusive lock on ``<path>.lock``, held while the returned descriptor is open (the
+    process's life: the kernel drops it however the process ends). Two tuners on one state file
+    each renumbered above the other's versions: a router went from v1 to v61 in 6 s."""
+    path = Path(path)
+    lock = path.with_name(path.name + ".lock")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise StateError(f"{path}: cannot create its lock file: {exc.strerror}: "
+                         f"{exc.filename}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        raise StateError(f"{path}: another tuner holds {lock}; stop it, or give this one a "
+                         "state_file of its own") from None
+    return fd
 
 
 def save_state(path: str | Path, state: dict[str, Any]) -> None:
+    """Write ``state`` atomically; a StateError naming ``path`` if the file system refuses."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     text = json.dumps(state, indent=1, sort_keys=True, allow_nan=False)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as exc:
+        raise StateError(f"{path}: cannot write the state file: {exc.strerror}") from None
     try:
         with os.fdopen(fd, "w") as fh:
             fh.write(text)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
+        if isinstance(exc, OSError):
+            raise StateError(f"{path}: cannot write the state file: {exc.strerror}") from None
         raise
     with contextlib.suppress(OSError):  # make the rename itself durable where the OS allows
         dir_fd = os.open(path.parent, os.O_RDONLY)

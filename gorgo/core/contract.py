@@ -144,6 +144,12 @@ VERSION_MAX = 2**63 - 1  # versions are int64 everywhere (Prometheus, JSON, Envo
 # A decision's prompt and uncached tokens as spans carry them: far above any context window, low
 # enough that a forged count cannot dwarf every real one in the tuner's fits.
 TOKENS_MAX = 1 << 30
+# How long `gorgo extproc --workers`' supervisor waits for a worker before it leaves the worker
+# out of the answer: a read (/metrics, /readyz, an admin GET) and a change (a reload, weights).
+# The tuner waits longer for a router's answer (tuner.main.PUBLISH_TIMEOUT_S): a tuner that gave
+# up first (its former 2 s) lost the router's census while one worker hung.
+WORKER_READ_TIMEOUT_S = 3.0
+WORKER_WRITE_TIMEOUT_S = 10.0
 
 
 def decision_fields(

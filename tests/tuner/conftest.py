@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Callable
 from typing import Any
 
@@ -75,6 +76,16 @@ def make_export(spans: list[Span]) -> ExportTraceServiceRequest:
     req = ExportTraceServiceRequest()
     req.resource_spans.add().scope_spans.add().spans.extend(spans)
     return req
+
+
+def ipv6_loopback() -> bool:
+    """Whether this host can bind ::1 (a container may have no IPv6)."""
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
 
 
 @pytest.fixture

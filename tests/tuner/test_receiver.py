@@ -13,6 +13,8 @@ import grpc
 import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
 
+from gorgo.core.fleet import host_port
+from tests.tuner.conftest import ipv6_loopback
 from tuner.receiver import REJECTED, ExportLimits, TraceReceiver
 from tuner.samples import Sample
 
@@ -20,12 +22,13 @@ LIMITS = ExportLimits(max_ms=600_000.0)
 
 
 def export_through(receiver: TraceReceiver, request, *, metadata=None, creds=None,
-                   tls: tuple[bytes, bytes] | None = None) -> grpc.StatusCode:
+                   tls: tuple[bytes, bytes] | None = None,
+                   host: str = "127.0.0.1") -> grpc.StatusCode:
     """Start the receiver, send one Export, stop it; returns the call's status code."""
 
     async def go() -> grpc.StatusCode:
-        await receiver.start("127.0.0.1", 0, tls)
-        target = f"127.0.0.1:{receiver.port}"
+        await receiver.start(host, 0, tls)
+        target = host_port(host, receiver.port)
         channel = (grpc.aio.insecure_channel(target) if creds is None
                    else grpc.aio.secure_channel(target, creds))
         try:
@@ -51,6 +54,16 @@ def test_samples_reach_the_callback_and_drops_are_counted(span_builders) -> None
     assert [s.decision_id for s in got] == ["d0", "d1", "d2", "d3"]
     assert rx.counts["samples"] == 4 and rx.counts["spans"] == 6
     assert rx.counts["foreign"] == 1 and rx.counts["malformed"] == 1
+
+
+@pytest.mark.skipif(not ipv6_loopback(), reason="no IPv6 loopback")
+def test_an_ipv6_host_is_bound(span_builders) -> None:
+    """`listen: "[::1]:0"` failed "Failed to bind to address ::1:0": gRPC wants brackets."""
+    attrs, span, export = span_builders
+    got: list[Sample] = []
+    rx = TraceReceiver(got.extend, None, LIMITS)
+    assert export_through(rx, export([span(attrs())]), host="::1") == grpc.StatusCode.OK
+    assert len(got) == 1
 
 
 def test_a_failing_callback_does_not_fail_the_export(span_builders) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import re
 import shutil
 import subprocess
@@ -23,11 +24,13 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
 
 from extproc.http_api import make_app
 from extproc.telemetry import RouterMetrics
+from gorgo.core.contract import WORKER_READ_TIMEOUT_S, WORKER_WRITE_TIMEOUT_S
 from gorgo.core.fleet import parse_fleet
 from gorgo.core.router import Router
 from gorgo.core.weights import Weights
 from gorgo.errors import UserError
 from gorgo.harness.procs import free_port
+from tests.tuner.conftest import ipv6_loopback
 from tuner.main import ConfigError, TunerService, load_config
 from tuner.optimizer import KEYS, OptimizerConfig, Proposal
 from tuner.publisher import Publisher, RouterTarget
@@ -436,6 +439,17 @@ def test_a_token_no_header_can_carry_is_refused_naming_its_field(tmp_path: Path,
         load_config(path)
 
 
+def test_the_publish_timeout_outlasts_the_worker_supervisors(tmp_path: Path) -> None:
+    """`gorgo extproc --workers` answers once it gives up on a hung worker (3 s for a read, 10 s
+    for a change); a tuner that gave up first (at 2 s) lost that router's census."""
+    class Fake:
+        url = "http://127.0.0.1:9"
+
+    cfg = load_config(write_config(tmp_path, [Fake()]))  # type: ignore[list-item]
+    assert cfg.publish_timeout_s > WORKER_WRITE_TIMEOUT_S >= WORKER_READ_TIMEOUT_S
+    assert TunerService(cfg).publisher.timeout_s == cfg.publish_timeout_s
+
+
 def test_config_defaults(tmp_path: Path) -> None:
     class Fake:
         url = "http://127.0.0.1:9/"
@@ -608,4 +622,117 @@ def test_a_stop_while_waiting_for_a_router_saves_nothing(tmp_path: Path) -> None
             await asyncio.wait_for(starting, 10)
         await svc.stop()
         assert not cfg.state_file.exists()
+    run(body)
+
+
+@pytest.mark.skipif(not ipv6_loopback(), reason="no IPv6 loopback")
+def test_listen_and_status_listen_take_an_ipv6_address(tmp_path: Path, span_builders) -> None:
+    """`listen: "[::1]:0"` failed to start: "Failed to bind to address ::1:0"."""
+    async def body() -> None:
+        a = RouterApp()
+        await a.start()
+        cfg = load_config(write_config(tmp_path, [a], listen="[::1]:0", status_listen="[::1]:0"))
+        svc = TunerService(cfg)
+        await svc.start()
+        try:
+            attrs, span, export = span_builders
+            async with grpc.aio.insecure_channel(f"[::1]:{svc.otlp_port}") as ch:
+                stub = trace_service_pb2_grpc.TraceServiceStub(ch)
+                await stub.Export(export([span(attrs())]), metadata=AUTH, timeout=5)
+            status, doc = await get_json(f"http://[::1]:{svc.status_port}/status")
+            assert status == 200 and doc["receiver"]["spans"] == 1
+        finally:
+            await svc.stop()
+            await a.stop()
+
+    run(body)
+
+
+def test_a_router_behind_shows_per_router_and_in_every_status_line(tmp_path: Path,
+                                                                   caplog) -> None:
+    """A router refusing every publish (a rotated token) was logged once, then never again, and
+    /metrics had nothing per router."""
+    async def body() -> None:
+        a, b = RouterApp(), RouterApp()
+        await a.start()
+        await b.start()
+        path = write_config(tmp_path, [a, b])
+        (tmp_path / "stale-token").write_text("old-token\n")
+        doc = yaml.safe_load(path.read_text())
+        doc["routers"][1]["token_file"] = "stale-token"
+        path.write_text(yaml.safe_dump(doc))
+        svc = TunerService(load_config(path))
+        await svc.start()
+        try:
+            await svc.tick(0.0)
+            v = svc.tuner.active.weights.version
+            assert a.weights.version == v and b.weights.version == 0
+            _, text = await get_json(f"http://127.0.0.1:{svc.status_port}/metrics")
+            for name, value_a, value_b in (
+                ("gorgo_tuner_router_acked_version", v, -1),
+                ("gorgo_tuner_router_behind", 0, 1),
+                ("gorgo_tuner_publishes_total", 1, 0),
+                ("gorgo_tuner_publish_failures_total", 0, 1),
+            ):
+                assert f'{name}{{router="{a.url}"}} {float(value_a)}' in text
+                assert f'{name}{{router="{b.url}"}} {float(value_b)}' in text
+            caplog.set_level(logging.INFO, logger="gorgo.tuner")
+            for _ in range(2):  # every status line, not the first failure alone
+                caplog.clear()
+                svc.log_status()
+                behind = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+                assert len(behind) == 1 and b.url in behind[0]
+                assert f"acknowledged no version, not v{v}" in behind[0]
+                assert "missing or wrong bearer token" in behind[0]
+        finally:
+            await svc.stop()
+            await a.stop()
+            await b.stop()
+
+    run(body)
+
+
+def test_a_final_save_that_fails_is_logged_not_raised(tmp_path: Path, caplog) -> None:
+    """The stop's save raised a second traceback over the first (the stop runs in the start's
+    error path); at SIGTERM the failure is a log line."""
+    async def body() -> None:
+        a = RouterApp()
+        await a.start()
+        cfg = load_config(write_config(tmp_path, [a]))
+        svc = TunerService(cfg)
+        await svc.start()
+        await svc.tick(0.0)
+        svc.tuner.renumber(svc.tuner.active.weights.version)  # a change to save
+        state_dir = cfg.state_file.parent
+        state_dir.rename(tmp_path / "moved")
+        state_dir.write_text("a file where the state directory was")
+        with caplog.at_level(logging.ERROR, logger="gorgo.tuner"):
+            await svc.stop()
+        assert [r.getMessage() for r in caplog.records] == [
+            f"final save failed: {cfg.state_file}: cannot write the state file: File exists"]
+        await a.stop()
+
+    run(body)
+
+
+def test_a_state_file_that_cannot_be_written_at_start_is_one_error(tmp_path: Path,
+                                                                   monkeypatch, caplog) -> None:
+    """The start's save failed, then the stop's save failed again inside the error handler:
+    two tracebacks. Now one StateError naming the file, and the stop does not try again."""
+    def full(path: Path, _: Any) -> None:
+        raise StateError(f"{path}: cannot write the state file: No space left on device")
+
+    async def body() -> None:
+        a = RouterApp()
+        await a.start()
+        cfg = load_config(write_config(tmp_path, [a]))
+        monkeypatch.setattr("tuner.main.save_state", full)
+        svc = TunerService(cfg)
+        with pytest.raises(StateError, match=re.escape(str(cfg.state_file))):
+            await svc.start()
+        with caplog.at_level(logging.ERROR, logger="gorgo.tuner"):
+            await svc.stop()
+        assert not caplog.records
+        await a.stop()
+
     run(body)
