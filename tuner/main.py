@@ -62,7 +62,7 @@ from tuner.calibration import CalibrationConfig
 from tuner.join import DUPLICATE, END, FIRST, Join
 from tuner.optimizer import OptimizerConfig, Tuner, config_from_mapping
 from tuner.publisher import Publisher, RouterTarget
-from tuner.receiver import LOG_PREFIX, REJECTED, ExportLimits, TraceReceiver
+from tuner.receiver import LOG_PREFIX, REFUSED_REASONS, REJECTED, ExportLimits, TraceReceiver
 from tuner.samples import DROP_REASONS, Sample
 from tuner.state_store import StateError, load_state, lock_state, save_state
 
@@ -347,6 +347,11 @@ class _StatusCollector(Collector):
                                      "Exports refused for a missing or wrong token")
         unauth.add_metric([], counts.get("unauthenticated", 0))
         yield unauth
+        refused = CounterMetricFamily("gorgo_tuner_refused_exports", "Authenticated exports "
+                                      "refused unread, by reason", labels=["reason"])
+        for reason in REFUSED_REASONS:
+            refused.add_metric([reason], counts.get(reason, 0))
+        yield refused
         yield from self._routers()
         t = self.service.tuner
         w = GaugeMetricFamily("gorgo_tuner_incumbent_weight", "Incumbent weights", labels=["term"])

@@ -12,9 +12,12 @@ loopback.
 What one sender can cost is bounded: an export is parsed on the tuner's only event loop, so at most
 ``max_spans`` of its spans are parsed and at most ``spans_per_s`` per second over all exports (a
 token bucket holding one export's worth); the spans beyond are rejected with OTLP's partial success,
-which senders do not retry. Log records get the same limits in a bucket of their own, and their
-counters carry the prefix ``log_``. Each export gets a number that its samples carry
-(``Sample.source``), so that no single export can fill a window or a calibration fit on its own.
+which senders do not retry. An export of more containers than any sender's
+(`tuner.samples.MAX_CONTAINERS`) is refused unread, and a span of too many attributes is dropped
+unread (`tuner.samples.MAX_ATTRIBUTES`). Log records get the same limits in a bucket of their
+own, and their counters carry the prefix ``log_``. Each export gets a number that its samples
+carry (``Sample.source``), so that no single export can fill a window or a calibration fit on its
+own.
 """
 
 from __future__ import annotations
@@ -33,18 +36,22 @@ from opentelemetry.proto.collector.logs.v1 import logs_service_pb2, logs_service
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
 from gorgo.core.fleet import host_port
-from tuner.samples import Sample, count_records, count_spans, parse_export
+from tuner.samples import Oversized, Sample, count_records, count_spans, parse_export
 
 log = logging.getLogger("gorgo.tuner.receiver")
 MAX_MESSAGE_BYTES = 8 * 1024 * 1024  # an Envoy span is ~1 KB: room for max_spans and more
 REJECTED = "rejected"  # spans over the per-export or per-second limit, never parsed
+# Authenticated exports refused unread (INVALID_ARGUMENT, which senders do not retry): not a
+# message, or one holding more containers than any sender's (tuner.samples.Oversized)
+UNPARSABLE, OVERSIZED = "unparsable", "oversized"
+REFUSED_REASONS = (UNPARSABLE, OVERSIZED)
 LOG_PREFIX = "log_"  # the TTFT log's counters: log_exports, log_records, log_samples, ...
 
 
 @dataclass(frozen=True, slots=True)
 class ExportLimits:
     max_ms: float  # the fleet's request timeout: no TTFT or E2E beyond it is a sample
-    max_spans: int = 5000  # spans parsed per export (~0.1 s of the event loop)
+    max_spans: int = 5000  # spans parsed per export (0.15 to 0.5 s of the event loop)
     spans_per_s: float = 2000.0  # spans parsed per second, over all exports
 
     def validate(self) -> None:
@@ -125,7 +132,7 @@ class _TokenCheck(grpc.aio.ServerInterceptor):
 
         async def checked(request: Any, context: grpc.aio.ServicerContext) -> Any:
             if request is _UNPARSABLE:
-                counts["unparsable"] += 1
+                counts[UNPARSABLE] += 1
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                     "not an OTLP export message")
             return await call(request, context)
@@ -165,7 +172,7 @@ class TraceReceiver(trace_service_pb2_grpc.TraceServiceServicer):
         self, request: trace_service_pb2.ExportTraceServiceRequest,
         context: grpc.aio.ServicerContext,
     ) -> trace_service_pb2.ExportTraceServiceResponse:
-        rejected = await self._export(request, count_spans(request), self._spans, context, "")
+        rejected = await self._export(request, count_spans, self._spans, context, "")
         if rejected:
             return trace_service_pb2.ExportTraceServiceResponse(
                 partial_success=trace_service_pb2.ExportTracePartialSuccess(
@@ -178,7 +185,7 @@ class TraceReceiver(trace_service_pb2_grpc.TraceServiceServicer):
     ) -> logs_service_pb2.ExportLogsServiceResponse:
         """LogsService/Export: Envoy's TTFT log, under the same token and limits as spans (a
         bucket of its own, so open streams' periodic entries never crowd out the spans)."""
-        rejected = await self._export(request, count_records(request), self._records, context,
+        rejected = await self._export(request, count_records, self._records, context,
                                       LOG_PREFIX)
         if rejected:
             return logs_service_pb2.ExportLogsServiceResponse(
@@ -190,10 +197,15 @@ class TraceReceiver(trace_service_pb2_grpc.TraceServiceServicer):
         return (f"over the limit of {self.limits.max_spans} {what} per export and "
                 f"{self.limits.spans_per_s:g} per second")
 
-    async def _export(self, request: Any, total: int, bucket: _Bucket,
+    async def _export(self, request: Any, count: Callable[[Any], int], bucket: _Bucket,
                       context: grpc.aio.ServicerContext, prefix: str) -> int:
         """Parse what the limits allow of one export and hand its samples on; how many of its
-        ``total`` items were rejected. Counters of the log input carry ``prefix``."""
+        items (``count``) were rejected. Counters of the log input carry ``prefix``."""
+        try:
+            total = count(request)
+        except Oversized as exc:
+            self.counts[OVERSIZED] += 1
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"export refused: {exc}")
         take = bucket.take(total, self._clock())
         self._exports += 1
         samples, dropped = parse_export(request, self.limits.max_ms, self._exports, take)

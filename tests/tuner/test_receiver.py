@@ -11,12 +11,14 @@ from typing import Any
 
 import grpc
 import pytest
+from opentelemetry.proto.collector.logs.v1 import logs_service_pb2_grpc
+from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceRequest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
 
 from gorgo.core.fleet import host_port
-from tests.tuner.conftest import ipv6_loopback
-from tuner.receiver import REJECTED, ExportLimits, TraceReceiver
-from tuner.samples import Sample
+from tests.tuner.conftest import ipv6_loopback, make_log_export, make_record
+from tuner.receiver import OVERSIZED, REJECTED, ExportLimits, TraceReceiver
+from tuner.samples import MAX_CONTAINERS, Sample
 
 LIMITS = ExportLimits(max_ms=600_000.0)
 
@@ -24,7 +26,8 @@ LIMITS = ExportLimits(max_ms=600_000.0)
 def export_through(receiver: TraceReceiver, request, *, metadata=None, creds=None,
                    tls: tuple[bytes, bytes] | None = None,
                    host: str = "127.0.0.1") -> grpc.StatusCode:
-    """Start the receiver, send one Export, stop it; returns the call's status code."""
+    """Start the receiver, send one Export (of spans or of log records), stop it; returns the
+    call's status code."""
 
     async def go() -> grpc.StatusCode:
         await receiver.start(host, 0, tls)
@@ -32,7 +35,9 @@ def export_through(receiver: TraceReceiver, request, *, metadata=None, creds=Non
         channel = (grpc.aio.insecure_channel(target) if creds is None
                    else grpc.aio.secure_channel(target, creds))
         try:
-            stub = trace_service_pb2_grpc.TraceServiceStub(channel)
+            stub: Any = (logs_service_pb2_grpc.LogsServiceStub(channel)
+                         if isinstance(request, ExportLogsServiceRequest)
+                         else trace_service_pb2_grpc.TraceServiceStub(channel))
             await stub.Export(request, metadata=metadata, timeout=5)
             return grpc.StatusCode.OK
         except grpc.aio.AioRpcError as exc:
@@ -64,6 +69,24 @@ def test_an_ipv6_host_is_bound(span_builders) -> None:
     rx = TraceReceiver(got.extend, None, LIMITS)
     assert export_through(rx, export([span(attrs())]), host="::1") == grpc.StatusCode.OK
     assert len(got) == 1
+
+
+def test_an_export_of_more_containers_than_any_senders_is_refused_unread(span_builders) -> None:
+    """4M empty resources in one 8 MB export held the tuner's event loop 2.2 s while their spans
+    were counted, and Envoy's exports meanwhile missed their 1 s deadline. Now refused before
+    the walk with INVALID_ARGUMENT, which senders do not retry, and counted."""
+    attrs, span, export = span_builders
+    got: list[Sample] = []
+    rx = TraceReceiver(got.extend, None, LIMITS)
+    spans = export([span(attrs())])
+    logs = make_log_export([make_record(attrs())])
+    for _ in range(MAX_CONTAINERS):
+        spans.resource_spans.add()
+        logs.resource_logs.add()
+    assert export_through(rx, spans) == grpc.StatusCode.INVALID_ARGUMENT
+    assert export_through(rx, logs) == grpc.StatusCode.INVALID_ARGUMENT
+    assert got == [] and rx.counts[OVERSIZED] == 2
+    assert "exports" not in rx.counts and "log_exports" not in rx.counts
 
 
 def test_a_failing_callback_does_not_fail_the_export(span_builders) -> None:

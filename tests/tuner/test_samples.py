@@ -13,13 +13,18 @@ from gorgo.core.contract import (
     UPLOAD_ATTR,
 )
 from gorgo.core.terms import EXCLUDED, TERMS, TTFT
-from tests.tuner.conftest import make_record
+from tests.tuner.conftest import make_log_export, make_record
 from tuner.samples import (
     FOREIGN,
     MALFORMED,
+    MAX_ATTRIBUTES,
+    MAX_CONTAINERS,
     NO_TTFT,
     OUT_OF_RANGE,
+    Oversized,
     SpanDropped,
+    count_records,
+    count_spans,
     parse_export,
     parse_record,
     parse_span,
@@ -223,3 +228,40 @@ def test_an_export_is_parsed_up_to_its_limit_and_tagged_with_its_source(span_bui
     samples, dropped = parse_export(export(spans), MAX_MS, source=7, limit=3)
     assert [s.decision_id for s in samples] == ["id-0", "id-1", "id-2"] and not dropped
     assert {s.source for s in samples} == {7}
+
+
+def test_an_item_of_too_many_attributes_is_malformed_unread(span_builders) -> None:
+    """Reading a span of 4M attributes held the tuner's event loop 2.0 s."""
+    attrs, span, _ = span_builders
+    base = attrs()
+    at_cap = {**base, **{f"pad.{k}": "x" for k in range(MAX_ATTRIBUTES - len(base))}}
+    assert parse(span(at_cap)).decision_id == "ab-1"
+    over = {**at_cap, "pad.over": "x"}
+    with pytest.raises(SpanDropped, match=f"{MALFORMED}: {MAX_ATTRIBUTES + 1} attributes"):
+        parse(span(over))
+    with pytest.raises(SpanDropped, match=MALFORMED):
+        parse_record(make_record(over), MAX_MS)
+
+
+def test_an_export_of_too_many_containers_is_oversized_uncounted(span_builders) -> None:
+    """Counting the spans of 4M empty resources (an 8 MB export) held the loop 2.2 s: more
+    resources and scopes than MAX_CONTAINERS are refused before they are walked."""
+    attrs, span, export = span_builders
+    req = export([span(attrs())] * 3)
+    for _ in range(MAX_CONTAINERS - 2):  # with the first resource and its scope: the cap
+        req.resource_spans.add()
+    assert count_spans(req) == 3
+    req.resource_spans.add()
+    with pytest.raises(Oversized, match="resources"):
+        count_spans(req)
+    req = export([span(attrs())])
+    for _ in range(MAX_CONTAINERS):
+        req.resource_spans[0].scope_spans.add()
+    with pytest.raises(Oversized, match="scopes"):
+        count_spans(req)
+    logs = make_log_export([make_record(attrs())])
+    assert count_records(logs) == 1
+    for _ in range(MAX_CONTAINERS):
+        logs.resource_logs.add()
+    with pytest.raises(Oversized):
+        count_records(logs)
