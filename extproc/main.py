@@ -32,7 +32,7 @@ from gorgo import shutdown
 from gorgo._xds.envoy.service.ext_proc.v3 import external_processor_pb2
 from gorgo.core.contract import LIVE_SERVICE
 from gorgo.core.discovery import dns_sources, refuse_clusters_file
-from gorgo.core.fleet import FleetError, FleetSpec, host_port, parse_fleet
+from gorgo.core.fleet import FleetError, FleetSpec, address_arg, host_port, parse_fleet
 from gorgo.core.membership import FleetDiff
 from gorgo.core.router import Router
 from gorgo.envoy_config import write_cds
@@ -75,10 +75,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--admin-token-file", default=None,
                    help="file holding the bearer token of /admin/weights (else $GORGO_ADMIN_TOKEN;"
                         " neither: the admin API answers 403)")
-    p.add_argument("--otlp", default=None,
+    p.add_argument("--otlp", type=address_arg, default=None,
                    help="OTLP/gRPC collector HOST:PORT for the router's decision spans "
                         "(default: none exported)")
-    p.add_argument("--envoy-admin", default=None,
+    p.add_argument("--envoy-admin", type=address_arg, default=None,
                    help="Envoy admin HOST:PORT, read for each replica's errors and ejections; "
                         "required when the fleet skips the response-headers round trip "
                         "(extproc.response_headers: skip)")

@@ -69,9 +69,9 @@ from gorgo.core.contract import (
     UPLOAD_FORMAT,
 )
 from gorgo.core.discovery import dns_sources, refuse_clusters_file
-from gorgo.core.fleet import FleetSpec, load_fleet, read_fleet, unbracketed
+from gorgo.core.fleet import FleetSpec, load_fleet, read_fleet, split_address, unbracketed
 from gorgo.envoy_typed import check_bootstrap
-from gorgo.errors import MAX_PORT, UserError, header_token
+from gorgo.errors import UserError, header_token
 
 _T = "type.googleapis.com/"
 # Only failures before any response byte: Envoy never retries once headers went downstream.
@@ -188,15 +188,15 @@ UPSTREAM_FAILURE_FLAGS = ("UF", "UH", "UR", "UC", "URX")
 TIMEOUT_FLAGS = ("UT", "SI")  # upstream request timeout, stream idle timeout
 
 
-def _hostport(value: str) -> tuple[str, int]:
+def _hostport(value: str, flag: str) -> tuple[str, int]:
     """HOST:PORT as Envoy's socket address takes it: an IPv6 host without its brackets (kept,
-    Envoy refused the file, or `--extproc '[::1]:P'` skipped the router for every request)."""
-    host, _, port = value.rpartition(":")
-    if not (host and port.isascii() and port.isdigit() and int(port) <= MAX_PORT):
-        raise UserError(f"expected HOST:PORT with a port of 0 to {MAX_PORT}, got {value!r}")
-    if host.startswith("[") != host.endswith("]"):
-        raise UserError(f"an IPv6 host is written in brackets ([::1]:{port}), got {value!r}")
-    return unbracketed(host), int(port)
+    Envoy refused the file, or `--extproc '[::1]:P'` skipped the router for every request).
+    Never a URL: `--extproc http://127.0.0.1:P` rendered a DNS cluster of host "http://127.0.0.1"
+    that nothing resolves, so every request skipped the router (failure_mode_allow)."""
+    try:
+        return split_address(value, lowest_port=0)
+    except ValueError as exc:
+        raise UserError(f"{flag}: {exc}") from None
 
 
 def _duration(seconds: float) -> str:
@@ -512,8 +512,8 @@ def render_bootstrap(
         raise UserError("the full-duplex body mode streams the body after the request headers: "
                         "it needs the fleet's extproc.request_headers: send")
     picker = picker or spec.endpoint_picker
-    lhost, lport = _hostport(listen)
-    ahost, aport = _hostport(admin)
+    lhost, lport = _hostport(listen, "--listen")
+    ahost, aport = _hostport(admin, "--admin")
     t = spec.timeouts
     ext_proc = {
         "name": "envoy.filters.http.ext_proc",
@@ -655,7 +655,7 @@ def render_bootstrap(
     if logs:
         hcm["access_log"] = logs
     clusters = [] if cds else replica_clusters(spec)
-    workers = [_hostport(a.strip()) for a in extproc.split(",")]
+    workers = [_hostport(a.strip(), "--extproc") for a in extproc.split(",")]
     clusters.append(_cluster(EXTPROC_CLUSTER, workers, t.connect_ms, http2=True))
     # Several workers: a dead, hung or draining one leaves the round robin at the next health
     # check, so its share of requests is routed by the others, not failed open.
@@ -667,7 +667,8 @@ def render_bootstrap(
         }]
         clusters[-1]["common_lb_config"] = {"healthy_panic_threshold": {"value": 0}}
     if otlp is not None:
-        clusters.append(_cluster(OTLP_CLUSTER, [_hostport(otlp)], t.connect_ms, http2=True))
+        clusters.append(_cluster(OTLP_CLUSTER, [_hostport(otlp, "--otlp")], t.connect_ms,
+                                 http2=True))
     if picker:
         clusters.append({
             "name": PICKER_CLUSTER,
@@ -783,13 +784,10 @@ def main(args: argparse.Namespace) -> int:
     if args.cds_file:
         refuse_clusters_file(dns_sources(read_fleet(args.fleet)), Path(args.fleet).name)
     token = _otlp_token(args.otlp_token_file, args.otlp)
-    try:
-        text = render_yaml(spec, listen=args.listen, extproc=args.extproc, otlp=args.otlp,
-                           otlp_token=token, admin=args.admin, picker=args.picker,
-                           body_mode=args.body_mode,
-                           cds=args.cds_file and os.path.abspath(args.cds_file))
-    except ValueError as exc:  # int() of a port: the only user input left unchecked here
-        raise UserError(f"{exc}; --listen, --extproc, --otlp and --admin take HOST:PORT") from None
+    text = render_yaml(spec, listen=args.listen, extproc=args.extproc, otlp=args.otlp,
+                       otlp_token=token, admin=args.admin, picker=args.picker,
+                       body_mode=args.body_mode,
+                       cds=args.cds_file and os.path.abspath(args.cds_file))
     if args.cds_file:
         try:
             write_cds(spec, args.cds_file)

@@ -8,6 +8,7 @@ router config shows up much later as bad routing.
 
 from __future__ import annotations
 
+import argparse
 import ipaddress
 import math
 import re
@@ -23,7 +24,7 @@ from gorgo.core.block_hashes import DEFAULT_SEED
 from gorgo.core.contract import API_PATHS, HEALTH_PATH, RESERVED_CLUSTERS, WEIGHT_BOUNDS
 from gorgo.core.terms import BY_NAME, OBJECTIVES, TTFT
 from gorgo.core.weights import Weights
-from gorgo.errors import UserError
+from gorgo.errors import MAX_PORT, UserError
 
 ENGINE_KINDS = ("sglang", "vllm", "sim")
 DEFAULT_PROFILE = "h100-llama3-8b"
@@ -457,23 +458,43 @@ def _address(value: str, path: str) -> str:
     an IP as Python writes it, an IPv6 one in brackets, an ASCII port without leading zeros
     (`127.0.0.1:08000` or `[0:0::1]:P` sent a third of the retried requests elsewhere); a DNS
     name as given. Never a URL (`http://...` was probed at `http://http://...` for ever)."""
+    try:
+        return host_port(*split_address(value))
+    except ValueError as exc:
+        raise FleetError(f"{path}: {exc}") from None
+
+
+def split_address(value: str, lowest_port: int = 1) -> tuple[str, int]:
+    """HOST:PORT as (host, port): an IP as Python writes it (IPv6 without its brackets) or a DNS
+    name as given, and a port of ``lowest_port`` to 65535. The one check of every HOST:PORT, in
+    a fleet file or on a command line; a ValueError that says what is wrong otherwise."""
     host, sep, port = value.rpartition(":")
-    if not (sep and host and port.isascii() and port.isdigit() and 0 < int(port) < 65536) \
+    if not (sep and host and port.isascii() and port.isdigit()
+            and lowest_port <= int(port) <= MAX_PORT) \
             or "/" in value or any(c.isspace() for c in value):
-        raise FleetError(f"{path}: expected host:port (an IPv6 host in brackets, no URL), "
-                         f"got {value!r}")
+        raise ValueError(f"expected host:port (an IPv6 host in brackets, no URL) with a port of "
+                         f"{lowest_port} to {MAX_PORT}, got {value!r}")
     bracketed = host.startswith("[") and host.endswith("]")
     try:
         ip = ipaddress.ip_address(host[1:-1] if bracketed else host)
     except ValueError:
         if bracketed or ":" in host or not _DNS_NAME.fullmatch(host):
-            raise FleetError(f"{path}: {host!r} is neither an IP address (IPv6 in brackets) "
+            raise ValueError(f"{host!r} is neither an IP address (IPv6 in brackets) "
                              "nor a DNS name") from None
-        return f"{host}:{int(port)}"
+        return host, int(port)
     if ip.version == 6 and not bracketed:
-        raise FleetError(f"{path}: an IPv6 address is written in brackets, "
+        raise ValueError(f"an IPv6 address is written in brackets, "
                          f"{host_port(str(ip), int(port))}, got {value!r}")
-    return host_port(str(ip), int(port))
+    return str(ip), int(port)
+
+
+def address_arg(text: str) -> str:
+    """An argparse type for a HOST:PORT flag, as gRPC and URLs read it (IPv6 in brackets):
+    `gorgo extproc --otlp http://...` started with no span ever exported, and said nothing."""
+    try:
+        return host_port(*split_address(text))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _label(obj: Mapping[str, Any], key: str, path: str, default: str | None = None) -> str:

@@ -21,6 +21,7 @@ from gorgo.core.fleet import (
     Timeouts,
     load_fleet,
     parse_fleet,
+    split_address,
 )
 from gorgo.core.weights import Weights
 
@@ -501,3 +502,11 @@ def test_model_settings_errors_name_the_field(models: dict[str, Any], message: s
 def test_model_settings_need_replicas_that_list_their_models() -> None:
     assert re.match(r"fleet\.models\.alpha: no replica serves this model \(served: none",
                     bad(lambda r: r.update(models={"alpha": {"policy": "gorgo"}})))
+
+
+@pytest.mark.parametrize(("text", "parsed"), [
+    ("127.0.0.1:4317", ("127.0.0.1", 4317)), ("[0:0::1]:80", ("::1", 80)),
+    ("otel-collector:4317", ("otel-collector", 4317))])
+def test_split_address_reads_a_host_port(text: str, parsed: tuple[str, int]) -> None:
+    assert split_address(text) == parsed
+

@@ -158,6 +158,11 @@ def test_explain_router_prints_the_table_unless_json(body: Path,
     (["demo", "--profile", "nosuch"], "demo", "invalid choice"),
     (["envoy-config", str(EXAMPLE), "--listen", "0.0.0.0:99999"], "envoy-config",
      "port of 0 to 65535"),  # rendered as it was
+    # a URL rendered a DNS cluster of host "http://127.0.0.1": every request skipped the router
+    (["envoy-config", str(EXAMPLE), "--extproc", "http://127.0.0.1:18882"], "envoy-config",
+     "--extproc: expected host:port (an IPv6 host in brackets, no URL)"),
+    (["envoy-config", str(EXAMPLE), "--otlp", "http://127.0.0.1:4317"], "envoy-config",
+     "--otlp: expected host:port (an IPv6 host in brackets, no URL)"),
     (["explain"], "explain", "--fleet"),
     (["replay", "--trace", "nonexist", "--url", "http://127.0.0.1:1"], "replay", "nonexist"),
     (["bench", "sim", "--trace", "nonexist", "--capacity", "1", "--out", "{tmp}"], "bench sim",
@@ -189,6 +194,19 @@ def test_other_user_errors_are_one_line(argv: list[str], command: str, says: str
                       "discover": {"dns": "localhost", "port": 8000}}]}))
     assert main([a.format(tmp=tmp_path) for a in argv]) == 2
     assert says in _one_line(capsys, command)
+
+
+@pytest.mark.parametrize("flag", [["--otlp", "http://127.0.0.1:4317"], ["--otlp", "nohostport"],
+                                  ["--envoy-admin", "nohostport"]])
+def test_extproc_host_port_flags_are_checked_at_parse(
+    flag: list[str], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The router started with them and never exported a span, or polled http://nohostport:80
+    for ever, and said nothing; the fleet's HOST:PORT check refuses them."""
+    monkeypatch.setattr("extproc.main.main", lambda args: 0)  # no router, whatever the parse
+    assert main(["extproc", "--fleet", str(EXAMPLE), *flag]) == 2
+    assert f"argument {flag[0]}: expected host:port (an IPv6 host in brackets, no URL)" \
+        in _one_line(capsys, "extproc")
 
 
 def test_existing_error_types_are_user_errors() -> None:
