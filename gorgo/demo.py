@@ -33,6 +33,7 @@ import numpy as np
 
 from gorgo import shutdown
 from gorgo.core.fleet import parse_fleet
+from gorgo.core.policies import REGISTRY
 from gorgo.core.tokens import Tokenization
 from gorgo.errors import UserError, at_least
 from gorgo.harness.stack import LiveStack, StackOptions, with_free_ports
@@ -66,7 +67,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="link and policy seeds per policy offline (the intervals' runs)")
     p.add_argument("--profile", default=DEMO_PROFILE, choices=sorted(PROFILES),
                    help="engine profile of the replicas")
-    p.add_argument("--stream-interval", type=int, default=8, help="tokens per streamed chunk")
+    p.add_argument("--stream-interval", type=at_least(1), default=8,
+                   help="tokens per streamed chunk")
     p.add_argument("--no-tuner", action="store_true", help="run without the online tuner")
     p.add_argument("--cache", default="approximate", choices=("approximate", "precise"),
                    help="the router's cache view: precise follows the simulated vLLMs' KV events")
@@ -85,9 +87,24 @@ class LiveRun:
     records: list[RequestRecord] = field(default_factory=list)
     weights: list[tuple[float, int, float, float]] = field(default_factory=list)
     wall_s: float = 0.0
+    planned: int = 0  # requests in the run's slice
+    interrupted: bool = False  # a stop signal ended the replay before its last answer
 
     def ok(self) -> list[RequestRecord]:
         return [r for r in self.records if r.outcome == "ok"]
+
+    def answered(self) -> list[RequestRecord]:
+        """The records the run measured: not those a stop cancelled in flight, whose answer
+        never came because the run ended, not because the stack failed (counted as failed, a
+        baseline stopped by Ctrl-C showed 78.3 % failed and a TTFT p95 of ∞)."""
+        return [r for r in self.records if r.outcome != "cancelled"]
+
+    def cut_short(self) -> str:
+        """What a stop left out of this run, in words."""
+        cancelled = len(self.records) - len(self.answered())
+        return (f"{self.policy} after {self.wall_s:.0f} s: {len(self.answered())} of its "
+                f"{self.planned} requests answered, {cancelled} cancelled in flight, "
+                f"{self.planned - len(self.records)} never sent")
 
 
 class Live:
@@ -112,13 +129,24 @@ class Live:
             self.print(time.monotonic() - t0)
 
     def print(self, elapsed: float, final: bool = False) -> None:
-        recs = list(self.run.records)
+        recs = self.run.answered()
         ttft = summarize([r.ttft_ms for r in recs if r.ttft_ms is not None])
         errors = sum(r.outcome != "ok" for r in recs)
         p = (f"{ttft.p50 / 1000:.2f}/{ttft.p95 / 1000:.2f} s" if ttft.count else "-")
         line = (f"  [{self.run.policy:>13}] {elapsed:5.0f}s  done {len(recs):4d}/{self.total}  "
                 f"errors {errors}  TTFT p50/p95 {p}  weights v{self.version}")
         (self.status.done if final else self.status.update)(line)
+
+
+def live_policies(args: argparse.Namespace) -> list[str]:
+    """--baselines as the router's policies (`round-robbin` was refused by the router only when
+    its stack started, after the whole gorgo run, and left no report)."""
+    names = [p.strip() for p in args.baselines.split(",") if p.strip()]
+    bad = [p for p in names if p not in REGISTRY]
+    if bad:
+        raise ValueError(f"--baselines: unknown policy {', '.join(bad)} (the router's policies: "
+                         f"{', '.join(REGISTRY)})")
+    return names
 
 
 def _slice(args: argparse.Namespace):
@@ -164,12 +192,16 @@ async def replay_all(plan: list[tuple[LiveRun, list, str]], time_scale: float,
         stop.set()
 
     watcher = asyncio.create_task(watch())
+    for run, reqs, _ in plan:
+        run.planned = len(reqs)
     try:
-        await asyncio.gather(*(replay(reqs, url, time_scale, tok=tok, timeout_s=120.0,
-                                      on_result=run.records.append, stop=stop)
-                               for run, reqs, url in plan))
+        results = await asyncio.gather(*(replay(reqs, url, time_scale, tok=tok, timeout_s=120.0,
+                                                on_result=run.records.append, stop=stop)
+                                         for run, reqs, url in plan))
     finally:
         watcher.cancel()
+    for (run, _, _), result in zip(plan, results, strict=True):
+        run.interrupted = result.interrupted
 
 
 def run_offline(doc: dict[str, Any], requests, time_scale: float, policies: list[str],
@@ -190,10 +222,10 @@ def run_offline(doc: dict[str, Any], requests, time_scale: float, policies: list
 
 def live_table(runs: list[LiveRun], region_of: dict[str, str]) -> bench.Table:
     """The live runs as a bench table (one run per policy): the same metrics, a failed request
-    counting as infinitely slow as offline."""
+    counting as infinitely slow as offline; a request a stop cancelled is no part of it."""
     rows = []
     for run in runs:
-        recs = run.records
+        recs = run.answered()
         ok = [r.outcome == "ok" for r in recs]
         ttft = np.array([r.ttft_ms if good and r.ttft_ms is not None else np.inf
                          for r, good in zip(recs, ok, strict=True)])
@@ -288,6 +320,16 @@ def write_report(out: Path, args: argparse.Namespace, runs: list[LiveRun],
     live = live_table(runs, region_of) if runs else None
     if live is not None:
         lines += bench.load_table(live, REGIONS)
+    short = [run for run in runs if run.interrupted]
+    ran = {run.policy for run in runs}
+    skipped = [p for p in ["gorgo", *live_policies(args)] if p not in ran]
+    if short or skipped:
+        lines += ["", " ".join([
+            "**Interrupted**: a stop signal ended the demo early.",
+            *([f"Cut short: {'; '.join(run.cut_short() for run in short)}. The table counts "
+               "only the answered requests, the first of the slice, so a run cut short is not "
+               "comparable with a whole one."] if short else []),
+            *([f"Not run: {', '.join(skipped)}."] if skipped else [])])]
     if tuned and tuned.weights:
         last = tuned.weights[-1]
         lines += ["", f"The tuner published {last[1]} weight versions during the gorgo run; "
@@ -308,6 +350,10 @@ def write_report(out: Path, args: argparse.Namespace, runs: list[LiveRun],
     for label, table in (("Live", live), ("Offline", offline)):
         if table is None:
             continue
+        if label == "Live" and short:
+            lines.append(f"- Live: {', '.join(r.policy for r in short)} cut short (above), "
+                         "so the lines below weigh a partial run against a whole one, not like "
+                         "for like.")
         lost = bench.losses(table)
         if not any(bench.is_peer(p) for p in table.stats):
             lines.append(f"- {label}: no peer ran, so there is nothing to lose to.")
@@ -339,6 +385,7 @@ def main(args: argparse.Namespace) -> int:
                  if args.offline_policies else [])
         if args.offline_seeds < 1:
             raise ValueError("--offline-seeds must be >= 1")
+        baselines = live_policies(args)
     except ValueError as exc:
         raise UserError(str(exc)) from None
     stop_flag = threading.Event()
@@ -362,7 +409,6 @@ def main(args: argparse.Namespace) -> int:
         report = demo_multi.main(args, requests, doc, out, stop_flag)
         print(f"\nreport: {report}")
         return 130 if stop_flag.is_set() else 0
-    baselines = [p for p in args.baselines.split(",") if p]
     print(f"gorgo demo: {len(requests)} requests of {args.trace} per run, "
           f"{args.duration:g} s each; live policies: gorgo, {', '.join(baselines) or '-'}",
           file=sys.stderr)

@@ -45,10 +45,11 @@ def _status(runs: list[LiveRun], total: int, status: StatusLine, elapsed: float,
             final: bool = False) -> None:
     parts = []
     for run in runs:
-        ttft = summarize([r.ttft_ms for r in run.records if r.ttft_ms is not None])
+        recs = run.answered()
+        ttft = summarize([r.ttft_ms for r in recs if r.ttft_ms is not None])
         p95 = f"{ttft.p95 / 1000:.2f}s" if ttft.count else "-"
-        errors = sum(r.outcome != "ok" for r in run.records)
-        parts.append(f"{run.policy}: {len(run.records)} p95 {p95} err {errors}")
+        errors = sum(r.outcome != "ok" for r in recs)
+        parts.append(f"{run.policy}: {len(recs)} p95 {p95} err {errors}")
     line = f"  {elapsed:5.0f}s  of {total}: " + "; ".join(parts)
     (status.done if final else status.update)(line)
 
@@ -167,9 +168,14 @@ def write_report(out: Path, args: argparse.Namespace, runs: list[LiveRun], share
         m = {k: table.stat(run.policy, k).mean
              for k in ("failed", "ttft_p95_ms", "e2e_p95_ms",
                        *(f"share_{g}" for g in REGIONS))}
-        lines.append(f"| {run.policy} | {len(run.records)} | {m['failed']:.1f} | "
+        lines.append(f"| {run.policy} | {len(run.answered())} | {m['failed']:.1f} | "
                      f"{_fmt(m['ttft_p95_ms'])} | {_fmt(m['e2e_p95_ms'])} | "
                      + " | ".join(f"{m[f'share_{g}']:.0f}" for g in REGIONS) + " |")
+    short = [run for run in (*runs, *shared, *([single] if single else [])) if run.interrupted]
+    if short or single is None:
+        lines += ["", "**Interrupted**: a stop signal ended the demo early"
+                  + (f"; cut short: {'; '.join(run.cut_short() for run in short)}. The rows "
+                     "count only the answered requests" if short else "") + "."]
     counts = {run.policy: Counter(r.replica for r in run.ok()) for run in rows}
     lines += ["", "## Requests per replica", "",
               "| proxy | " + " | ".join(replicas) + " |",

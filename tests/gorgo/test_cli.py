@@ -156,6 +156,7 @@ def test_explain_router_prints_the_table_unless_json(body: Path,
     (["replay", "--trace", "mooncake", "--url", "http://127.0.0.1:1", "--max-requests", "0"],
      "replay", "must be >= 1"),  # sent one request and exited 0
     (["demo", "--profile", "nosuch"], "demo", "invalid choice"),
+    (["demo", "--stream-interval", "0"], "demo", "must be >= 1"),  # a RuntimeError at start
     (["envoy-config", str(EXAMPLE), "--listen", "0.0.0.0:99999"], "envoy-config",
      "port of 0 to 65535"),  # rendered as it was
     # a URL rendered a DNS cluster of host "http://127.0.0.1": every request skipped the router

@@ -1,16 +1,20 @@
-"""`gorgo demo`, shortened: every process starts, traffic flows, report and plots are written."""
+"""`gorgo demo`, shortened: every process starts, traffic flows, report and plots are written;
+and the report of runs built here (no stack)."""
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import pytest
 
+from gorgo import demo
 from gorgo.cli import main
+from gorgo.sim.replay import RequestRecord
 
-pytestmark = [pytest.mark.envoy, pytest.mark.slow]  # real Envoy; about 40 s
 
-
+@pytest.mark.envoy
+@pytest.mark.slow  # real Envoy; about 40 s
 def test_short_demo_writes_report_and_plots(tmp_path: Path,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
     # A relative results folder, as `make demo` uses: every process must still find its files.
@@ -35,3 +39,71 @@ def test_short_demo_writes_report_and_plots(tmp_path: Path,
         assert (out / png).stat().st_size > 5000, png
     lines = (out / "live-gorgo.jsonl").read_text().splitlines()
     assert lines and all('"outcome": "ok"' in line for line in lines)
+
+
+def _record(index: int, outcome: str = "ok", ttft_ms: float = 500.0) -> RequestRecord:
+    served = outcome == "ok"
+    return RequestRecord(index=index, session=None, input_tokens=100, max_tokens=50,
+                         scheduled_s=0.0, outcome=outcome, ttft_ms=ttft_ms if served else None,
+                         e2e_ms=ttft_ms + 1000.0 if served else None,
+                         prompt_tokens=100 if served else None,
+                         completion_tokens=50 if served else None,
+                         replica="us-east-0" if served else None)
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    demo.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def _interrupted_baseline() -> list[demo.LiveRun]:
+    """A whole gorgo run, then a round-robin run stopped by Ctrl-C (as a review saw it: 10 of
+    its 65 requests answered, 36 cancelled in flight, 19 never sent)."""
+    gorgo = demo.LiveRun("gorgo", [_record(i) for i in range(65)], wall_s=16.0)
+    rr = demo.LiveRun("round-robin", [_record(i, ttft_ms=400.0) for i in range(10)]
+                      + [_record(i, "cancelled") for i in range(10, 46)], wall_s=7.0)
+    gorgo.planned = rr.planned = 65
+    rr.interrupted = True
+    return [gorgo, rr]
+
+
+def test_requests_a_stop_cancelled_are_not_failures() -> None:
+    # counted as failed (infinitely slow): 78.3 % failed and a TTFT p95 of ∞
+    table = demo.live_table(_interrupted_baseline(), {"us-east-0": "us-east"})
+    assert table.stat("round-robin", "failed").mean == 0.0
+    assert table.stat("round-robin", "ttft_p95_ms").mean == pytest.approx(400.0)
+    assert table.stat("round-robin", "share_us-east").mean == 100.0
+
+
+def test_the_report_says_which_runs_were_cut_short(tmp_path: Path) -> None:
+    # it said nothing of the stop, and "gorgo wins" against the stopped run
+    args = _args("--baselines", "round-robin,least-request")
+    report = demo.write_report(tmp_path, args, _interrupted_baseline(), None, 65).read_text()
+    assert "**Interrupted**" in report
+    assert ("Cut short: round-robin after 7 s: 10 of its 65 requests answered, 36 cancelled in "
+            "flight, 19 never sent.") in report
+    assert "Not run: least-request." in report
+    verdicts = report.split("## Where gorgo loses")[1]
+    assert "- Live: round-robin cut short (above), so the lines below weigh a partial run" \
+        in verdicts
+
+
+def test_a_whole_run_reports_no_interruption(tmp_path: Path) -> None:
+    gorgo, _ = _interrupted_baseline()
+    report = demo.write_report(tmp_path, _args("--baselines", ""), [gorgo], None, 65).read_text()
+    assert "Interrupted" not in report and "cut short" not in report
+
+
+def test_an_unknown_baseline_is_refused_before_any_run(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    # refused by the router only when its stack started, after the whole gorgo run (~90 s)
+    def no_run(*_: object) -> None:
+        raise AssertionError("a live run started")
+
+    monkeypatch.setattr(demo, "run_live", no_run)
+    assert main(["demo", "--baselines", "round-robin,round-robbin", "--duration", "3",
+                 "--offline-policies", "", "--out", str(tmp_path / "d")]) == 2
+    err = capsys.readouterr().err
+    assert "--baselines: unknown policy round-robbin (the router's policies: " in err
