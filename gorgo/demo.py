@@ -232,7 +232,7 @@ def live_table(runs: list[LiveRun], region_of: dict[str, str]) -> bench.Table:
         e2e = np.array([r.e2e_ms if good and r.e2e_ms is not None else np.inf
                         for r, good in zip(recs, ok, strict=True)])
         served = [r for r, good in zip(recs, ok, strict=True) if good]
-        itl = np.array([r.itl_mean_ms for r in served if r.itl_mean_ms is not None])
+        itl = np.array([r.itl_ms for r in served if r.itl_ms is not None])  # per token
         prompt = sum(r.prompt_tokens or 0 for r in served)
         n = max(1, len(recs))
         m = {"ttft_p50_ms": bench.pct(ttft, 50), "ttft_p95_ms": bench.pct(ttft, 95),
@@ -315,7 +315,9 @@ def write_report(out: Path, args: argparse.Namespace, runs: list[LiveRun],
         "One run per policy on a fresh stack, so the live cells have no interval: a difference "
         "of a few percent between two of them may be run-to-run noise. Peers are the "
         "policies other than gorgo; each ratio is to the best peer on that metric. A failed "
-        "request counts as infinitely slow (∞: the percentile falls among the failures).", "",
+        "request counts as infinitely slow (∞: the percentile falls among the failures). ITL "
+        "is each request's mean gap between tokens, (E2E - TTFT) / (output tokens - 1), as in "
+        "the offline table (not between streamed chunks).", "",
     ]
     live = live_table(runs, region_of) if runs else None
     if live is not None:

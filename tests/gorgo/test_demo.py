@@ -89,6 +89,16 @@ def test_the_report_says_which_runs_were_cut_short(tmp_path: Path) -> None:
         in verdicts
 
 
+def test_live_itl_is_per_token() -> None:
+    # the mean gap between 8-token chunks (217 ms) was the live "ITL p50", beside the offline
+    # table's per-token ITL (30 ms) under the same name
+    rec = _record(0)  # 50 tokens, their first 500 ms after the send and the last 1000 ms later
+    rec.chunk_gap_mean_ms = 163.0
+    rec.itl_ms = 1000.0 / 49  # as the replay measures it
+    table = demo.live_table([demo.LiveRun("gorgo", [rec])], {})
+    assert table.stat("gorgo", "itl_p50_ms").mean == pytest.approx(1000.0 / 49)
+
+
 def test_a_whole_run_reports_no_interruption(tmp_path: Path) -> None:
     gorgo, _ = _interrupted_baseline()
     report = demo.write_report(tmp_path, _args("--baselines", ""), [gorgo], None, 65).read_text()

@@ -42,7 +42,8 @@ REPO = Path(__file__).resolve().parents[2]
 class SSEServer:
     """Streams ``max_tokens`` (capped at 4) chunks 5 ms apart.
 
-    ``user == "fail"`` gets a 503, ``user == "slow"`` (or header ``x-test-delay``) waits first.
+    ``user == "fail"`` gets a 503, ``user == "slow"`` (or header ``x-test-delay``) waits first;
+    header ``x-test-chunk-tokens: N`` counts N tokens per chunk in the usage (else 4 in all).
     """
 
     def __init__(self) -> None:
@@ -96,9 +97,10 @@ class SSEServer:
             choice = {"delta": {"content": f"t{k} "}} if chat else {"text": f"t{k} "}
             await resp.write(f"data: {json.dumps({'choices': [choice]})}\n\n".encode())
         prompt = body["messages"][0]["content"] if chat else body["prompt"]
+        per_chunk = int(request.headers.get("x-test-chunk-tokens", "0"))
         usage = {
             "prompt_tokens": TOK.count_tokens(len(prompt)),
-            "completion_tokens": 4,
+            "completion_tokens": per_chunk * (k + 1) if per_chunk else 4,
             "prompt_tokens_details": {"cached_tokens": 64},
         }
         await resp.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode())
@@ -149,7 +151,7 @@ def test_fires_on_schedule_and_measures_latency(server: SSEServer) -> None:
         assert rec.ttft_ms is not None and rec.e2e_ms is not None
         assert 4.0 < rec.ttft_ms <= rec.e2e_ms < 1000.0
         assert rec.chunks == 3
-        assert rec.itl_mean_ms is not None and rec.itl_mean_ms > 0.0
+        assert rec.chunk_gap_mean_ms is not None and rec.chunk_gap_mean_ms > 0.0
         assert rec.prompt_tokens == 200 and rec.cached_tokens == 64
         assert rec.completion_tokens == 4
         assert rec.replica == "r1"
@@ -216,6 +218,21 @@ def test_completions_endpoint_and_urls(server: SSEServer) -> None:
     assert "prompt" in server.received[0]
     last = progress.getvalue().rstrip("\n").split("\r")[-1]
     assert last.startswith("sent 3  done 3  errors 0  ttft p50/p95 ")
+
+
+def test_itl_is_per_token_not_per_chunk(server: SSEServer) -> None:
+    # An engine streams several tokens per chunk (8 in `gorgo demo`): the mean gap between
+    # chunks (217 ms) was reported as ITL beside the offline table's per-token one (30 ms).
+    reqs = [TraceRequest(i, i / 100.0, 200, 4, parts=((f"r{i}", 200),)) for i in range(3)]
+    result = asyncio.run(replay(reqs, f"http://{HOST}:{server.port}",
+                                headers={"x-test-chunk-tokens": "8"}))
+    for rec in result.records:
+        assert rec.chunks == 4 and rec.completion_tokens == 32
+        assert rec.ttft_ms is not None and rec.e2e_ms is not None and rec.itl_ms is not None
+        assert rec.itl_ms == pytest.approx((rec.e2e_ms - rec.ttft_ms) / 31)
+        assert rec.chunk_gap_mean_ms is not None and rec.chunk_gap_mean_ms > rec.itl_ms
+    assert result.summary["itl_ms"]["p50"] == pytest.approx(
+        percentile([r.itl_ms for r in result.records], 50))
 
 
 def test_stats_summaries() -> None:
