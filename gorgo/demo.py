@@ -35,7 +35,7 @@ from gorgo import shutdown
 from gorgo.core.fleet import parse_fleet
 from gorgo.core.policies import REGISTRY
 from gorgo.core.tokens import Tokenization
-from gorgo.errors import UserError, at_least
+from gorgo.errors import UserError, at_least, output_dir
 from gorgo.harness.stack import LiveStack, StackOptions, with_free_ports
 from gorgo.progress import StatusLine
 from gorgo.sim import bench
@@ -378,8 +378,6 @@ def main(args: argparse.Namespace) -> int:
     requests = _slice(args)  # a bad --trace is a TraceError (UserError) before anything starts
     if not requests:
         raise UserError("the slice is empty; move --offset into the trace or raise --duration")
-    out = Path(args.out or f"results/demo-{datetime.now():%Y%m%d-%H%M%S}")
-    out.mkdir(parents=True, exist_ok=True)
     doc = fleet_document({r: 2 for r in REGIONS}, profile=args.profile, name="demo",
                          cache=args.cache)
     try:  # before the live runs: a bad name fails in a second, not after minutes
@@ -390,6 +388,7 @@ def main(args: argparse.Namespace) -> int:
         baselines = live_policies(args)
     except ValueError as exc:
         raise UserError(str(exc)) from None
+    out = output_dir(args.out or f"results/demo-{datetime.now():%Y%m%d-%H%M%S}")
     stop_flag = threading.Event()
     previous = {sig: signal.getsignal(sig) for sig in shutdown.STOP_SIGNALS}
 

@@ -13,6 +13,7 @@ import argparse
 import os
 import socket
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 
@@ -67,6 +68,33 @@ def header_token(token: str) -> bool:
     spaces (a tuner's router token with a newline inside passed its start and crashed its first
     publish after READY; a space is no part of a bearer token either, RFC 6750)."""
     return token.isascii() and token.isprintable() and " " not in token
+
+
+def output_file(path: str | os.PathLike[str]) -> Path:
+    """``path`` once a file can be written there, asked of the OS before any work: a missing
+    folder was a traceback, for `gorgo replay --summary` after the whole replay had run. A file
+    that was not there is not left behind."""
+    p = Path(path)
+    existed = p.exists()
+    try:
+        with open(p, "a"):
+            pass
+    except OSError as exc:
+        raise UserError(f"cannot write {p}: {exc.strerror or exc}") from None
+    if not existed:
+        p.unlink()
+    return p
+
+
+def output_dir(path: str | os.PathLike[str]) -> Path:
+    """The results folder ``path``, created with its parents, or a UserError (a folder under a
+    regular file was a FileExistsError traceback: `gorgo demo --out`, `gorgo bench sim --out`)."""
+    p = Path(path)
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"cannot create the folder {p}: {exc.strerror or exc}") from None
+    return p
 
 
 def bind_error(exc: OSError, what: str, hint: str) -> UserError:

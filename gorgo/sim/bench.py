@@ -45,7 +45,7 @@ from scipy import stats as sstats
 from gorgo.core.fleet import FleetSpec
 from gorgo.core.policies import REGISTRY
 from gorgo.core.terms import OBJECTIVES
-from gorgo.errors import UserError
+from gorgo.errors import UserError, output_dir
 from gorgo.progress import StatusLine
 from gorgo.sim.capacity import (
     Capacity,
@@ -629,8 +629,7 @@ def main(args: argparse.Namespace) -> int:
     rerun = _rerun_policies(args, policies)
     log = _logger()
     machine: dict[str, Any] = {"cpus": os.cpu_count(), "loadavg_start": os.getloadavg()[0]}
-    out: Path = args.out
-    out.mkdir(parents=True, exist_ok=True)
+    out = output_dir(args.out)
     t_start = time.monotonic()
     workloads = load_windows("bench sim", args.trace, spec, args.requests, args.windows, log)
     heads = [w.head(min(args.capacity_requests or w.n, w.n)) for w in workloads]

@@ -30,7 +30,7 @@ import aiohttp
 
 from gorgo import shutdown
 from gorgo.core.tokens import Tokenization
-from gorgo.errors import UserError, at_least
+from gorgo.errors import UserError, at_least, output_file
 from gorgo.progress import StatusLine
 from gorgo.sim.stats import percentile, rate_per_s, summarize
 from gorgo.sim.traces import DESCRIPTION, TraceRequest, load_trace, parse_spec
@@ -535,6 +535,9 @@ def main(args: argparse.Namespace) -> int:
         target = endpoint_url(args.url, args.endpoint)
     except ValueError as exc:
         raise UserError(str(exc)) from None
+    for path in (args.out, args.summary):  # before the replay, not after it
+        if path is not None:
+            output_file(path)
     source, _ = parse_spec(args.trace)
     requests = load_trace(args.trace, root=args.traces_dir)
     selected = select_window(

@@ -22,7 +22,7 @@ from typing import Any
 import yaml
 
 from gorgo.core.fleet import parse_fleet, read_fleet
-from gorgo.errors import UserError
+from gorgo.errors import UserError, output_file
 from gorgo.sim.routers import view_from
 
 
@@ -66,6 +66,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """Write the view; an unknown region or a port beyond 65535 is a UserError."""
+    if args.output != "-":
+        output_file(args.output)
     doc = read_fleet(args.fleet)  # a missing or bad file: its UserError
     spec = parse_fleet(doc, source=Path(args.fleet).name)
     if args.region not in spec.region_names:

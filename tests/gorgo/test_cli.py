@@ -157,6 +157,16 @@ def test_explain_router_prints_the_table_unless_json(body: Path,
      "replay", "must be >= 1"),  # sent one request and exited 0
     (["demo", "--profile", "nosuch"], "demo", "invalid choice"),
     (["demo", "--stream-interval", "0"], "demo", "must be >= 1"),  # a RuntimeError at start
+    # output paths that cannot be written: each was a traceback
+    (["replay", "--trace", "chat", "--url", "http://127.0.0.1:1", "--max-requests", "1",
+      "--out", "{tmp}/afile/x.jsonl"], "replay", "cannot write {tmp}/afile/x.jsonl: Not a dir"),
+    (["sim", "view", str(EXAMPLE), "--region", "eu-frankfurt", "--port-offset", "100", "-o",
+      "{tmp}/afile/x.yaml"], "sim view", "cannot write {tmp}/afile/x.yaml: Not a directory"),
+    (["demo", "--out", "{tmp}/afile/d"], "demo", "cannot create the folder {tmp}/afile/d: Not"),
+    (["bench", "sim", "--requests", "10", "--out", "{tmp}/afile/d"], "bench sim",
+     "cannot create the folder {tmp}/afile/d: Not a directory"),
+    (["bench", "tune", "--requests", "10", "--out", "{tmp}/afile"], "bench tune",
+     "cannot create the folder {tmp}/afile: File exists"),
     (["envoy-config", str(EXAMPLE), "--listen", "0.0.0.0:99999"], "envoy-config",
      "port of 0 to 65535"),  # rendered as it was
     # a URL rendered a DNS cluster of host "http://127.0.0.1": every request skipped the router
@@ -187,6 +197,7 @@ def test_other_user_errors_are_one_line(argv: list[str], command: str, says: str
                                         tmp_path: Path,
                                         capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "binary.yaml").write_bytes(b"\xff\xfe\x00fleet")
+    (tmp_path / "afile").write_text("a file, not a folder\n")
     (tmp_path / "deep.yaml").write_text("a: " + "[" * 5000 + "]" * 5000 + "\n")
     (tmp_path / "twice.yaml").write_text("limits: {max_messages: 10}\nlimits: {}\n")
     (tmp_path / "discovered.yaml").write_text(yaml.safe_dump({
@@ -194,7 +205,7 @@ def test_other_user_errors_are_one_line(argv: list[str], command: str, says: str
         "replicas": [{"name": "vllm", "region": "local", "engine": "vllm",
                       "discover": {"dns": "localhost", "port": 8000}}]}))
     assert main([a.format(tmp=tmp_path) for a in argv]) == 2
-    assert says in _one_line(capsys, command)
+    assert says.format(tmp=tmp_path) in _one_line(capsys, command)
 
 
 @pytest.mark.parametrize("flag", [["--otlp", "http://127.0.0.1:4317"], ["--otlp", "nohostport"],

@@ -335,3 +335,17 @@ def test_sigint_stops_cleanly_and_writes_results(server: SSEServer, tmp_path: Pa
     assert data["interrupted"] is True
     assert data["count"] == len(rows) < 200
     assert data["errors"] == {"cancelled": len(rows)}
+
+
+def test_an_unwritable_summary_is_refused_before_the_replay(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # a traceback once the whole replay had run and its numbers were lost
+    def no_replay(*_: object, **__: object) -> None:
+        raise AssertionError("the replay ran")
+
+    monkeypatch.setattr("gorgo.sim.replay.load_trace", no_replay)
+    (tmp_path / "afile").write_text("")
+    args = _args("--trace", "chat", "--url", "http://127.0.0.1:1",
+                 "--summary", str(tmp_path / "afile" / "s.json"))
+    with pytest.raises(UserError, match=r"cannot write .*/afile/s\.json: Not a directory"):
+        main(args)

@@ -16,6 +16,7 @@ from typing import Any
 
 from gorgo.core.fleet import FleetSpec
 from gorgo.core.terms import OBJECTIVES, SLO
+from gorgo.errors import output_dir
 from gorgo.sim.capacity import fleet_digest
 from gorgo.sim.pool import fork_pool
 from gorgo.sim.tunebench.points import (
@@ -227,7 +228,7 @@ def main(args: argparse.Namespace) -> int:
             return 2
         print(render(out, doc)["summary_md"])
         return 0
-    out.mkdir(parents=True, exist_ok=True)
+    output_dir(out)
     t_start = time.monotonic()
     if window is None:
         workload = load_workload("bench tune", args.trace, spec, args.requests, log)
