@@ -70,6 +70,15 @@ def header_token(token: str) -> bool:
     return token.isascii() and token.isprintable() and " " not in token
 
 
+def header_pair(text: str) -> tuple[str, str]:
+    """An argparse type for ``--header K:V``, stripped (`gorgo explain --header "x-gorgo-priority
+    5"` became a header of that name with an empty value, and explained another request)."""
+    key, sep, value = text.partition(":")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"wants K:V, got {text!r}")
+    return key.strip(), value.strip()
+
+
 def output_file(path: str | os.PathLike[str]) -> Path:
     """``path`` once a file can be written there, asked of the OS before any work: a missing
     folder was a traceback, for `gorgo replay --summary` after the whole replay had run. A file

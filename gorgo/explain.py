@@ -17,29 +17,23 @@ from pathlib import Path
 
 from gorgo.core.explain import Explanation, explain
 from gorgo.core.features import RequestError, extract_features
-from gorgo.core.fleet import FleetSpec, load_fleet
+from gorgo.core.fleet import FleetSpec, load_fleet, url_arg
 from gorgo.core.router import Router
-from gorgo.errors import UserError
+from gorgo.errors import UserError, header_pair
 
 TOKEN_ENV = "GORGO_ADMIN_TOKEN"  # as extproc.admin reads it (not imported: it pulls in aiohttp)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fleet", help="fleet YAML (offline what-if)")
-    p.add_argument("--router", help="URL of a running router's HTTP port, e.g. http://127.0.0.1:50052")
+    p.add_argument("--router", type=url_arg,
+                   help="URL of a running router's HTTP port, e.g. http://127.0.0.1:50052")
     p.add_argument("--token-file", help="admin token file for --router (or env GORGO_ADMIN_TOKEN)")
     p.add_argument("--body", default="-", help="request JSON body file (default stdin)")
     p.add_argument("--path", default="/v1/chat/completions", help="request path")
-    p.add_argument("--header", action="append", default=[], help="request header K:V")
+    p.add_argument("--header", action="append", type=header_pair, default=[],
+                   help="request header K:V")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-
-
-def _headers(pairs: list[str]) -> dict[str, str]:
-    out = {}
-    for pair in pairs:
-        k, _, v = pair.partition(":")
-        out[k.strip().lower()] = v.strip()
-    return out
 
 
 def offline(fleet: str | FleetSpec, path: str, headers: dict[str, str],
@@ -105,7 +99,7 @@ def _body(name: str) -> bytes:
 def main(args: argparse.Namespace) -> int:
     if not args.router and not args.fleet:
         raise UserError("give --fleet FILE (what-if) or --router URL (a running router)")
-    headers = _headers(args.header)
+    headers = {k.lower(): v for k, v in args.header}  # as the router reads them
     try:
         if args.router:
             token = _token(args.token_file)

@@ -518,6 +518,15 @@ def _url(obj: Mapping[str, Any], key: str, path: str, default: str) -> str:
     return value
 
 
+def url_arg(text: str) -> str:
+    """An argparse type for a URL flag: `gorgo replay --url notaurl` sent every request to
+    nowhere, recorded a connection error for each and exited 0."""
+    if not http_url(text):
+        raise argparse.ArgumentTypeError(f"expected an http(s) URL like http://host:port, "
+                                         f"got {text!r}")
+    return text
+
+
 def _replica(raw: Any, path: str, regions: set[str]) -> ReplicaSpec:
     raw = _mapping(raw, path)
     _check_keys(

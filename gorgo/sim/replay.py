@@ -29,8 +29,9 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from gorgo import shutdown
+from gorgo.core.fleet import url_arg
 from gorgo.core.tokens import Tokenization
-from gorgo.errors import UserError, at_least, output_file
+from gorgo.errors import UserError, at_least, header_pair, output_file
 from gorgo.progress import StatusLine
 from gorgo.sim.stats import percentile, rate_per_s, summarize
 from gorgo.sim.traces import DESCRIPTION, TraceRequest, load_trace, parse_spec
@@ -473,7 +474,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="mooncake[:PATH] | azure[:PATH] | chat[:seed=S,users=U,rate=R,...] "
         "(options as k=v; limit=N keeps the first N requests)",
     )
-    parser.add_argument("--url", required=True, help="base URL (endpoint path added) or full URL")
+    parser.add_argument("--url", required=True, type=url_arg,
+                        help="base URL (endpoint path added) or full URL")
     parser.add_argument(
         "--time-scale", type=at_least(0.0, float), default=1.0,
         help="multiply trace times by this (0.5 = twice the rate)",
@@ -496,7 +498,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=None, metavar="FILE.jsonl")
     parser.add_argument("--summary", type=Path, default=None, metavar="FILE.json")
     parser.add_argument(
-        "--header", action="append", default=[], metavar="K:V",
+        "--header", action="append", type=header_pair, default=[], metavar="K:V",
         help="extra request header (repeatable)",
     )
     parser.add_argument(
@@ -516,21 +518,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def parse_headers(items: Sequence[str]) -> dict[str, str]:
-    headers: dict[str, str] = {}
-    for item in items:
-        key, sep, value = item.partition(":")
-        if not sep or not key.strip():
-            raise ValueError(f"--header wants K:V, got {item!r}")
-        headers[key.strip()] = value.strip()
-    return headers
-
-
 def main(args: argparse.Namespace) -> int:
     """Run ``gorgo replay``; 0 when the replay finished, 130 when interrupted; bad input raises
     UserError (a bad trace: its TraceError)."""
+    headers = dict(args.header)
     try:
-        headers = parse_headers(args.header)
         tok = Tokenization(chars_per_token=args.chars_per_token)
         target = endpoint_url(args.url, args.endpoint)
     except ValueError as exc:

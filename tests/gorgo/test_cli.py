@@ -157,6 +157,17 @@ def test_explain_router_prints_the_table_unless_json(body: Path,
      "replay", "must be >= 1"),  # sent one request and exited 0
     (["demo", "--profile", "nosuch"], "demo", "invalid choice"),
     (["demo", "--stream-interval", "0"], "demo", "must be >= 1"),  # a RuntimeError at start
+    # sent every request to nowhere, recorded connection errors and exited 0
+    (["replay", "--trace", "chat", "--url", "notaurl", "--max-requests", "1"], "replay",
+     "argument --url: expected an http(s) URL like http://host:port, got 'notaurl'"),
+    (["replay", "--trace", "chat", "--url", "http://[::1", "--max-requests", "1"], "replay",
+     "argument --url: expected"),
+    (["explain", "--router", "127.0.0.1:50052"], "explain", "argument --router: expected an"),
+    # a header of that name with an empty value: it explained another request
+    (["explain", "--fleet", str(EXAMPLE), "--header", "x-gorgo-priority 5"], "explain",
+     "argument --header: wants K:V, got 'x-gorgo-priority 5'"),
+    (["replay", "--trace", "chat", "--url", "http://127.0.0.1:1", "--header", "noColon"],
+     "replay", "argument --header: wants K:V, got 'noColon'"),
     # output paths that cannot be written: each was a traceback
     (["replay", "--trace", "chat", "--url", "http://127.0.0.1:1", "--max-requests", "1",
       "--out", "{tmp}/afile/x.jsonl"], "replay", "cannot write {tmp}/afile/x.jsonl: Not a dir"),
