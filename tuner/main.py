@@ -56,7 +56,7 @@ from prometheus_client.registry import Collector
 
 from gorgo import shutdown
 from gorgo.core.contract import WEIGHT_BOUNDS, WORKER_WRITE_TIMEOUT_S
-from gorgo.core.fleet import Timeouts, http_url, load_fleet, unbracketed
+from gorgo.core.fleet import Timeouts, http_url, load_fleet, split_address
 from gorgo.errors import LOG_LEVELS, UserError, check_port, header_token
 from tuner.calibration import CalibrationConfig
 from tuner.join import DUPLICATE, END, FIRST, Join
@@ -116,12 +116,14 @@ def _same_url(a: str, b: str) -> bool:
 
 
 def _hostport(value: Any, key: str) -> tuple[str, int]:
+    """A listen address: the one HOST:PORT check (`gorgo.core.fleet.split_address`), port 0 for
+    any free one."""
     if not isinstance(value, str):
         raise ConfigError(f"{key}: expected HOST:PORT, got {value!r}")
-    host, sep, port = value.rpartition(":")
-    if not sep or not host or not port.isdigit() or int(port) > 65535:
-        raise ConfigError(f"{key}: expected HOST:PORT, got {value!r}")
-    return unbracketed(host), int(port)
+    try:
+        return split_address(value, lowest_port=0)
+    except ValueError as exc:
+        raise ConfigError(f"{key}: {exc}") from None
 
 
 def _read_secret(base: Path, value: Any, key: str) -> str:
