@@ -35,7 +35,7 @@ from gorgo import shutdown
 from gorgo.core.fleet import parse_fleet
 from gorgo.core.policies import REGISTRY
 from gorgo.core.tokens import Tokenization
-from gorgo.errors import UserError, at_least, output_dir
+from gorgo.errors import UserError, at_least, output_dir, positive_number
 from gorgo.harness.stack import LiveStack, StackOptions, with_free_ports
 from gorgo.progress import StatusLine
 from gorgo.sim import bench
@@ -52,11 +52,11 @@ DEMO_PROFILE = "h100-llama3-8b"
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", default="mooncake", help="trace spec (see `gorgo replay --help`)")
-    p.add_argument("--offset", type=float, default=0.0,
+    p.add_argument("--offset", type=at_least(0.0, float), default=0.0,
                    help="start of the slice in trace seconds")
-    p.add_argument("--duration", type=float, default=60.0,
+    p.add_argument("--duration", type=positive_number, default=60.0,
                    help="replay seconds per live run (the slice is duration/time-scale long)")
-    p.add_argument("--time-scale", type=at_least(0.0, float), default=0.5,
+    p.add_argument("--time-scale", type=positive_number, default=0.5,
                    help="multiply trace times by this (0.5 = twice the trace's rate)")
     p.add_argument("--baselines", default="round-robin",
                    help="comma-separated policies to replay live after gorgo ('' for none)")

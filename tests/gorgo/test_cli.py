@@ -157,6 +157,9 @@ def test_explain_router_prints_the_table_unless_json(body: Path,
      "replay", "must be >= 1"),  # sent one request and exited 0
     (["demo", "--profile", "nosuch"], "demo", "invalid choice"),
     (["demo", "--stream-interval", "0"], "demo", "must be >= 1"),  # a RuntimeError at start
+    # the whole trace in one instant: the demo sent it all and never finished
+    (["demo", "--time-scale", "0"], "demo", "must be a finite number > 0"),
+    (["demo", "--duration", "-5"], "demo", "must be >= 0"),
     # sent every request to nowhere, recorded connection errors and exited 0
     (["replay", "--trace", "chat", "--url", "notaurl", "--max-requests", "1"], "replay",
      "argument --url: expected an http(s) URL like http://host:port, got 'notaurl'"),
