@@ -665,6 +665,17 @@ def test_dropin_envoy_validates_and_agrees_with_the_renderer() -> None:
             == ref_clusters[EXTPROC_CLUSTER]["typed_extension_protocol_options"])  # HTTP/2
 
 
+def test_dropin_without_its_picker_routes_still_loads() -> None:
+    """The routes marked "endpoint-picker mode only" can be deleted: the router-on anchor the
+    other routes use sat on the first of them (an undefined alias without them)."""
+    text = (REPO / DROPIN).read_text()
+    cut = re.sub(r"( *)# gorgo \(endpoint-picker mode only\).*?(?=\1# gorgo: the replica cluster)",
+                 "", text, flags=re.S)
+    assert cut != text
+    routes = _hcm(yaml.safe_load(cut))["route_config"]["virtual_hosts"][0]["routes"]
+    assert all("typed_per_filter_config" in r for r in routes)
+
+
 _SNIPPET = re.compile(r"<!-- snippet: (\S+) -->\n```\w*\n(.*?)```", re.S)
 
 
