@@ -628,9 +628,9 @@ class TunerService:
         replicas exist (`_on_samples`, `Tuner.follow`) and which version is live (a restarted
         router is republished to, `Publisher.observe`), and count the decisions made under the
         versions the optimiser scores (a window is complete once all of them reported back). A
-        router that does not answer keeps what it said last."""
-        docs = await asyncio.gather(*(self.publisher.fetch(t, quiet=True)
-                                      for t in self.cfg.routers))
+        router that does not answer keeps what it said last; one slow to answer is heard at a
+        later tick (`Publisher.poll`)."""
+        docs = await self.publisher.poll()
         async with self._exclusive():
             self._heard(docs)
             self._count_routed()

@@ -31,6 +31,11 @@ from tuner.optimizer import Proposal
 log = logging.getLogger("gorgo.tuner.publisher")
 RETRY_MIN_S = 0.5
 RETRY_MAX_S = 30.0
+# How long a tick waits for the routers' answers. A router that answers later (a hung one: up to
+# the publish timeout, 12 s) is taken at a later tick and held no one else's: one hung router
+# kept every tick for the whole timeout (1 tick in 20 s where 40 ran), and the healthy routers
+# got no weights until it answered.
+ANSWER_WAIT_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,12 +78,21 @@ class Publisher:
         self.clock = clock
         self._track = {t.url: _Track() for t in self.targets}
         self._session: aiohttp.ClientSession | None = None
+        # Requests still out, at most one of each kind per router: (task, version sent).
+        self._fetching: dict[str, asyncio.Task[dict[str, Any] | None]] = {}
+        self._putting: dict[str, tuple[asyncio.Task[PublishResult], int]] = {}
 
     async def __aenter__(self) -> Publisher:
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s))
         return self
 
     async def __aexit__(self, *exc: object) -> None:
+        out = [*self._fetching.values(), *(task for task, _ in self._putting.values())]
+        for task in out:
+            task.cancel()
+        await asyncio.gather(*out, return_exceptions=True)
+        self._fetching.clear()
+        self._putting.clear()
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -101,6 +115,20 @@ class Publisher:
             if not quiet:
                 log.warning("GET %s: %s", t.endpoint, exc or type(exc).__name__)
             return None
+
+    async def poll(self, wait_s: float = ANSWER_WAIT_S) -> list[dict[str, Any] | None]:
+        """Every router's GET /admin/weights, in target order, waiting at most ``wait_s``: None
+        for a router that did not answer (yet: its request stays out, one at a time, and its
+        answer is returned by the call that finds it done)."""
+        for t in self.targets:
+            if t.url not in self._fetching:
+                self._fetching[t.url] = asyncio.create_task(self.fetch(t, quiet=True))
+        await asyncio.wait(self._fetching.values(), timeout=wait_s)
+        docs: list[dict[str, Any] | None] = []
+        for t in self.targets:
+            task = self._fetching[t.url]
+            docs.append(self._fetching.pop(t.url).result() if task.done() else None)
+        return docs
 
     def observe(self, t: RouterTarget, doc: dict[str, Any]) -> None:
         """A router's GET /admin/weights: its replica set, and whether it still holds what it
@@ -152,32 +180,46 @@ class Publisher:
         except (aiohttp.ClientError, TimeoutError) as exc:
             return PublishResult(t.url, 0, None, str(exc) or type(exc).__name__)
 
-    async def sync(self, proposal: Proposal) -> int | None:
-        """Bring every due router to ``proposal``; a version floor if one holds a newer version."""
+    async def sync(self, proposal: Proposal, wait_s: float = ANSWER_WAIT_S) -> int | None:
+        """Bring every due router to ``proposal``, waiting at most ``wait_s`` for their answers
+        (a later one is settled by the call that finds it done); a version floor if one holds a
+        newer version."""
         now = self.clock()
         version = proposal.weights.version
-        due = [t for t in self.targets
-               if self._track[t.url].acked < version and now >= self._track[t.url].retry_at]
-        if not due:
+        for t in self.targets:
+            tr = self._track[t.url]
+            if t.url not in self._putting and tr.acked < version and now >= tr.retry_at:
+                self._putting[t.url] = (asyncio.create_task(self.put(t, proposal)), version)
+        if not self._putting:
             return None
-        results = await asyncio.gather(*(self.put(t, proposal) for t in due))
+        await asyncio.wait([task for task, _ in self._putting.values()], timeout=wait_s)
         floor: int | None = None
-        for r in results:
-            tr = self._track[r.url]
-            if r.ok:
-                tr.acked, tr.backoff, tr.retry_at, tr.error = version, RETRY_MIN_S, 0.0, ""
-                tr.published += 1
-                continue
-            tr.failed += 1
-            if r.status == 409 and r.active_version is not None:
-                floor = r.active_version if floor is None else max(floor, r.active_version)
-                continue  # renumbered and retried at once by the caller
-            if r.error != tr.error:
-                log.warning("publishing v%d to %s failed: %s", version, r.url, r.error)
-            tr.error = r.error
-            tr.retry_at = now + tr.backoff
-            tr.backoff = min(tr.backoff * 2, RETRY_MAX_S)
+        for url, (task, sent) in list(self._putting.items()):
+            if task.done():
+                del self._putting[url]
+                held = self._settle(task.result(), sent)
+                if held is not None:
+                    floor = held if floor is None else max(floor, held)
         return floor
+
+    def _settle(self, r: PublishResult, version: int) -> int | None:
+        """A router's answer to version ``version``: acknowledged, or due again after a backoff;
+        the version it holds when that is newer (409)."""
+        tr = self._track[r.url]
+        if r.ok:
+            tr.acked = max(tr.acked, version)
+            tr.backoff, tr.retry_at, tr.error = RETRY_MIN_S, 0.0, ""
+            tr.published += 1
+            return None
+        tr.failed += 1
+        if r.status == 409 and r.active_version is not None:
+            return r.active_version  # renumbered and retried at once by the caller
+        if r.error != tr.error:
+            log.warning("publishing v%d to %s failed: %s", version, r.url, r.error)
+        tr.error = r.error
+        tr.retry_at = self.clock() + tr.backoff
+        tr.backoff = min(tr.backoff * 2, RETRY_MAX_S)
+        return None
 
     def status(self) -> list[dict[str, Any]]:
         return [{"url": t.url, "acked_version": self._track[t.url].acked,

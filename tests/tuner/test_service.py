@@ -270,9 +270,11 @@ class StuckRouter:
             await self.runner.cleanup()
 
 
-def test_a_hung_router_holds_neither_status_nor_samples(tmp_path: Path, span_builders) -> None:
-    """A tick waits for a hung router up to the publish timeout; the probes and the spans must
-    not wait with it (a liveness probe's timeout is shorter than a publish timeout)."""
+def test_a_hung_router_holds_neither_ticks_nor_status_nor_samples(tmp_path: Path,
+                                                                   span_builders) -> None:
+    """A hung router's requests stay out up to the publish timeout; the probes, the spans, the
+    ticks and the other routers' weights must not wait with them (one hung router held every
+    tick for the whole timeout, and the healthy routers got no weights meanwhile)."""
     async def body() -> None:
         a, hung = RouterApp(), StuckRouter()
         await a.start()
@@ -284,19 +286,24 @@ def test_a_hung_router_holds_neither_status_nor_samples(tmp_path: Path, span_bui
             await svc.tick(0.0)
             v = svc.tuner.active.weights.version
             hung.stuck = True
+            # (bounds only so that the code before fails rather than hangs: it never answered)
             tick = asyncio.create_task(svc.tick(1.0))
-            await hung.arrived.wait()
+            await asyncio.wait_for(hung.arrived.wait(), 60)
             base = f"http://127.0.0.1:{svc.status_port}"
-            # (a bound only so that the code before fails rather than hangs: it never answered)
             status, doc = await asyncio.wait_for(get_json(f"{base}/status"), 60)
             assert status == 200 and doc["ticks"] == 2
             status, text = await asyncio.wait_for(get_json(f"{base}/metrics"), 60)
             assert status == 200 and "gorgo_tuner_active_version" in text
             await export_samples(svc.otlp_port, v, 2, 100_000, span_builders)
             assert svc.tuner.status()["window"]["samples"] == 2  # handed over, not held
-            assert not tick.done()  # all of it while the tick waited for the hung router
+            await asyncio.wait_for(tick, 60)  # the hung router's request is still out
+            assert not hung.release.is_set()
+            for k in range(3):  # ticks go on, and the healthy router is kept in step
+                await asyncio.wait_for(svc.tick(2.0 + k), 60)
+            acked = {r["url"]: r["acked_version"] for r in svc.publisher.status()}
+            assert acked[a.url] == svc.tuner.active.weights.version
+            assert acked[hung.url] < acked[a.url]
             hung.release.set()
-            await tick
         finally:
             await svc.stop()
             await a.stop()
