@@ -68,9 +68,10 @@ PEER_LOCAL_S = 1e-3
 # costs about INTAKE_BASE_S + INTAKE_PER_TOKEN_S * prompt tokens before it leaves for its replica
 # (Envoy buffering the body, the gRPC hop, JSON parsing and prefix hashing; the router's own part
 # measures 0.3 ms at 1k tokens and 1.7 ms at 40k on the 2-core dev machine). Milliseconds, but
-# decisive for the bursts of simultaneous requests in Mooncake: spread out shortest body first,
-# they reach an engine in that order, where link jitter alone would shuffle them in its FCFS
-# queue and put short prompts behind long ones.
+# decisive for the bursts of simultaneous requests in Mooncake: spread out in their arrival
+# order, they reach an engine in that order, where link jitter alone would shuffle them in its
+# FCFS queue. Simultaneous requests arrive shortest prompt first (`arrival_order`), a tie the
+# trace leaves open, broken the same way by the live load generator (`replay.replay`).
 INTAKE_BASE_S = 0.5e-3
 INTAKE_PER_TOKEN_S = 0.05e-6
 
@@ -165,8 +166,8 @@ def build_engines(spec: FleetSpec, speed: float = 1.0) -> list[Engine]:
 
 
 def arrival_order(arrivals: Sequence[float], features: Sequence[RequestFeatures]) -> list[int]:
-    """The order requests reach the router: by arrival, simultaneous ones shortest body first
-    (see `Simulation.run`)."""
+    """The order requests reach the router: by arrival, simultaneous ones shortest body first,
+    as `gorgo replay` sends them (see `Simulation.run`)."""
     return sorted(range(len(arrivals)), key=lambda k: (arrivals[k], features[k].prompt_tokens))
 
 

@@ -218,7 +218,12 @@ async def replay(
     records: list[RequestRecord] = []
     inflight: set[asyncio.Task[None]] = set()
     tracker = _Progress(progress) if progress is not None else None
-    ordered = sorted(requests, key=lambda r: r.arrival_s)
+    # Simultaneous requests (Mooncake's timestamps are quantised to ~3 s: up to 28 share one)
+    # go out in the offline simulation's order, shortest prompt first (`offline.arrival_order`),
+    # each group from one timer: a timer per request woke them in an order set by its own
+    # microseconds of noise (mostly shortest first: the larger bodies took longer to build), and
+    # that order, read at the router, was once taken for Envoy's.
+    ordered = sorted(requests, key=lambda r: (r.arrival_s, r.input_tokens, r.index))
 
     def finish(rec: RequestRecord) -> None:
         records.append(rec)
@@ -253,6 +258,16 @@ async def replay(
         connector=connector, timeout=timeout, headers=base_headers
     ) as session:
         t0 = loop.time() + START_DELAY_S
+        gates: dict[float, asyncio.Event] = {}
+
+        def gate(at: float) -> asyncio.Event:
+            """The one timer of every request sent at ``at``; its waiters wake in the order
+            they began to wait, the order they were dispatched."""
+            g = gates.get(at)
+            if g is None:
+                g = gates[at] = asyncio.Event()
+                loop.call_at(at, lambda: gates.pop(at).set())
+            return g
 
         async def one(req: TraceRequest, at: float) -> None:
             rec = RequestRecord(
@@ -268,9 +283,8 @@ async def replay(
                 rec.outcome, rec.error = "error", f"building the request failed: {exc!r}"
                 finish(rec)
                 return
-            wait = at - loop.time()
-            if wait > 0:
-                await asyncio.sleep(wait)
+            if at > loop.time():
+                await gate(at).wait()
             sent = loop.time()
             rec.sent_s = sent - t0
             rec.slip_ms = (sent - at) * 1000.0
@@ -443,13 +457,21 @@ def _replica(headers: Any) -> str | None:
     return None
 
 
+# What a chat delta's generated tokens come in: the answer, a reasoning model's thinking (vLLM's
+# and SGLang's `reasoning_content`, the newer `reasoning`) and tool calls. Counting the answer alone
+# put a reasoning model's TTFT at its first answer token (661 ms against 100), made its ITL about 0
+# (the thinking's tokens over the answer's time) and left a tool-call-only answer with no TTFT.
+_DELTA_TOKENS = ("content", "reasoning_content", "reasoning", "tool_calls")
+
+
 def _content(event: dict[str, Any], endpoint: str) -> bool:
+    """Whether a stream event carries generated tokens."""
     choices = event.get("choices")
     if not choices or not isinstance(choices[0], dict):
         return False
     if endpoint == "chat":
         delta = choices[0].get("delta")
-        return isinstance(delta, dict) and bool(delta.get("content"))
+        return isinstance(delta, dict) and any(delta.get(k) for k in _DELTA_TOKENS)
     return bool(choices[0].get("text"))
 
 

@@ -43,7 +43,8 @@ class SSEServer:
     """Streams ``max_tokens`` (capped at 4) chunks 5 ms apart.
 
     ``user == "fail"`` gets a 503, ``user == "slow"`` (or header ``x-test-delay``) waits first;
-    header ``x-test-chunk-tokens: N`` counts N tokens per chunk in the usage (else 4 in all).
+    header ``x-test-chunk-tokens: N`` counts N tokens per chunk in the usage (else 4 in all);
+    ``x-test-reasoning: N`` makes the first N chunks a reasoning model's thinking.
     """
 
     def __init__(self) -> None:
@@ -92,9 +93,11 @@ class SSEServer:
         )
         await resp.prepare(request)
         chat = "messages" in body
+        thinking = int(request.headers.get("x-test-reasoning", "0"))  # reasoning chunks first
         for k in range(min(int(body.get("max_tokens", 1)), 4)):
             await asyncio.sleep(0.005)
-            choice = {"delta": {"content": f"t{k} "}} if chat else {"text": f"t{k} "}
+            delta = {"reasoning_content": f"r{k} "} if k < thinking else {"content": f"t{k} "}
+            choice = {"delta": delta} if chat else {"text": f"t{k} "}
             await resp.write(f"data: {json.dumps({'choices': [choice]})}\n\n".encode())
         prompt = body["messages"][0]["content"] if chat else body["prompt"]
         per_chunk = int(request.headers.get("x-test-chunk-tokens", "0"))
@@ -233,6 +236,42 @@ def test_itl_is_per_token_not_per_chunk(server: SSEServer) -> None:
         assert rec.chunk_gap_mean_ms is not None and rec.chunk_gap_mean_ms > rec.itl_ms
     assert result.summary["itl_ms"]["p50"] == pytest.approx(
         percentile([r.itl_ms for r in result.records], 50))
+
+
+def test_a_reasoning_models_thinking_is_its_first_token(server: SSEServer) -> None:
+    """A reasoning model streams its thinking (`reasoning_content`) before its answer: TTFT was
+    taken at the first answer token (661 ms against 100)."""
+    reqs = [TraceRequest(0, 0.0, 200, 4, parts=(("r0", 200),))]
+    plain = asyncio.run(replay(reqs, f"http://{HOST}:{server.port}")).records[0]
+    result = asyncio.run(replay(reqs, f"http://{HOST}:{server.port}",
+                                headers={"x-test-reasoning": "3"}))
+    (rec,) = result.records
+    assert rec.outcome == "ok" and rec.chunks == plain.chunks == 4
+    assert rec.ttft_ms is not None and plain.ttft_ms is not None
+    assert rec.e2e_ms is not None and rec.ttft_ms < rec.e2e_ms - 10.0  # 3 chunks 5 ms apart
+
+
+def test_simultaneous_requests_go_out_shortest_first_from_one_timer(
+        server: SSEServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Requests of one timestamp are sent in the offline simulation's order (shortest prompt
+    first, `offline.arrival_order`), every time: a timer per request sent them in an order set by
+    its microseconds of noise, which was once measured at the router and taken for Envoy's."""
+    from gorgo.sim import replay as module
+    sent: list[int] = []
+    real = module._send
+
+    async def recorded(session, url, payload, rec, at, endpoint):
+        sent.append(rec.index)
+        await real(session, url, payload, rec, at, endpoint)
+
+    monkeypatch.setattr(module, "_send", recorded)
+    sizes = [900, 100, 500, 100, 2000, 300, 700, 50, 1200, 400, 800, 600]
+    reqs = [TraceRequest(i, 0.05 + 0.05 * (i >= 6), size, 1, parts=((f"r{i}", size),))
+            for i, size in enumerate(sizes)]
+    asyncio.run(replay(reqs, f"http://{HOST}:{server.port}"))
+    first, second = sorted(range(6), key=lambda i: (sizes[i], i)), sorted(
+        range(6, 12), key=lambda i: sizes[i])
+    assert sent == first + second
 
 
 def test_stats_summaries() -> None:
