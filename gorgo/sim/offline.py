@@ -279,10 +279,9 @@ class Simulation:
                             strict=True):
             rec.client_ms = float(leg)
         # Requests that arrive at the same instant (Mooncake quantises its timestamps to ~3 s, up
-        # to 28 per value) reach the router shortest body first, as they do live: Envoy reads all
-        # the bodies at once and the router sees each when its body is complete. Arrival order
-        # alone (the trace's index) made simultaneous long prompts jump ahead of short ones;
-        # bench/crosscheck.py measured the live order (docs/results.md, Live cross-check).
+        # to 28 per value) reach the router shortest body first, the order `gorgo replay` sends
+        # them in: a tie the trace leaves open, broken alike by both drivers (bench/crosscheck.py
+        # checks the live decision order; docs/results.md, Live cross-check).
         for k in arrival_order(arrivals, features):
             self._push(arrivals[k], ARRIVE, k)
         sig = self.spec.signals
