@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
+from collections.abc import AsyncIterator
 
 import aiohttp
 import pytest
@@ -35,59 +37,63 @@ async def _get(session: aiohttp.ClientSession, url: str) -> tuple[int, float]:
         return r.status, (time.perf_counter() - t0) * 1000
 
 
+@contextlib.asynccontextmanager
+async def _controlled(fleet: SimFleet) -> AsyncIterator[str]:
+    """``fleet`` started with its chaos control API; yields the API's base URL, stops both."""
+    await fleet.start()
+    runner = aiohttp.web.AppRunner(fleet.control_app())
+    try:
+        await runner.setup()
+        await aiohttp.web.TCPSite(runner, "127.0.0.1", 0).start()
+        yield f"http://127.0.0.1:{runner.addresses[-1][1]}"
+    finally:
+        await runner.cleanup()
+        await fleet.stop()
+
+
 def test_fleet_serves_through_links_and_obeys_controls() -> None:
     async def go() -> None:
         ports = [free_port(), free_port()]
         fleet = SimFleet(_spec(ports), stream_interval=2)
-        await fleet.start()
-        app_runner = aiohttp.web.AppRunner(fleet.control_app())
-        await app_runner.setup()
-        site = aiohttp.web.TCPSite(app_runner, "127.0.0.1", 0)
-        await site.start()
-        ctl = f"http://127.0.0.1:{app_runner.addresses[-1][1]}"
-        try:
-            async with aiohttp.ClientSession() as s:
-                await _get(s, f"http://127.0.0.1:{ports[1]}/health")  # open the connection
-                status, far_ms = await _get(s, f"http://127.0.0.1:{ports[1]}/health")
-                # Never faster than the 80 ms link (no jitter; the emulator's timers lead by at
-                # most 0.5 ms a direction); the near one (2 ms, a new connection: two round trips)
-                # is the baseline for the upper bound, since load slows both alike.
-                assert status == 200 and far_ms >= 80.0 - 1.0, far_ms
-                status, near_ms = await _get(s, f"http://127.0.0.1:{ports[0]}/health")
-                assert status == 200 and near_ms >= 4.0 - 2.0, near_ms
-                assert 80.0 * 0.5 < far_ms - near_ms < 80.0 * 2.5, (far_ms, near_ms)
-                body = {"model": "m", "max_tokens": 4,
-                        "messages": [{"role": "user", "content": "hello " * 20}]}
-                async with s.post(f"http://127.0.0.1:{ports[0]}/v1/chat/completions",
-                                  json=body) as r:
-                    assert r.status == 200
-                    assert r.headers["x-gorgo-served-by"] == "r0"
-                    assert (await r.json())["usage"]["completion_tokens"] == 4
-                async with s.post(f"{ctl}/replicas/r0/fail", json={"mode": "503"}) as r:
-                    assert (await r.json())["fail_mode"] == "503"
-                async with s.post(f"http://127.0.0.1:{ports[0]}/v1/chat/completions",
-                                  json=body) as r:
-                    assert r.status == 503
-                async with s.post(f"{ctl}/replicas/r0/fail", json={"mode": None}) as r:
-                    assert r.status == 200
-                async with s.post(f"{ctl}/replicas/r1/kill") as r:
-                    assert (await r.json())["up"] is False
-                async with aiohttp.ClientSession() as fresh:
-                    try:
-                        status, _ = await _get(fresh, f"http://127.0.0.1:{ports[1]}/health")
-                    except aiohttp.ClientError:
-                        status = 0
-                    assert status != 200
-                async with s.post(f"{ctl}/replicas/r1/revive") as r:
-                    assert (await r.json())["up"] is True
-                async with aiohttp.ClientSession() as fresh:
+        async with _controlled(fleet) as ctl, aiohttp.ClientSession() as s:
+            await _get(s, f"http://127.0.0.1:{ports[1]}/health")  # open the connection
+            status, far_ms = await _get(s, f"http://127.0.0.1:{ports[1]}/health")
+            # Never faster than the 80 ms link (no jitter; the emulator's timers lead by at
+            # most 0.5 ms a direction); the near one (2 ms, a new connection: two round trips)
+            # is the baseline for the upper bound, since load slows both alike.
+            assert status == 200 and far_ms >= 80.0 - 1.0, far_ms
+            status, near_ms = await _get(s, f"http://127.0.0.1:{ports[0]}/health")
+            assert status == 200 and near_ms >= 4.0 - 2.0, near_ms
+            assert 80.0 * 0.5 < far_ms - near_ms < 80.0 * 2.5, (far_ms, near_ms)
+            body = {"model": "m", "max_tokens": 4,
+                    "messages": [{"role": "user", "content": "hello " * 20}]}
+            async with s.post(f"http://127.0.0.1:{ports[0]}/v1/chat/completions",
+                              json=body) as r:
+                assert r.status == 200
+                assert r.headers["x-gorgo-served-by"] == "r0"
+                assert (await r.json())["usage"]["completion_tokens"] == 4
+            async with s.post(f"{ctl}/replicas/r0/fail", json={"mode": "503"}) as r:
+                assert (await r.json())["fail_mode"] == "503"
+            async with s.post(f"http://127.0.0.1:{ports[0]}/v1/chat/completions",
+                              json=body) as r:
+                assert r.status == 503
+            async with s.post(f"{ctl}/replicas/r0/fail", json={"mode": None}) as r:
+                assert r.status == 200
+            async with s.post(f"{ctl}/replicas/r1/kill") as r:
+                assert (await r.json())["up"] is False
+            async with aiohttp.ClientSession() as fresh:
+                try:
                     status, _ = await _get(fresh, f"http://127.0.0.1:{ports[1]}/health")
-                    assert status == 200
-                async with s.post(f"{ctl}/replicas/nope/kill") as r:
-                    assert r.status == 404
-        finally:
-            await app_runner.cleanup()
-            await fleet.stop()
+                except aiohttp.ClientError:
+                    status = 0
+                assert status != 200
+            async with s.post(f"{ctl}/replicas/r1/revive") as r:
+                assert (await r.json())["up"] is True
+            async with aiohttp.ClientSession() as fresh:
+                status, _ = await _get(fresh, f"http://127.0.0.1:{ports[1]}/health")
+                assert status == 200
+            async with s.post(f"{ctl}/replicas/nope/kill") as r:
+                assert r.status == 404
 
     asyncio.run(asyncio.wait_for(go(), 30))
 
@@ -112,20 +118,10 @@ def test_chaos_controls_refuse_what_they_cannot_do(action: str, body: object, st
     good); reviving a running replica a 409. The replica is left as it was."""
     async def go() -> tuple[int, str, dict]:
         fleet = SimFleet(_spec([free_port()]))
-        await fleet.start()
-        runner = aiohttp.web.AppRunner(fleet.control_app())
-        await runner.setup()
-        site = aiohttp.web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        url = f"http://127.0.0.1:{runner.addresses[-1][1]}/replicas/r0/{action}"
-        try:
-            async with aiohttp.ClientSession() as s:
-                data = body if isinstance(body, str) else json.dumps(body)
-                async with s.post(url, data=data) as r:
-                    return r.status, (await r.json())["error"], fleet.status()["r0"]
-        finally:
-            await runner.cleanup()
-            await fleet.stop()
+        async with _controlled(fleet) as ctl, aiohttp.ClientSession() as s:
+            data = body if isinstance(body, str) else json.dumps(body)
+            async with s.post(f"{ctl}/replicas/r0/{action}", data=data) as r:
+                return r.status, (await r.json())["error"], fleet.status()["r0"]
 
     got, error, after = asyncio.run(asyncio.wait_for(go(), 30))
     assert got == status and says in error
