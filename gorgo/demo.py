@@ -325,6 +325,8 @@ def write_report(out: Path, args: argparse.Namespace, runs: list[LiveRun],
     short = [run for run in runs if run.interrupted]
     ran = {run.policy for run in runs}
     skipped = [p for p in ["gorgo", *live_policies(args)] if p not in ran]
+    if offline is None and args.offline_policies and (short or skipped):
+        skipped.append("the offline simulation")
     if short or skipped:
         lines += ["", " ".join([
             "**Interrupted**: a stop signal ended the demo early.",

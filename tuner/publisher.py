@@ -126,8 +126,9 @@ class Publisher:
         await asyncio.wait(self._fetching.values(), timeout=wait_s)
         docs: list[dict[str, Any] | None] = []
         for t in self.targets:
-            task = self._fetching[t.url]
-            docs.append(self._fetching.pop(t.url).result() if task.done() else None)
+            task = self._fetching.get(t.url)
+            done = task is not None and task.done()
+            docs.append(self._fetching.pop(t.url).result() if done else None)
         return docs
 
     def observe(self, t: RouterTarget, doc: dict[str, Any]) -> None:
@@ -207,6 +208,11 @@ class Publisher:
         the version it holds when that is newer (409)."""
         tr = self._track[r.url]
         if r.ok:
+            # A GET still out was answered before this version: its answer would read as a
+            # router that lost it (restarted?) and get it republished, then renumbered (409).
+            stale = self._fetching.pop(r.url, None)
+            if stale is not None:
+                stale.cancel()
             tr.acked = max(tr.acked, version)
             tr.backoff, tr.retry_at, tr.error = RETRY_MIN_S, 0.0, ""
             tr.published += 1

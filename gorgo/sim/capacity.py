@@ -56,9 +56,11 @@ STEP = 1.5
 BASELINE = "round-robin"
 SEED = 0
 MAX_ROUNDS = 40
-# Simulator modules whose code decides a probe's outcome (with all of gorgo/core).
-SIM_MODULES = ("offline", "engine", "kv_cache", "profiles", "traces", "workload", "capacity",
-               "routers")
+# Simulator modules whose code decides a run's outcome (with all of gorgo/core): the capacity
+# probes' and the tune bench's static runs' (`tunebench.run.model_digest`). `kv_publish` decides
+# a precise fleet's cache hits, `link` the delays: an edit to either reused stale results.
+SIM_MODULES = ("offline", "engine", "kv_cache", "kv_publish", "link", "profiles", "traces",
+               "workload", "capacity", "routers")
 
 
 @dataclass(frozen=True)

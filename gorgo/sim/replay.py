@@ -262,11 +262,14 @@ async def replay(
 
         def gate(at: float) -> asyncio.Event:
             """The one timer of every request sent at ``at``; its waiters wake in the order
-            they began to wait, the order they were dispatched."""
+            they began to wait, the order they were dispatched. Kept once it fired: a request
+            of that time dispatched later goes at once, behind the ones it woke (a request that
+            found the clock past ``at`` skipped the gate and went ahead of them: when building
+            a burst's bodies overran the prebuild, the largest went first)."""
             g = gates.get(at)
             if g is None:
                 g = gates[at] = asyncio.Event()
-                loop.call_at(at, lambda: gates.pop(at).set())
+                loop.call_at(at, g.set)
             return g
 
         async def one(req: TraceRequest, at: float) -> None:
@@ -283,8 +286,9 @@ async def replay(
                 rec.outcome, rec.error = "error", f"building the request failed: {exc!r}"
                 finish(rec)
                 return
-            if at > loop.time():
-                await gate(at).wait()
+            opened = gate(at)
+            if not opened.is_set():
+                await opened.wait()
             sent = loop.time()
             rec.sent_s = sent - t0
             rec.slip_ms = (sent - at) * 1000.0

@@ -83,7 +83,7 @@ def test_the_report_says_which_runs_were_cut_short(tmp_path: Path) -> None:
     assert "**Interrupted**" in report
     assert ("Cut short: round-robin after 7 s: 10 of its 65 requests answered, 36 cancelled in "
             "flight, 19 never sent.") in report
-    assert "Not run: least-request." in report
+    assert "Not run: least-request, the offline simulation." in report  # it said nothing of it
     verdicts = report.split("## Where gorgo loses")[1]
     assert "- Live: round-robin cut short (above), so the lines below weigh a partial run" \
         in verdicts

@@ -272,6 +272,15 @@ def test_simultaneous_requests_go_out_shortest_first_from_one_timer(
     first, second = sorted(range(6), key=lambda i: (sizes[i], i)), sorted(
         range(6, 12), key=lambda i: sizes[i])
     assert sent == first + second
+    # A burst whose bodies take longer to build than the prebuild lead (time scale 0: the whole
+    # slice at once): a request that found the clock past its time skipped the timer and went
+    # ahead of the ones waiting on it, largest first.
+    sent.clear()
+    sizes = [2000 + (k * 7919) % 18000 for k in range(120)]
+    reqs = [TraceRequest(i, 0.0, size, 1, parts=((f"r{i}", size),))
+            for i, size in enumerate(sizes)]
+    asyncio.run(replay(reqs, f"http://{HOST}:{server.port}", 0.0))
+    assert sent == sorted(range(120), key=lambda i: (sizes[i], i))
 
 
 def test_stats_summaries() -> None:

@@ -312,6 +312,56 @@ def test_a_hung_router_holds_neither_ticks_nor_status_nor_samples(tmp_path: Path
     run(body)
 
 
+class LateGetRouter(RouterApp):
+    """A router whose `GET /admin/weights` reads its state at once and answers only after the
+    next PUT was answered: a slow GET overtaken by a PUT, without a clock."""
+
+    async def start(self, port: int = 0) -> None:
+        self.late, self.put_answered = False, asyncio.Event()
+
+        @web.middleware
+        async def late(request: web.Request, handler: Any) -> web.StreamResponse:
+            resp = await handler(request)  # the state as of now
+            if request.method == "PUT":
+                self.put_answered.set()
+            elif self.late:
+                self.put_answered.clear()
+                await self.put_answered.wait()
+            return resp
+
+        app = make_app(RouterMetrics(self.router.state, lambda: 0), self.router, TOKEN)
+        app.middlewares.append(late)
+        self.runner = web.AppRunner(app, access_log=None)
+        await self.runner.setup()
+        await web.TCPSite(self.runner, "127.0.0.1", port).start()
+        self.url = f"http://127.0.0.1:{self.runner.addresses[0][1]}"
+
+
+def test_a_get_answered_after_a_later_put_is_not_a_restart(tmp_path: Path) -> None:
+    """A tick no longer waits for a slow GET, so a PUT can be answered while a GET read before it
+    is still out: its old version read as a router that lost the new one ("restarted?"), which
+    was republished, refused (409) and renumbered, every time."""
+    async def body() -> None:
+        a = LateGetRouter()
+        await a.start()
+        svc = TunerService(load_config(write_config(tmp_path, [a])))
+        await svc.start()
+        try:
+            a.late = True
+            for k in range(4):
+                await svc.tick(float(k))
+            (status,) = svc.publisher.status()
+            assert status["failed"] == 0 and status["error"] == ""
+            assert status["acked_version"] == a.weights.version == svc.tuner.active.weights.version
+        finally:
+            a.late = False
+            a.put_answered.set()  # the GETs still held
+            await svc.stop()
+            await a.stop()
+
+    run(body)
+
+
 def test_publisher_reports_auth_failures_without_acking(tmp_path: Path) -> None:
     async def body() -> None:
         a = RouterApp()

@@ -21,6 +21,7 @@ from gorgo.core.decision import Decision
 from gorgo.core.fleet import FleetSpec
 from gorgo.core.terms import TERMS
 from gorgo.core.weights import Weights
+from gorgo.sim.capacity import SIM_MODULES as CAPACITY_MODULES
 from gorgo.sim.offline import RequestRecord, SimResult, Simulation
 from gorgo.sim.stats import jsonable
 from gorgo.sim.tunebench.points import Point, default_point
@@ -270,9 +271,9 @@ def probe_job(rate: float) -> Any:
 # --------------------------------------------------------------------------- static-run cache
 
 
-# Modules (besides all of gorgo.core) whose source decides what a static run measures.
-SIM_MODULES = ("gorgo.sim.offline", "gorgo.sim.engine", "gorgo.sim.kv_cache", "gorgo.sim.profiles",
-               "gorgo.sim.workload", "gorgo.sim.traces", "gorgo.sim.link")
+# Modules (besides all of gorgo.core) whose source decides what a static run measures: the
+# capacity search's list, one list for both caches.
+SIM_MODULES = tuple(f"gorgo.sim.{m}" for m in CAPACITY_MODULES)
 
 
 def model_digest() -> str:

@@ -1,0 +1,27 @@
+"""The capacity search's code digest: cached capacities and static tune-bench runs are reused only
+by the code that made them."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from gorgo.sim.capacity import SIM_MODULES
+from gorgo.sim.tunebench.run import SIM_MODULES as TUNE_MODULES
+
+SIM = Path(__file__).resolve().parents[2] / "gorgo" / "sim"
+
+
+def _sim_imports(module: str) -> set[str]:
+    tree = ast.parse((SIM / f"{module}.py").read_text())
+    return {node.module.rsplit(".", 1)[1] for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) and node.module
+            and node.module.startswith("gorgo.sim.")}
+
+
+def test_the_digest_covers_every_module_a_simulated_run_executes() -> None:
+    """`kv_publish` (a precise fleet's cache hits) and `link` were left out: an edit to either
+    reused cached capacities made by the code before it."""
+    executed = {"offline", *_sim_imports("offline"), *_sim_imports("engine")}
+    assert executed <= set(SIM_MODULES), executed - set(SIM_MODULES)
+    assert tuple(f"gorgo.sim.{m}" for m in SIM_MODULES) == TUNE_MODULES
