@@ -32,13 +32,14 @@ from gorgo import shutdown
 from gorgo._xds.envoy.service.ext_proc.v3 import external_processor_pb2
 from gorgo.core.contract import LIVE_SERVICE
 from gorgo.core.discovery import dns_sources, refuse_clusters_file
-from gorgo.core.fleet import FleetError, FleetSpec, address_arg, host_port, parse_fleet
+from gorgo.core.fleet import FleetError, FleetSpec, host_port, parse_fleet
 from gorgo.core.membership import FleetDiff
 from gorgo.core.router import Router
 from gorgo.envoy_config import write_cds
 from gorgo.errors import (
     LOG_LEVELS,
     UserError,
+    address_arg,
     at_least,
     bind_error,
     check_port,

@@ -3,8 +3,9 @@
 A missing fleet file, a port in use or a router that does not answer is not a bug, so it gets one
 line saying what is wrong and what to do, not a traceback: every such error derives from
 `UserError`, and `gorgo.cli` prints ``gorgo <command>: <message>`` and exits 2 for all of them.
-Anything else escaping a command is a bug and keeps its traceback. Stdlib only, so the pure core
-(gorgo.core) can derive its errors from it too.
+Anything else escaping a command is a bug and keeps its traceback. Stdlib only at import, so the
+pure core (gorgo.core) can derive its errors from it too; the argparse types of addresses and URLs
+call the fleet file's checks, imported when they run.
 """
 
 from __future__ import annotations
@@ -104,6 +105,29 @@ def output_dir(path: str | os.PathLike[str]) -> Path:
     except OSError as exc:
         raise UserError(f"cannot create the folder {p}: {exc.strerror or exc}") from None
     return p
+
+
+def address_arg(text: str) -> str:
+    """An argparse type for a HOST:PORT flag, as gRPC and URLs read it (IPv6 in brackets), by
+    the fleet file's one check: `gorgo extproc --otlp http://...` started with no span ever
+    exported, and said nothing."""
+    from gorgo.core.fleet import host_port, split_address  # the core derives from this module
+
+    try:
+        return host_port(*split_address(text))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def url_arg(text: str) -> str:
+    """An argparse type for a URL flag, by the fleet file's one check: `gorgo replay --url
+    notaurl` sent every request to nowhere, recorded a connection error for each and exited 0."""
+    from gorgo.core.fleet import http_url
+
+    if not http_url(text):
+        raise argparse.ArgumentTypeError(f"expected an http(s) URL like http://host:port, "
+                                         f"got {text!r}")
+    return text
 
 
 def bind_error(exc: OSError, what: str, hint: str) -> UserError:

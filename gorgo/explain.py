@@ -17,9 +17,9 @@ from pathlib import Path
 
 from gorgo.core.explain import Explanation, explain
 from gorgo.core.features import RequestError, extract_features
-from gorgo.core.fleet import FleetSpec, load_fleet, url_arg
+from gorgo.core.fleet import FleetSpec, load_fleet
 from gorgo.core.router import Router
-from gorgo.errors import UserError, header_pair
+from gorgo.errors import UserError, header_pair, url_arg
 
 TOKEN_ENV = "GORGO_ADMIN_TOKEN"  # as extproc.admin reads it (not imported: it pulls in aiohttp)
 

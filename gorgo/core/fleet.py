@@ -8,7 +8,6 @@ router config shows up much later as bad routing.
 
 from __future__ import annotations
 
-import argparse
 import ipaddress
 import math
 import re
@@ -488,15 +487,6 @@ def split_address(value: str, lowest_port: int = 1) -> tuple[str, int]:
     return str(ip), int(port)
 
 
-def address_arg(text: str) -> str:
-    """An argparse type for a HOST:PORT flag, as gRPC and URLs read it (IPv6 in brackets):
-    `gorgo extproc --otlp http://...` started with no span ever exported, and said nothing."""
-    try:
-        return host_port(*split_address(text))
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
 def _label(obj: Mapping[str, Any], key: str, path: str, default: str | None = None) -> str:
     """A name that travels in headers, Envoy's cluster names and log lines: no control
     character or surrounding space (YAML's `name: |` keeps a newline, and every request to such
@@ -516,15 +506,6 @@ def _url(obj: Mapping[str, Any], key: str, path: str, default: str) -> str:
         raise FleetError(f"{path}.{key}: expected an http(s) URL like http://host:port/path, "
                          f"got {value!r}")
     return value
-
-
-def url_arg(text: str) -> str:
-    """An argparse type for a URL flag: `gorgo replay --url notaurl` sent every request to
-    nowhere, recorded a connection error for each and exited 0."""
-    if not http_url(text):
-        raise argparse.ArgumentTypeError(f"expected an http(s) URL like http://host:port, "
-                                         f"got {text!r}")
-    return text
 
 
 def _replica(raw: Any, path: str, regions: set[str]) -> ReplicaSpec:

@@ -29,9 +29,8 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from gorgo import shutdown
-from gorgo.core.fleet import url_arg
 from gorgo.core.tokens import Tokenization
-from gorgo.errors import UserError, at_least, header_pair, output_file
+from gorgo.errors import UserError, at_least, header_pair, output_file, url_arg
 from gorgo.progress import StatusLine
 from gorgo.sim.stats import percentile, rate_per_s, summarize
 from gorgo.sim.traces import DESCRIPTION, TraceRequest, load_trace, parse_spec
