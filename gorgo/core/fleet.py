@@ -354,6 +354,13 @@ class FleetSpec:
         any, and every replica serves whatever is asked."""
         return tuple(dict.fromkeys(m for r in self.replicas for m in r.models))
 
+    def model_asked(self, model: str | None) -> str | None:
+        """The model a request is for: the one it names, else the fleet's only model (None: it
+        names none, and the fleet lists several or none). The router's candidates and settings
+        and irb's plan all resolve it here."""
+        known = self.models
+        return model if model is not None or len(known) != 1 else known[0]
+
     def replica(self, name: str) -> ReplicaSpec:
         for r in self.replicas:
             if r.name == name:

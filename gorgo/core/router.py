@@ -150,17 +150,15 @@ class Router:
         masks = self.state.model_masks
         if not masks:
             return None
-        known = self.spec.models
-        if f.model is None and len(known) == 1:
-            return masks[known[0]]
-        if f.model is None and f.endpoint is None:  # /health, an extra path naming no model
+        model = self.spec.model_asked(f.model)
+        if model is None and f.endpoint is None:  # /health, an extra path naming no model
             return None
-        mask = masks.get(f.model) if f.model is not None else None
+        mask = masks.get(model) if model is not None else None
         if mask is None:
             asked = "No model was named" if f.model is None else f"The model {f.model!r} does " \
                 "not exist"
             return Rejection(404, UNKNOWN_MODEL, 0.0,
-                             f"{asked}; this fleet serves: {', '.join(known)}.")
+                             f"{asked}; this fleet serves: {', '.join(self.spec.models)}.")
         return mask
 
     def admissible(self, f: RequestFeatures) -> np.ndarray | Rejection | None:
@@ -196,8 +194,7 @@ class Router:
     def settings_for(self, f: RequestFeatures) -> ModelSettings | None:
         """The fleet file's settings for the request's model (the fleet's one model when it
         names none), or None."""
-        known = self.spec.models
-        model = f.model if f.model is not None or len(known) != 1 else known[0]
+        model = self.spec.model_asked(f.model)
         return None if model is None else self._settings.get(model)
 
     def policy_for(self, f: RequestFeatures) -> Policy:

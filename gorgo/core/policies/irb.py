@@ -146,8 +146,7 @@ class Irb(PolicyBase):
         assert self.plan is not None
         if s.candidates is None:
             return self.plan
-        known = self.spec.models
-        model = f.model if f.model is not None or len(known) != 1 else known[0]
+        model = self.spec.model_asked(f.model)
         return self.plans.get(model, self.plan) if model is not None else self.plan
 
     def choose(self, f: RequestFeatures, s: FleetState) -> Decision:
