@@ -38,7 +38,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import math
 import os
 import signal
 import ssl
@@ -56,7 +55,7 @@ from prometheus_client.registry import Collector
 
 from gorgo import shutdown
 from gorgo.core.contract import WEIGHT_BOUNDS, WORKER_WRITE_TIMEOUT_S
-from gorgo.core.fleet import Timeouts, http_url, load_fleet, split_address
+from gorgo.core.fleet import Timeouts, finite_number, http_url, load_fleet, split_address
 from gorgo.errors import LOG_LEVELS, UserError, check_port, header_token
 from tuner.calibration import CalibrationConfig
 from tuner.join import DUPLICATE, END, FIRST, Join
@@ -141,21 +140,9 @@ def _read_secret(base: Path, value: Any, key: str) -> str:
     return token
 
 
-def _finite(value: Any) -> float | None:
-    """``value`` as a finite float; None for anything else (inf, nan, an integer beyond a
-    float's range: math.isfinite raised OverflowError, a traceback)."""
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    try:
-        x = float(value)
-    except OverflowError:
-        return None
-    return x if math.isfinite(x) else None
-
-
 def _positive(raw: Mapping[str, Any], key: str, default: float) -> float:
     value = raw.get(key, default)
-    x = _finite(value)
+    x = finite_number(value)
     if x is None or not x > 0:
         raise ConfigError(f"{key}: expected a positive number, got {value!r}")
     return x
@@ -296,7 +283,7 @@ def _calibration(raw: Any) -> CalibrationConfig:
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ConfigError(f"calibration.{key}: expected an integer, got {value!r}")
             values[key] = value
-        elif (x := _finite(value)) is None:
+        elif (x := finite_number(value)) is None:
             raise ConfigError(f"calibration.{key}: expected a finite number, got {value!r}")
         else:
             values[key] = x

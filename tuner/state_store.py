@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
-import math
 import os
 import tempfile
 from collections.abc import Mapping
@@ -28,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from gorgo.core.contract import PREFILL_RATE_BOUNDS, VERSION_MAX, WEIGHT_BOUNDS
-from gorgo.core.fleet import MAX_INT
+from gorgo.core.fleet import MAX_INT, finite_number
 from gorgo.core.terms import OBJECTIVES, TTFT, weight_keys
 from gorgo.errors import UserError
 from tuner.optimizer import CONVERGED, EVALUATING, STATE_FORMAT, point_from_state
@@ -140,12 +139,11 @@ def _int(v: Any, key: str, lo: int, hi: int) -> int:
 
 
 def _number(v: Any, key: str, lo: float, hi: float, low_open: bool = False) -> float:
-    ok = (not isinstance(v, bool) and isinstance(v, int | float) and math.isfinite(v)
-          and (lo < v if low_open else lo <= v) and v <= hi)
-    if not ok:
+    x = finite_number(v)  # an integer past a float's range raised OverflowError at the start
+    if x is None or not ((lo < x if low_open else lo <= x) and x <= hi):
         bound = f"{'(' if low_open else '['}{lo:g}, {hi:g}]"
         raise ValueError(f"{key}: expected a number in {bound}, got {_short(v)}")
-    return float(v)
+    return x
 
 
 def _short(v: Any) -> str:

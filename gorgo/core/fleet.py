@@ -389,6 +389,19 @@ def _check_keys(obj: Mapping[str, Any], allowed: set[str], path: str) -> None:
 MAX_INT = 2**53
 
 
+def finite_number(value: Any) -> float | None:
+    """``value`` as a finite float, or None for anything else: a bool, a string, NaN, an
+    infinity, or an integer beyond a float's range (on which `math.isfinite` raises
+    OverflowError: a traceback wherever a config, a state file or a request body carried one)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    try:
+        x = float(value)
+    except OverflowError:
+        return None
+    return x if math.isfinite(x) else None
+
+
 def _num(
     obj: Mapping[str, Any], key: str, path: str, default: float, *, minimum: float = 0.0,
     strict: bool = False, maximum: float = math.inf, cast: Callable[[Any], float] = float,

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import math
 import shutil
 import tempfile
 from collections.abc import Collection, Sequence
@@ -31,7 +30,7 @@ from typing import Any
 from aiohttp import web
 
 from gorgo import shutdown
-from gorgo.core.fleet import FleetSpec, ReplicaSpec, load_fleet
+from gorgo.core.fleet import FleetSpec, ReplicaSpec, finite_number, load_fleet
 from gorgo.core.tokens import Tokenization
 from gorgo.errors import (
     LOG_LEVELS,
@@ -227,12 +226,13 @@ class SimFleet:
 
 def _number(value: Any, field: str, least: float | None = None) -> float:
     """A finite number (above 0, or at least ``least``), or a ValueError naming ``field``."""
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise ValueError(f"{field} must be a finite number, got {value!r}")
-    if (value < least) if least is not None else (value <= 0):
+    x = finite_number(value)
+    if x is None:
+        raise ValueError(f"{field} must be a finite number, got {repr(value)[:40]}")
+    if (x < least) if least is not None else (x <= 0):
         raise ValueError(f"{field} must be {'>= ' + str(least) if least is not None else '> 0'}"
                          f", got {value!r}")
-    return float(value)
+    return x
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

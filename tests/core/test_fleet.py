@@ -19,6 +19,7 @@ from gorgo.core.fleet import (
     Limits,
     Signals,
     Timeouts,
+    finite_number,
     load_fleet,
     parse_fleet,
     split_address,
@@ -510,3 +511,11 @@ def test_model_settings_need_replicas_that_list_their_models() -> None:
 def test_split_address_reads_a_host_port(text: str, parsed: tuple[str, int]) -> None:
     assert split_address(text) == parsed
 
+
+
+@pytest.mark.parametrize(("value", "expected"), [
+    (2, 2.0), (0.5, 0.5), (-3, -3.0), (True, None), ("1", None), (None, None),
+    (float("nan"), None), (float("inf"), None), (10**400, None)])
+def test_finite_number_is_a_float_or_none_never_an_overflow(value: object,
+                                                           expected: float | None) -> None:
+    assert finite_number(value) == expected

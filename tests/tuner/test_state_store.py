@@ -124,6 +124,8 @@ BIG = int("1" + "0" * 400)  # parses as JSON; once accepted as a version (issue 
     ({"sigma": 0}, "sigma"),
     ({"sigma": -0.5}, "sigma"),
     ({"sigma": 1e308}, "sigma"),
+    ({"sigma": 10**400}, "sigma"),  # an integer past a float's range: OverflowError, a traceback
+    ({"prefill_rate": {"r0": 10**400}}, "prefill_rate.r0"),
     ({"phase": "dancing"}, "phase"),
     ({"baseline_p95": -1}, "baseline_p95"),
     ({"prefill_rate": {"r0": -20000}}, "prefill_rate.r0"),
