@@ -22,7 +22,6 @@ import bisect
 import contextlib
 import itertools
 import json
-import math
 import socket
 import struct
 import time
@@ -45,6 +44,7 @@ from gorgo.core.features import (
     prompt_sizes,
     prompt_text,
 )
+from gorgo.core.fleet import finite_number
 from gorgo.core.prompt_tokens import SimTokenizer
 from gorgo.core.tokens import DEFAULT_BLOCK_TOKENS, DEFAULT_CHARS_PER_TOKEN, Tokenization
 from gorgo.errors import UserError, bind_error, port_number, positive_number
@@ -276,9 +276,10 @@ class EngineServer:
 
     @slowdown.setter
     def slowdown(self, factor: float) -> None:
-        if not (math.isfinite(factor) and factor > 0):
+        x = finite_number(factor)
+        if x is None or not x > 0:
             raise ValueError(f"slowdown factor must be a finite number > 0, got {factor!r}")
-        self._slowdown = factor
+        self._slowdown = x
         self.engine.speed = self._speed / factor
         self._rescaled.set()
 

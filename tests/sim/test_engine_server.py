@@ -630,3 +630,11 @@ def test_responses_api_streamed_and_whole(flavor):
                 assert resp.status == 400 and error_of(await resp.json())["param"] == param
 
     serve(fn, flavor=flavor)
+
+
+@pytest.mark.parametrize("factor", [0, -1.0, float("inf"), float("nan"), 10**400])
+def test_a_slowdown_factor_is_finite_and_positive(factor: float) -> None:
+    srv = EngineServer(Engine(get_profile("tiny-test"), TOK), TOK, MODEL)
+    with pytest.raises(ValueError, match="slowdown factor must be a finite number > 0"):
+        srv.slowdown = factor  # 10**400 raised OverflowError
+    assert srv.slowdown == 1.0 and srv.engine.speed == 1.0
