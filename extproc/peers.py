@@ -3,14 +3,19 @@ ends, and applies the other routers' bookings as its own (`gorgo.core.peers`).
 
 The bookings of one turn of the router's loop go out in as few messages as the server's
 `max_payload` allows on the fleet's subject (core NATS: at most once, in order per publisher).
-Delivery is best effort by design: a lost open leaves the peers undercounting, as they would
-without sharing; a lost close is expired after the fleet's request timeout. While the server is
-unreachable the router routes on what it has and keeps reconnecting; what it opened meanwhile is
-not replayed (those requests are mostly over by then), but what it closed is, once back (a
-blip of seconds once left every peer counting the requests that ended during it for the whole
-request timeout). A message that does not decode is counted and dropped whole; one the server
-refuses is counted (`direction="failed"`) and logged. Who may publish on the subject is the NATS
-server's to decide (credentials in the URL, or TLS): a publisher there can make the routers
+Delivery is best effort by design: a lost open leaves the peers undercounting, as they would without
+sharing; a lost close is expired after the fleet's request timeout. While the server is unreachable
+the router routes on what it has and keeps reconnecting; what it opened meanwhile is not replayed
+(those requests are mostly over by then), but what it closed is, once back (a blip of seconds once
+left every peer counting the requests that ended during it for the whole request timeout). Routers
+come back in no set order, and core NATS keeps nothing for one not yet subscribed: so a router back
+on the bus also sends a hello (`gorgo.core.peers.hello`) with its own reply address, and every peer
+answers there with the closes it sent over the last ``RESEND_S`` (after a server restart, a router
+whose replay went out before its peer had resubscribed once left that peer holding the requests for
+the request timeout; the same answer covers a router cut off alone for a while). A repeated close is
+a no-op for its receiver. A message that does not decode is counted and dropped whole; one the
+server refuses is counted (`direction="failed"`) and logged. Who may publish on the subject is the
+NATS server's to decide (credentials in the URL, or TLS): a publisher there can make the routers
 believe replicas busier, or caching more, than they are, up to the bounds of `gorgo.core.peers`
 (peers and bookings believed), never route a request itself.
 """
@@ -20,13 +25,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from extproc.telemetry import RepeatedFailures, RouterMetrics, log_event
-from gorgo.core.peers import CLOSED, Booking, decode, encode
+from gorgo.core.peers import CLOSED, MAX_PEERS, Booking, decode, encode, hello
 from gorgo.core.router import Router
 
 if TYPE_CHECKING:
@@ -34,8 +39,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("gorgo.peers")
 RECONNECT_S = 1.0  # between attempts while the server is unreachable
-# Closes kept while the server is unreachable, to send once back (the oldest go first past it).
+# Closes kept while the server is unreachable, to send once back (the oldest go first past it),
+# and the closes sent, kept for a peer that comes back to ask for them (the same bound).
 MAX_UNSENT_CLOSES = 100_000
+# How far back a peer's hello is answered: well past the seconds routers take to come back after
+# a server restart (they retry every RECONNECT_S), and a router cut off alone for less.
+RESEND_S = 30.0
 
 
 class PeerLink:
@@ -50,7 +59,13 @@ class PeerLink:
         self._task: asyncio.Task[None] | None = None
         self._flush_due = False
         self._unsent: deque[Booking] = deque(maxlen=MAX_UNSENT_CLOSES)
+        # The closes sent, by decision id, oldest first; a re-open (a retry) takes its close out:
+        # re-sent after it, that close would end the retried request in the peer's view.
+        self._recent: OrderedDict[str, tuple[float, Booking]] = OrderedDict()
+        self._inbox = ""
+        self._answers: list[float] = []  # when this router answered hellos, over the last second
         self.sent = 0
+        self.resent = 0
         self.received = 0
         self.bad = 0
         self.failed = 0
@@ -81,6 +96,8 @@ class PeerLink:
                 await asyncio.sleep(RECONNECT_S)
                 continue
             await nc.subscribe(self.subject, cb=self._on_message)
+            self._inbox = nc.new_inbox()
+            await nc.subscribe(self._inbox, cb=self._on_message)
             self._nc = nc
             log_event(log, "peers_connected", url=_redacted(self.url), subject=self.subject)
             self._wake()  # what was booked while connecting
@@ -113,17 +130,45 @@ class PeerLink:
         bookings = [*self._unsent, *outbox]
         self._unsent.clear()
         outbox.clear()
+        now = time.monotonic()
+        for b in bookings:
+            if b.kind == CLOSED:
+                self._recent[b.decision_id] = (now, b)
+                self._recent.move_to_end(b.decision_id)
+                if len(self._recent) > MAX_UNSENT_CLOSES:
+                    self._recent.popitem(last=False)
+            else:
+                self._recent.pop(b.decision_id, None)
         return encode(self.router.router_id, bookings, self._nc.max_payload)
 
-    async def _publish(self, messages: list[bytes]) -> None:
+    async def _publish(self, messages: list[bytes], subject: str = "", reply: str = "") -> None:
         for data in messages:  # in order: an open before its close
             try:
                 assert self._nc is not None
-                await self._nc.publish(self.subject, data)
-                self.sent += 1
+                await self._nc.publish(subject or self.subject, data, reply=reply)
+                if subject:
+                    self.resent += 1
+                else:
+                    self.sent += 1
             except Exception as exc:  # refused, closed or draining: these bookings are lost
                 self.failed += 1
                 self._failures(exc, bytes=len(data))
+
+    def _answer(self, reply: str) -> None:
+        """A peer came back and asks, at ``reply``, for what it may have missed: the closes sent
+        over the last ``RESEND_S``. At most ``MAX_PEERS`` answers a second: a publisher sending
+        hellos in a loop does not make the router re-send its closes without end."""
+        now = time.monotonic()
+        self._answers = [t for t in self._answers if now - t < 1.0]
+        while self._recent and now - next(iter(self._recent.values()))[0] > RESEND_S:
+            self._recent.popitem(last=False)
+        if not self._recent or len(self._answers) >= MAX_PEERS or not self.connected:
+            return
+        self._answers.append(now)
+        assert self._nc is not None
+        messages = encode(self.router.router_id, [b for _, b in self._recent.values()],
+                          self._nc.max_payload)
+        asyncio.get_running_loop().create_task(self._publish(messages, subject=reply))
 
     async def flush(self) -> None:
         """Send what is booked now and wait until the server has it (a stop's last closes)."""
@@ -143,6 +188,10 @@ class PeerLink:
             log_event(log, "peers_bad_message", logging.WARNING, error=str(exc)[:200])
             return
         self.received += 1
+        if not bookings:
+            if msg.reply and msg.subject == self.subject:
+                self._answer(msg.reply)
+            return
         now = time.monotonic()
         for b in bookings:
             self.router.apply_peer(b, now)
@@ -156,6 +205,8 @@ class PeerLink:
     async def _reconnected(self) -> None:
         log_event(log, "peers_reconnected", url=_redacted(self.url), closes=len(self._unsent))
         self._wake()  # the closes kept while it was unreachable
+        # And ask the peers for theirs (subscriptions are back before this callback runs).
+        await self._publish([hello(self.router.router_id)], reply=self._inbox)
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -190,7 +241,8 @@ class _PeerCollector:
         msgs = CounterMetricFamily("gorgo_peer_messages", "Bookings messages by direction",
                                    labels=["direction"])
         for direction, n in (("sent", link.sent), ("received", link.received),
-                             ("bad", link.bad), ("failed", link.failed)):
+                             ("resent", link.resent), ("bad", link.bad),
+                             ("failed", link.failed)):
             msgs.add_metric([direction], n)
         books = CounterMetricFamily("gorgo_peer_bookings",
                                     "Other routers' bookings: applied, ignored (unknown replica, "

@@ -30,7 +30,8 @@ router's p95 TTFT to 0.92x (`e2e` objective) with a 2 ms stagger over a 1 ms bus
 A booking names its replica (routers may index the fleet differently); a replica this router does
 not know is ignored. A peer that dies leaves its open bookings behind: they expire after the
 fleet's request timeout, as a request that long would have been cut. A close without its open
-(the open was lost, or arrived after the close) is a no-op, and a repeated open is applied once.
+(the open was lost, or arrived after the close) is a no-op, and a repeated open is applied once:
+so a router may send a close again (to a peer back after a disconnection, `hello`).
 """
 
 from __future__ import annotations
@@ -122,6 +123,13 @@ def encode(router: str, bookings: Sequence[Booking],
     if batch:
         out.append(_message(router, batch))
     return out
+
+
+def hello(router: str) -> bytes:
+    """A message of no bookings: a router back on the bus after a disconnection says so with it
+    (the driver sends it with a reply address, where the peers answer with their recent
+    closes). Routers that do not ask or answer read it as a message with nothing to apply."""
+    return _message(router, [])
 
 
 def _message(router: str, rows: list[str]) -> bytes:

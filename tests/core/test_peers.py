@@ -12,7 +12,7 @@ import pytest
 from gorgo.core.decision import Decision
 from gorgo.core.features import extract_features
 from gorgo.core.fleet import FleetError, parse_fleet
-from gorgo.core.peers import CLOSED, ECHO_S, OPENED, PEER_LIVE_S, Booking, decode, encode
+from gorgo.core.peers import CLOSED, ECHO_S, OPENED, PEER_LIVE_S, Booking, decode, encode, hello
 from gorgo.core.router import Router
 
 DOC = {"name": "f", "regions": {"a": {}}, "timeouts": {"request_s": 60},
@@ -202,6 +202,12 @@ def test_sharing_is_not_changed_by_a_reload() -> None:
     _, b = pair()
     with pytest.raises(FleetError, match="sharing: cannot change on reload"):
         b.reload(parse_fleet({**DOC, "sharing": {"nats": "nats://elsewhere:4222"}}))
+
+
+def test_a_hello_is_a_message_of_no_bookings() -> None:
+    # Routers that neither ask nor answer read it as one with nothing to apply.
+    assert decode(hello("r")) == [] and json.loads(hello("r")) == {"v": 1, "router": "r", "b": []}
+    assert encode("r", []) == []  # bookings never make one
 
 
 def test_the_wire_format_round_trips() -> None:

@@ -12,6 +12,7 @@ import nats
 import pytest
 
 import tests.support.e2e as e2e
+from extproc import peers as peers_mod
 from extproc import service as service_mod
 from extproc.peers import PeerLink
 from extproc.telemetry import RouterMetrics
@@ -19,7 +20,7 @@ from gorgo._xds.envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from gorgo.core.decision import Decision
 from gorgo.core.features import extract_features
 from gorgo.core.fleet import parse_fleet
-from gorgo.core.peers import CLOSED, OPENED, Booking
+from gorgo.core.peers import CLOSED, MAX_PEERS, OPENED, Booking, decode, hello
 from gorgo.core.router import Router
 from gorgo.harness.nats_proc import NatsProcess
 from gorgo.harness.procs import GorgoProcess, LoopThread, wait_for
@@ -125,6 +126,47 @@ def test_sharing_resumes_after_the_server_restarts_with_the_closes_made_meanwhil
         server.stop()
 
 
+def test_a_router_cut_off_alone_asks_for_the_closes_it_missed(nats_server: NatsProcess) -> None:
+    # Core NATS keeps nothing for a subscriber that is away: the closes sent while one router's
+    # connection was down (or, after a server restart, before it had resubscribed) reached it
+    # never, and it counted those requests for request_s. Back, it sends a hello; the peer
+    # answers with its recent closes, but not one whose request a retry has re-opened since.
+    a, b = routers(nats_server.url)
+    lt = LoopThread()
+    links = [PeerLink(r, RouterMetrics(r.state, lambda: 0)) for r in (a, b)]
+
+    async def route(text: str) -> Decision:
+        d = a.route(request(a, text), 0.0)
+        assert isinstance(d, Decision)
+        return d
+
+    async def cut_b_then_close(ds: list[Decision], moved_to: int) -> None:
+        assert links[1]._nc is not None
+        links[1]._nc._transport.close()  # b's connection drops; a's stays
+        for d in ds[:2]:
+            a.complete(d.id)
+        assert a.reassign(ds[2].id, moved_to)  # a retry: closed, re-opened elsewhere
+        await links[0].flush()  # on the server before b is back
+
+    try:
+        for link in links:
+            lt.run(link.start())
+        assert wait_for(lambda: all(link.connected for link in links), 10)
+        ds = [lt.run(route(f"before the cut {k}")) for k in range(3)]
+        assert wait_for(lambda: b.state.inflight_reqs.sum() == 3, 5)
+        moved_to = (ds[2].replica + 1) % 3
+        lt.run(cut_b_then_close(ds, moved_to))
+        assert wait_for(lambda: links[0].resent >= 1, 20)  # b came back and asked
+        assert wait_for(lambda: b.state.inflight_reqs.sum() == 1, 10)
+        # The retried request: its close was not re-sent (b missed the move, not the request).
+        assert b.state.inflight_reqs[ds[2].replica] == 1 and len(b.peers) == 1
+        assert a.state.inflight_reqs[moved_to] == 1
+    finally:
+        for link in links:
+            lt.run(link.stop())
+        lt.close()
+
+
 def test_a_bad_message_is_dropped_whole(nats_server: NatsProcess) -> None:
     _, b = routers(nats_server.url)
     lt = LoopThread()
@@ -147,6 +189,59 @@ def test_a_bad_message_is_dropped_whole(nats_server: NatsProcess) -> None:
         assert b.state.inflight_reqs.sum() == 0  # the good booking of a bad message too
         lt.run(send(b'{"v": 1, "router": "x", "b": [' + good + b"]}"))
         assert wait_for(lambda: b.state.inflight_reqs[1] == 1, 5)
+    finally:
+        lt.run(link.stop())
+        lt.close()
+
+
+def test_hellos_are_answered_with_recent_closes_at_most_max_peers_a_second(
+        nats_server: NatsProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Whoever publishes on the subject cannot make a router re-send its closes without end.
+    monkeypatch.setattr(peers_mod, "time", SimpleNamespace(monotonic=lambda: 1000.0))  # 1 s
+    a, _ = routers(nats_server.url)
+    lt = LoopThread()
+    link = PeerLink(a, RouterMetrics(a.state, lambda: 0))
+
+    async def route_and_close() -> Decision:
+        d = a.route(request(a, "closed once"), 0.0)
+        assert isinstance(d, Decision)
+        a.complete(d.id)
+        return d
+
+    async def hellos(n: int, answers: int) -> list[bytes]:
+        """Send n hellos (and one without a reply address); the answers, once ``answers`` came
+        or the router has read every hello."""
+        nc = await nats.connect(nats_server.url)
+        got: list[bytes] = []
+
+        async def answer(msg) -> None:
+            got.append(msg.data)
+
+        inbox = nc.new_inbox()
+        await nc.subscribe(inbox + ".*", cb=answer)
+        seen = link.received
+        await nc.publish(link.subject, hello("x"))  # no reply address: nothing to answer
+        for k in range(n):
+            await nc.publish(link.subject, hello("x"), reply=f"{inbox}.{k}")
+        await nc.flush()
+        for _ in range(1000):
+            if len(got) >= answers and link.received == seen + n + 1:
+                break
+            await asyncio.sleep(0.01)
+        await nc.flush()
+        await nc.drain()
+        return got
+
+    try:
+        lt.run(link.start())
+        assert wait_for(lambda: link.connected, 10)
+        assert lt.run(hellos(3, 0)) == [] and link.resent == 0  # nothing closed: no answer
+        d = lt.run(route_and_close())
+        assert wait_for(lambda: link.sent >= 1, 5)  # the open and its close
+        (only,) = lt.run(hellos(1, 1))
+        assert [(b.decision_id, b.kind) for b in decode(only)] == [(d.id, CLOSED)]
+        assert len(lt.run(hellos(MAX_PEERS + 50, MAX_PEERS - 1))) == MAX_PEERS - 1
+        assert link.resent == MAX_PEERS  # the second's quota spent: the rest unanswered
     finally:
         lt.run(link.stop())
         lt.close()
