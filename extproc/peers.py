@@ -130,16 +130,21 @@ class PeerLink:
         bookings = [*self._unsent, *outbox]
         self._unsent.clear()
         outbox.clear()
-        now = time.monotonic()
+        self._remember(bookings, time.monotonic())
+        return encode(self.router.router_id, bookings, self._nc.max_payload)
+
+    def _remember(self, bookings: list[Booking], now: float) -> None:
+        """Keep the closes sent, for a peer's hello: those of the last ``RESEND_S``, at most
+        ``MAX_UNSENT_CLOSES``; a re-open takes its request's close out."""
         for b in bookings:
             if b.kind == CLOSED:
                 self._recent[b.decision_id] = (now, b)
                 self._recent.move_to_end(b.decision_id)
-                if len(self._recent) > MAX_UNSENT_CLOSES:
-                    self._recent.popitem(last=False)
             else:
                 self._recent.pop(b.decision_id, None)
-        return encode(self.router.router_id, bookings, self._nc.max_payload)
+        while self._recent and (len(self._recent) > MAX_UNSENT_CLOSES
+                                or now - next(iter(self._recent.values()))[0] > RESEND_S):
+            self._recent.popitem(last=False)
 
     async def _publish(self, messages: list[bytes], subject: str = "", reply: str = "") -> None:
         for data in messages:  # in order: an open before its close
@@ -160,8 +165,7 @@ class PeerLink:
         hellos in a loop does not make the router re-send its closes without end."""
         now = time.monotonic()
         self._answers = [t for t in self._answers if now - t < 1.0]
-        while self._recent and now - next(iter(self._recent.values()))[0] > RESEND_S:
-            self._recent.popitem(last=False)
+        self._remember([], now)
         if not self._recent or len(self._answers) >= MAX_PEERS or not self.connected:
             return
         self._answers.append(now)

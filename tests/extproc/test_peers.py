@@ -194,10 +194,11 @@ def test_a_bad_message_is_dropped_whole(nats_server: NatsProcess) -> None:
         lt.close()
 
 
-def test_hellos_are_answered_with_recent_closes_at_most_max_peers_a_second(
+def test_hellos_are_answered_with_the_last_closes_at_most_max_peers_a_second(
         nats_server: NatsProcess, monkeypatch: pytest.MonkeyPatch) -> None:
     # Whoever publishes on the subject cannot make a router re-send its closes without end.
-    monkeypatch.setattr(peers_mod, "time", SimpleNamespace(monotonic=lambda: 1000.0))  # 1 s
+    clock = [1000.0]
+    monkeypatch.setattr(peers_mod, "time", SimpleNamespace(monotonic=lambda: clock[0]))
     a, _ = routers(nats_server.url)
     lt = LoopThread()
     link = PeerLink(a, RouterMetrics(a.state, lambda: 0))
@@ -242,6 +243,8 @@ def test_hellos_are_answered_with_recent_closes_at_most_max_peers_a_second(
         assert [(b.decision_id, b.kind) for b in decode(only)] == [(d.id, CLOSED)]
         assert len(lt.run(hellos(MAX_PEERS + 50, MAX_PEERS - 1))) == MAX_PEERS - 1
         assert link.resent == MAX_PEERS  # the second's quota spent: the rest unanswered
+        clock[0] += peers_mod.RESEND_S + 1  # a new second, and the close too old to re-send
+        assert lt.run(hellos(1, 0)) == [] and link.resent == MAX_PEERS
     finally:
         lt.run(link.stop())
         lt.close()
