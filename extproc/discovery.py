@@ -27,6 +27,7 @@ from extproc.telemetry import log_event
 from gorgo.core.discovery import (
     MAX_ADDRESSES,
     DnsSource,
+    NoAddressYet,
     dns_sources,
     of_family,
     parse_discovered,
@@ -74,16 +75,31 @@ class DnsDiscovery:
     """Re-resolves the running fleet document's ``discover:`` names, each on its own interval."""
 
     def __init__(self, path: str | Path, on_change: OnChange = log_change,
-                 resolve: Resolver = system_resolve) -> None:
-        """Reads the fleet file and resolves its names once: ``spec`` is the fleet to start with."""
+                 resolve: Resolver = system_resolve, *,
+                 wait: Callable[[float], object] | None = None) -> None:
+        """Reads the fleet file and resolves its names once: ``spec`` is the fleet to start with.
+        With ``wait`` (a sleep), a fleet whose names all answered nothing (and that lists no
+        other replica) is resolved again every shortest ``interval_s`` until one answers: a
+        router started with its pods (a Deployment applied with the model servers, which are
+        not ready while they load) exited 2, and Kubernetes restarted it with a growing backoff
+        (up to 5 minutes) after the pods were ready. Without, that is a `NoAddressYet`."""
         self.path = Path(path)
         self.raw: Any = read_fleet(path)
         self.source = self.path.name
         self.sources = dns_sources(self.raw, self.source)
         self.on_change = on_change
         self.resolve = resolve
-        self.answers = resolve_sources(self.sources, resolve)
-        self.spec: FleetSpec = parse_discovered(self.raw, self.answers, self.source)
+        while True:
+            self.answers = resolve_sources(self.sources, resolve)
+            try:
+                self.spec: FleetSpec = parse_discovered(self.raw, self.answers, self.source)
+                break
+            except NoAddressYet as exc:
+                if wait is None:
+                    raise
+                every = min(s.interval_s for s in self.sources)
+                log_event(log, "dns_waiting", logging.WARNING, error=str(exc), retry_s=every)
+                wait(every)
         self._tasks: list[asyncio.Task] = []
         self._running = False
         self._tried: dict[str, float] = {}  # a name new to the fleet -> when parse resolved it

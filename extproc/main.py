@@ -370,7 +370,8 @@ def main(args: argparse.Namespace) -> int:
     """Serve until SIGTERM/SIGINT (0); a bad fleet, token file or port is a UserError."""
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("grpc._cython.cygrpc").addFilter(_StreamsCut())
-    discovery = DnsDiscovery(args.fleet)  # the fleet file, its discover: names resolved
+    # The fleet file, its discover: names resolved (waiting, not ready, until one answers).
+    discovery = DnsDiscovery(args.fleet, wait=time.sleep)
     spec = discovery.spec
     if args.cds_file:
         refuse_clusters_file(discovery.sources, discovery.source)

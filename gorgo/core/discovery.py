@@ -34,10 +34,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from gorgo.core.fleet import FleetError, FleetSpec, host_port, parse_fleet
+from gorgo.core.fleet import FleetError, FleetSpec, finite_number, host_port, parse_fleet
 
 DISCOVER = "discover"
 DEFAULT_INTERVAL_S = 10.0
+MAX_INTERVAL_S = 86_400.0  # a day: a longer one is discovery switched off (list the replicas)
 # Addresses taken from one name's answer (the lowest, sorted): a fleet is scored per replica on
 # every request, and a 20,000-address answer held the router's loop for seconds per change.
 MAX_ADDRESSES = 1024
@@ -75,6 +76,11 @@ def of_family(addresses: Sequence[str], family: str) -> list[str]:
     return v4 or v6
 
 
+class NoAddressYet(FleetError):
+    """Every ``discover:`` name answered nothing and the fleet lists no other replica: a router
+    starting before its pods are ready (`extproc/discovery.py` waits for them)."""
+
+
 def _fail(path: str, what: str) -> FleetError:
     return FleetError(f"{path}: {what}")
 
@@ -84,6 +90,7 @@ def dns_sources(raw: Any, source: str = "fleet") -> tuple[DnsSource, ...]:
     if not isinstance(raw, Mapping) or not isinstance(raw.get("replicas"), list):
         return ()  # parse_fleet names what is wrong with the document
     out = []
+    families: dict[str, str] = {}
     for i, entry in enumerate(raw["replicas"]):
         if not isinstance(entry, Mapping) or DISCOVER not in entry:
             continue
@@ -114,9 +121,18 @@ def dns_sources(raw: Any, source: str = "fleet") -> tuple[DnsSource, ...]:
         port = d.get("port")
         if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
             raise _fail(f"{where}.port", f"expected a port 1-65535, got {port!r}")
-        interval = d.get("interval_s", DEFAULT_INTERVAL_S)
-        if isinstance(interval, bool) or not isinstance(interval, int | float) or interval <= 0:
-            raise _fail(f"{where}.interval_s", f"must be > 0, got {interval!r}")
+        given = d.get("interval_s", DEFAULT_INTERVAL_S)
+        interval = finite_number(given)  # .nan re-resolved at random, .inf never, 10**400 crashed
+        if interval is None or not 0 < interval <= MAX_INTERVAL_S:
+            raise _fail(f"{where}.interval_s",
+                        f"must be a number of seconds > 0 and <= {MAX_INTERVAL_S:g}, "
+                        f"got {str(given)[:40]}")
+        other = families.setdefault(dns, family)
+        if other != family:
+            # Answers are the name's: one entry's refresh overwrote the other's, the fleet
+            # flipped between the two families every interval (each flip a new set of replicas).
+            raise _fail(f"{where}.family", f"{dns!r} is discovered by another entry with family "
+                        f"{other}: one entry per name (family auto takes one family per pod)")
         prefix = entry.get("name")
         if not isinstance(prefix, str) or not prefix:
             raise _fail(f"{path}.name", "required (the prefix of the discovered replicas' names)")
@@ -192,8 +208,8 @@ def parse_discovered(raw: Any, answers: Mapping[str, Sequence[str]] | None = Non
     doc, origin = expand(raw, sources, answers)
     if not doc["replicas"]:
         s = sources[0]
-        raise _fail(f"{source}.replicas[{s.index}].{DISCOVER}.dns",
-                    f"{s.dns!r} resolved to no address, and the fleet lists no other replica")
+        raise NoAddressYet(f"{source}.replicas[{s.index}].{DISCOVER}.dns: {s.dns!r} resolved "
+                           "to no address, and the fleet lists no other replica")
     try:
         return parse_fleet(doc, source)
     except FleetError as exc:

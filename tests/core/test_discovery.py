@@ -78,6 +78,13 @@ def test_no_address_at_all_is_an_error_naming_the_entry() -> None:
     ({"discover": {"dns": "10.0.0.1", "port": 80}}, r"replicas\[1\]\.discover\.dns: expected"),
     ({"discover": {"dns": DNS, "port": 80, "ttl": 3}}, r"replicas\[1\]\.discover\.ttl: unknown"),
     ({"discover": {"dns": DNS, "port": 80, "interval_s": 0}}, r"discover\.interval_s: must be"),
+    # .nan re-resolved at random moments, .inf never, and 10**400 was an OverflowError
+    ({"discover": {"dns": DNS, "port": 80, "interval_s": float("nan")}},
+     r"discover\.interval_s: must be a number of seconds > 0 and <= 86400, got nan"),
+    ({"discover": {"dns": DNS, "port": 80, "interval_s": float("inf")}},
+     r"discover\.interval_s: must be"),
+    ({"discover": {"dns": DNS, "port": 80, "interval_s": 10**400}}, r"discover\.interval_s: must"),
+    ({"discover": {"dns": DNS, "port": 80, "interval_s": "10"}}, r"discover\.interval_s: must"),
     ({"discover": {"dns": DNS, "port": 80, "family": "v4"}}, r"discover\.family: must be one"),
     ({"address": "10.0.0.1:80"}, r"replicas\[1\]\.address: derived from each"),
     ({"engine": "tgi"}, r"^fleet\.replicas\[1\]\.engine: must be one of"),
@@ -87,6 +94,20 @@ def test_bad_entries_name_the_field(edit: dict[str, Any], message: str) -> None:
     doc["replicas"][1].update(edit)
     with pytest.raises(FleetError, match=message):
         parse_discovered(doc, {DNS: ["10.0.0.5", "10.0.0.6"]})
+
+
+def test_one_name_is_discovered_in_one_family() -> None:
+    # Answers are the name's: an ipv4 entry and an ipv6 entry of one name took each other's
+    # addresses, and the fleet flipped between them on every interval.
+    doc = _doc(family="ipv4")
+    doc["replicas"].append({**doc["replicas"][1], "name": "v6",
+                            "discover": {"dns": DNS, "port": 8000, "family": "ipv6"}})
+    with pytest.raises(FleetError, match=r"^fleet\.replicas\[2\]\.discover\.family: .* another "
+                       r"entry with family ipv4"):
+        parse_discovered(doc, {DNS: ["10.0.0.5", "fd00::5"]})
+    doc["replicas"][2]["discover"]["family"] = "ipv4"  # two ports of the same pods: allowed
+    doc["replicas"][2]["discover"]["port"] = 8001
+    assert len(parse_discovered(doc, {DNS: ["10.0.0.5"]}).replicas) == 3
 
 
 def test_discovery_needs_picker_mode_and_no_retries() -> None:

@@ -5,7 +5,10 @@ and a file reload reach the running router, which keeps every other replica's st
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import socket
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -13,9 +16,10 @@ import yaml
 
 from extproc.discovery import DnsDiscovery, system_resolve
 from extproc.main import ExtProcServer
-from gorgo.core.discovery import MAX_ADDRESSES
+from gorgo.core.discovery import MAX_ADDRESSES, NoAddressYet
 from gorgo.core.fleet import FleetError, FleetSpec
 from gorgo.core.router import Router
+from gorgo.harness.procs import BIN, stop_group
 
 DNS = "vllm-headless.llm.svc.cluster.local"
 
@@ -39,6 +43,38 @@ def test_localhost_fleet_resolves_at_start(tmp_path: Path) -> None:
     d = DnsDiscovery(_fleet(tmp_path, "localhost"))
     assert {r.host.strip("[]") for r in d.spec.replicas} <= {"127.0.0.1", "::1"}
     assert all(r.name.startswith("vllm-") for r in d.spec.replicas)
+
+
+def test_a_router_started_before_its_pods_waits_for_them(tmp_path: Path) -> None:
+    # Applied with the model servers, the router found no ready pod and exited 2; Kubernetes
+    # restarted it with a growing backoff, up to 5 minutes after the pods were ready.
+    answers = iter([[], [], ["10.0.0.5"]])
+    slept: list[float] = []
+    d = DnsDiscovery(_fleet(tmp_path), resolve=lambda name, port: next(answers),
+                     wait=slept.append)
+    assert slept == [0.01, 0.01] and [r.name for r in d.spec.replicas] == ["vllm-10-0-0-5"]
+    with pytest.raises(NoAddressYet, match=r"discover\.dns: .* resolved to no address"):
+        DnsDiscovery(_fleet(tmp_path), resolve=lambda name, port: [])  # no wait: refused
+
+
+def test_gorgo_extproc_waits_for_a_name_that_answers_nothing_and_stops_on_sigterm(
+        tmp_path: Path) -> None:
+    proc = subprocess.Popen(
+        [str(BIN / "gorgo"), "extproc", "--fleet", str(_fleet(tmp_path, "gorgo-test.invalid")),
+         "--port", "0", "--metrics-port", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        assert proc.stdout is not None
+        waiting = 0
+        while waiting < 2:  # not ready, not exited: resolving again on the interval
+            line = proc.stdout.readline()
+            assert line and "Traceback" not in line, line
+            waiting += "event=dns_waiting" in line and "gorgo-test.invalid" in line
+        os.killpg(proc.pid, signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        stop_group(proc)
+    assert proc.returncode == 0 and "stopped (SIGTERM)" in out and "READY" not in out, out
 
 
 def test_refresh_reports_added_and_removed_and_keeps_the_last_set(tmp_path: Path) -> None:
