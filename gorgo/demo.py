@@ -36,6 +36,8 @@ from gorgo.core.fleet import parse_fleet
 from gorgo.core.policies import REGISTRY
 from gorgo.core.tokens import Tokenization
 from gorgo.errors import UserError, at_least, output_dir, positive_number
+from gorgo.harness.envoy_proc import envoy_binary
+from gorgo.harness.nats_proc import nats_binary
 from gorgo.harness.stack import LiveStack, StackOptions, with_free_ports
 from gorgo.progress import StatusLine
 from gorgo.sim import bench
@@ -388,7 +390,12 @@ def main(args: argparse.Namespace) -> int:
         if args.offline_seeds < 1:
             raise ValueError("--offline-seeds must be >= 1")
         baselines = live_policies(args)
-    except ValueError as exc:
+        # The binaries too: a missing nats-server (a dev extra) failed after the first run, a
+        # traceback and no report.
+        envoy_binary()
+        if args.proxy_per_region:
+            nats_binary()
+    except (ValueError, FileNotFoundError) as exc:
         raise UserError(str(exc)) from None
     out = output_dir(args.out or f"results/demo-{datetime.now():%Y%m%d-%H%M%S}")
     stop_flag = threading.Event()
@@ -404,8 +411,21 @@ def main(args: argparse.Namespace) -> int:
         for sig, handler in previous.items():
             signal.signal(sig, signal.SIG_DFL if handler is None else handler)
 
-    for sig in shutdown.STOP_SIGNALS:
+    # SIGHUP too (the terminal or SSH session closed): it ended the demo at once, its routers
+    # and simulated fleet left running.
+    previous[signal.SIGHUP] = signal.getsignal(signal.SIGHUP)
+    for sig in previous:
         signal.signal(sig, interrupt)
+    try:
+        return _run_all(args, requests, doc, out, stop_flag, baselines, names)
+    finally:  # gorgo.cli puts back its own (SIGINT, SIGTERM); this one is the demo's
+        hup = previous[signal.SIGHUP]
+        signal.signal(signal.SIGHUP, signal.SIG_DFL if hup is None else hup)
+
+
+def _run_all(args: argparse.Namespace, requests: list, doc: dict, out: Path,
+             stop_flag: threading.Event, baselines: list[str], names: list[str]) -> int:
+    """The live runs, then the offline simulation and the report (130 once stopped)."""
     if args.proxy_per_region:
         from gorgo import demo_multi  # it imports this module
 

