@@ -50,6 +50,7 @@ import yaml
 from gorgo.core.fleet import parse_fleet
 from gorgo.core.terms import OBJECTIVES
 from gorgo.core.tokens import Tokenization
+from gorgo.errors import OneLineParser, UserError, at_least, output_file, positive_number
 from gorgo.harness.docblock import public_args, stop_on_signals, write_block
 from gorgo.harness.procs import GorgoProcess, free_ports, stop_group, wait_for
 from gorgo.harness.stack import LiveStack, StackOptions, with_free_ports
@@ -116,6 +117,26 @@ def parse_router(spec: str) -> Router:
         raise ValueError(f"router {spec!r}: expected gorgo[:POLICY][@OBJECTIVE], "
                          "sglang:POLICY or vllm:POLICY")
     return Router(kind, policy or "gorgo", objective or None)
+
+
+def router_list(text: str) -> list[Router]:
+    """An argparse type for ``--routers`` (an unknown one was a ValueError traceback)."""
+    try:
+        routers = [parse_router(x.strip()) for x in text.split(",") if x.strip()]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if not routers:
+        raise argparse.ArgumentTypeError("expected at least one router")
+    return routers
+
+
+def load_list(text: str) -> list[float]:
+    """An argparse type for ``--loads``: each a finite number > 0 (a load of 0 was a
+    ZeroDivisionError after the trace was read)."""
+    loads = [positive_number(x.strip()) for x in text.split(",") if x.strip()]
+    if not loads:
+        raise argparse.ArgumentTypeError("expected at least one load")
+    return loads
 
 
 def ensure_peers(venv: Path, log: Callable[[str], None]) -> Path:
@@ -417,6 +438,16 @@ def render(runs: Sequence[Run], offline: dict[str, dict[str, list[dict[str, floa
     return "\n".join(lines) + "\n"
 
 
+def load_saved(path: Path) -> tuple[list[Run], dict[str, Any], dict[str, Any]]:
+    """(runs, offline results, config) of a run saved by ``--out``; a UserError if unreadable (a
+    missing --render file was a FileNotFoundError traceback)."""
+    try:
+        data = json.loads(path.read_text())
+        return [Run(**r) for r in data["runs"]], data["offline"], data["config"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise UserError(f"cannot read a saved run from {path}: {exc}") from None
+
+
 def _utc_now() -> str:
     return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
 
@@ -425,22 +456,25 @@ def _utc_now() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--offset", type=float, default=1200.0, help="trace time of the slice (s)")
-    p.add_argument("--duration", type=float, default=30.0,
+    p = OneLineParser(prog="bench/peers.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--offset", type=at_least(0.0, float), default=1200.0,
+                   help="trace time of the slice (s)")
+    p.add_argument("--duration", type=positive_number, default=30.0,
                    help="seconds of trace time in the slice")
-    p.add_argument("--loads", default="0.6,0.75", help="loads, as fractions of --capacity")
-    p.add_argument("--capacity", type=float, default=PAPER_MOONCAKE_CAPACITY_RPS,
+    p.add_argument("--loads", type=load_list, default="0.6,0.75",
+                   help="loads, as fractions of --capacity")
+    p.add_argument("--capacity", type=positive_number, default=PAPER_MOONCAKE_CAPACITY_RPS,
                    help="the fleet's capacity on the trace (req/s), the unit of --loads")
-    p.add_argument("--routers", default=",".join(DEFAULT_ROUTERS),
-                   help="gorgo[:POLICY], sglang:POLICY, vllm:POLICY, comma-separated")
-    p.add_argument("--repeats", type=int, default=2, help="runs per (router, load)")
-    p.add_argument("--sim-seeds", type=int, default=3,
+    p.add_argument("--routers", type=router_list, default=",".join(DEFAULT_ROUTERS),
+                   help="gorgo[:POLICY][@OBJECTIVE], sglang:POLICY, vllm:POLICY, comma-separated")
+    p.add_argument("--repeats", type=at_least(0), default=2, help="runs per (router, load)")
+    p.add_argument("--sim-seeds", type=at_least(0), default=3,
                    help="offline runs per policy and load (0: skip the offline check)")
-    p.add_argument("--timeout", type=float, default=300.0, help="per-request timeout (s)")
+    p.add_argument("--timeout", type=positive_number, default=300.0,
+                   help="per-request timeout (s)")
     p.add_argument("--peers-venv", type=Path, default=DEFAULT_VENV,
                    help="virtual environment for the peer routers (created when missing)")
-    p.add_argument("--out", type=Path, default=None,
+    p.add_argument("--out", type=output_file, default=None,
                    help="write the runs as JSON here (after every run)")
     p.add_argument("--resume", action="store_true",
                    help="keep the runs already in --out and do only the missing ones")
@@ -448,21 +482,23 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"write the tables into '{SECTION}' of {DOC.relative_to(ROOT)}")
     p.add_argument("--render", type=Path, default=None, metavar="RUN.json",
                    help="do not run: render (and with --write-docs, write) a run saved by --out")
-    args = p.parse_args(argv)
 
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
-    if args.render is not None:
-        data = json.loads(args.render.read_text())
-        block = render([Run(**r) for r in data["runs"]], data["offline"], data["config"])
-    else:
-        stop_on_signals()
-        try:
+    try:
+        args = p.parse_args(argv)
+        if args.render is not None:
+            block = render(*load_saved(args.render))
+        else:
+            stop_on_signals()
             block = bench(args, log)
-        except KeyboardInterrupt:
-            log("[peers] interrupted; every process it started was stopped")
-            return 130
+    except UserError as exc:
+        log(f"{p.prog}: {exc}")
+        return 2
+    except KeyboardInterrupt:
+        log("[peers] interrupted; every process it started was stopped")
+        return 130
     print(block)
     if args.write_docs:
         write_block(DOC, SECTION, BEGIN, END, block, "# Results")
@@ -471,34 +507,36 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def bench(args: argparse.Namespace, log: Callable[[str], None]) -> str:
-    routers = [parse_router(x.strip()) for x in args.routers.split(",") if x.strip()]
-    loads = [float(x) for x in args.loads.split(",") if x.strip()]
+    routers, loads = args.routers, args.loads
     command = ".venv/bin/python bench/peers.py" + "".join(
         f" {a}" for a in public_args(sys.argv[1:]) if a != "--resume")
-    bin_dir = ensure_peers(args.peers_venv, log) if any(r.kind != "gorgo" for r in routers) \
-        else None
     fleet_doc = PRESETS["paper"]
     spec = parse_fleet(fleet_doc)
     tok = Tokenization(spec.chars_per_token, spec.block_tokens)
     requests = select_window(load_trace("mooncake"), args.offset, args.duration)
+    if not requests:
+        raise UserError(f"no requests in trace time {args.offset:g}-"
+                        f"{args.offset + args.duration:g} s (see --offset, --duration)")
     rate = len(requests) / args.duration
     scales = {load: rate / (load * args.capacity) for load in loads}
     cfg: dict[str, Any] = {
         "offset_s": args.offset, "trace_s": args.duration, "requests": len(requests),
         "rate": rate, "mean_prompt": float(np.mean([r.input_tokens for r in requests])),
-        "capacity": args.capacity, "time_scales": list(scales.items()), "repeats": args.repeats,
+        "capacity": args.capacity,
+        "time_scales": list(scales.items()), "repeats": args.repeats,
         "sim_seeds": args.sim_seeds, "command": command, "load_before": os.getloadavg()[0],
     }
-    t_start = time.perf_counter()
     runs: list[Run] = []
     offline: dict[str, dict[str, list[dict[str, float]]]] = {}
     if args.resume and args.out and args.out.exists():
-        saved = json.loads(args.out.read_text())
-        runs, offline = [Run(**r) for r in saved["runs"]], saved["offline"]
-        cfg["wall_s_before"] = saved["config"].get("wall_s", 0.0)
+        runs, offline, saved = load_saved(args.out)
+        cfg["wall_s_before"] = saved.get("wall_s", 0.0)
         if offline:  # kept: its seeds are the saved run's
-            cfg["sim_seeds"] = saved["config"].get("sim_seeds", args.sim_seeds)
+            cfg["sim_seeds"] = saved.get("sim_seeds", args.sim_seeds)
         log(f"[peers] resuming: {len(runs)} runs kept from {args.out}")
+    bin_dir = ensure_peers(args.peers_venv, log) if any(r.kind != "gorgo" for r in routers) \
+        else None
+    t_start = time.perf_counter()
 
     def save() -> None:
         if args.out:

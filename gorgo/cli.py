@@ -17,17 +17,15 @@ One way to fail, one way to stop, so scripts and supervisors can rely on them:
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import importlib
 import os
 import signal
 import sys
 import threading
-from typing import NoReturn
 
 from gorgo import shutdown
-from gorgo.errors import UserError
+from gorgo.errors import OneLineParser, UserError
 
 # command words -> (module, one-line help)
 COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
@@ -73,13 +71,6 @@ def _version() -> str:
         return __version__
 
 
-class _Parser(argparse.ArgumentParser):
-    """Bad arguments are a UserError like any other: one line, exit 2, no usage dump."""
-
-    def error(self, message: str) -> NoReturn:
-        raise UserError(f"{message} (see `{self.prog} --help`)")
-
-
 def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split()) or type(exc).__name__
 
@@ -116,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         shutdown.install()
     try:
         module = importlib.import_module(module_name)
-        parser = _Parser(prog=prog, description=text)
+        parser = OneLineParser(prog=prog, description=text)
         module.add_arguments(parser)
         rc = int(module.main(parser.parse_args(argv[len(words):])) or 0)
     except UserError as exc:

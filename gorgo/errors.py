@@ -15,11 +15,19 @@ import os
 import socket
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 
 class UserError(Exception):
     """Bad input or environment; the message says what is wrong and, where it helps, what to do."""
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """Bad arguments are a UserError like any other: one line, exit 2, no usage dump (`gorgo`'s
+    commands, and the bench scripts, whose argument errors were tracebacks or a usage dump)."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UserError(f"{message} (see `{self.prog} --help`)")
 
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")  # --log-level's choices
