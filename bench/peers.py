@@ -448,6 +448,30 @@ def load_saved(path: Path) -> tuple[list[Run], dict[str, Any], dict[str, Any]]:
         raise UserError(f"cannot read a saved run from {path}: {exc}") from None
 
 
+def result_args(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A run's values of the flags that change what it measures (the slice, the loads and the
+    capacity also fix every load's time scale); None where the run did not record one."""
+    return {"--offset": cfg.get("offset_s"), "--duration": cfg.get("trace_s"),
+            "--loads": [load for load, _ in cfg.get("time_scales", [])],
+            "--capacity": cfg.get("capacity"), "--timeout": cfg.get("timeout_s")}
+
+
+def check_resumable(saved: dict[str, Any], cfg: dict[str, Any], path: Path) -> None:
+    """Refuse to resume a run made with other results-changing flags: --resume kept a 1200-1205 s,
+    capacity 5.416 run's rows under a 300-320 s, capacity 2 header."""
+    def show(value: Any) -> str:
+        if value is None:
+            return "not recorded"
+        return ",".join(f"{v:g}" for v in value) if isinstance(value, list) else f"{value:g}"
+
+    old, new = result_args(saved), result_args(cfg)
+    differ = [f"{flag} {show(old[flag])} (here {show(new[flag])})"
+              for flag in new if old[flag] != new[flag]]
+    if differ:
+        raise UserError(f"--resume: {path} was run with {', '.join(differ)}; resume it with its "
+                        "own values, or start a new --out")
+
+
 def _utc_now() -> str:
     return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
 
@@ -477,7 +501,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=output_file, default=None,
                    help="write the runs as JSON here (after every run)")
     p.add_argument("--resume", action="store_true",
-                   help="keep the runs already in --out and do only the missing ones")
+                   help="keep the runs already in --out and do only the missing ones (refused "
+                        "when they had another --offset, --duration, --loads, --capacity or "
+                        "--timeout)")
     p.add_argument("--write-docs", action="store_true",
                    help=f"write the tables into '{SECTION}' of {DOC.relative_to(ROOT)}")
     p.add_argument("--render", type=Path, default=None, metavar="RUN.json",
@@ -522,7 +548,7 @@ def bench(args: argparse.Namespace, log: Callable[[str], None]) -> str:
     cfg: dict[str, Any] = {
         "offset_s": args.offset, "trace_s": args.duration, "requests": len(requests),
         "rate": rate, "mean_prompt": float(np.mean([r.input_tokens for r in requests])),
-        "capacity": args.capacity,
+        "capacity": args.capacity, "timeout_s": args.timeout,
         "time_scales": list(scales.items()), "repeats": args.repeats,
         "sim_seeds": args.sim_seeds, "command": command, "load_before": os.getloadavg()[0],
     }
@@ -530,6 +556,7 @@ def bench(args: argparse.Namespace, log: Callable[[str], None]) -> str:
     offline: dict[str, dict[str, list[dict[str, float]]]] = {}
     if args.resume and args.out and args.out.exists():
         runs, offline, saved = load_saved(args.out)
+        check_resumable(saved, cfg, args.out)
         cfg["wall_s_before"] = saved.get("wall_s", 0.0)
         if offline:  # kept: its seeds are the saved run's
             cfg["sim_seeds"] = saved.get("sim_seeds", args.sim_seeds)

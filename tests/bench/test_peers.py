@@ -1,8 +1,10 @@
-"""bench/peers.py's arguments, without starting a router: every live and offline run
+"""bench/peers.py's arguments and --resume, without starting a router: every live and offline run
 is replaced by a failure, so a test passes only if the script stops (or renders) before them."""
 
 from __future__ import annotations
 
+import json
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -60,3 +62,40 @@ def test_out_in_a_missing_folder_is_refused_before_the_offline_runs(
     out = tmp_path / "missing" / "x.json"
     err = _refused(capsys, [*SLICE, "--sim-seeds", "1", "--out", str(out)])
     assert f"cannot write {out}" in err
+
+
+def _saved(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Path:
+    """A saved --out file of SLICE with one (made-up) gorgo run in it."""
+    out = tmp_path / "run.json"
+    assert peers.main([*SLICE, "--repeats", "0", "--out", str(out)]) == 0
+    capsys.readouterr()
+    data = json.loads(out.read_text())
+    data["runs"].append(asdict(peers.Run(
+        router="gorgo", load=0.6, seed=0, n=8, ok=8, ttft_p50_ms=1.0, ttft_p95_ms=4321.0,
+        e2e_p95_ms=9876.0, cache_hit=3.0, regions={"us-east": 100.0}, wall_s=5.0)))
+    out.write_text(json.dumps(data))
+    return out
+
+
+def test_resume_keeps_the_runs_of_the_same_slice(capsys: pytest.CaptureFixture[str],
+                                                 tmp_path: Path) -> None:
+    out = _saved(tmp_path, capsys)
+    assert peers.main([*SLICE, "--repeats", "1", "--out", str(out), "--resume"]) == 0
+    assert "- Envoy + gorgo, 0.6, 0: 4,321 / 9,876, 8/8" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["--offset", "300", "--duration", "20", "--capacity", "2"],
+     "--offset 1200 (here 300), --duration 5 (here 20), --capacity 5.416 (here 2)"),
+    (["--loads", "0.6,0.75"], "--loads 0.6 (here 0.6,0.75)"),
+    (["--timeout", "60"], "--timeout 300 (here 60)"),
+])
+def test_resume_refuses_a_run_of_other_arguments(capsys: pytest.CaptureFixture[str],
+                                                 tmp_path: Path, argv: list[str],
+                                                 says: str) -> None:
+    # It rendered the saved 1200-1205 s, capacity 5.416 run's rows under the new slice's header.
+    out = _saved(tmp_path, capsys)
+    before = out.read_text()
+    err = _refused(capsys, [*SLICE, *argv, "--out", str(out), "--resume"])
+    assert f"--resume: {out} was run with {says};" in err
+    assert out.read_text() == before
