@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from extproc.telemetry import RepeatedFailures, RouterMetrics, log_event
-from gorgo.core.peers import CLOSED, MAX_PEERS, Booking, decode, encode, hello
+from gorgo.core.peers import CLOSED, MAX_PEERS, Booking, Row, decode, hello, pack, rows
 from gorgo.core.router import Router
 
 if TYPE_CHECKING:
@@ -45,6 +45,10 @@ MAX_UNSENT_CLOSES = 100_000
 # How far back a peer's hello is answered: well past the seconds routers take to come back after
 # a server restart (they retry every RECONNECT_S), and a router cut off alone for less.
 RESEND_S = 30.0
+# Closes re-sent a second, over every answer: a router at 100 req/s held 3,000 closes, and 256
+# hellos a second from one publisher held its loop about 3 s of every 4 re-encoding them. Above
+# what K = 8 routers at 1,000 req/s each ask of one another after a server restart (7 x 30,000).
+MAX_RESENT_PER_S = 300_000
 
 
 class PeerLink:
@@ -61,11 +65,15 @@ class PeerLink:
         self._unsent: deque[Booking] = deque(maxlen=MAX_UNSENT_CLOSES)
         # The closes sent, by decision id, oldest first; a re-open (a retry) takes its close out:
         # re-sent after it, that close would end the retried request in the peer's view.
-        self._recent: OrderedDict[str, tuple[float, Booking]] = OrderedDict()
+        self._recent: OrderedDict[str, tuple[float, Row]] = OrderedDict()
+        self._answer_messages: list[bytes] | None = None  # the answer to the last hello, while
+        # no close came or went since
         self._inbox = ""
-        self._answers: list[float] = []  # when this router answered hellos, over the last second
+        # When this router answered hellos over the last second, and how many closes each.
+        self._answers: list[tuple[float, int]] = []
         self.sent = 0
         self.resent = 0
+        self.unanswered = 0
         self.received = 0
         self.bad = 0
         self.failed = 0
@@ -130,21 +138,25 @@ class PeerLink:
         bookings = [*self._unsent, *outbox]
         self._unsent.clear()
         outbox.clear()
-        self._remember(bookings, time.monotonic())
-        return encode(self.router.router_id, bookings, self._nc.max_payload)
+        encoded = rows(bookings, self._nc.max_payload)
+        self._remember(bookings, encoded, time.monotonic())
+        return pack(self.router.router_id, encoded, self._nc.max_payload)
 
-    def _remember(self, bookings: list[Booking], now: float) -> None:
-        """Keep the closes sent, for a peer's hello: those of the last ``RESEND_S``, at most
-        ``MAX_UNSENT_CLOSES``; a re-open takes its request's close out."""
-        for b in bookings:
+    def _remember(self, bookings: list[Booking], encoded: list[Row], now: float) -> None:
+        """Keep the closes sent, encoded, for a peer's hello: those of the last ``RESEND_S``, at
+        most ``MAX_UNSENT_CLOSES``; a re-open takes its request's close out."""
+        if bookings:
+            self._answer_messages = None
+        for b, row in zip(bookings, encoded, strict=True):
             if b.kind == CLOSED:
-                self._recent[b.decision_id] = (now, b)
+                self._recent[b.decision_id] = (now, row)
                 self._recent.move_to_end(b.decision_id)
             else:
                 self._recent.pop(b.decision_id, None)
         while self._recent and (len(self._recent) > MAX_UNSENT_CLOSES
                                 or now - next(iter(self._recent.values()))[0] > RESEND_S):
             self._recent.popitem(last=False)
+            self._answer_messages = None
 
     async def _publish(self, messages: list[bytes], subject: str = "", reply: str = "") -> None:
         for data in messages:  # in order: an open before its close
@@ -161,18 +173,26 @@ class PeerLink:
 
     def _answer(self, reply: str) -> None:
         """A peer came back and asks, at ``reply``, for what it may have missed: the closes sent
-        over the last ``RESEND_S``. At most ``MAX_PEERS`` answers a second: a publisher sending
-        hellos in a loop does not make the router re-send its closes without end."""
+        over the last ``RESEND_S``, packed once for every hello until a close comes or goes. At
+        most ``MAX_PEERS`` answers and ``MAX_RESENT_PER_S`` closes a second (the others counted
+        unanswered): whoever publishes hellos cannot make the router re-send without end."""
         now = time.monotonic()
-        self._answers = [t for t in self._answers if now - t < 1.0]
-        self._remember([], now)
-        if not self._recent or len(self._answers) >= MAX_PEERS or not self.connected:
+        self._answers = [(t, n) for t, n in self._answers if now - t < 1.0]
+        self._remember([], [], now)
+        if not self._recent or not self.connected:
             return
-        self._answers.append(now)
+        if (len(self._answers) >= MAX_PEERS
+                or sum(n for _, n in self._answers) + len(self._recent) > MAX_RESENT_PER_S):
+            self.unanswered += 1
+            return
+        self._answers.append((now, len(self._recent)))
         assert self._nc is not None
-        messages = encode(self.router.router_id, [b for _, b in self._recent.values()],
-                          self._nc.max_payload)
-        asyncio.get_running_loop().create_task(self._publish(messages, subject=reply))
+        if self._answer_messages is None:
+            self._answer_messages = pack(self.router.router_id,
+                                         [row for _, row in self._recent.values()],
+                                         self._nc.max_payload)
+        asyncio.get_running_loop().create_task(
+            self._publish(self._answer_messages, subject=reply))
 
     async def flush(self) -> None:
         """Send what is booked now and wait until the server has it (a stop's last closes)."""
@@ -245,8 +265,8 @@ class _PeerCollector:
         msgs = CounterMetricFamily("gorgo_peer_messages", "Bookings messages by direction",
                                    labels=["direction"])
         for direction, n in (("sent", link.sent), ("received", link.received),
-                             ("resent", link.resent), ("bad", link.bad),
-                             ("failed", link.failed)):
+                             ("resent", link.resent), ("unanswered", link.unanswered),
+                             ("bad", link.bad), ("failed", link.failed)):
             msgs.add_metric([direction], n)
         books = CounterMetricFamily("gorgo_peer_bookings",
                                     "Other routers' bookings: applied, ignored (unknown replica, "

@@ -102,24 +102,39 @@ def encode(router: str, bookings: Sequence[Booking],
     (six fields, or the longer opens), in the bookings' own order: a retry's close and re-open of
     a request of several sequences once went out re-open first, which the peers took for a
     repeat, and then the close removed the request from their view while it ran."""
+    return pack(router, rows(bookings, max_bytes), max_bytes)
+
+
+Row = tuple[int, str]  # a booking's row: its number of fields, and its JSON text
+
+
+def rows(bookings: Sequence[Booking], max_bytes: int = MAX_MESSAGE_BYTES) -> list[Row]:
+    """Each booking's row, encoded once (a driver keeps a close's to send it again)."""
     keep = max((max_bytes - 1024) // _HASH_BYTES, 0)  # hashes of an open that fit a message
-    rows = [[b.decision_id, b.kind, b.replica, b.prompt_tokens, b.uncached_tokens,
-             list(b.block_hashes[:keep]) if b.kind == OPENED else [],
-             *(_decode_batch(b) if b.kind == OPENED else ())]
-            for b in bookings]
+    out = []
+    for b in bookings:
+        row = [b.decision_id, b.kind, b.replica, b.prompt_tokens, b.uncached_tokens,
+               list(b.block_hashes[:keep]) if b.kind == OPENED else [],
+               *(_decode_batch(b) if b.kind == OPENED else ())]
+        out.append((len(row), json.dumps(row, separators=_SEP)))
+    return out
+
+
+def pack(router: str, encoded: Sequence[Row], max_bytes: int = MAX_MESSAGE_BYTES) -> list[bytes]:
+    """Rows as messages, in order, each within ``max_bytes`` and ``MAX_BOOKINGS`` and of rows
+    of one length (see `encode`)."""
     head = len(json.dumps({"v": FORMAT, "router": router, "b": []}, separators=_SEP))
     out: list[bytes] = []
     batch: list[str] = []
     size, width = head, 0
-    for row in rows:
-        text = json.dumps(row, separators=_SEP)
-        if batch and (len(row) != width or size + len(text) + 1 > max_bytes
+    for n, text in encoded:
+        if batch and (n != width or size + len(text) + 1 > max_bytes
                       or len(batch) >= MAX_BOOKINGS):
             out.append(_message(router, batch))
             batch, size = [], head
         batch.append(text)
         size += len(text) + 1
-        width = len(row)
+        width = n
     if batch:
         out.append(_message(router, batch))
     return out

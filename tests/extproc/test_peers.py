@@ -243,8 +243,50 @@ def test_hellos_are_answered_with_the_last_closes_at_most_max_peers_a_second(
         assert [(b.decision_id, b.kind) for b in decode(only)] == [(d.id, CLOSED)]
         assert len(lt.run(hellos(MAX_PEERS + 50, MAX_PEERS - 1))) == MAX_PEERS - 1
         assert link.resent == MAX_PEERS  # the second's quota spent: the rest unanswered
+        assert link.unanswered == 51
         clock[0] += peers_mod.RESEND_S + 1  # a new second, and the close too old to re-send
         assert lt.run(hellos(1, 0)) == [] and link.resent == MAX_PEERS
+    finally:
+        lt.run(link.stop())
+        lt.close()
+
+
+def test_answers_re_send_at_most_max_resent_per_s_closes_a_second_packed_once(
+        nats_server: NatsProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    # 256 hellos a second each re-encoded a busy router's 3,000 closes: its loop was held about
+    # 3 s of every 4, past Envoy's message timeout.
+    monkeypatch.setattr(peers_mod, "time", SimpleNamespace(monotonic=lambda: 1000.0))
+    monkeypatch.setattr(peers_mod, "MAX_RESENT_PER_S", 5)
+    packed: list[int] = []
+    real_pack = peers_mod.pack
+    monkeypatch.setattr(peers_mod, "pack", lambda router, rows, size: (
+        packed.append(len(rows)), real_pack(router, rows, size))[1])
+    a, _ = routers(nats_server.url)
+    lt = LoopThread()
+    link = PeerLink(a, RouterMetrics(a.state, lambda: 0))
+
+    async def two_closed() -> None:
+        for k in range(2):
+            d = a.route(request(a, f"closed {k}"), 0.0)
+            assert isinstance(d, Decision)
+            a.complete(d.id)
+
+    async def hellos(n: int) -> None:
+        nc = await nats.connect(nats_server.url)
+        for k in range(n):
+            await nc.publish(link.subject, hello("x"), reply=f"{nc.new_inbox()}.{k}")
+        await nc.drain()
+
+    try:
+        lt.run(link.start())
+        assert wait_for(lambda: link.connected, 10)
+        lt.run(two_closed())
+        assert wait_for(lambda: link.sent >= 1, 5)
+        packed.clear()
+        lt.run(hellos(3))
+        assert wait_for(lambda: link.resent + link.unanswered == 3, 10)
+        assert (link.resent, link.unanswered) == (2, 1)  # 2 + 2 closes; 2 more would be 6 > 5
+        assert packed == [2]  # one answer, packed once, sent twice
     finally:
         lt.run(link.stop())
         lt.close()
