@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import ctypes
 import json
 import logging
 import os
@@ -75,14 +74,7 @@ BODY_READ_S = 10.0  # an admin call's whole body, before the supervisor acts on 
 BACKOFF_BASE_S = 0.5
 BACKOFF_MAX_S = 10.0
 STABLE_S = 10.0  # a worker that ran this long resets the restart backoff
-_PR_SET_PDEATHSIG = 1
 _FORWARDED = ("authorization", "content-type")  # the request headers a worker gets
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: SIGTERM it when the supervisor dies, even by SIGKILL."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 @dataclass
@@ -219,7 +211,7 @@ class Supervisor:
         # reaches the workers once, from the supervisor, not twice (a second one cuts a drain).
         w.proc = await asyncio.create_subprocess_exec(
             *self._command(w), stdout=asyncio.subprocess.PIPE, env=env,
-            preexec_fn=_die_with_parent, start_new_session=True)
+            preexec_fn=shutdown.die_with_parent(), start_new_session=True)
         w.started_at = time.monotonic()
         lines: list[str] = []
         ready: dict[str, str] | None = None

@@ -25,6 +25,7 @@ import yaml
 from extproc import messages
 from extproc.service import ExtProcService, _Stream
 from extproc.telemetry import RouterMetrics
+from gorgo import shutdown
 from gorgo._xds.envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from gorgo._xds.envoy.service.ext_proc.v3.external_processor_pb2_grpc import (
     ExternalProcessorServicer,
@@ -264,7 +265,8 @@ class NoopProcess:
     def __init__(self, port: int) -> None:
         self.p = subprocess.Popen(
             [sys.executable, "-m", "bench.dataplane", "--serve-noop", str(port)], cwd=ROOT,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+            preexec_fn=shutdown.die_with_parent())
         line = self.p.stdout.readline()
         if not line.startswith("READY"):
             self.stop()

@@ -61,6 +61,7 @@ def _interrupt(signum: int, _frame: Any) -> None:
 
 
 def stop_on_signals() -> None:
-    """SIGINT and SIGTERM end a bench as KeyboardInterrupt, so its cleanup runs."""
+    """SIGINT and SIGTERM end a bench or a test session as KeyboardInterrupt, so its cleanup
+    runs."""
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _interrupt)

@@ -16,6 +16,7 @@ from typing import Any
 
 import yaml
 
+from gorgo import shutdown
 from gorgo.harness.procs import file_tail, stop_group, venv_binary
 
 
@@ -45,6 +46,7 @@ class EnvoyProcess:
             [envoy_binary(), "-c", str(cfg), "--base-id", str(base_id), "-l", self.log_level,
              "--concurrency", str(self.concurrency), "--log-path", str(self.log_path)],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+            preexec_fn=shutdown.die_with_parent(),
         )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -8,6 +8,7 @@ import socket
 import subprocess
 import time
 
+from gorgo import shutdown
 from gorgo.harness.procs import free_port, stop_group, venv_binary
 
 
@@ -25,7 +26,8 @@ class NatsProcess:
     def start(self, timeout: float = 10.0) -> NatsProcess:
         self.proc = subprocess.Popen(
             [nats_binary(), "-a", "127.0.0.1", "-p", str(self.port)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+            preexec_fn=shutdown.die_with_parent())
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

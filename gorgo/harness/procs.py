@@ -16,6 +16,8 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
+from gorgo import shutdown
+
 BIN = Path(sys.executable).parent
 
 
@@ -89,7 +91,7 @@ class GorgoProcess:
         self.args = args
         self.p = subprocess.Popen(
             [str(BIN / "gorgo"), *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            text=True, start_new_session=True,
+            text=True, start_new_session=True, preexec_fn=shutdown.die_with_parent(),
         )
         self.lines: list[str] = []
         deadline = time.monotonic() + timeout

@@ -20,6 +20,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from gorgo import shutdown
 from gorgo.harness.procs import file_tail, stop_group
 
 REPO = Path(__file__).resolve().parents[2]
@@ -90,7 +91,8 @@ class VLLMProcess:
             args += ["--kv-events-config", self.events.config()]
         log = self.log_path.open("ab")
         self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True, cwd=REPO)
+                                     start_new_session=True, cwd=REPO,
+                                     preexec_fn=shutdown.die_with_parent())
         log.close()
         return self
 

@@ -1,0 +1,87 @@
+"""`GorgoProcess`: how long its child lives, with a stand-in for the `gorgo` binary."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from gorgo.harness import procs
+from gorgo.harness.procs import GorgoProcess, wait_for
+from tests.support.children import (
+    READY,
+    alive,
+    end,
+    fake_program,
+    pid_of,
+    stand_in,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def gorgo_bin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """Where GorgoProcess finds `gorgo`: the test writes a stand-in there, ended after the test
+    whatever happened."""
+    monkeypatch.setattr(procs, "BIN", tmp_path)
+    yield tmp_path
+    end(tmp_path / "gorgo")
+
+
+DRIVER = """
+import sys, time
+from pathlib import Path
+from gorgo.harness import procs, vllm_proc
+procs.BIN = Path(sys.argv[1])
+ext = procs.GorgoProcess(["extproc"])
+engine = vllm_proc.VLLMProcess("a", 0, 0, Path(sys.argv[1])).start()
+print("STARTED", flush=True)
+time.sleep(600)
+"""
+
+
+def test_children_die_with_the_process_that_started_them(tmp_path: Path) -> None:
+    """SIGTERM to `make test-engines` (a CI timeout) left both vLLM engines running, reparented to
+    PID 1: they run in sessions of their own. Now a harness child gets SIGTERM when its parent
+    dies, even by SIGKILL (PR_SET_PDEATHSIG)."""
+    gorgo = fake_program(tmp_path / "gorgo", stand_in(READY))
+    engine = fake_program(tmp_path / "engines" / "vllm" / "bin" / "python",
+                          stand_in(READY))
+    env = {**os.environ, "ENGINE_DIR": str(tmp_path / "engines"), "PYTHONPATH": str(REPO)}
+    driver = subprocess.Popen([sys.executable, "-c", DRIVER, str(tmp_path)], cwd=REPO, env=env,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert driver.stdout.readline() == "STARTED\n"
+        assert wait_for(engine.with_suffix(".pid").exists, 30)  # VLLMProcess.start waits not
+        pids = [pid_of(gorgo), pid_of(engine)]
+        assert all(map(alive, pids))
+        driver.kill()
+        driver.wait()
+        assert wait_for(lambda: not any(map(alive, pids)), 30)
+    finally:
+        driver.kill()
+        driver.wait()
+        end(gorgo, engine)
+
+
+def test_a_child_started_from_a_short_lived_thread_outlives_the_thread(gorgo_bin: Path) -> None:
+    """The parent-death signal comes when the *thread* that forked exits: a router restarted from
+    `asyncio.to_thread` (tests/chaos) would be stopped with that thread; only a child started on
+    the main thread gets it."""
+    fake_program(gorgo_bin / "gorgo", stand_in(READY))
+    started: list[GorgoProcess] = []
+    thread = threading.Thread(target=lambda: started.append(GorgoProcess(["extproc"])))
+    thread.start()
+    thread.join()
+    try:
+        time.sleep(0.5)  # the signal, had it been asked for, comes as the thread ends
+        assert started[0].p.poll() is None
+    finally:
+        started[0].stop()
