@@ -267,10 +267,13 @@ class NoopProcess:
             [sys.executable, "-m", "bench.dataplane", "--serve-noop", str(port)], cwd=ROOT,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
             preexec_fn=shutdown.die_with_parent())
-        line = self.p.stdout.readline()
-        if not line.startswith("READY"):
+        try:
+            line = self.p.stdout.readline()
+            if not line.startswith("READY"):
+                raise RuntimeError(f"no-op ext_proc did not start: {line}{self.p.stdout.read()}")
+        except BaseException:  # as GorgoProcess: Ctrl-C in the wait left it running
             self.stop()
-            raise RuntimeError(f"no-op ext_proc did not start: {line}{self.p.stdout.read()}")
+            raise
 
     def stop(self) -> None:
         stop_group(self.p)

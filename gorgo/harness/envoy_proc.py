@@ -48,6 +48,14 @@ class EnvoyProcess:
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
             preexec_fn=shutdown.die_with_parent(),
         )
+        try:
+            self._wait_ready(timeout)
+        except BaseException:  # Ctrl-C during the wait left Envoy running (its own session)
+            self.stop()
+            raise
+        return self
+
+    def _wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -55,11 +63,10 @@ class EnvoyProcess:
             try:
                 with urllib.request.urlopen(self.admin_url + "/ready", timeout=1) as r:
                     if r.status == 200:
-                        return self
+                        return
             except OSError:
                 pass
             time.sleep(0.1)
-        self.stop()
         raise TimeoutError(f"envoy not ready after {timeout}s: {self.log_tail()}")
 
     def stats(self, prefix: str = "") -> dict[str, int]:

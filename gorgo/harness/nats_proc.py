@@ -28,6 +28,14 @@ class NatsProcess:
             [nats_binary(), "-a", "127.0.0.1", "-p", str(self.port)],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
             preexec_fn=shutdown.die_with_parent())
+        try:
+            self._wait_ready(timeout)
+        except BaseException:  # as EnvoyProcess.start: Ctrl-C in the wait left it running
+            self.stop()
+            raise
+        return self
+
+    def _wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -35,11 +43,10 @@ class NatsProcess:
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
                     if s.recv(4) == b"INFO":  # the server's greeting: it serves
-                        return self
+                        return
             except OSError:
                 pass
             time.sleep(0.05)
-        self.stop()
         raise TimeoutError(f"nats-server not listening on {self.port} after {timeout}s")
 
     def stop(self) -> None:

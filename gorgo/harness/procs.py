@@ -85,31 +85,38 @@ class LoopThread:
 
 
 class GorgoProcess:
-    """A `gorgo ...` subprocess that printed READY; stopped with its whole process group."""
+    """A `gorgo ...` subprocess that printed READY; stopped with its whole process group, and
+    stopped too when the wait for READY ends any other way (an error, a timeout, Ctrl-C)."""
 
     def __init__(self, args: list[str], ready: str = "READY", timeout: float = 20.0) -> None:
         self.args = args
+        self.lines: list[str] = []
+        self.ready_line: str | None = None
+        self._settled = threading.Event()  # READY seen, or the output ended
         self.p = subprocess.Popen(
             [str(BIN / "gorgo"), *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             text=True, start_new_session=True, preexec_fn=shutdown.die_with_parent(),
         )
-        self.lines: list[str] = []
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            line = self.p.stdout.readline()
-            if not line and self.p.poll() is not None:
+        try:
+            # A thread reads the output, so the wait has a deadline: a blocking readline here
+            # waited as long as the child printed nothing (30 s with a timeout of 2 s).
+            threading.Thread(target=self._drain, args=(ready,), daemon=True).start()
+            if not self._settled.wait(timeout):
+                said = "".join(self.lines)
+                raise TimeoutError(f"gorgo {args} not ready in {timeout:g} s: {said}")
+            if self.ready_line is None:
                 raise RuntimeError(f"gorgo {args} exited: {''.join(self.lines)}")
-            self.lines.append(line)
-            if line.startswith(ready):
-                self.ready_line = line.strip()
-                threading.Thread(target=self._drain, daemon=True).start()
-                return
-        self.stop()
-        raise TimeoutError(f"gorgo {args} not ready: {''.join(self.lines)}")
+        except BaseException:  # Ctrl-C in the wait left the child running (its own session)
+            self.stop()
+            raise
 
-    def _drain(self) -> None:
+    def _drain(self, ready: str) -> None:
         for line in self.p.stdout:
             self.lines.append(line)
+            if self.ready_line is None and line.startswith(ready):
+                self.ready_line = line.strip()
+                self._settled.set()
+        self._settled.set()
 
     def field(self, key: str) -> str:
         return dict(kv.split("=", 1) for kv in self.ready_line.split()[1:])[key]

@@ -15,10 +15,13 @@ import pytest
 from gorgo.harness import procs
 from gorgo.harness.procs import GorgoProcess, wait_for
 from tests.support.children import (
+    INTERRUPT,
     READY,
     alive,
     end,
+    ended,
     fake_program,
+    interrupted_by_child,
     pid_of,
     stand_in,
 )
@@ -33,6 +36,31 @@ def gorgo_bin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]
     monkeypatch.setattr(procs, "BIN", tmp_path)
     yield tmp_path
     end(tmp_path / "gorgo")
+
+
+def test_a_child_that_prints_nothing_times_out_and_is_stopped(gorgo_bin: Path) -> None:
+    """Before: the wait read lines with a blocking readline, so a silent child held it past any
+    timeout (30 s with timeout=2); here the stand-in ends after 20 s, and the old wait raised
+    RuntimeError("exited") then instead of TimeoutError."""
+    fake = fake_program(gorgo_bin / "gorgo", stand_in(then_sleep_s=20))
+    with pytest.raises(TimeoutError, match="not ready"):
+        GorgoProcess(["extproc"], timeout=1)
+    assert ended(fake)
+
+
+def test_an_interrupt_while_the_child_starts_stops_it(gorgo_bin: Path) -> None:
+    """Before: only the wait's own TimeoutError stopped the child; Ctrl-C (KeyboardInterrupt)
+    left it running in its own session."""
+    fake = fake_program(gorgo_bin / "gorgo", stand_in(INTERRUPT))
+    with interrupted_by_child(), pytest.raises(KeyboardInterrupt):
+        GorgoProcess(["extproc"], timeout=60)
+    assert ended(fake)
+
+
+def test_a_child_that_exits_before_ready_is_reported(gorgo_bin: Path) -> None:
+    fake_program(gorgo_bin / "gorgo", "print('bad flag', flush=True)\nraise SystemExit(2)\n")
+    with pytest.raises(RuntimeError, match="exited: bad flag"):
+        GorgoProcess(["extproc"])
 
 
 DRIVER = """

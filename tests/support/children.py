@@ -7,9 +7,14 @@ import contextlib
 import os
 import signal
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 READY = "print('READY', flush=True)\n"
+# SIGUSR1 to the process that started it, which `interrupted_by_child` turns into Ctrl-C: an
+# interrupt that comes while the harness waits for the child to be ready.
+INTERRUPT = "os.kill(os.getppid(), signal.SIGUSR1)\n"
 
 
 def stand_in(does: str = "", then_sleep_s: float = 600) -> str:
@@ -54,3 +59,17 @@ def end(*programs: Path) -> None:
         if not ended(program):
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pid_of(program), signal.SIGKILL)
+
+
+def _interrupt(_signum: int, _frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def interrupted_by_child() -> Iterator[None]:
+    """SIGUSR1 (an `INTERRUPTS` stand-in's) raises KeyboardInterrupt here, as Ctrl-C would."""
+    previous = signal.signal(signal.SIGUSR1, _interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
