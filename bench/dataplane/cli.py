@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from gorgo.core.fleet import parse_fleet
+from gorgo.errors import at_least
 from gorgo.harness.docblock import stop_on_signals
 
 from . import ROOT
@@ -74,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="short smoke run (< 30 s)")
     p.add_argument("--write-docs", action="store_true",
                    help=f"write the results into the '{SECTION}' section of {DOC.name}")
-    p.add_argument("--connections", type=int, default=None,
+    p.add_argument("--connections", type=at_least(1), default=None,
                    help=f"load generator connections (default {FULL.connections})")
     p.add_argument("--serve-noop", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--python-load", action="store_true",
@@ -85,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     stop_on_signals()
     plan = QUICK if args.quick else FULL
-    if args.connections:
+    if args.connections is not None:  # 0 was taken as "not given": the default 32 ran
         plan = dataclasses.replace(plan, connections=args.connections)
     command = ".venv/bin/python -m bench.dataplane" + "".join(
         f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
