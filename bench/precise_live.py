@@ -17,6 +17,7 @@ import random
 import sys
 import tempfile
 import time
+from collections import Counter, deque
 from pathlib import Path
 
 import aiohttp
@@ -80,19 +81,27 @@ def fleet(tmp: Path, engines: dict[str, VLLMProcess], cache: str) -> Path:
 
 async def replay(url: str, requests: list[tuple[int, str]], workers: int,
                  max_tokens: int) -> list[float]:
-    """TTFT of each request, sent by ``workers`` clients; a user's turns stay in order."""
-    queue: asyncio.Queue[tuple[int, str]] = asyncio.Queue()
-    for r in requests:
-        queue.put_nowait(r)
-    busy: set[int] = set()
+    """TTFT of each request, sent by ``workers`` clients; a user's turns stay in order.
+
+    A client holding a user's turn k sends it once turns 0..k-1 are answered. (A "user is busy"
+    flag let the client that finished turn k-1 take and send turn k+1 while another client still
+    waited with turn k: 2 of 5 trials sent some turn early.) Clients take turns in send order and
+    hold one at a time, so the earliest turn held never waits on one not yet taken."""
+    pending: deque[tuple[int, int, str]] = deque()  # (user, turn, prompt) in send order
+    turns: Counter[int] = Counter()
+    for user, prompt in requests:
+        pending.append((user, turns[user], prompt))
+        turns[user] += 1
+    answered: Counter[int] = Counter()  # each user's turns answered so far
+    progress = asyncio.Condition()
     ttfts: list[float] = []
 
     async def worker(session: aiohttp.ClientSession) -> None:
-        while not queue.empty():
-            user, prompt = await queue.get()
-            while user in busy:
-                await asyncio.sleep(0.01)
-            busy.add(user)
+        while pending:
+            user, turn, prompt = pending.popleft()
+            async with progress:
+                while answered[user] != turn:
+                    await progress.wait()
             body = {"model": vllm_proc.SERVED_NAME, "stream": True, "max_tokens": max_tokens,
                     "ignore_eos": True, "messages": [{"role": "user", "content": prompt}]}
             t0 = time.perf_counter()
@@ -103,7 +112,9 @@ async def replay(url: str, requests: list[tuple[int, str]], workers: int,
                 if resp.status != 200:
                     raise RuntimeError(f"status {resp.status}")
             ttfts.append(first if first is not None else float("inf"))
-            busy.discard(user)
+            async with progress:
+                answered[user] += 1
+                progress.notify_all()
 
     timeout = aiohttp.ClientTimeout(total=600)
     async with aiohttp.ClientSession(timeout=timeout) as session:
