@@ -6,8 +6,9 @@ answer per upstream host (``rq_error``: 5xx and failed attempts; ``rq_success``:
 flags a host its outlier detection ejected (``failed_outlier_check``). This poller reads
 ``/clusters?format=json`` every scrape interval and applies the increments to the router's state
 exactly as the response-headers handler would have applied each status: a failure is a
-`record_failed_response`, a success window a `record_success`. A new ejection by Envoy counts as
-one failure more. The signal arrives up to one scrape interval late instead of with the response.
+`record_failed_response`, a success window a `record_good_response`. A new ejection by Envoy
+counts as one failure more. The signal arrives up to one scrape interval late instead of with the
+response.
 """
 
 from __future__ import annotations
@@ -151,7 +152,7 @@ class EnvoyOutcomes:
                     continue
                 new_errors, new_ok = errors - prev[0], ok - prev[1]
                 if new_ok and not new_errors:
-                    s.record_success(i)
+                    s.record_good_response(i)
                 for _ in range(min(new_errors, MAX_FAILURES_PER_POLL)):
                     s.record_failed_response(i, now)
                 if ejected and not prev[2]:

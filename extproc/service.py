@@ -384,7 +384,7 @@ class ExtProcService(ExternalProcessorServicer):
             if status in ("500", "502", "503", "504"):
                 s.record_failed_response(served, self.clock())
             elif status[:1] in ("2", "4"):
-                s.record_success(served)
+                s.record_good_response(served)
         return messages.tag_response(st.served, d.id)
 
     def _replica(self, name: str, ident: tuple[str, ...]) -> int | None:

@@ -487,10 +487,22 @@ class FleetState:
     # --- health ------------------------------------------------------------------------------
 
     def record_success(self, i: int) -> None:
+        """A probe answered: replica i is healthy (re-admitted if it was ejected)."""
         self.version += 1
         self.failures[i] = 0
         self.healthy[i] = True
         self.retry_at[i] = 0.0
+
+    def record_good_response(self, i: int) -> None:
+        """A 2xx or 4xx answer from replica i: its failures start over, while it is healthy.
+
+        An ejected replica is re-admitted by its probes alone: an answer to a request routed
+        before the ejection (a draining engine's, or one whose health path fails while serving
+        still works) put it back on at once, taking new requests while /health still failed.
+        """
+        if self.healthy[i]:
+            self.version += 1
+            self.failures[i] = 0
 
     def add_penalty(self, i: int, ms: float, now: float) -> None:
         """Add to replica i's decaying penalty (a failed response, or a tuner's anomaly)."""

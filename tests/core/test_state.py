@@ -217,6 +217,23 @@ def test_success_resets_failure_count() -> None:
     assert s.healthy[0]
 
 
+def test_a_good_answer_resets_failures_but_only_a_probe_re_admits() -> None:
+    # A late 200 for a request routed before the ejection put the replica back on at once,
+    # taking new requests while its /health still failed.
+    s = FleetState(spec())
+    s.record_failure(0, now=0.0)
+    s.record_good_response(0)
+    s.record_failure(0, now=0.0)
+    s.record_failure(0, now=0.0)
+    assert s.healthy[0]  # the count started over
+    for _ in range(FAILURES_TO_EJECT):
+        s.record_failure(1, now=100.0)
+    s.record_good_response(1)
+    assert not s.healthy[1] and s.failures[1] == FAILURES_TO_EJECT and s.retry_at[1] > 100.0
+    s.record_success(1)  # its probe
+    assert s.healthy[1] and s.failures[1] == 0
+
+
 def test_probe_due() -> None:
     s = FleetState(spec())
     np.testing.assert_array_equal(s.probe_due(0.0), [True, True, True])
