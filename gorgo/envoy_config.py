@@ -110,12 +110,16 @@ TOO_MANY_HEADERS_BODY = (
 # Envoy's codec refusing a request that is not valid HTTP (a control character in a header, two
 # content-lengths, an unknown method): its details name the codec. The router's own 400s keep
 # their bodies.
+# Any status the codec picks (a 400, a 501 for `Transfer-Encoding: gzip, chunked`), and Envoy's
+# 403 for an `Upgrade: websocket` it does not forward (text/plain and an empty body before).
 BAD_HTTP_BODY = (
-    '{"error":{"message":"The request is not valid HTTP (%RESPONSE_CODE_DETAILS%).",'
-    '"type":"invalid_request_error","param":null,"code":"bad_request"}}'
+    '{"error":{"message":"The request is not valid HTTP, or not served here '
+    '(%RESPONSE_CODE_DETAILS%).","type":"invalid_request_error","param":null,'
+    '"code":"bad_request"}}'
 )
-BAD_HTTP_FILTER = ("response.code == 400 && (response.code_details.startsWith('http1.') || "
-                   "response.code_details.startsWith('http2.'))")
+BAD_HTTP_FILTER = ("(response.code >= 400 && (response.code_details.startsWith('http1.') || "
+                   "response.code_details.startsWith('http2.'))) || "
+                   "response.code_details == 'upgrade_failed'")
 # Envoy's response code details when a header mutation (the router's routing headers) would take
 # the request past max_headers_count.
 HEADERS_FULL_DETAILS = "header_mutation_result_exceeds_limit"
@@ -124,7 +128,7 @@ NOT_FOUND_BODY = (
     '"type":"invalid_request_error","param":null,"code":"not_found"}}'
 )
 UPSTREAM_FAILED_BODY = (
-    '{"error":{"message":"The replica failed before answering; retry later.",'
+    '{"error":{"message":"The replica failed to answer; retry later.",'
     '"type":"server_error","param":null,"code":"upstream_unavailable"}}'
 )
 # Request body modes of the ext_proc filter: BUFFERED (one body message), or FULL_DUPLEX_STREAMED,
@@ -182,9 +186,15 @@ OUTLIER_DETECTION = {
     "consecutive_5xx": 5, "interval": "1s", "base_ejection_time": "10s",
     "max_ejection_percent": 100,
 }
-# Envoy's own 503s for a failed upstream (connect failure, no host, reset, retries exhausted);
-# the router's immediate 503 (no_healthy_replica) carries none of these flags and keeps its body.
-UPSTREAM_FAILURE_FLAGS = ("UF", "UH", "UR", "UC", "URX")
+# Envoy's own 503s for a failed upstream (connect failure, no host, reset, retries exhausted),
+# and its 502 for an answer it could not parse (UPE, text/plain before); the router's immediate
+# 503 (no_healthy_replica) carries none of these flags and keeps its body.
+UPSTREAM_FAILURE_FLAGS = ("UF", "UH", "UR", "UC", "URX", "UPE")
+# HTTP/2 frames Envoy may queue towards the router on one connection. In full-duplex mode each
+# DATA frame of a client's body is one ext_proc message: one client sending a 60 KB body in
+# 1-byte frames passed Envoy's default 10,000, Envoy closed the connection as a flood, and every
+# other request on it failed (failure_mode_allow does not apply once body bytes were streamed).
+EXTPROC_MAX_OUTBOUND_FRAMES = 2_000_000
 TIMEOUT_FLAGS = ("UT", "SI")  # upstream request timeout, stream idle timeout
 
 
@@ -206,7 +216,7 @@ def _duration(seconds: float) -> str:
 
 
 def _cluster(name: str, addresses: list[tuple[str, int]], connect_ms: int,
-             http2: bool = False) -> dict:
+             http2: bool = False, http2_options: dict | None = None) -> dict:
     """A round-robin cluster of ``addresses`` (one replica; or every `gorgo extproc` worker)."""
     try:
         for host, _ in addresses:
@@ -235,7 +245,7 @@ def _cluster(name: str, addresses: list[tuple[str, int]], connect_ms: int,
         c["typed_extension_protocol_options"] = {
             "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
                 "@type": _T + "envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
-                "explicit_http_config": {"http2_protocol_options": {}},
+                "explicit_http_config": {"http2_protocol_options": http2_options or {}},
             }
         }
     return c
@@ -656,7 +666,8 @@ def render_bootstrap(
         hcm["access_log"] = logs
     clusters = [] if cds else replica_clusters(spec)
     workers = [_hostport(a.strip(), "--extproc") for a in extproc.split(",")]
-    clusters.append(_cluster(EXTPROC_CLUSTER, workers, t.connect_ms, http2=True))
+    clusters.append(_cluster(EXTPROC_CLUSTER, workers, t.connect_ms, http2=True, http2_options={
+        "max_outbound_frames": EXTPROC_MAX_OUTBOUND_FRAMES}))
     # Several workers: a dead, hung or draining one leaves the round robin at the next health
     # check, so its share of requests is routed by the others, not failed open.
     if duplex or len(workers) > 1:

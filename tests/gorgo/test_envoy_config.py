@@ -137,6 +137,23 @@ def test_bootstrap_shape() -> None:
         assert tags[f"gorgo.{key}"] == f"%DYNAMIC_METADATA(gorgo:{key})%"
 
 
+def test_the_routers_cluster_takes_a_full_duplex_bodys_frames_and_upe_is_json() -> None:
+    # One client's 60 KB body in 1-byte h2 frames (one ext_proc message each in full-duplex)
+    # passed Envoy's default 10,000 queued frames towards the router: Envoy closed that
+    # connection as a flood and every request on it failed. And Envoy's 502 for an answer it
+    # could not parse (UPE) was text/plain.
+    boot = render_bootstrap(load_fleet(EXAMPLE), body_mode="full-duplex")
+    clusters = {c["name"]: c for c in boot["static_resources"]["clusters"]}
+    options = clusters["gorgo_extproc"]["typed_extension_protocol_options"][
+        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]["explicit_http_config"]
+    assert options["http2_protocol_options"]["max_outbound_frames"] >= 1_000_000
+    hcm = boot["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0][
+        "typed_config"]
+    flags = [m["filter"]["response_flag_filter"]["flags"]
+             for m in hcm["local_reply_config"]["mappers"] if "response_flag_filter" in m["filter"]]
+    assert any("UPE" in f and "UF" in f for f in flags)
+
+
 def test_retries_off_keeps_single_cluster_routing() -> None:
     spec = load_fleet(EXAMPLE)
     spec = replace(spec, retries=replace(spec.retries, enabled=False))

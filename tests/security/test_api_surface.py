@@ -222,6 +222,23 @@ def test_a_request_that_is_not_valid_http_gets_an_openai_style_error(
     assert is_openai_error(reply, code), reply[:200]
 
 
+@pytest.mark.parametrize(("request_bytes", "status"), [
+    # a transfer coding Envoy does not take: 501 text/plain "Not Implemented" before
+    (b"POST /v1/chat/completions HTTP/1.1\r\nhost: gorgo\r\nconnection: close\r\n"
+     b"transfer-encoding: gzip, chunked\r\n\r\n0\r\n\r\n", 501),
+    # a WebSocket upgrade, which no route forwards: 403 with an empty body before
+    (b"GET /v1/chat/completions HTTP/1.1\r\nhost: gorgo\r\nconnection: upgrade\r\n"
+     b"upgrade: websocket\r\nsec-websocket-version: 13\r\n"
+     b"sec-websocket-key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n", 403),
+])
+def test_every_refusal_of_envoys_codec_is_an_openai_style_error(
+        stack: LiveStack, request_bytes: bytes, status: int) -> None:
+    reply_head, _, reply = _raw(stack.url, request_bytes).partition(b"\r\n\r\n")
+    assert reply_head.split()[1:2] == [str(status).encode()], reply_head[:200]
+    assert b"application/json" in reply_head.lower(), reply_head[:300]
+    assert is_openai_error(reply, "bad_request"), reply[:200]
+
+
 def test_the_router_sees_only_the_headers_it_reads(stack: LiveStack) -> None:
     """`authorization` (and every other header) was forwarded to the router, which reads none of
     them. Envoy's ext_proc forward rules now send only what the router reads: an in-process router
