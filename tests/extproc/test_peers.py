@@ -50,10 +50,21 @@ def request(router: Router, text: str):
     return extract_features("/v1/chat/completions", {}, body, router.state.tok)
 
 
+def linked(*rs: Router) -> tuple[LoopThread, list[PeerLink]]:
+    """A loop for the routers' links, and their links (started by the test)."""
+    return LoopThread(), [PeerLink(r, RouterMetrics(r.state, lambda: 0)) for r in rs]
+
+
+def routed(router: Router, text: str) -> Decision:
+    """The router's decision for a request of ``text`` (call on its loop, as the service does)."""
+    d = router.route(request(router, text), 0.0)
+    assert isinstance(d, Decision)
+    return d
+
+
 def test_each_router_counts_the_others_requests(nats_server: NatsProcess) -> None:
     a, b = routers(nats_server.url)
-    lt = LoopThread()
-    links = [PeerLink(r, RouterMetrics(r.state, lambda: 0)) for r in (a, b)]
+    lt, links = linked(a, b)
     try:
         for link in links:
             lt.run(link.start())
@@ -90,13 +101,10 @@ def test_sharing_resumes_after_the_server_restarts_with_the_closes_made_meanwhil
     # of seconds left the peer counting the requests that ended in it for request_s).
     server = NatsProcess().start()
     a, b = routers(server.url)
-    lt = LoopThread()
-    links = [PeerLink(r, RouterMetrics(r.state, lambda: 0)) for r in (a, b)]
+    lt, links = linked(a, b)
 
     async def route(text: str) -> Decision:
-        d = a.route(request(a, text), 0.0)
-        assert isinstance(d, Decision)
-        return d
+        return routed(a, text)
 
     async def complete(d: Decision) -> None:
         a.complete(d.id)
@@ -132,13 +140,10 @@ def test_a_router_cut_off_alone_asks_for_the_closes_it_missed(nats_server: NatsP
     # never, and it counted those requests for request_s. Back, it sends a hello; the peer
     # answers with its recent closes, but not one whose request a retry has re-opened since.
     a, b = routers(nats_server.url)
-    lt = LoopThread()
-    links = [PeerLink(r, RouterMetrics(r.state, lambda: 0)) for r in (a, b)]
+    lt, links = linked(a, b)
 
     async def route(text: str) -> Decision:
-        d = a.route(request(a, text), 0.0)
-        assert isinstance(d, Decision)
-        return d
+        return routed(a, text)
 
     async def cut_b_then_close(ds: list[Decision], moved_to: int) -> None:
         assert links[1]._nc is not None

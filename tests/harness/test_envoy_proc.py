@@ -10,10 +10,8 @@ from gorgo.harness import envoy_proc
 from gorgo.harness.procs import free_port
 from tests.support.children import (
     INTERRUPT,
-    end,
-    ended,
+    assert_an_interrupted_start_stops,
     fake_program,
-    interrupted_by_child,
     stand_in,
 )
 
@@ -27,9 +25,4 @@ def test_an_interrupt_while_envoy_starts_stops_it(
     monkeypatch.setattr(envoy_proc, "envoy_binary", lambda: str(fake))
     admin = {"address": {"socket_address": {"address": "127.0.0.1", "port_value": free_port()}}}
     envoy = envoy_proc.EnvoyProcess({"admin": admin})
-    try:
-        with interrupted_by_child(), pytest.raises(KeyboardInterrupt):
-            envoy.start(timeout=60)
-        assert ended(fake)
-    finally:
-        end(fake)
+    assert_an_interrupted_start_stops(fake, lambda: envoy.start(timeout=60))

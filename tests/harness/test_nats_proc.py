@@ -9,10 +9,8 @@ import pytest
 from gorgo.harness import nats_proc
 from tests.support.children import (
     INTERRUPT,
-    end,
-    ended,
+    assert_an_interrupted_start_stops,
     fake_program,
-    interrupted_by_child,
     stand_in,
 )
 
@@ -24,9 +22,4 @@ def test_an_interrupt_while_nats_starts_stops_it(
     session."""
     fake = fake_program(tmp_path / "nats-server", stand_in(INTERRUPT))
     monkeypatch.setattr(nats_proc, "nats_binary", lambda: str(fake))
-    try:
-        with interrupted_by_child(), pytest.raises(KeyboardInterrupt):
-            nats_proc.NatsProcess().start(timeout=60)
-        assert ended(fake)
-    finally:
-        end(fake)
+    assert_an_interrupted_start_stops(fake, lambda: nats_proc.NatsProcess().start(timeout=60))

@@ -7,7 +7,7 @@ import contextlib
 import os
 import signal
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -73,3 +73,17 @@ def interrupted_by_child() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGUSR1, previous)
+
+
+def assert_an_interrupted_start_stops(program: Path, start: Callable[[], object]) -> None:
+    """``start`` runs ``program`` (a stand-in that sends the interrupt once started): the
+    KeyboardInterrupt reaches the caller and the program is stopped (it was left running in its
+    own session)."""
+    import pytest  # a test helper: imported where tests run
+
+    try:
+        with interrupted_by_child(), pytest.raises(KeyboardInterrupt):
+            start()
+        assert ended(program)
+    finally:
+        end(program)
