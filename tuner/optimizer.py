@@ -54,6 +54,7 @@ from typing import Any
 import numpy as np
 
 from gorgo.core.contract import WEIGHT_BOUNDS
+from gorgo.core.fleet import finite_number
 from gorgo.core.terms import E2E, OBJECTIVES, SLO, TTFT, WEIGHTED, weight_keys
 from gorgo.core.weights import Weights
 from tuner.calibration import CalibrationConfig, PrefillCalibrator
@@ -85,10 +86,10 @@ def normalize_bounds(value: Any, keys: Sequence[str] = KEYS) -> Bounds:
     contract's bounds): as one (low, high) per weight key of ``keys``, in their order. A weight
     of the registry outside ``keys`` is dropped (another objective's bound)."""
     def pair(v: Any, where: str) -> tuple[float, float]:
-        if (not isinstance(v, list | tuple) or len(v) != 2
-                or not all(isinstance(x, int | float) and not isinstance(x, bool) for x in v)):
-            raise ValueError(f"{where}: expected [low, high], got {v!r}")
-        return float(v[0]), float(v[1])
+        xs = [finite_number(x) for x in v] if isinstance(v, list | tuple) else []
+        if len(xs) != 2 or None in xs:  # float() of a 400-digit integer would raise
+            raise ValueError(f"{where}: expected [low, high] of finite numbers, got {str(v)[:80]}")
+        return xs[0], xs[1]
 
     if isinstance(value, Mapping):
         unknown = sorted(set(value) - set(WEIGHTED))
@@ -1354,10 +1355,12 @@ def config_from_mapping(raw: dict[str, Any], path: str = "optimizer") -> Optimiz
         elif isinstance(default, int):
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ValueError(f"{path}.{key}: expected an integer, got {value!r}")
-        elif isinstance(value, bool) or not isinstance(value, int | float):
-            raise ValueError(f"{path}.{key}: expected a number, got {value!r}")
+        elif (x := finite_number(value)) is None:
+            # YAML's .inf would pass every `>= 0` check (a margin no candidate can meet), and
+            # float() of a 401-digit integer raised OverflowError: a traceback, not exit 2.
+            raise ValueError(f"{path}.{key}: expected a finite number, got {str(value)[:40]}")
         else:
-            value = float(value)
+            value = x
         values[key] = value
     cfg = OptimizerConfig(**values)
     cfg.validate()

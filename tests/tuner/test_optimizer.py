@@ -613,6 +613,23 @@ def test_config_from_mapping_checks_types_and_ranges() -> None:
             config_from_mapping(raw)
 
 
+
+def test_config_refuses_infinite_and_huge_numbers() -> None:
+    """`margin: .inf`, `min_window_s: .inf`, `rollback: .inf` passed every `>= 0` check, and a
+    401-digit margin raised OverflowError (a traceback, exit 1): each is a ValueError naming
+    its field, which the CLI turns into one line and exit 2."""
+    huge = 10 ** 400
+    for raw, match in (({"margin": huge}, r"optimizer\.margin"),
+                       ({"margin": math.inf}, r"optimizer\.margin"),
+                       ({"min_window_s": math.inf}, r"optimizer\.min_window_s"),
+                       ({"rollback": math.inf}, r"optimizer\.rollback"),
+                       ({"drift": -math.inf}, r"optimizer\.drift"),
+                       ({"fpr": math.nan}, r"optimizer\.fpr"),
+                       ({"bounds": [0.1, huge]}, r"bounds"),
+                       ({"bounds": {"queue": [0.1, math.inf]}}, r"bounds\.queue")):
+        with pytest.raises(ValueError, match=match):
+            config_from_mapping(raw)
+
 def test_winners_curse_alone_does_not_roll_back() -> None:
     """Re-measured, a winner regresses from its lucky window by chance; that is no reason to
     undo it as long as it is not worse than the weights it replaced."""
