@@ -579,13 +579,22 @@ def decide(ev: Evaluation, cfg: OptimizerConfig, rng: np.random.Generator,
     The early look fills the incumbent's missing requests in as instantly fast and the
     candidate's as never finishing: if the candidate still wins, it wins. A clear improvement is
     thus taken without waiting for the slowest stream of the evaluation; anything closer, and
-    every rejection, waits for all of it.
+    every rejection, waits for all of it. Such a verdict's incumbent score is inf (unknown)
+    where the missing requests could still raise it.
     """
     inc, cand = ev.arm(INCUMBENT), ev.arm(CANDIDATE)
     if final:
         return compare(inc, cand, cfg, rng, noise=noise)
     worst = compare(inc, cand, cfg, rng, fill=(0.0, UNFINISHED_MS), noise=noise)
-    return worst if worst.accepted else None
+    if not worst.accepted:
+        return None
+    # The incumbent's score with its missing requests at 0 ms understates it: kept as the
+    # probation baseline, a 24x better candidate re-measured 2.5x slower was rolled back to the
+    # far worse weights. Unless the missing requests cannot move it, it is unknown (inf).
+    slowest = statistic(_concat([score_values(w, cfg, UNFINISHED_MS) for w in inc]), cfg)
+    if slowest != worst.p95_incumbent:
+        worst = replace(worst, p95_incumbent=math.inf)
+    return worst
 
 
 def _quantile_or_nan(v: np.ndarray, q: float) -> float:
@@ -1087,7 +1096,10 @@ class Tuner:
         }, now)
         changed = False
         if v.accepted:
-            self.last_good, self.last_good_p95 = self.incumbent, v.p95_incumbent
+            # On probation only against a known score of the weights it replaced (`decide`)
+            self.last_good, self.last_good_p95 = (
+                (self.incumbent, v.p95_incumbent) if math.isfinite(v.p95_incumbent)
+                else (None, None))
             self.incumbent, self.incumbent_p95 = candidate, v.p95_candidate
             self.accepted += 1
             changed = True

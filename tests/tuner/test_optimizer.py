@@ -630,6 +630,34 @@ def test_config_refuses_infinite_and_huge_numbers() -> None:
         with pytest.raises(ValueError, match=match):
             config_from_mapping(raw)
 
+
+def test_early_acceptance_does_not_understate_the_replaced_weights() -> None:
+    """An early acceptance scored the incumbent's still-missing requests as 0 ms: its p95 was
+    recorded (and kept as the probation baseline) at 1000 ms when its 4 stragglers took 30 s,
+    so the 24x better winner, re-measured at 1250 ms, was rolled back to the bad weights."""
+    t = Tuner(es_config(window_samples=20, pairs=1, max_failures=100), W(1.0, 1.0), seed=0)
+    bad = t.next_weights(0.0).weights.version
+    t.routed(bad, 20)
+    for _ in range(16):  # 4 of 20 still missing
+        t.observe(mk(1000.0, bad))
+    cand = t.next_weights(1.0).weights.version
+    t.routed(cand, 20)
+    for _ in range(20):
+        t.observe(mk(500.0, cand))
+    winner = t.next_weights(2.0)
+    ev = t.history[-1]
+    assert ev["accepted"] and ev["missing"] == 4
+    assert ev["p95_incumbent"] is None  # unknown, not 1000 ms
+    assert t.last_good is None and t.last_good_p95 is None  # no baseline to roll back against
+    for now in (3.0, 4.0):  # re-measured 2.5x slower: still far better than the bad weights
+        v = winner.weights.version if now == 3.0 else t.active.weights.version
+        t.routed(v, 20)
+        for _ in range(20):
+            t.observe(mk(1250.0, v))
+        t.next_weights(now)
+    assert t.incumbent == winner.point
+    assert all(e["event"] != "rollback" for e in t.history)
+
 def test_winners_curse_alone_does_not_roll_back() -> None:
     """Re-measured, a winner regresses from its lucky window by chance; that is no reason to
     undo it as long as it is not worse than the weights it replaced."""
