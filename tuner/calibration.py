@@ -238,7 +238,9 @@ class PrefillCalibrator:
             return (f"{est.rate:.0f} tokens/s, {other.rate:.0f} without the largest export")
         return est
 
-    def _rate_bounds(self, replica: str) -> tuple[float, float]:
+    def rate_bounds(self, replica: str) -> tuple[float, float]:
+        """The rates a fit of ``replica`` may give: the configured range, within
+        ``max_hint_factor`` of its fleet-file hint."""
         cfg = self.config
         hint = self.hints.get(replica)
         if hint is None:
@@ -277,7 +279,7 @@ class PrefillCalibrator:
             # (docs/tuner.md, "Prefill-rate calibration").
             (intercept, slope), rows = newer, len(x) - half
         rate = 1000.0 / slope
-        lo, hi = self._rate_bounds(replica)
+        lo, hi = self.rate_bounds(replica)
         if not lo <= rate <= hi:
             return f"{rate:.0f} tokens/s is outside [{lo:.0f}, {hi:.0f}]"
         return RateEstimate(rate=rate, intercept_ms=intercept, samples=rows,

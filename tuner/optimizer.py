@@ -712,9 +712,15 @@ class Tuner:
         """The replicas the routers know and their fleet-file rates: a calibrated rate, and the
         calibration rows, of a replica no router knows any more are forgotten, and so is its
         rate in the live proposal (what /status shows and a restarted router is sent)."""
+        kept = {k: v for k, v in self.rates.items() if k in replicas}
         if self.calibrator is not None:
             self.calibrator.follow(replicas, hints)
-        kept = {k: v for k, v in self.rates.items() if k in replicas}
+            # A rate calibrated under an old hint is held to the new one's bounds: kept as it
+            # was, 2000 tokens/s still priced an engine hinted (and measured) at 50000 after
+            # 1000 requests. Clamped, not dropped: a router keeps a rate it is not sent.
+            for k, v in kept.items():
+                lo, hi = self.calibrator.rate_bounds(k)
+                kept[k] = min(max(v, lo), hi)
         if kept != self.rates:
             self.rates = kept
             self.revision += 1
@@ -839,15 +845,19 @@ class Tuner:
             return point
         return None
 
-    def _refresh_rates(self) -> None:
-        """Calibrated rates change only between evaluations, so both arms share one cost model."""
+    def _refresh_rates(self) -> bool:
+        """Calibrated rates change only between evaluations, so both arms share one cost model
+        (and between monitor windows); True if one changed."""
         if self.calibrator is None:
-            return
+            return False
+        changed = False
         for replica, rate in self.calibrator.rates().items():
             old = self.rates.get(replica)
             if old is None or abs(rate - old) > self.cfg.rate_change * old:
                 self.rates[replica] = round(rate, 3)
                 self.revision += 1
+                changed = True
+        return changed
 
     def _start_eval(self, now: float) -> Proposal:
         self.phase = EVALUATING
@@ -1165,6 +1175,12 @@ class Tuner:
             self._rollback(p95, now)
             return self._restart("rollback", p95, now)
         self.last_good = self.last_good_p95 = None
+        # Converged, the rates were refreshed only when a search restarted, so a recalibrated
+        # (or re-hinted) engine stayed priced at its old rate; new rates are a new cost model,
+        # so the drift baseline starts over under them.
+        if self._refresh_rates() or (self.active is not None
+                                     and self.rates != self.active.prefill_rate):
+            return self._start_monitor(now)
         # A window counts once its version had been live, when it opened, for as long as the
         # longest request seen: the baseline's too, else it is set again from a later one.
         age_ms = (w.opened_at - self._monitor_since) * 1000.0

@@ -658,6 +658,37 @@ def test_early_acceptance_does_not_understate_the_replaced_weights() -> None:
     assert t.incumbent == winner.point
     assert all(e["event"] != "rollback" for e in t.history)
 
+
+def test_converged_rates_follow_a_new_hint_and_recalibration() -> None:
+    """Converged, a rate calibrated at 2000 tokens/s was still published after 1000 requests
+    of an engine re-hinted (and measured) at 50000: rates were refreshed only when a search
+    restarted, and `follow` kept a rate outside the new hint's bounds."""
+    t = Tuner(es_config(window_samples=10, pairs=1), W(1.0, 1.0), hints={"r1": 10_000.0})
+    t.follow({"r1"}, {"r1": 10_000.0})
+    rng = np.random.default_rng(0)
+
+    def serve(true_rate: float) -> None:
+        u = int(rng.integers(100, 4000))
+        priced = t.active.prefill_rate.get("r1", 10_000.0)
+        ttft = 40.0 + u / true_rate * 1000.0
+        t.observe(Sample(ttft, ttft + 100, 200, "r1", "near", "gorgo", t.active.weights.version,
+                         0.0, terms(rtt=30.0, prefill=u / priced * 1000.0), u, u))
+
+    t.next_weights(0.0)
+    for i in range(400):
+        serve(2000.0)
+        t.next_weights(float(i))
+    assert t.phase == CONVERGED and t.rates == {"r1": 2000.0}
+    t.follow({"r1"}, {"r1": 50_000.0})
+    assert t.rates == {"r1": 5000.0}  # held to [hint / 10, hint * 10]
+    published = []
+    for n in range(600):
+        serve(50_000.0)
+        t.next_weights(400.0 + n)
+        published.append(t.active.prefill_rate.get("r1"))
+    assert published[-1] == pytest.approx(50_000.0, rel=0.05)
+    assert t.phase == CONVERGED
+
 def test_winners_curse_alone_does_not_roll_back() -> None:
     """Re-measured, a winner regresses from its lucky window by chance; that is no reason to
     undo it as long as it is not worse than the weights it replaced."""
