@@ -1164,13 +1164,28 @@ class Tuner:
         self._abandon()
         return self._start_eval(now)
 
+    def _drifted(self, score: float, base: float, n: int) -> bool:
+        """Whether a monitor window's score moved from the baseline by more than ``drift``; a
+        miss rate also beyond binomial noise (two-sided, at ``fpr``, the baseline's window taken
+        as ``monitor_samples``): a 20 % move of a 6 % rate over 200 requests is noise, and
+        stationary traffic restarted the search about 15 times an hour."""
+        if not abs(score - base) > self.cfg.drift * base:
+            return False
+        if self.cfg.objective != SLO:
+            return True
+        pooled = (score + base) / 2.0
+        se = math.sqrt(pooled * (1.0 - pooled) * (1.0 / max(n, 1) + 1.0 / self.cfg.monitor_samples))
+        return abs(score - base) > _t_quantile(1.0 - self.cfg.fpr / 2.0, math.inf) * se
+
     def _end_monitor_window(self, now: float) -> Proposal | None:
         w = self._open
         assert w is not None
         values = score_values(w, self.cfg, None)
         p95 = statistic(values, self.cfg)
-        if self.cfg.objective != SLO:  # latencies in ms (an SLO's are hits)
-            self._longest_ms = max(self._longest_ms, float(np.max(values, initial=0.0)))
+        # The SLO's values are hits: its TTFTs in ms set the age guard too (skipped under SLO,
+        # the first window's short requests were a baseline too)
+        latencies = w.values("ttft", None) if self.cfg.objective == SLO else values
+        self._longest_ms = max(self._longest_ms, float(np.max(latencies, initial=0.0)))
         if self._regressed(p95):
             self._rollback(p95, now)
             return self._restart("rollback", p95, now)
@@ -1191,7 +1206,7 @@ class Tuner:
             if base is None or base <= 0:
                 self.baseline_p95, self._baseline_age_ms = p95, age_ms
                 self.revision += 1
-            elif abs(p95 - base) > self.cfg.drift * base:
+            elif self._drifted(p95, base, int(values.size)):
                 step = 1 if p95 > base else -1
                 self._drift_run = self._drift_run + step if self._drift_run * step > 0 else step
                 if abs(self._drift_run) >= self.cfg.drift_windows:

@@ -1177,3 +1177,29 @@ def test_a_converged_tuner_takes_no_drift_from_its_first_windows_under_e2e(seed:
     t = _stationary_converged_run(seed)
     assert t.phase == CONVERGED, [h for h in t.history if h["event"] == "restart"]
     assert t.baseline_p95 is not None and t.baseline_p95 > 12_000  # the true p95 is ~15.7 s
+
+
+def _slo_monitor(misses: list[int]) -> Tuner:
+    """A converged SLO tuner (target 1000 ms) fed monitor windows of 200 requests with these
+    many misses (2000 ms; the others 100 ms), one window every 10 s."""
+    t = Tuner(es_config(objective="slo", slo_ttft_ms=1000.0, calibrate=False), seed=0)
+    t.phase = CONVERGED
+    now = 0.0
+    t.next_weights(now)
+    for k in misses:
+        v = t.active.weights.version
+        for i in range(200):
+            t.observe(mk(2000.0 if i < k else 100.0, v))
+        now += 10.0
+        t.next_weights(now)
+    return t
+
+
+def test_slo_monitoring_takes_binomial_noise_for_no_drift() -> None:
+    """Under `slo` a 20 % move of a 6 % miss rate over 200 requests read as a drift (noise:
+    stationary traffic restarted the search ~15 times an hour); a real move still does."""
+    steady = _slo_monitor([12, 12] + [16] * 5)  # 6 % then 8 %: within 1 sd
+    assert steady.phase == CONVERGED and steady.baseline_p95 == pytest.approx(0.06)
+    assert all(h["event"] != "restart" for h in steady.history)
+    moved = _slo_monitor([12, 12, 40, 40, 40])  # 6 % -> 20 %
+    assert [h["reason"] for h in moved.history if h["event"] == "restart"] == ["drift"]
