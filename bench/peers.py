@@ -47,6 +47,7 @@ from typing import Any
 import numpy as np
 import yaml
 
+from gorgo import shutdown
 from gorgo.core.fleet import parse_fleet
 from gorgo.core.terms import OBJECTIVES
 from gorgo.core.tokens import Tokenization
@@ -218,7 +219,8 @@ def serving(router: Router, fleet_doc: dict[str, Any], workdir: Path, seed: int,
         log_file = stack.enter_context(log_path.open("w"))
         proc = subprocess.Popen(peer_command(router, bin_dir, urls, port, metrics_port),
                                 stdout=log_file, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+                                start_new_session=True,  # dies with the bench, as the fleet
+                                preexec_fn=shutdown.die_with_parent())
         stack.callback(stop_group, proc)
         url = f"http://127.0.0.1:{port}"
         if not wait_for(lambda: proc.poll() is not None or peer_ready(router, url, len(urls)),

@@ -37,6 +37,9 @@ from gorgo.core.fleet import FleetError, FleetSpec, read_fleet
 # How often a reload may resolve again a name new to the fleet that answered nothing (each try
 # holds the router's loop as long as the resolver takes).
 RETRY_UNADOPTED_S = 5.0
+# How often a router that starts before any of its pods answers tries again, at most (an hourly
+# interval_s made it wait up to an hour for pods long ready).
+WAIT_RETRY_S = 5.0
 
 log = logging.getLogger("gorgo.discovery")
 Resolver = Callable[[str, int], Sequence[str]]
@@ -79,17 +82,19 @@ class DnsDiscovery:
                  wait: Callable[[float], object] | None = None) -> None:
         """Reads the fleet file and resolves its names once: ``spec`` is the fleet to start with.
         With ``wait`` (a sleep), a fleet whose names all answered nothing (and that lists no
-        other replica) is resolved again every shortest ``interval_s`` until one answers: a
-        router started with its pods (a Deployment applied with the model servers, which are
-        not ready while they load) exited 2, and Kubernetes restarted it with a growing backoff
-        (up to 5 minutes) after the pods were ready. Without, that is a `NoAddressYet`."""
+        other replica) is read and resolved again every ``WAIT_RETRY_S`` at most (its shortest
+        ``interval_s`` if shorter) until one answers: a router started with its pods (a
+        Deployment applied with the model servers, not ready while they load) exited 2, and
+        Kubernetes restarted it with a growing backoff (up to 5 minutes) after the pods were
+        ready. The file is read again on each try, so an edit (a fixed ConfigMap) is taken up.
+        Without ``wait``, that is a `NoAddressYet`."""
         self.path = Path(path)
-        self.raw: Any = read_fleet(path)
         self.source = self.path.name
-        self.sources = dns_sources(self.raw, self.source)
         self.on_change = on_change
         self.resolve = resolve
         while True:
+            self.raw: Any = read_fleet(path)
+            self.sources = dns_sources(self.raw, self.source)
             self.answers = resolve_sources(self.sources, resolve)
             try:
                 self.spec: FleetSpec = parse_discovered(self.raw, self.answers, self.source)
@@ -97,7 +102,7 @@ class DnsDiscovery:
             except NoAddressYet as exc:
                 if wait is None:
                     raise
-                every = min(s.interval_s for s in self.sources)
+                every = min(WAIT_RETRY_S, *(s.interval_s for s in self.sources))
                 log_event(log, "dns_waiting", logging.WARNING, error=str(exc), retry_s=every)
                 wait(every)
         self._tasks: list[asyncio.Task] = []

@@ -11,6 +11,7 @@ import logging
 import os
 import signal
 import time
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -32,7 +33,7 @@ from gorgo import shutdown
 from gorgo._xds.envoy.service.ext_proc.v3 import external_processor_pb2
 from gorgo.core.contract import LIVE_SERVICE
 from gorgo.core.discovery import dns_sources, refuse_clusters_file
-from gorgo.core.fleet import FleetError, FleetSpec, host_port, parse_fleet
+from gorgo.core.fleet import FleetError, FleetSpec, host_port, load_fleet, parse_fleet, read_fleet
 from gorgo.core.membership import FleetDiff
 from gorgo.core.router import Router
 from gorgo.envoy_config import write_cds
@@ -370,13 +371,14 @@ def main(args: argparse.Namespace) -> int:
     """Serve until SIGTERM/SIGINT (0); a bad fleet, token file or port is a UserError."""
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("grpc._cython.cygrpc").addFilter(_StreamsCut())
-    # The fleet file, its discover: names resolved (waiting, not ready, until one answers).
-    discovery = DnsDiscovery(args.fleet, wait=time.sleep)
-    spec = discovery.spec
+    # Everything but the DNS answers is checked before a wait for them (a bad flag waited with
+    # the router until the pods came up, then crash-looped): the file in its unresolved form.
+    unresolved = load_fleet(args.fleet)
     if args.cds_file:
-        refuse_clusters_file(discovery.sources, discovery.source)
+        source = Path(args.fleet).name
+        refuse_clusters_file(dns_sources(read_fleet(args.fleet), source), source)
     token = load_admin_token(args.admin_token_file)
-    if spec.extproc.skip_response_headers and not args.envoy_admin:
+    if unresolved.extproc.skip_response_headers and not args.envoy_admin:
         raise UserError("the fleet skips the response-headers round trip "
                         "(extproc.response_headers: skip): pass --envoy-admin HOST:PORT so the "
                         "router still learns each replica's errors")
@@ -385,6 +387,10 @@ def main(args: argparse.Namespace) -> int:
     if not 0 <= args.workers <= most:
         raise UserError(f"--workers must be 0 (one per core) to {most} ({MAX_WORKERS_PER_CORE} "
                         f"per core), got {args.workers}")
+    # The fleet file, its discover: names resolved (waiting, not ready, until one answers; the
+    # file is read again on each try, which a SIGHUP would ask for: ignored until serving).
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    discovery = DnsDiscovery(args.fleet, wait=time.sleep)
     if workers > 1:
         return asyncio.run(supervise(args, workers, token))
-    return asyncio.run(serve(args, spec, token, discovery))
+    return asyncio.run(serve(args, discovery.spec, token, discovery))

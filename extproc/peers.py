@@ -45,6 +45,7 @@ MAX_UNSENT_CLOSES = 100_000
 # How far back a peer's hello is answered: well past the seconds routers take to come back after
 # a server restart (they retry every RECONNECT_S), and a router cut off alone for less.
 RESEND_S = 30.0
+INBOX_PREFIX = "_INBOX."  # nats-py's new_inbox(): where a hello's answer may go
 # Closes re-sent a second, over every answer: a router at 100 req/s held 3,000 closes, and 256
 # hellos a second from one publisher held its loop about 3 s of every 4 re-encoding them. Above
 # what K = 8 routers at 1,000 req/s each ask of one another after a server restart (7 x 30,000).
@@ -213,8 +214,13 @@ class PeerLink:
             return
         self.received += 1
         if not bookings:
-            if msg.reply and msg.subject == self.subject:
-                self._answer(msg.reply)
+            if msg.subject == self.subject and msg.reply:
+                # To the asker's inbox only: answers to the fleet's subject (or any subject a
+                # router reads) made every router decode them, 300,000 closes a second each.
+                if msg.reply.startswith(INBOX_PREFIX) and msg.reply != self.subject:
+                    self._answer(msg.reply)
+                else:
+                    self.unanswered += 1
             return
         now = time.monotonic()
         for b in bookings:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import signal
 import sys
 import threading
@@ -405,6 +406,8 @@ def main(args: argparse.Namespace) -> int:
         """The first stop signal ends the demo after the current run, with a report; the next
         one (the previous handlers: gorgo.shutdown's) aborts at once."""
         shutdown.note(signum)
+        if signum == signal.SIGHUP:
+            _leave_a_hung_up_terminal()
         print("\nstopping: ending this run, then the report (Ctrl-C again to abort at once)",
               file=sys.stderr)
         stop_flag.set()
@@ -421,6 +424,19 @@ def main(args: argparse.Namespace) -> int:
     finally:  # gorgo.cli puts back its own (SIGINT, SIGTERM); this one is the demo's
         hup = previous[signal.SIGHUP]
         signal.signal(signal.SIGHUP, signal.SIG_DFL if hup is None else hup)
+
+
+def _leave_a_hung_up_terminal() -> None:
+    """Point stdout and stderr at /dev/null where they are a terminal that hung up: every write
+    to it fails (EIO), and the first one, the stop's own line, ended the demo with a traceback,
+    exit 1 and no report."""
+    for fd in (1, 2):
+        try:
+            os.write(fd, b"")
+        except OSError:
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, fd)
+            os.close(null)
 
 
 def _run_all(args: argparse.Namespace, requests: list, doc: dict, out: Path,

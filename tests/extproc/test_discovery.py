@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from extproc.discovery import DnsDiscovery, system_resolve
+from extproc.discovery import WAIT_RETRY_S, DnsDiscovery, system_resolve
 from extproc.main import ExtProcServer
 from gorgo.core.discovery import MAX_ADDRESSES, NoAddressYet
 from gorgo.core.fleet import FleetError, FleetSpec
@@ -57,6 +57,25 @@ def test_a_router_started_before_its_pods_waits_for_them(tmp_path: Path) -> None
         DnsDiscovery(_fleet(tmp_path), resolve=lambda name, port: [])  # no wait: refused
 
 
+def test_a_waiting_router_reads_its_file_again_and_tries_every_few_seconds(
+        tmp_path: Path) -> None:
+    # It waited on the name of the file it started with (a fixed ConfigMap never taken up), and
+    # an hourly interval_s made it wait up to an hour for pods long ready.
+    path = _fleet(tmp_path, "typo.invalid")
+    doc = yaml.safe_load(path.read_text())
+    doc["replicas"][0]["discover"]["interval_s"] = 3600
+    path.write_text(yaml.safe_dump(doc))
+    slept: list[float] = []
+
+    def fixed(seconds: float) -> None:
+        slept.append(seconds)
+        path.write_text(path.read_text().replace("typo.invalid", DNS))
+
+    d = DnsDiscovery(path, resolve=lambda name, port: ["10.0.0.5"] if name == DNS else [],
+                     wait=fixed)
+    assert slept == [WAIT_RETRY_S] and [r.name for r in d.spec.replicas] == ["vllm-10-0-0-5"]
+
+
 def test_gorgo_extproc_waits_for_a_name_that_answers_nothing_and_stops_on_sigterm(
         tmp_path: Path) -> None:
     proc = subprocess.Popen(
@@ -70,11 +89,30 @@ def test_gorgo_extproc_waits_for_a_name_that_answers_nothing_and_stops_on_sigter
             line = proc.stdout.readline()
             assert line and "Traceback" not in line, line
             waiting += "event=dns_waiting" in line and "gorgo-test.invalid" in line
+        os.killpg(proc.pid, signal.SIGHUP)  # a reload asked: the file is read on each try
+        while waiting < 4:
+            line = proc.stdout.readline()
+            assert line and "Traceback" not in line, line
+            waiting += "event=dns_waiting" in line
         os.killpg(proc.pid, signal.SIGTERM)
         out, _ = proc.communicate(timeout=60)
     finally:
         stop_group(proc)
     assert proc.returncode == 0 and "stopped (SIGTERM)" in out and "READY" not in out, out
+
+
+@pytest.mark.parametrize("flags", [
+    ["--workers", "99999"], ["--admin-token-file", "/nonexistent/token"],
+    ["--cds-file", "clusters.yaml"]])
+def test_a_bad_flag_is_refused_before_waiting_for_the_pods(
+        tmp_path: Path, flags: list[str]) -> None:
+    # It waited with the router until the pods came up, then crash-looped on the flag.
+    done = subprocess.run(
+        [str(BIN / "gorgo"), "extproc", "--fleet", str(_fleet(tmp_path, "gorgo-test.invalid")),
+         "--port", "0", "--metrics-port", "0", *flags],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 2 and "dns_waiting" not in done.stderr, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
 
 
 def test_refresh_reports_added_and_removed_and_keeps_the_last_set(tmp_path: Path) -> None:

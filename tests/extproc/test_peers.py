@@ -297,6 +297,37 @@ def test_answers_re_send_at_most_max_resent_per_s_closes_a_second_packed_once(
         lt.close()
 
 
+def test_a_hello_is_answered_only_at_an_inbox(nats_server: NatsProcess) -> None:
+    # A hello whose reply address was the fleet's subject made the router answer every router:
+    # 100 such hellos a second made a peer decode 1.8M closes in 6 s.
+    a, b = routers(nats_server.url)
+    lt, links = linked(a, b)
+
+    async def closed() -> None:
+        a.complete(routed(a, "closed once").id)
+
+    async def hello_to(reply: str) -> None:
+        nc = await nats.connect(nats_server.url)
+        await nc.publish(links[0].subject, hello("x"), reply=reply)
+        await nc.drain()
+
+    try:
+        for link in links:
+            lt.run(link.start())
+        assert wait_for(lambda: all(link.connected for link in links), 10)
+        lt.run(closed())
+        assert wait_for(lambda: links[0].sent >= 1, 5)
+        for reply in (links[0].subject, "elsewhere"):
+            lt.run(hello_to(reply))
+        assert wait_for(lambda: links[0].unanswered == 2, 10) and links[0].resent == 0
+        lt.run(hello_to("_INBOX.asker"))
+        assert wait_for(lambda: links[0].resent == 1, 10)
+    finally:
+        for link in links:
+            lt.run(link.stop())
+        lt.close()
+
+
 @pytest.fixture(scope="module")
 def shared_stack(tmp_path_factory: pytest.TempPathFactory,
                  nats_server: NatsProcess) -> Iterator[tuple[e2e.Stack, GorgoProcess]]:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -157,3 +159,16 @@ def test_sighup_ends_the_demo_after_the_run_with_its_report(
     report = (tmp_path / "d" / "report.md").read_text()
     assert "**Interrupted**" in report and "Not run: round-robin" in report
     assert signal.getsignal(signal.SIGHUP) == before
+
+
+def test_a_hung_up_terminal_is_left_so_the_demo_can_finish() -> None:
+    # Closing the terminal: its SIGHUP handler's own line failed (EIO), a traceback, exit 1 and
+    # no report. A child with its stdout and stderr on a pty whose other end is gone.
+    code = ("import os, pty, sys\n"
+            "from gorgo import demo\n"
+            "m, s = pty.openpty()\n"
+            "os.dup2(s, 1); os.dup2(s, 2); os.close(m)\n"
+            "demo._leave_a_hung_up_terminal()\n"
+            "print('the stop line'); print('the report', file=sys.stderr)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=120)
+    assert done.returncode == 0
