@@ -47,13 +47,12 @@ from typing import Any
 import numpy as np
 import yaml
 
-from gorgo import shutdown
 from gorgo.core.fleet import parse_fleet
 from gorgo.core.terms import OBJECTIVES
 from gorgo.core.tokens import Tokenization
 from gorgo.errors import OneLineParser, UserError, at_least, output_file, positive_number
 from gorgo.harness.docblock import public_args, stop_on_signals, write_block
-from gorgo.harness.procs import GorgoProcess, free_ports, stop_group, wait_for
+from gorgo.harness.procs import GorgoProcess, free_ports, spawn, stop_group, wait_for
 from gorgo.harness.stack import LiveStack, StackOptions, with_free_ports
 from gorgo.sim.bench import ci95, pct
 from gorgo.sim.offline import Simulation
@@ -217,10 +216,8 @@ def serving(router: Router, fleet_doc: dict[str, Any], workdir: Path, seed: int,
         port, metrics_port = free_ports(2)
         log_path = workdir / "router.log"
         log_file = stack.enter_context(log_path.open("w"))
-        proc = subprocess.Popen(peer_command(router, bin_dir, urls, port, metrics_port),
-                                stdout=log_file, stderr=subprocess.STDOUT,
-                                start_new_session=True,  # dies with the bench, as the fleet
-                                preexec_fn=shutdown.die_with_parent())
+        proc = spawn(peer_command(router, bin_dir, urls, port, metrics_port),
+                     stdout=log_file, stderr=subprocess.STDOUT)  # dies with the bench too
         stack.callback(stop_group, proc)
         url = f"http://127.0.0.1:{port}"
         if not wait_for(lambda: proc.poll() is not None or peer_ready(router, url, len(urls)),

@@ -25,7 +25,6 @@ import yaml
 from extproc import messages
 from extproc.service import ExtProcService, _Stream
 from extproc.telemetry import RouterMetrics
-from gorgo import shutdown
 from gorgo._xds.envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from gorgo._xds.envoy.service.ext_proc.v3.external_processor_pb2_grpc import (
     ExternalProcessorServicer,
@@ -37,7 +36,14 @@ from gorgo.core.fleet import LINK_PRESETS, FleetSpec, load_fleet
 from gorgo.core.router import Router
 from gorgo.envoy_config import EXTPROC_CLUSTER, render_bootstrap
 from gorgo.harness.envoy_proc import EnvoyProcess
-from gorgo.harness.procs import GorgoProcess, free_port, stop_group, wait_for
+from gorgo.harness.procs import (
+    GorgoProcess,
+    free_port,
+    spawn,
+    stop_group,
+    stopped_on_failure,
+    wait_for,
+)
 
 from . import ROOT
 from .stats import Dist, metric_values
@@ -263,17 +269,12 @@ class NoopProcess:
     server, in its own process group."""
 
     def __init__(self, port: int) -> None:
-        self.p = subprocess.Popen(
-            [sys.executable, "-m", "bench.dataplane", "--serve-noop", str(port)], cwd=ROOT,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-            preexec_fn=shutdown.die_with_parent())
-        try:
+        self.p = spawn([sys.executable, "-m", "bench.dataplane", "--serve-noop", str(port)],
+                       cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        with stopped_on_failure(self.stop):
             line = self.p.stdout.readline()
             if not line.startswith("READY"):
                 raise RuntimeError(f"no-op ext_proc did not start: {line}{self.p.stdout.read()}")
-        except BaseException:  # as GorgoProcess: Ctrl-C in the wait left it running
-            self.stop()
-            raise
 
     def stop(self) -> None:
         stop_group(self.p)

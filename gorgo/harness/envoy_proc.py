@@ -16,8 +16,7 @@ from typing import Any
 
 import yaml
 
-from gorgo import shutdown
-from gorgo.harness.procs import file_tail, stop_group, venv_binary
+from gorgo.harness.procs import file_tail, spawn, stop_group, stopped_on_failure, venv_binary
 
 
 def envoy_binary() -> str:
@@ -42,17 +41,12 @@ class EnvoyProcess:
         cfg = Path(self._dir.name) / "envoy.yaml"
         cfg.write_text(yaml.safe_dump(self.bootstrap, sort_keys=False))
         base_id = int.from_bytes(os.urandom(2), "little") + 1000
-        self.proc = subprocess.Popen(
+        self.proc = spawn(
             [envoy_binary(), "-c", str(cfg), "--base-id", str(base_id), "-l", self.log_level,
              "--concurrency", str(self.concurrency), "--log-path", str(self.log_path)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-            preexec_fn=shutdown.die_with_parent(),
-        )
-        try:
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        with stopped_on_failure(self.stop):
             self._wait_ready(timeout)
-        except BaseException:  # Ctrl-C during the wait left Envoy running (its own session)
-            self.stop()
-            raise
         return self
 
     def _wait_ready(self, timeout: float) -> None:

@@ -8,8 +8,7 @@ import socket
 import subprocess
 import time
 
-from gorgo import shutdown
-from gorgo.harness.procs import free_port, stop_group, venv_binary
+from gorgo.harness.procs import free_port, spawn, stop_group, stopped_on_failure, venv_binary
 
 
 def nats_binary() -> str:
@@ -24,15 +23,10 @@ class NatsProcess:
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout: float = 10.0) -> NatsProcess:
-        self.proc = subprocess.Popen(
-            [nats_binary(), "-a", "127.0.0.1", "-p", str(self.port)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-            preexec_fn=shutdown.die_with_parent())
-        try:
+        self.proc = spawn([nats_binary(), "-a", "127.0.0.1", "-p", str(self.port)],
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        with stopped_on_failure(self.stop):
             self._wait_ready(timeout)
-        except BaseException:  # as EnvoyProcess.start: Ctrl-C in the wait left it running
-            self.stop()
-            raise
         return self
 
     def _wait_ready(self, timeout: float) -> None:

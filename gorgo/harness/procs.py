@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import shutil
@@ -12,7 +13,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,25 @@ def venv_binary(name: str, package: str) -> str:
     if not found:
         raise FileNotFoundError(f"{name} binary not found: pip install {package}")
     return found
+
+
+def spawn(cmd: list[str], **popen: Any) -> subprocess.Popen:
+    """A child in a session of its own (a stop signal to our group is ours to pass on), which the
+    kernel stops when this process dies, even by SIGKILL (`gorgo.shutdown.die_with_parent`): a
+    SIGTERM to `make test-engines` left both vLLM engines running."""
+    return subprocess.Popen(cmd, start_new_session=True, preexec_fn=shutdown.die_with_parent(),
+                            **popen)
+
+
+@contextlib.contextmanager
+def stopped_on_failure(stop: Callable[[], object]) -> Iterator[None]:
+    """Around the wait for a child to start: ``stop`` it if the wait ends any other way (an
+    error, a timeout, Ctrl-C), which left it running in its own session."""
+    try:
+        yield
+    except BaseException:
+        stop()
+        raise
 
 
 def free_port() -> int:
@@ -93,11 +113,9 @@ class GorgoProcess:
         self.lines: list[str] = []
         self.ready_line: str | None = None
         self._settled = threading.Event()  # READY seen, or the output ended
-        self.p = subprocess.Popen(
-            [str(BIN / "gorgo"), *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            text=True, start_new_session=True, preexec_fn=shutdown.die_with_parent(),
-        )
-        try:
+        self.p = spawn([str(BIN / "gorgo"), *args], stdout=subprocess.PIPE,
+                       stderr=subprocess.STDOUT, text=True)
+        with stopped_on_failure(self.stop):
             # A thread reads the output, so the wait has a deadline: a blocking readline here
             # waited as long as the child printed nothing (30 s with a timeout of 2 s).
             threading.Thread(target=self._drain, args=(ready,), daemon=True).start()
@@ -106,9 +124,6 @@ class GorgoProcess:
                 raise TimeoutError(f"gorgo {args} not ready in {timeout:g} s: {said}")
             if self.ready_line is None:
                 raise RuntimeError(f"gorgo {args} exited: {''.join(self.lines)}")
-        except BaseException:  # Ctrl-C in the wait left the child running (its own session)
-            self.stop()
-            raise
 
     def _drain(self, ready: str) -> None:
         for line in self.p.stdout:

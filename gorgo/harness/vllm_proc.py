@@ -20,8 +20,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from gorgo import shutdown
-from gorgo.harness.procs import file_tail, stop_group
+from gorgo.harness.procs import file_tail, spawn, stop_group
 
 REPO = Path(__file__).resolve().parents[2]
 ENGINE_DIR = Path(os.environ.get("ENGINE_DIR", REPO / ".engines"))
@@ -90,9 +89,7 @@ class VLLMProcess:
         if self.events is not None:
             args += ["--kv-events-config", self.events.config()]
         log = self.log_path.open("ab")
-        self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True, cwd=REPO,
-                                     preexec_fn=shutdown.die_with_parent())
+        self.proc = spawn(args, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
         log.close()
         return self
 
