@@ -39,12 +39,26 @@ def venv_binary(name: str, package: str) -> str:
     return found
 
 
+# Run as the child before its own program: PR_SET_PDEATHSIG, then exec (same pid). The same
+# prctl as a preexec_fn ran between fork and exec in a test process with gRPC's threads, whose
+# fork handlers broke the child: it died before exec printing an epoll error (a CI run failed).
+_DIE_WITH_PARENT = (
+    "import ctypes, os, signal, sys\n"
+    "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)\n"
+    "if os.getppid() != int(sys.argv[1]):\n"
+    "    sys.exit(1)  # the parent died before the prctl\n"
+    "os.execvp(sys.argv[2], sys.argv[2:])\n"
+)
+
+
 def spawn(cmd: list[str], **popen: Any) -> subprocess.Popen:
     """A child in a session of its own (a stop signal to our group is ours to pass on), which the
-    kernel stops when this process dies, even by SIGKILL (`gorgo.shutdown.die_with_parent`): a
-    SIGTERM to `make test-engines` left both vLLM engines running."""
-    return subprocess.Popen(cmd, start_new_session=True, preexec_fn=shutdown.die_with_parent(),
-                            **popen)
+    kernel stops when this process dies, even by SIGKILL (where `gorgo.shutdown.die_with_parent`
+    can: Linux, the main thread): a SIGTERM to `make test-engines` left both vLLM engines
+    running."""
+    prefix = ([sys.executable, "-I", "-S", "-c", _DIE_WITH_PARENT, str(os.getpid())]
+              if shutdown.die_with_parent() is not None else [])
+    return subprocess.Popen([*prefix, *cmd], start_new_session=True, **popen)
 
 
 @contextlib.contextmanager
