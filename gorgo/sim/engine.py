@@ -367,6 +367,8 @@ class Engine:
                 stored = [k for k in range(r.held, full) if cache.commit_block(r.hashes[k])]
                 if stored and self._kv_log is not None:
                     self._log_stored(r, stored)
+                if len(stored) < full - r.held:  # shared another's copy: its own space is freed
+                    self._head_blocked = False
                 r.private -= (full - r.held) * bt
                 r.held = full
             if r.prefilled == r.prompt_tokens:

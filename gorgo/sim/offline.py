@@ -227,6 +227,9 @@ class Simulation:
         # Times of future arrivals and submissions: the only events that can change an engine's
         # batch, so they bound how far an engine may fold decode steps ahead.
         self._inputs: list[float] = []
+        # Per engine, the times its state will be read (scrapes): a fold stops there too, so a
+        # scrape reads what single steps would show, not the end of a folded block.
+        self._reads: list[list[float]] = [[] for _ in self.engines]
         self._seq = itertools.count()
         self.now = 0.0
         self._busy = [False] * len(self.engines)
@@ -257,6 +260,8 @@ class Simulation:
         heapq.heappush(self._heap, (t, kind, next(self._seq), payload))
         if kind in (ARRIVE, SUBMIT, DECIDE):
             heapq.heappush(self._inputs, t)
+        elif kind == SCRAPE_AT:
+            heapq.heappush(self._reads[payload[1]], t)  # type: ignore[index]
 
     def run(
         self,
@@ -386,10 +391,12 @@ class Simulation:
         return [(t, p) for t, k, _, p in self._heap if k == kind]
 
     def _start_step(self, i: int) -> None:
-        inputs = self._inputs
+        inputs, reads = self._inputs, self._reads[i]
         while inputs and inputs[0] < self.now:
             heapq.heappop(inputs)
-        horizon = inputs[0] if inputs else math.inf
+        while reads and reads[0] < self.now:
+            heapq.heappop(reads)
+        horizon = min(inputs[0] if inputs else math.inf, reads[0] if reads else math.inf)
         res = self.engines[i].step(self.now, self.fold, horizon)
         if res.steps == 0:
             self._busy[i] = False

@@ -282,6 +282,21 @@ def test_identical_prompts_running_together_share_their_blocks():
     assert eng.cache.pinned_tokens == 0
 
 
+def test_space_freed_by_sharing_a_block_admits_the_waiting_head():
+    """Two requests computing the same prompt hold two private copies until their blocks land;
+    the second copy is then freed, and the head that did not fit is admitted in the next step
+    (it used to wait for a release: here until x and y finished)."""
+    eng = Engine(prof(kv_capacity_tokens=1024, prefill_chunk_tokens=1024), TOK)
+    eng.submit(req("x", 320, family=4, max_tokens=20), 0.0)
+    eng.submit(req("y", 320, family=4, max_tokens=20), 0.0)
+    eng.submit(req("z", 400, family=5, max_tokens=4), 0.0)  # 404 > 1024 - 2 * 340: waits
+    first = eng.step(0.0)
+    assert [f.rid for f in first.first_tokens] == ["x", "y"]
+    assert eng.metrics().num_waiting == 1
+    second = eng.step(first.end)  # 320 + 2 * 20 tokens held now: z fits
+    assert [f.rid for f in second.first_tokens] == ["z"]
+
+
 def simulate(engine: Engine, reqs: list[EngineRequest], ff: int) -> tuple[dict, int]:
     """Per request [first token time, cached tokens, finish time, tokens]; and step() calls."""
     out: dict = {}

@@ -75,6 +75,31 @@ def test_first_token_hook_comes_in_time_order_before_the_end_and_changes_nothing
     assert _rows(res) == _rows(simulate(two_regions, "gorgo", chat, 1.0, seed=3))
 
 
+@pytest.mark.parametrize("policy", ["kv-cost", "least-load", "gorgo"])
+def test_folded_decode_steps_change_nothing_a_scrape_reads_or_a_request_gets(
+        two_regions: FleetSpec, chat: Workload, policy: str) -> None:
+    """Folding pure decode steps is a speed-up only: a fold stops at the engine's next scrape,
+    so every scrape reads what single steps show and every decision and record is the same
+    (a scrape inside a folded block used to read the block's end: kv-cost routed apart)."""
+    def run(fold: int) -> tuple[list, list[str]]:
+        spec = replace(two_regions, name=f"{two_regions.name}/seed5")
+        sim = Simulation(spec, policy, seed=5, fold=fold)
+        reads: list = []
+        for i, engine in enumerate(sim.engines):
+            def metrics(engine=engine, i=i, real=engine.metrics):
+                m = real()
+                reads.append((sim.now, i, m.num_waiting, m.num_running, m.kv_usage))
+                return m
+            engine.metrics = metrics  # type: ignore[method-assign]
+        res = sim.run((chat.arrivals * 0.8).tolist(), chat.features, chat.output_tokens)
+        return reads, _rows(res)
+
+    single, folded = run(1), run(64)
+    assert len(single[0]) > 30
+    assert folded[0] == single[0]
+    assert folded[1] == single[1]
+
+
 def test_random_policy_follows_the_seed(two_regions: FleetSpec, chat: Workload) -> None:
     # The random policy seeds itself from the fleet name; simulate() names the fleet per seed.
     picks = [[r.replica for r in simulate(two_regions, "random", chat, 1.0, seed=s).records]
