@@ -292,15 +292,15 @@ def run_live(router: Router, fleet_doc: dict[str, Any], requests: Sequence[Trace
     prompt = sum(r.prompt_tokens or 0 for r in ok)
     return Run(
         router=router.key, load=load, seed=seed, n=len(res.records), ok=len(ok),
-        ttft_p50_ms=_p_all([r.ttft_ms if r.outcome == "ok" else None for r in res.records], 50),
-        ttft_p95_ms=_p_all([r.ttft_ms if r.outcome == "ok" else None for r in res.records], 95),
+        ttft_p50_ms=_p_all([r.first_answer_ms for r in res.records], 50),
+        ttft_p95_ms=_p_all([r.first_answer_ms for r in res.records], 95),
         e2e_p95_ms=_p_all([r.e2e_ms if r.outcome == "ok" else None for r in res.records], 95),
         cache_hit=100.0 * sum(r.cached_tokens or 0 for r in ok) / prompt if prompt else math.nan,
         regions={g: 100.0 * sum(n for name, n in finished.items() if region_of[name] == g)
                  / total for g in regions},
         wall_s=wall, errors=errors,
         slip_p99_ms=_p([r.slip_ms for r in res.records], 99),
-        ttft_ms=[round(r.ttft_ms or math.nan, 1) for r in ok],
+        ttft_ms=[round(r.first_answer_ms or math.nan, 1) for r in ok],
         e2e_ms=[round(r.e2e_ms or math.nan, 1) for r in ok],
     )
 

@@ -133,7 +133,7 @@ class Live:
 
     def print(self, elapsed: float, final: bool = False) -> None:
         recs = self.run.answered()
-        ttft = summarize([r.ttft_ms for r in recs if r.ttft_ms is not None])
+        ttft = summarize([r.first_answer_ms for r in recs if r.first_answer_ms is not None])
         errors = sum(r.outcome != "ok" for r in recs)
         p = (f"{ttft.p50 / 1000:.2f}/{ttft.p95 / 1000:.2f} s" if ttft.count else "-")
         line = (f"  [{self.run.policy:>13}] {elapsed:5.0f}s  done {len(recs):4d}/{self.total}  "
@@ -230,7 +230,7 @@ def live_table(runs: list[LiveRun], region_of: dict[str, str]) -> bench.Table:
     for run in runs:
         recs = run.answered()
         ok = [r.outcome == "ok" for r in recs]
-        ttft = np.array([r.ttft_ms if good and r.ttft_ms is not None else np.inf
+        ttft = np.array([r.first_answer_ms if good and r.first_answer_ms is not None else np.inf
                          for r, good in zip(recs, ok, strict=True)])
         e2e = np.array([r.e2e_ms if good and r.e2e_ms is not None else np.inf
                         for r, good in zip(recs, ok, strict=True)])
@@ -261,7 +261,8 @@ def write_report(out: Path, args: argparse.Namespace, runs: list[LiveRun],
                  offline: bench.Table | None, n_requests: int) -> Path:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for run in runs:
-        _cdf(ax, [r.ttft_ms for r in run.ok() if r.ttft_ms is not None], f"{run.policy} (live)")
+        firsts = [r.first_answer_ms for r in run.ok() if r.first_answer_ms is not None]
+        _cdf(ax, firsts, f"{run.policy} (live)")
     ax.set_xscale("log")
     ax.set_xlabel("TTFT (s)")
     ax.set_ylabel("fraction of requests")

@@ -46,7 +46,7 @@ def _status(runs: list[LiveRun], total: int, status: StatusLine, elapsed: float,
     parts = []
     for run in runs:
         recs = run.answered()
-        ttft = summarize([r.ttft_ms for r in recs if r.ttft_ms is not None])
+        ttft = summarize([r.first_answer_ms for r in recs if r.first_answer_ms is not None])
         p95 = f"{ttft.p95 / 1000:.2f}s" if ttft.count else "-"
         errors = sum(r.outcome != "ok" for r in recs)
         parts.append(f"{run.policy}: {len(recs)} p95 {p95} err {errors}")
@@ -248,7 +248,8 @@ def client_felt(spec: FleetSpec, runs: list[LiveRun], shared: list[LiveRun],
         for run, proxy in pairs:
             for r in run.ok():
                 leg = routers.link_from(spec, client_of[r.index], proxy)[0]
-                ttft.append(None if r.ttft_ms is None else r.ttft_ms + leg)
+                first = r.first_answer_ms
+                ttft.append(None if first is None else first + leg)
                 e2e.append(None if r.e2e_ms is None else r.e2e_ms + leg)
         return percentile(ttft, 95) or math.nan, percentile(e2e, 95) or math.nan
 

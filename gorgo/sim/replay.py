@@ -84,6 +84,14 @@ class RequestRecord:
         return asdict(self)
 
     @property
+    def first_answer_ms(self) -> float | None:
+        """TTFT, or for an answer that came without a token (an empty completion) its E2E: when
+        the client had all of it. The live tables rank by this; a missing first token counted as
+        infinitely slow made an empty answer the slowest request."""
+        return self.ttft_ms if self.ttft_ms is not None else (
+            self.e2e_ms if self.outcome == "ok" else None)
+
+    @property
     def error_key(self) -> str | None:
         """How the summary groups this failure (HTTP status or outcome); ``None`` when ok."""
         if self.outcome == "ok":

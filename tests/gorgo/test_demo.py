@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from gorgo import demo
@@ -101,6 +102,18 @@ def test_live_itl_is_per_token() -> None:
     rec.itl_ms = 1000.0 / 49  # as the replay measures it
     table = demo.live_table([demo.LiveRun("gorgo", [rec])], {})
     assert table.stat("gorgo", "itl_p50_ms").mean == pytest.approx(1000.0 / 49)
+
+
+def test_an_answer_without_a_token_counts_its_end_as_its_first_answer() -> None:
+    # an empty completion (no content delta) has no TTFT: it counted as infinitely slow, so
+    # 5 % of empty answers made the p95 TTFT infinite
+    recs = [_record(k, ttft_ms=100.0 + k) for k in range(19)]
+    empty = _record(19)
+    empty.ttft_ms, empty.e2e_ms = None, 300.0
+    table = demo.live_table([demo.LiveRun("gorgo", [*recs, empty])], {})
+    assert table.stat("gorgo", "ttft_p95_ms").mean == pytest.approx(
+        float(np.percentile([*(100.0 + k for k in range(19)), 300.0], 95)))
+    assert table.stat("gorgo", "failed").mean == 0
 
 
 def test_a_whole_run_reports_no_interruption(tmp_path: Path) -> None:
