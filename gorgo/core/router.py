@@ -370,7 +370,7 @@ class Router:
         cached = int(s.prefix.match(entry.block_hashes)[replica]) * self.spec.block_tokens
         entry.uncached = max(entry.prompt_tokens - cached, 0)
         s.book(replica, entry.block_hashes, entry.prompt_tokens, entry.uncached, entry.seqs,
-               entry.context)
+               entry.context, arrival=False)
         self._publish(decision_id, CLOSED, entry)  # the peers move it too
         entry.replica = replica
         self._publish(decision_id, OPENED, entry)

@@ -329,13 +329,14 @@ class FleetState:
                   f.context_tokens)
 
     def book(self, i: int, block_hashes: np.ndarray, prompt_tokens: int, uncached: int,
-             seqs: int = 1, context: int | None = None) -> None:
+             seqs: int = 1, context: int | None = None, arrival: bool = True) -> None:
         """A request is open on replica i (routed here, moved here by a retry, or another
-        router's, `gorgo.core.peers`): in flight, and its blocks in the prefix views."""
+        router's, `gorgo.core.peers`): in flight, and its blocks in the prefix views; counted in
+        the demand unless it only moved (``arrival`` False: a retry served it elsewhere)."""
         self.prefix.insert(i, block_hashes)
         if self.precise is not None:
             self.precise.sent(i, block_hashes)
-        self.add_inflight(i, prompt_tokens, uncached, seqs, context)
+        self.add_inflight(i, prompt_tokens, uncached, seqs, context, arrival)
 
     def unbook(self, i: int, block_hashes: np.ndarray, prompt_tokens: int, uncached: int,
                served: bool = True, seqs: int = 1, context: int | None = None) -> None:
@@ -345,7 +346,7 @@ class FleetState:
             self.precise.closed(i, block_hashes, served=served)
 
     def add_inflight(self, i: int, prompt_tokens: int, uncached: int, seqs: int = 1,
-                     context: int | None = None) -> None:
+                     context: int | None = None, arrival: bool = True) -> None:
         """A request in flight on replica i: ``seqs`` sequences decoding (`n`, a completions
         batch: the engines count each as a running request) over ``context`` prompt tokens
         between them (default: the prompt), its prompt prefilled once."""
@@ -361,7 +362,8 @@ class FleetState:
         self.inflight_seqs[i] += seqs
         self.inflight_context[i] += prompt_tokens if context is None else context
         self.inflight_uncached[i] += uncached
-        self._note_arrival(i, prompt_tokens)
+        if arrival:
+            self._note_arrival(i, prompt_tokens)
 
     def echo(self, i: int, prompt_tokens: int, uncached: int, copies: int) -> None:
         """``copies`` more requests like one just routed to replica i counted in flight and in

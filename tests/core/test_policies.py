@@ -191,6 +191,20 @@ def test_tie_break_rotates(cls: type[PolicyBase]) -> None:
     assert picks[0] != picks[1]
 
 
+def test_ties_rotate_among_themselves_whatever_the_choices_between_them() -> None:
+    # the rotation counted every choice: a tie after each untied one always fell on one index
+    s = FleetState(spec(2))
+    p = LeastRequest(s.spec)
+    f = prompt("x", s)
+    picks = []
+    for _ in range(10):
+        picks.append(p.choose(f, s).replica)  # a tie
+        s.add_inflight(0, 1, 1)
+        p.choose(f, s)  # no tie: r1
+        s.release_inflight(0, 1, 1)
+    assert sorted(picks) == [0] * 5 + [1] * 5
+
+
 def test_tie_break_only_among_tied() -> None:
     s = FleetState(spec())
     s.add_inflight(1, 1, 1)
@@ -223,12 +237,18 @@ def test_no_replica_available_when_all_ejected(name: str) -> None:
 
 def test_retry_after_is_at_least_one_second() -> None:
     s = FleetState(spec())
-    for i in range(3):
+    for i in range(2):
         eject(s, i, now=0.0)
         s.record_failure(i, now=0.0)
         s.record_failure(i, now=0.0)  # retry at 4 s
     s.now = 1.5
-    assert retry_after(s) == pytest.approx(2.5)
+    s.candidates = np.array([True, True, False])  # r2 healthy, but serves another model
+    assert retry_after(s) == pytest.approx(2.5)  # not 1 s: r2 is no reason to come back
+    s.candidates = None
+    eject(s, 2, now=0.0)
+    s.record_failure(2, now=0.0)
+    s.record_failure(2, now=0.0)  # all ejected till 4 s, and all probed every interval
+    assert retry_after(s) == pytest.approx(s.spec.signals.probe_interval_s)  # all probed
     s.now = 3.9
     assert retry_after(s) == 1.0
     s.now = 50.0  # backoff over, not yet re-probed

@@ -277,8 +277,10 @@ def test_reassign_moves_accounting_to_the_replica_that_served() -> None:
     f = _extract("/v1/chat/completions", {}, body, r.state.tok)
     d = r.route(f, 0.0)
     other = 1 - d.replica
+    demand = r.state.demand()
     assert r.reassign(d.id, other)
     assert r.state.inflight_reqs[d.replica] == 0 and r.state.inflight_reqs[other] == 1
+    assert r.state.demand() == demand  # moved, not a second arrival
     assert r.state.prefix.match(f.block_hashes)[other] == len(f.block_hashes)
     assert not r.reassign(d.id, other)
     assert r.complete(d.id)

@@ -25,6 +25,7 @@ from gorgo.core.terms import (
     reuse,
     weight_keys,
 )
+from gorgo.core.terms.decode import slowdown
 
 
 def _spec(**extra):
@@ -200,6 +201,41 @@ def test_slo_picks_among_the_replicas_that_meet_both_targets() -> None:
     # Neither meets both: the least violating, never a refusal.
     d = r.route(_slo_req(r, **{"x-slo-ttft-ms": "100", "x-slo-tpot-ms": "1"}), now=0.0)
     assert d.replica in (0, 1)
+
+
+@pytest.mark.parametrize("targets", [{"ttft_ms": 100}, {"tpot_ms": 0.01}])
+def test_slo_least_violating_replica_still_pays_for_its_failures(targets: dict) -> None:
+    """When no replica meets the targets, the ranking by violation keeps the failure penalty:
+    a replica that just answered 5xx twice (its failed requests ended early, so it looks less
+    loaded) won the request there, where ttft and e2e avoid it."""
+    r = Router(_spec(objective="slo", slo=targets))
+    s = r.state
+    s.observe_rtt(0, 1.0)
+    s.observe_rtt(1, 1.0)
+    s.add_inflight(0, 3000, 3000)  # both busy, neither under target; a a little less so
+    s.add_inflight(1, 3200, 3200)
+    s.record_failed_response(0, 0.0)
+    s.record_failed_response(0, 0.0)
+    assert s.healthy[0] and s.penalty()[0] > 0
+    assert r.route(_req(s, max_tokens=16), now=0.0).replica == 1
+
+
+def test_another_models_faster_replica_does_not_slow_this_ones_decode() -> None:
+    """The slowdown is against the fastest replica of the request's own model: one fast replica
+    of an unrelated model made every replica of this one 20x slower (its decode term and the
+    ITL the SLO compares)."""
+    def fleet(with_beta: bool) -> FleetState:
+        reps = [{"name": n, "engine": "sim", "region": "near", "address": f"h:{k}",
+                 "prefill_rate": 4000, "models": ["alpha"]} for k, n in enumerate("ab", 1)]
+        if with_beta:
+            reps.append({"name": "c", "engine": "sim", "region": "near", "address": "h:3",
+                         "prefill_rate": 80000, "models": ["beta"]})
+        return FleetState(parse_fleet({"regions": {"near": {}}, "chars_per_token": 1.0,
+                                       "replicas": reps}))
+    alone, beside = fleet(False), fleet(True)
+    assert BY_NAME["decode"].compute(_req(beside), beside)[:2] == pytest.approx(
+        BY_NAME["decode"].compute(_req(alone), alone))
+    assert slowdown(beside).tolist() == [1.0, 1.0, 1.0]
 
 
 def test_slo_defaults_come_from_the_fleet_and_headers_override_them() -> None:

@@ -74,8 +74,11 @@ class PolicyBase:
         if tiebreak is not None and len(ties) > 1:
             second = np.asarray(tiebreak())[ties]
             ties = ties[second <= second.min()]
-        self._ticks += 1
-        i = int(ties[self._ticks % len(ties)])
+        if len(ties) == 1:
+            i = int(ties[0])
+        else:  # counted on ties only: a tie after every untied choice always fell on one index
+            self._ticks += 1
+            i = int(ties[self._ticks % len(ties)])
         return Decision(replica=i, policy=self.name, scores=masked)
 
 
@@ -88,5 +91,15 @@ def routable_or_raise(s: FleetState) -> np.ndarray:
 
 
 def retry_after(s: FleetState) -> float:
-    """Seconds until the first ejected replica is probed again (at least 1)."""
-    return max(1.0, float(np.min(s.retry_at) - s.now)) if s.n else 1.0
+    """Seconds until a replica the request could use may be back (at least 1): the first probe
+    of its ejected candidates, within one probe interval while none in the fleet is healthy
+    (then every replica is probed each interval, `FleetState.probe_due`)."""
+    back = ~s.healthy & ~s.draining
+    if s.candidates is not None:  # another model's healthy replica is no reason to come back
+        back &= s.candidates
+    if not back.any():
+        return 1.0
+    wait = float(np.min(s.retry_at[back])) - s.now
+    if not s.healthy.any():
+        wait = min(wait, s.spec.signals.probe_interval_s)
+    return max(1.0, wait)

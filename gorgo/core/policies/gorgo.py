@@ -25,7 +25,8 @@ from gorgo.core.features import RequestFeatures
 from gorgo.core.policies.base import PolicyBase
 from gorgo.core.state import FleetState
 from gorgo.core.terms import SLO, TTFT
-from gorgo.core.terms.decode import predicted_itl
+from gorgo.core.terms.decode import expected_output, predicted_itl
+from gorgo.core.terms.penalty import TERM as PENALTY
 
 
 class Gorgo(PolicyBase):
@@ -37,21 +38,27 @@ class Gorgo(PolicyBase):
         cost = terms.total(weights, objective)
         if objective == SLO:
             cost = self._slo_scores(f, s, terms.total(weights, TTFT, latency_only=True),
-                                     cost)
+                                    terms[PENALTY.name] * weights.factor(PENALTY), cost)
         return self.pick_lowest(cost, s)
 
     def _slo_scores(self, f: RequestFeatures, s: FleetState, ttft: np.ndarray,
-                    cost: np.ndarray) -> np.ndarray:
+                    penalty: np.ndarray, cost: np.ndarray) -> np.ndarray:
         """The e2e cost where both targets are met; elsewhere above every such replica, ranked
-        by violation."""
+        by violation, the failure penalty counted as TTFT (as in the e2e cost: a replica that
+        fails fast must not look like the least violating one)."""
         target_ttft = f.slo_ttft_ms or s.spec.slo.ttft_ms
         target_tpot = f.slo_tpot_ms or s.spec.slo.tpot_ms
         violation = np.zeros(s.n)
         if target_ttft > 0:
             violation = np.maximum(violation, ttft / target_ttft)
+        itl = predicted_itl(f, s)
         if target_tpot > 0:
-            violation = np.maximum(violation, predicted_itl(f, s) / target_tpot)
+            violation = np.maximum(violation, itl / target_tpot)
         meets = violation <= 1.0
-        if not (meets & s.routable()).any():
-            return violation
-        return np.where(meets, cost, np.inf)
+        if (meets & s.routable()).any():
+            return np.where(meets, cost, np.inf)
+        if target_ttft > 0:
+            return np.maximum(violation, (ttft + penalty) / target_ttft)
+        if target_tpot > 0:  # a TPOT target only: the penalty over the decode time it allows
+            return violation + penalty / (target_tpot * np.maximum(expected_output(f, s), 1.0))
+        return violation  # no target and nothing routable: refused by pick_lowest

@@ -69,12 +69,20 @@ def _batch(s: FleetState) -> np.ndarray:
 
 
 def slowdown(s: FleetState) -> np.ndarray:
-    """How much slower than the fleet's fastest replica each one computes (prefill as the proxy)."""
+    """How much slower than the fastest replica of its model each one computes (prefill as the
+    proxy): the decode constants are that replica's, and another model's hardware is no
+    reference (one fast replica of another model made every replica of this one 20x slower)."""
     return s.derived("decode.slowdown", _slowdown)
 
 
 def _slowdown(s: FleetState) -> np.ndarray:
-    return s.prefill_rate.max() / s.prefill_rate
+    rate = s.prefill_rate
+    if not s.model_masks:
+        return rate.max() / rate
+    fastest = np.zeros_like(rate)
+    for mask in s.model_masks.values():  # a replica serving several models: the fastest of all
+        fastest = np.where(mask, np.maximum(fastest, rate[mask].max()), fastest)
+    return np.where(fastest > 0, fastest, rate) / rate
 
 
 def predicted_itl(f: RequestFeatures, s: FleetState) -> np.ndarray:
