@@ -43,6 +43,7 @@ COMPLETIONS_MAX_TOKENS = 16  # /v1/completions without max_tokens (OpenAI's, vLL
 DEFAULT_LIMITS = Limits()
 DEFAULT_MAX_DEPTH = DEFAULT_LIMITS.max_json_depth
 AFFINITY_HEAD_TOKENS = 256
+MAX_TOKEN_ID = 2**64  # token ids are hashed as 64-bit values (`Tokenization.id_block_hashes`)
 
 
 class RequestError(Exception):
@@ -258,9 +259,24 @@ def _token_ids(prompt: Any, limits: Limits) -> bool:
 
 
 def _all_ids(ids: list[Any]) -> bool:
-    """Every element a non-negative int (bool is no int here): per type, not per element, which
-    took a quarter of a second for an 8 MiB prompt of ids on the router's loop."""
-    return not ids or (set(map(type, ids)) == {int} and min(ids) >= 0)
+    """Every element a non-negative int below 2**64 (bool is no int here): per type, not per
+    element, which took a quarter of a second for an 8 MiB prompt of ids on the router's loop."""
+    if not ids or set(map(type, ids)) != {int} or min(ids) < 0:
+        return not ids
+    if max(ids) >= MAX_TOKEN_ID:
+        raise RequestError(400, f"Token ids must be below {MAX_TOKEN_ID}.", param="prompt")
+    return True
+
+
+def _prompt_ids(body: Mapping[str, Any]) -> list[int] | None:
+    """A completions prompt of token ids (a batch's lists one after the other, as a batch of
+    texts is hashed as one text), checked by `prompt_text`; None for text."""
+    prompt = body.get("prompt")
+    if _ids_shaped(prompt):
+        return prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt):
+        return [i for ids in prompt for i in ids]
+    return None
 
 
 def _ids_text(ids: list[int]) -> str:
@@ -323,7 +339,7 @@ def prompt_text(endpoint: str, body: Mapping[str, Any], limits: Limits = DEFAULT
         elif isinstance(prompt, list) and all(isinstance(p, str) for p in prompt):
             pieces = _bounded(prompt, limits.max_messages, "prompt")
         elif _token_ids(prompt, limits):
-            # Token ids: hashed as their text (the same ids, the same blocks); counted as ids
+            # Token ids: counted and hashed as ids (`_prompt_ids`), their text for the rest
             pieces = [_ids_text(prompt)]
         elif _token_id_batch(prompt, limits):
             pieces = [_ids_text(ids) for ids in prompt]
@@ -476,6 +492,7 @@ def extract_features(
     # element) is counted as ids, a batch of prompts one by one; None: the one prompt's text
     sizes = prompt_sizes(body["prompt"], tok) if endpoint == "completions" else None
     prompt_tokens = tok.count_tokens(len(text)) if sizes is None else sum(sizes)
+    ids = _prompt_ids(body) if endpoint == "completions" else None
     batch = sizes is not None and not (_ids_shaped(body["prompt"]) or isinstance(
         body["prompt"], str))
     session = headers.get(SESSION_HEADER) or None
@@ -490,7 +507,7 @@ def extract_features(
         session_key=session,
         prompt_chars=len(text),
         prompt_tokens=prompt_tokens,
-        block_hashes=tok.block_hashes(text),
+        block_hashes=tok.block_hashes(text) if ids is None else tok.id_block_hashes(ids),
         policy=policy,
         priority=priority,
         slo_ttft_ms=slo[0],

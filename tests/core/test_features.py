@@ -229,6 +229,27 @@ def test_a_prompt_of_token_ids_counts_its_ids_not_their_digits() -> None:
     assert info.value.status == 413
 
 
+def test_a_prompt_of_token_ids_is_hashed_in_blocks_of_ids() -> None:
+    """Blocks of ids, as the engine pages them: blocks of their decimal text held 8-11 six-digit
+    ids at 4 characters a token, so 2,000 ids made 48 blocks where 31 of 64 exist, and half of
+    a shared prefix of 1,000 ids was priced uncached."""
+    tok = Tokenization(chars_per_token=4.0, block_tokens=64)
+    rng = np.random.default_rng(1)
+    shared = rng.integers(100_000, 128_000, 1000).tolist()
+    a, b = ([*shared, *rng.integers(100_000, 128_000, 1000).tolist()] for _ in range(2))
+    fa, fb = (extract_features(COMPLETIONS, {}, json.dumps({"prompt": p}).encode(), tok)
+              for p in (a, b))
+    assert len(fa.block_hashes) == 2000 // 64 == fa.prompt_tokens // 64
+    common = int(np.argmin(fa.block_hashes == fb.block_hashes))
+    assert common == 1000 // 64  # the shared ids' whole blocks, no more, no less
+    batch = extract_features(COMPLETIONS, {}, json.dumps({"prompt": [a[:100], a[100:]]}).encode(),
+                             tok)
+    assert batch.block_hashes.tolist() == fa.block_hashes.tolist()
+    with pytest.raises(RequestError) as info:
+        feats(COMPLETIONS, {"prompt": [1, 2**64]})
+    assert (info.value.status, info.value.param) == (400, "prompt")
+
+
 def test_a_batch_of_token_id_prompts_is_routed_prompt_by_prompt() -> None:
     """Both engines serve a batch of token-id lists (RL frameworks send them): a 400 before."""
     f = feats(COMPLETIONS, {"prompt": [[1, 2, 3], [4] * 10], "n": 3, "max_tokens": 5})
