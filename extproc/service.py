@@ -20,7 +20,6 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
-import numpy as np
 from google.protobuf.message import DecodeError
 
 from extproc import messages
@@ -40,7 +39,7 @@ from gorgo.core.contract import (
     decision_fields,
     request_fields,
 )
-from gorgo.core.decision import SHED, UNKNOWN_MODEL, Decision, Rejection
+from gorgo.core.decision import SHED, UNKNOWN_MODEL, Decision, Rejection, next_best
 from gorgo.core.features import RequestError, RequestFeatures, extract_features
 from gorgo.core.fleet import FleetSpec
 from gorgo.core.membership import identity
@@ -101,16 +100,6 @@ def models_body(spec: FleetSpec) -> dict[str, Any]:
     format (aliases are names a model also answers to, not models of their own)."""
     return {"object": "list", "data": [
         {"id": m, "object": "model", "created": 0, "owned_by": spec.name} for m in spec.models]}
-
-
-def next_best(d: Decision) -> int | None:
-    """The routable replica ranked right after the chosen one (lowest other score), or None."""
-    if d.scores is None:
-        return None
-    others = np.asarray(d.scores, dtype=float).copy()
-    others[d.replica] = np.inf
-    j = int(np.argmin(others))
-    return j if np.isfinite(others[j]) else None
 
 
 class Unreadable:

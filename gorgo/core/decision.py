@@ -52,3 +52,14 @@ class Rejection:
 
 
 RouteResult = Decision | Rejection
+
+
+def next_best(d: Decision) -> int | None:
+    """The routable replica ranked right after the chosen one (lowest other score), or None:
+    where Envoy retries a failed attempt, live (`extproc.service`) and offline (`sim.offline`)."""
+    if d.scores is None:
+        return None
+    others = np.asarray(d.scores, dtype=float).copy()
+    others[d.replica] = np.inf
+    j = int(np.argmin(others))
+    return j if np.isfinite(others[j]) else None

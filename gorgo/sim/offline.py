@@ -37,7 +37,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from gorgo.core.decision import Decision, Rejection
+from gorgo.core.decision import Decision, Rejection, next_best
 from gorgo.core.features import RequestFeatures, prompt_text
 from gorgo.core.fleet import FleetSpec
 from gorgo.core.peers import Booking
@@ -55,10 +55,10 @@ from gorgo.sim.routers import (
     view_from,
 )
 
-# Event kinds, in tie-break order at equal times (completions before new arrivals; hooks last; a
-# held decision after the peers' bookings of its moment).
-(STEP_END, FIRST_TOKEN, CLOSE, PROBE_DONE, SCRAPE_DONE, KV_EVENTS, SCRAPE_AT, SUBMIT, ARRIVE, PROBE,
- TICK, CALL, PEER, DECIDE) = range(14)
+# Event kinds, in tie-break order at equal times (completions before new arrivals, an answer's
+# headers before its end; hooks last; a held decision after the peers' bookings of its moment).
+(STEP_END, FIRST_TOKEN, HEADERS, CLOSE, PROBE_DONE, SCRAPE_DONE, KV_EVENTS, SCRAPE_AT, SUBMIT,
+ ARRIVE, PROBE, TICK, CALL, PEER, DECIDE) = range(15)
 # Shared bookings (fleet `sharing:`): between routers of one region, this one-way delay (a message
 # bus in the same data centre); between regions, half the RTT of their link (`link_from`).
 PEER_LOCAL_S = 1e-3
@@ -149,6 +149,7 @@ class RouterSide:
     kv_at: list[float]
     decisions: dict[int, Decision] = field(default_factory=dict)
     free_at: float = 0.0  # when it has taken every request that arrived so far (see INTAKE_*)
+    retrying: set[int] = field(default_factory=set)  # its Envoy's retries still open
 
 
 def build_engines(spec: FleetSpec, speed: float = 1.0) -> list[Engine]:
@@ -224,6 +225,9 @@ class Simulation:
                 side.router.share()
         self.fold = fold
         self._heap: list[tuple[float, int, int, object]] = []
+        # Requests Envoy retried, each with the replica that refused its first attempt, until
+        # the answer's headers tell the router (`_headers`).
+        self._retried: dict[int, int] = {}
         # Times of future arrivals and submissions: the only events that can change an engine's
         # batch, so they bound how far an engine may fold decode steps ahead.
         self._inputs: list[float] = []
@@ -304,7 +308,8 @@ class Simulation:
         heap = self._heap
         handlers = {
             ARRIVE: self._arrive, SUBMIT: self._submit, STEP_END: self._step_end,
-            CLOSE: self._close, PROBE: self._probe, PROBE_DONE: self._probe_done,
+            CLOSE: self._close, HEADERS: self._headers, PROBE: self._probe,
+            PROBE_DONE: self._probe_done,
             SCRAPE_AT: self._scrape_at, SCRAPE_DONE: self._scrape_done, TICK: self._tick,
             CALL: self._call, KV_EVENTS: self._kv_events, FIRST_TOKEN: self._first_token,
             PEER: self._peer, DECIDE: self._decide,
@@ -364,15 +369,57 @@ class Simulation:
     def _submit(self, k: int) -> None:
         rec = self.records[k]
         i = rec.replica
-        rec.back_delay = self.sides[self.home[k]].net.one_way(i)
+        side = self.sides[self.home[k]]
+        rec.back_delay = side.net.one_way(i)
+        back = self.now + rec.back_delay
         try:
             self.engines[i].submit(self.engine_request(k, i, self.now), self.now)
         except EngineRejected as exc:
+            fallback = self._retry_to(k, side, exc.status)
+            if fallback is not None:  # Envoy, at the proxy, sends it on at once
+                self._retried[k] = i
+                side.retrying.add(k)
+                rec.replica = fallback
+                self._push(back + side.net.one_way(fallback), SUBMIT, k)
+                return
             rec.status = exc.status
-            self._push(self.now + rec.back_delay, CLOSE, k)
+            self._push(back, HEADERS, (k, i, exc.status))
+            self._push(back, CLOSE, k)
             return
+        self._push(back, HEADERS, (k, i, 200))  # a stream's headers leave at once
         if not self._busy[i]:
             self._start_step(i)
+
+    def _retry_to(self, k: int, side: RouterSide, status: int) -> int | None:
+        """Where Envoy retries a refused attempt, as the rendered route does (fleet `retries`):
+        a 503 before any byte, once, on the decision's next-best replica, while the proxy's
+        retries in flight stay within ``budget_percent`` of its open requests (at least
+        ``min_retry_concurrency``); None: the refusal is the answer."""
+        r = self.spec.retries
+        if status != 503 or not r.enabled or k in self._retried or k not in side.decisions:
+            return None
+        # Envoy's RetryBudget: max(min_retry_concurrency, floor(budget_percent % of open requests))
+        if len(side.retrying) >= max(r.min_retry_concurrency,
+                                     int(r.budget_percent / 100.0 * len(side.decisions))):
+            return None
+        return next_best(side.decisions[k])
+
+    def _headers(self, payload: tuple[int, int, int]) -> None:
+        """An answer's headers at the router, as `extproc.service` reads them: a retry's first
+        replica failed and the request moved; the replica that answered failed (5xx) or did
+        not."""
+        k, i, status = payload
+        side = self.sides[self.home[k]]
+        s = side.router.state
+        first = self._retried.get(k)
+        if first is not None and first != i:
+            s.record_failed_response(first, self.now)
+            side.router.reassign(side.decisions[k].id, i)
+            self._publish(self.home[k])
+        if status >= 500:
+            s.record_failed_response(i, self.now)
+        else:
+            s.record_good_response(i)
 
     def engine_request(self, k: int, i: int, now: float) -> EngineRequest:
         """Request ``k`` as engine ``i`` receives it at ``now`` (a `cache: precise` replica hashes
@@ -435,6 +482,7 @@ class Simulation:
 
     def _close(self, k: int) -> None:
         side = self.sides[self.home[k]]
+        side.retrying.discard(k)
         d = side.decisions.pop(k)
         side.router.complete(d.id)
         self._publish(self.home[k])

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 from extproc import messages
-from extproc.service import ExtProcService, next_best
+from extproc.service import ExtProcService
 from extproc.telemetry import RouterMetrics
 from gorgo._xds.envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue
 from gorgo._xds.envoy.service.ext_proc.v3 import external_processor_pb2 as pb
-from gorgo.core.decision import Decision
+from gorgo.core.decision import Decision, next_best
 from gorgo.core.fleet import FleetError, Retries, parse_fleet
 from gorgo.core.router import Router
 

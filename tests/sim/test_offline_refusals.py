@@ -1,8 +1,11 @@
-"""The offline simulator frees what an engine refused, as the live router does (issue 12, 3).
+"""The offline simulator frees what an engine refused, as the live router does (issue 12, 3),
+and retries a 503 as the rendered Envoy route does.
 
 Both drivers release a request through `Router.complete` when its answer is back, whatever it
 was; an engine refusal (`EngineRejected`) is answered after one return trip, so the refused
-prompt's booked prefill is gone as soon as the router could know of it.
+prompt's booked prefill is gone as soon as the router could know of it. A 503 before any byte is
+retried once on the decision's next-best replica within the retry budget, and the router learns
+of it from the answer's headers (the first replica failed, the request moved).
 """
 
 from __future__ import annotations
@@ -14,7 +17,8 @@ from gorgo.core.fleet import parse_fleet
 from gorgo.sim.offline import Simulation
 from gorgo.sim.presets import fleet_document
 from gorgo.sim.profiles import get_profile
-from gorgo.sim.workload import tokenization
+from gorgo.sim.traces import TraceRequest
+from gorgo.sim.workload import tokenization, workload_from_requests
 
 PROFILE = "h100-llama3-8b"
 
@@ -45,3 +49,33 @@ def test_a_refused_prompt_is_not_priced_as_queue_for_later_requests() -> None:
     assert s.now > 2.0
     assert s.own_backlog()[refused.replica] == 0
     assert res.leaked_inflight == 0
+
+
+def _one_session(retries: dict) -> tuple:
+    doc = fleet_document({"local": 2}, profile="tiny-test", links={"local": {"link": "local"}})
+    spec = parse_fleet({**doc, "retries": retries})
+    reqs = [TraceRequest(k, 0.02 * k, 200, 60, session="user-1") for k in range(60)]
+    w = workload_from_requests("one-session", reqs, tokenization(spec))
+    sim = Simulation(spec, "session-affinity", seed=1)  # every turn to one replica: its queue fills
+    return sim, sim.run(w.arrivals.tolist(), w.features, w.output_tokens)
+
+
+def test_an_engine_503_is_retried_once_on_the_next_best_replica_as_envoy_does() -> None:
+    sim, res = _one_session({})
+    # before: 7 of 60 failed (the queue full) and the router never heard of it
+    assert all(r.status == 200 for r in res.records)
+    sticky = max((0, 1), key=lambda i: sum(r.replica == i for r in res.records))
+    moved = [r for r in res.records if r.replica != sticky]
+    assert moved and all(r.ttft > 0 for r in moved)
+    s = sim.router.state
+    assert res.leaked_inflight == 0 and s.inflight_reqs.sum() == 0
+    assert s.penalty()[sticky] > 0  # each refusal priced at the router, as live
+
+
+def test_without_retries_or_budget_the_503_is_the_answer_and_the_router_knows() -> None:
+    for retries in ({"enabled": False}, {"budget_percent": 0.01, "min_retry_concurrency": 0}):
+        sim, res = _one_session(retries)
+        failed = [r for r in res.records if r.status == 503]
+        assert failed, retries
+        assert sim.router.state.penalty()[failed[0].replica] > 0
+        assert res.leaked_inflight == 0

@@ -113,6 +113,7 @@ def sample_of(rec: RequestRecord, d: Decision, spec: FleetSpec, now: float,
         decision_id=d.id,
         end_unix_s=now,
         start_unix_s=rec.arrival,
+        retried=rec.replica != d.replica,  # Envoy retried it elsewhere (`sim.offline._retry_to`)
     )
 
 
