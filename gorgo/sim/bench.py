@@ -723,7 +723,7 @@ def _capacity(args: argparse.Namespace, spec: FleetSpec, window: int, workload: 
               pool: Any, log: Callable[[str], None]) -> Capacity:
     """The capacity on one window's head (``workload``), from the cache or searched."""
     label = args.fleet if args.fleet in PRESETS else Path(args.fleet).name
-    key = cache_key(workload.trace, label, spec, workload.n)
+    key = cache_key(workload, label, spec)
     if args.capacity is not None:
         return Capacity(rate_rps=args.capacity, unstable_rps=math.nan, estimate_rps=math.nan,
                         key=f"{key}|given", requests=workload.n)
@@ -786,12 +786,29 @@ def finished_bench(out: Path, flag: str) -> tuple[dict[str, Any], list[dict[str,
 
 
 def report_only(args: argparse.Namespace, spec: FleetSpec) -> int:
-    """Rewrite results.md and the plots from a finished bench's results.json and ttft_ms.npz."""
+    """Rewrite results.md and the plots from a finished bench's results.json and ttft_ms.npz,
+    under the bench's own command (its policies, loads and seeds are the document's); a command
+    line naming another trace, fleet or routers is refused (it relabelled the bench for good)."""
     doc, runs = finished_bench(args.out, "--report-only")
+    _same_bench(args, doc, runs, "--report-only")
     windows = [WindowInfo.from_dict(w) for w in doc["windows"]]
     write_outputs(args.out, args, spec, windows, doc["policies"], doc["loads"], runs,
-                  doc.get("machine"))
+                  doc.get("machine"), command=doc.get("command"))
     return 0
+
+
+def _same_bench(args: argparse.Namespace, doc: dict[str, Any], runs: list[dict[str, Any]],
+                flag: str) -> None:
+    """Refuse a command whose trace, fleet or routers are not those of the bench in ``doc``."""
+    fleet = doc.get("fleet") or {}
+    if (doc.get("trace") != args.trace or fleet.get("name") != str(args.fleet)
+            or fleet.get("digest") != fleet_digest(resolve_fleet(args.fleet))):
+        raise UserError(f"{flag}: {args.out / 'results.json'} ran --trace {doc.get('trace')} "
+                        f"--fleet {fleet.get('name')}; give that bench's own flags")
+    if any((r.get("routers"), r.get("placement")) != (args.routers, args.router_placement)
+           for r in runs):
+        raise UserError(f"{flag}: {args.out / 'results.json'} ran other --routers or "
+                        "--router-placement than this command")
 
 
 def _rerun_policies(args: argparse.Namespace, policies: list[str]) -> list[str] | None:
@@ -814,20 +831,22 @@ def _kept_runs(args: argparse.Namespace, workloads: list[Workload], policies: li
     doc, runs = finished_bench(args.out, "--rerun")
     windows = [WindowInfo.from_dict(w) for w in doc["windows"]]
     seeds = list(range(1, args.seeds + 1))
-    same = (doc.get("trace") == args.trace
-            and [(w.label, w.n) for w in windows] == [(w.trace, w.n) for w in workloads]
-            and sorted(doc["loads"]) == sorted(loads) and doc["seeds"] == seeds
-            and (doc.get("fleet") or {}).get("name") == str(args.fleet)
-            and (doc.get("fleet") or {}).get("digest") == fleet_digest(_CTX["spec"]))
-    if not same:
-        raise UserError(f"--rerun: {args.out / 'results.json'} ran another fleet, windows, "
-                        "loads or seeds than this command")
     kept = [r for r in runs if r["policy"] in policies and r["policy"] not in rerun]
-    # ... and every kept run with this command's routers (a hetero run once kept paper's)
-    if any((r.get("routers"), r.get("placement")) != (args.routers, args.router_placement)
-           for r in kept):
-        raise UserError(f"--rerun: {args.out / 'results.json'} ran other --routers or "
-                        "--router-placement than this command")
+    # ... every kept run with this command's routers (a hetero run once kept paper's)
+    _same_bench(args, doc, kept, "--rerun")
+    same = ([(w.label, w.n) for w in windows] == [(w.trace, w.n) for w in workloads]
+            and sorted(doc["loads"]) == sorted(loads) and doc["seeds"] == seeds)
+    if not same:
+        raise UserError(f"--rerun: {args.out / 'results.json'} ran other windows, loads or "
+                        "seeds than this command")
+    # ... and the windows' capacities this command asks for (a new --capacity was ignored)
+    for w, head in zip(windows, _CTX["capacity_workloads"], strict=True):
+        given = w.capacity.key.endswith("|given")
+        if (given != (args.capacity is not None)
+                or (given and w.capacity.rate_rps != args.capacity)
+                or (not given and w.capacity.requests != head.n)):
+            raise UserError(f"--rerun: {args.out / 'results.json'} ran with other capacities "
+                            "(--capacity, --capacity-requests) than this command")
     want = (len(policies) - len(rerun)) * len(windows) * len(loads) * len(seeds)
     if len(kept) != want:
         raise UserError(f"--rerun: {args.out / 'results.json'} holds {len(kept)} of the "
@@ -878,8 +897,10 @@ def write_outputs(
     loads: list[float],
     runs: list[dict[str, Any]],
     machine: dict[str, Any] | None = None,
+    command: str | None = None,
 ) -> dict[str, Any]:
-    """results.md, results.json, the plots and ttft_ms.npz (for --report-only) in ``out``."""
+    """results.md, results.json, the plots and ttft_ms.npz (for --report-only) in ``out``;
+    ``command``: the bench's own (a report rewritten later), else this one's."""
     from gorgo.sim import plots  # matplotlib only when writing
 
     runs = sorted(runs, key=lambda r: (r["load"], policies.index(r["policy"]), r["window"],
@@ -889,7 +910,7 @@ def write_outputs(
     walls: dict[str, list[float]] = {}
     for r in runs:
         walls.setdefault(r["policy"], []).append(r["wall_s"])
-    command = reproduce_command(args)
+    command = command or reproduce_command(args)
     doc = {
         "command": command,
         "trace": args.trace,

@@ -229,9 +229,22 @@ def code_digest() -> str:
     return h.hexdigest()
 
 
-def cache_key(trace: str, fleet_label: str, spec: FleetSpec, requests: int) -> str:
-    return (f"{trace}|{fleet_label}:{fleet_digest(spec)}|n={requests}|v{CRITERION_VERSION}"
-            f"|code:{code_digest()}")
+def workload_digest(workload: Workload) -> str:
+    """What a window's requests are (arrivals, prompts and their blocks, outputs), not what the
+    trace is called: a trace file rewritten in place (or $GORGO_TRACES pointing elsewhere) kept
+    its key, and a capacity found for other prompts scaled every load."""
+    h = hashlib.blake2b(digest_size=6)
+    h.update(np.asarray(workload.arrivals, dtype=float).tobytes())
+    h.update(np.asarray(workload.output_tokens, dtype=np.int64).tobytes())
+    for f in workload.features:
+        h.update(f.prompt_tokens.to_bytes(8, "little"))
+        h.update(np.asarray(f.block_hashes, dtype=np.uint64).tobytes())
+    return h.hexdigest()
+
+
+def cache_key(workload: Workload, fleet_label: str, spec: FleetSpec) -> str:
+    return (f"{workload.trace}|{fleet_label}:{fleet_digest(spec)}|n={workload.n}"
+            f"|w:{workload_digest(workload)}|v{CRITERION_VERSION}|code:{code_digest()}")
 
 
 def cached_capacity(path: Path, key: str, compute: Callable[[], Capacity]) -> Capacity:

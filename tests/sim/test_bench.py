@@ -212,6 +212,14 @@ def test_bench_cli_writes_table_json_and_plots(tmp_path: Path) -> None:
     assert {(r["policy"], r["window"], r["seed"]): r["metrics"] for r in again["runs"]} == before
     assert "--rerun gorgo@e2e" in again["command"]
     assert cli_main([*argv, "--rerun", "kv-cost"]) == 2  # not among --policies: a user error
+    # A new --capacity was ignored by --rerun (the old windows' capacities kept, the command
+    # naming the new one); --report-only under another trace relabelled the bench for good.
+    assert cli_main([*argv, "--capacity", "20", "--rerun", "gorgo@e2e"]) == 2
+    assert cli_main([*argv, "--capacity-requests", "100", "--rerun", "gorgo@e2e"]) == 2
+    moved = [a if a != "chat:seed=1" else "chat:seed=2" for a in argv]
+    assert cli_main([*moved, "--report-only"]) == 2
+    assert json.loads((out / "results.json").read_text())["trace"] == again["trace"]
+    assert cli_main(["bench", "sim", "--out", str(out), "--report-only"]) == 2  # defaults
     # Another fleet, or other routers, kept the runs of the first beside new ones (rc 0).
     other = [a if a != "paper" else "hetero" for a in argv]
     assert cli_main([*other, "--rerun", "gorgo@e2e"]) == 2

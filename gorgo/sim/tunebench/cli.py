@@ -176,7 +176,7 @@ def _capacity(args: argparse.Namespace, spec: FleetSpec, workload: Workload) -> 
     if args.capacity is not None:
         return float(args.capacity)
     label_ = args.fleet if args.fleet in PRESETS else Path(args.fleet).name
-    key = cache_key(workload.trace, label_, spec, workload.n)  # its window's own (as bench sim)
+    key = cache_key(workload, label_, spec)  # its window's own (as bench sim)
     cache = args.capacity_cache or args.out.parent / "capacity.json"
 
     def compute() -> Any:
