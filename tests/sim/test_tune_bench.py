@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 
 from gorgo.cli import main as cli_main
+from gorgo.core.decision import Decision
 from gorgo.core.fleet import FleetSpec, parse_fleet
 from gorgo.core.weights import Weights
-from gorgo.sim.offline import Simulation
+from gorgo.sim.offline import RequestRecord, Simulation
 from gorgo.sim.presets import fleet_document
 from gorgo.sim.traces import chat_trace
 from gorgo.sim.tunebench.points import grid, grid_axes, parse_start, point_key, static_key
@@ -24,6 +25,7 @@ from gorgo.sim.tunebench.run import (
     load_cache,
     model_digest,
     null_config,
+    sample_of,
     save_cache,
     tuned_run,
     with_weights,
@@ -249,10 +251,19 @@ def test_the_e2e_objective_searches_its_weights_and_ranks_the_grid_on_e2e(
     # grid points near the best are counted on p95 E2E, the objective's metric.
     cache = json.loads((out / "static_cache.json").read_text())
     assert all("|objective=e2e|" in key for key in cache)
+    assert all("|w=" in key for key in cache)  # the requests' digest: a rewritten trace re-runs
     near = sum(v <= 1.05 * doc["grid_best"]["mean_p95_ms"]
                for v in doc["grid_mean_e2e_p95_ms"].values())
     assert f"; {near} of 4 grid points are within 5% of it." in md
     assert cli_main([*argv[:-2], "--start", "20,0.05", "--out", str(out)]) == 2  # 5 weights
+    # Starts that differ only beyond (rtt, queue) are two starts, named by all five weights
+    # (they were both "20, 0.05", their medians merged and their guard runs crossed).
+    two = tmp_path / "two"
+    assert cli_main([*argv[:-4], "--start", "20,0.05,1,1,1", "--start", "20,0.05,20,20,20",
+                     "--out", str(two)]) == 0
+    md = (two / "results.md").read_text()
+    assert "start (20, 0.05, 1, 1, 1)" in md and "start (20, 0.05, 20, 20, 20)" in md
+    assert "| p95 E2E / best on |" in md
 
 
 def test_null_only_runs_the_a_a_runs_alone(tmp_path: Path) -> None:
@@ -334,6 +345,39 @@ def test_static_cache_is_per_slice_and_code(tmp_path: Path) -> None:
     assert load_cache(path, old) == {}  # and the stale entries of this slice are dropped
     assert load_cache(path, other) == {"k": {"ttft_p95_ms": 2.0}}
     assert len(model_digest()) == 16
+
+
+def test_the_digest_covers_the_code_that_scores_a_run(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A change to `run_metrics` (what a static run's p95 is) kept the digest, and the grid
+    scored the old way was reused beside tuned runs scored the new way."""
+    import importlib.util
+
+    import gorgo.sim.bench as bench
+
+    before = model_digest()
+    copy = tmp_path / "bench.py"
+    copy.write_text(Path(bench.__file__).read_text() + "\n# scored otherwise\n")
+    real = importlib.util.find_spec
+
+    def find_spec(name: str, *args: object):
+        spec = real(name, *args)
+        if name == "gorgo.sim.bench":
+            spec.origin = str(copy)
+        return spec
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    assert model_digest() != before
+
+
+def test_a_request_at_time_zero_reaches_the_tuner_with_its_arrival(
+        fleet: FleetSpec, chat: Workload) -> None:
+    """Simulated times go out as Unix times: 0 is the tuner's "start unknown", so the requests
+    at t = 0 lost their place in their window's arrival order."""
+    rec = RequestRecord(0, 0.0, 100, 10, replica=0, status=200, ttft=0.5, e2e=1.0)
+    d = Decision(replica=0, policy="gorgo", scores=None)
+    sample = sample_of(rec, d, fleet, 1.0)
+    assert sample.arrival_s > 0 and sample.start_unix_s + 1.0 == sample.end_unix_s
 
 
 def test_start_points_grid_and_keys_follow_the_registry() -> None:

@@ -17,7 +17,7 @@ from typing import Any
 from gorgo.core.fleet import FleetSpec
 from gorgo.core.terms import OBJECTIVES, SLO
 from gorgo.errors import output_dir
-from gorgo.sim.capacity import fleet_digest
+from gorgo.sim.capacity import fleet_digest, workload_digest
 from gorgo.sim.pool import fork_pool
 from gorgo.sim.tunebench.points import (
     KEYS,
@@ -249,7 +249,8 @@ def main(args: argparse.Namespace) -> int:
     where = "" if window is None else f"@{workload.trace}"
     # the fleet's contents too: runs of a fleet file since edited were reused
     fleet = f"{args.fleet}|{spec.name}:{fleet_digest(spec)}"
-    slice_key = (f"{args.trace}{where}|{fleet}|n={workload.n}|"
+    # ... and the requests' (a trace file rewritten in place reused the old file's grid)
+    slice_key = (f"{args.trace}{where}|{fleet}|n={workload.n}|w={workload_digest(workload)}|"
                  f"scale={scale!r}|{POLICY}|objective={spec.objective}|{slo}code={digest}")
     static = load_cache(cache_path, slice_key)
     log(f"bench tune: {workload.n} requests at load {args.load:g} = "

@@ -137,18 +137,25 @@ def _score(v: float, objective: str) -> str:
     return f"{v:.3f}" if objective == "slo" else f"{v / 1e3:.3f} s"
 
 
+def score_name(doc: Mapping[str, Any]) -> str:
+    """What the tuner's objective scores: the grid's best and every ratio to it are of this."""
+    objective = doc["optimizer"].get("objective", "ttft")
+    return {"ttft": "p95 TTFT", "e2e": "p95 E2E", "slo": "SLO miss share"}[objective]
+
+
 def summary_markdown(doc: dict[str, Any]) -> str:
     """results.md: setup, the grid, convergence per start and seed, the E2E guard."""
     keys = doc["weight_keys"]
+    skeys = doc.get("optimizer_keys") or keys  # what a start names (all the tuner searches)
     best = doc["grid_best"]
     bw = best["weights"]
     runs = doc["runs"]
     tol = doc["tolerance"]
     guarded = [r for r in runs if r["e2e_guard"]]
-    free = {(label(r["start"], keys), r["seed"]): r for r in runs if not r["e2e_guard"]}
-    starts = list(dict.fromkeys(label(r["start"], keys) for r in guarded))
+    free = {(label(r["start"], skeys), r["seed"]): r for r in runs if not r["e2e_guard"]}
+    starts = list(dict.fromkeys(label(r["start"], skeys) for r in guarded))
     objective = doc["optimizer"].get("objective", "ttft")
-    score = {"ttft": "p95 TTFT", "e2e": "p95 E2E", "slo": "SLO miss share"}[objective]
+    score = score_name(doc)
     run_score = {"ttft": "run_ttft_p95_ms", "e2e": "run_e2e_p95_ms"}.get(objective)
     non_default = {k: v for k, v in doc["optimizer"].items()
                    if v != doc["optimizer_defaults"].get(k) and k not in ("history", "calibrate")}
@@ -218,7 +225,7 @@ def summary_markdown(doc: dict[str, Any]) -> str:
         worst = r["worst_candidate_p95_ms"]
         wr = r["worst_candidate_vs_incumbent"]
         md.append(
-            f"| {_weights_text(r['start'], keys)} | {r['seed']} | "
+            f"| {_weights_text(r['start'], skeys)} | {r['seed']} | "
             f"{_samples_text(r['stays_within'], r['samples'])} | "
             f"{_samples_text(r['first_within'], r['samples'])} | {r['evaluations']} "
             f"({r['accepted']}; {r['worse_accepts']}) | "
@@ -230,9 +237,9 @@ def summary_markdown(doc: dict[str, Any]) -> str:
             f"{r['optimizer_converged_at'] or 'no'} |")
     md.append("")
     for start in starts:
-        rs = [r for r in guarded if label(r["start"], keys) == start]
+        rs = [r for r in guarded if label(r["start"], skeys) == start]
         med = _median_samples([r["stays_within"] for r in rs], rs[0]["samples"])
-        md.append(f"- start ({_weights_text(rs[0]['start'], keys)}): median samples until "
+        md.append(f"- start ({_weights_text(rs[0]['start'], skeys)}): median samples until "
                   f"within {tol:.0%} for good: {med} (of {rs[0]['samples']} per run)")
     if guarded:
         ignored = [r["final_status"]["ignored_samples"] / r["samples"] for r in guarded]
@@ -258,21 +265,21 @@ def summary_markdown(doc: dict[str, Any]) -> str:
                "| start | " + " | ".join(f"within {float(lv):.0%}" for lv in levels) + " |",
                "|---|" + "---:|" * len(levels)]
         for start in starts:
-            rs = [r for r in guarded if label(r["start"], keys) == start]
-            md.append(f"| {_weights_text(rs[0]['start'], keys)} | " + " | ".join(
+            rs = [r for r in guarded if label(r["start"], skeys) == start]
+            md.append(f"| {_weights_text(rs[0]['start'], skeys)} | " + " | ".join(
                 _median_samples([r["stays_within_by_tolerance"][lv] for r in rs],
                                 rs[0]["samples"]) for lv in levels) + " |")
     md += ["", "## The E2E guard: final incumbent re-run statically, guard on vs off", "",
-           "| start | seed | p95 E2E on (s) | p95 E2E off (s) | p95 TTFT / best on | "
-           "p95 TTFT / best off | rejected for E2E (on) | final weights off |",
+           f"| start | seed | p95 E2E on (s) | p95 E2E off (s) | {score} / best on | "
+           f"{score} / best off | rejected for E2E (on) | final weights off |",
            "|---|---:|---:|---:|---:|---:|---:|---|"]
     for r in guarded:
-        o = free.get((label(r["start"], keys), r["seed"]))
+        o = free.get((label(r["start"], skeys), r["seed"]))
         if o is None:
             continue
         fo = o["final"]
         md.append(
-            f"| {_weights_text(r['start'], keys)} | {r['seed']} | "
+            f"| {_weights_text(r['start'], skeys)} | {r['seed']} | "
             f"{_x(r['final']['static_e2e_p95_ms'], 1, 1e3)} | "
             f"{_x(fo['static_e2e_p95_ms'], 1, 1e3)} "
             f"| {_x(r['final']['ratio'], 3)} | {_x(fo['ratio'], 3)} | "
@@ -407,9 +414,10 @@ def plot_convergence(doc: Mapping[str, Any], path: Path) -> None:
     against samples."""
     plt = _pyplot()
     keys, axes_values = doc["weight_keys"], doc["grid_points"]
+    skeys = doc.get("optimizer_keys") or keys
     best, tolerance = doc["grid_best"], doc["tolerance"]
     guarded = [r for r in doc["runs"] if r["e2e_guard"]]
-    starts = list(dict.fromkeys(label(r["start"], keys) for r in guarded))
+    starts = list(dict.fromkeys(label(r["start"], skeys) for r in guarded))
     seeds = sorted({r["seed"] for r in guarded})
     colors = {s: plt.get_cmap("tab10")(k % 10) for k, s in enumerate(seeds)}
     rows = len(keys) + 1
@@ -417,8 +425,8 @@ def plot_convergence(doc: Mapping[str, Any], path: Path) -> None:
                              squeeze=False, sharex="col")
     for col, start in enumerate(starts):
         weight_axes, bottom = [axes[k][col] for k in range(len(keys))], axes[-1][col]
-        start_point = next(r["start"] for r in guarded if label(r["start"], keys) == start)
-        for r in (r for r in guarded if label(r["start"], keys) == start):
+        start_point = next(r["start"] for r in guarded if label(r["start"], skeys) == start)
+        for r in (r for r in guarded if label(r["start"], skeys) == start):
             c = colors[r["seed"]]
             n = [i["samples"] for i in r["incumbents"]] + [r["samples"]]
             for ax, key in zip(weight_axes, keys, strict=True):
@@ -441,11 +449,11 @@ def plot_convergence(doc: Mapping[str, Any], path: Path) -> None:
             ax.set_ylim(lo / 1.5, hi * 1.5)
         bottom.axhline(1.0 + tolerance, color="black", linestyle=":",
                        label=f"grid best + {tolerance:.0%}")
-        weight_axes[0].set_title(f"start ({_names(keys)}) = ({_weights_text(start_point, keys)})")
-        bottom.set_ylabel("p95 TTFT / grid best")
+        weight_axes[0].set_title(f"start ({_names(skeys)}) = ({_weights_text(start_point, skeys)})")
+        bottom.set_ylabel(f"{score_name(doc)} / grid best")
         bottom.set_title(f"step: incumbent re-run statically; thin: live traffic (last "
                          f"{LIVE_WINDOW}); x: candidate arm", fontsize=8)
-        bottom.set_xlabel("samples (completed requests)")
+        bottom.set_xlabel("samples (first tokens, or ends without early samples)")
         for ax in (*weight_axes, bottom):
             ax.set_yscale("log")
             ax.grid(True, which="both", alpha=0.3)
@@ -509,7 +517,7 @@ def plot_grid(doc: Mapping[str, Any], path: Path) -> None:
         b_a, b_b = xs.index(best[keys[0]]), ys.index(best[keys[1]])
         ax.add_patch(Rectangle((ex[b_a], ey[b_b]), ex[b_a + 1] - ex[b_a], ey[b_b + 1] - ey[b_b],
                                fill=False, edgecolor="black", linewidth=2.0,
-                               label="grid best p95 TTFT"))
+                               label=f"grid best {score_name(doc)}"))
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlabel(f"w_{keys[0]}")

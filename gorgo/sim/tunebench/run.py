@@ -87,6 +87,11 @@ class TuneTrace:
     status: dict[str, Any] = field(default_factory=dict)
 
 
+# Simulated seconds as Unix times: a sample starting at 0 read as "start unknown" (the tuner keeps
+# 0 for that), so the 10 Mooncake requests at t = 0 lost their place in their window's order.
+SIM_EPOCH_S = 1_000_000_000.0
+
+
 def sample_of(rec: RequestRecord, d: Decision, spec: FleetSpec, now: float,
               early: bool = False) -> Sample:
     """The span a completed request would have exported, as the tuner parses it; ``early``: the
@@ -111,8 +116,8 @@ def sample_of(rec: RequestRecord, d: Decision, spec: FleetSpec, now: float,
         uncached_tokens=d.uncached_tokens,
         prompt_tokens=d.prompt_tokens,
         decision_id=d.id,
-        end_unix_s=now,
-        start_unix_s=rec.arrival,
+        end_unix_s=SIM_EPOCH_S + now,
+        start_unix_s=SIM_EPOCH_S + rec.arrival,
         retried=rec.replica != d.replica,  # Envoy retried it elsewhere (`sim.offline._retry_to`)
     )
 
@@ -273,8 +278,10 @@ def probe_job(rate: float) -> Any:
 
 
 # Modules (besides all of gorgo.core) whose source decides what a static run measures: the
-# capacity search's list, one list for both caches.
+# capacity search's list, one list for both caches, and the code that scores a run (a change to
+# `run_metrics` reused grids scored the old way).
 SIM_MODULES = tuple(f"gorgo.sim.{m}" for m in CAPACITY_MODULES)
+SCORING_MODULES = ("gorgo.sim.bench", "gorgo.sim.tunebench.run", "gorgo.sim.tunebench.stats")
 
 
 def model_digest() -> str:
@@ -283,7 +290,7 @@ def model_digest() -> str:
     import gorgo.core
 
     files = sorted(Path(gorgo.core.__file__).parent.rglob("*.py"))
-    for name in SIM_MODULES:
+    for name in (*SIM_MODULES, *SCORING_MODULES):
         spec = importlib.util.find_spec(name)
         if spec is not None and spec.origin:
             files.append(Path(spec.origin))
