@@ -268,7 +268,7 @@ def _all_ids(ids: list[Any]) -> bool:
     return True
 
 
-def _prompt_ids(body: Mapping[str, Any]) -> list[int] | None:
+def prompt_ids(body: Mapping[str, Any]) -> list[int] | None:
     """A completions prompt of token ids (a batch's lists one after the other, as a batch of
     texts is hashed as one text), checked by `prompt_text`; None for text."""
     prompt = body.get("prompt")
@@ -339,7 +339,7 @@ def prompt_text(endpoint: str, body: Mapping[str, Any], limits: Limits = DEFAULT
         elif isinstance(prompt, list) and all(isinstance(p, str) for p in prompt):
             pieces = _bounded(prompt, limits.max_messages, "prompt")
         elif _token_ids(prompt, limits):
-            # Token ids: counted and hashed as ids (`_prompt_ids`), their text for the rest
+            # Token ids: counted and hashed as ids (`prompt_ids`), their text for the rest
             pieces = [_ids_text(prompt)]
         elif _token_id_batch(prompt, limits):
             pieces = [_ids_text(ids) for ids in prompt]
@@ -492,7 +492,7 @@ def extract_features(
     # element) is counted as ids, a batch of prompts one by one; None: the one prompt's text
     sizes = prompt_sizes(body["prompt"], tok) if endpoint == "completions" else None
     prompt_tokens = tok.count_tokens(len(text)) if sizes is None else sum(sizes)
-    ids = _prompt_ids(body) if endpoint == "completions" else None
+    ids = prompt_ids(body) if endpoint == "completions" else None
     batch = sizes is not None and not (_ids_shaped(body["prompt"]) or isinstance(
         body["prompt"], str))
     session = headers.get(SESSION_HEADER) or None

@@ -73,6 +73,7 @@ _SEP = (",", ":")
 # request wait out its turn behind them).
 MAX_PEERS = 256
 MAX_PEER_BOOKINGS = 200_000
+RECENT_CLOSES = 4096  # closes remembered to tell a retry's re-open from an arrival
 # How long a router's own choice is echoed for each live peer: longer than a booking takes over a
 # bus within a region (about a millisecond), short against the gaps between decisions outside a
 # burst. The offline result did not move between 1 ms and 200 ms.
@@ -215,6 +216,9 @@ class PeerBookings:
         self.ignored = 0
         self.expired = 0
         self._heard: dict[str, float] = {}  # peer router id -> when its last booking came
+        # The latest closes applied: a re-open of one of them is a retry's move (its close and
+        # re-open go out together, in order), booked without counting a second arrival.
+        self._closed: OrderedDict[tuple[str, str], None] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._open)
@@ -242,6 +246,9 @@ class PeerBookings:
                 return
             self._heard[b.router] = now
             self._release(s, held)
+            self._closed[key] = None
+            if len(self._closed) > RECENT_CLOSES:
+                self._closed.popitem(last=False)
             self.applied += 1
             return
         i = s.index.get(b.replica)
@@ -262,7 +269,11 @@ class PeerBookings:
         self._heard[b.router] = now
         hashes = np.asarray(b.block_hashes, dtype=np.uint64)
         s.now = max(s.now, now)
-        s.book(i, hashes, b.prompt_tokens, b.uncached_tokens, b.seqs, b.context)
+        moved = key in self._closed
+        if moved:
+            del self._closed[key]
+        s.book(i, hashes, b.prompt_tokens, b.uncached_tokens, b.seqs, b.context,
+               arrival=not moved)
         self._open[key] = _Held(i, b.prompt_tokens, b.uncached_tokens, hashes, now + self.ttl_s,
                                 b.seqs, b.context)
         self.applied += 1

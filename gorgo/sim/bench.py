@@ -54,6 +54,7 @@ from gorgo.sim.capacity import (
     find_capacity,
     fleet_digest,
     probe,
+    workload_digest,
 )
 from gorgo.sim.lookahead import LOOKAHEAD, LOOKAHEAD_OBJECTIVES
 from gorgo.sim.offline import SimResult
@@ -834,7 +835,11 @@ def _kept_runs(args: argparse.Namespace, workloads: list[Workload], policies: li
     kept = [r for r in runs if r["policy"] in policies and r["policy"] not in rerun]
     # ... every kept run with this command's routers (a hetero run once kept paper's)
     _same_bench(args, doc, kept, "--rerun")
+    # the same windows: their labels and sizes, and their requests (a trace file rewritten in
+    # place kept both, and the kept runs were of the old requests)
     same = ([(w.label, w.n) for w in windows] == [(w.trace, w.n) for w in workloads]
+            and all(f"|w:{workload_digest(head)}|" in w.capacity.key
+                    for w, head in zip(windows, _CTX["capacity_workloads"], strict=True))
             and sorted(doc["loads"]) == sorted(loads) and doc["seeds"] == seeds)
     if not same:
         raise UserError(f"--rerun: {args.out / 'results.json'} ran other windows, loads or "

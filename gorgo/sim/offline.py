@@ -72,6 +72,9 @@ PEER_LOCAL_S = 1e-3
 # order, they reach an engine in that order, where link jitter alone would shuffle them in its
 # FCFS queue. Simultaneous requests arrive shortest prompt first (`arrival_order`), a tie the
 # trace leaves open, broken the same way by the live load generator (`replay.replay`).
+# Envoy's default retry back-off (the rendered route sets none): the first retry waits a uniform
+# random time below this base interval.
+ENVOY_RETRY_BACK_OFF_S = 0.025
 INTAKE_BASE_S = 0.5e-3
 INTAKE_PER_TOKEN_S = 0.05e-6
 
@@ -375,16 +378,7 @@ class Simulation:
         try:
             self.engines[i].submit(self.engine_request(k, i, self.now), self.now)
         except EngineRejected as exc:
-            fallback = self._retry_to(k, side, exc.status)
-            if fallback is not None:  # Envoy, at the proxy, sends it on at once
-                self._retried[k] = i
-                side.retrying.add(k)
-                rec.replica = fallback
-                self._push(back + side.net.one_way(fallback), SUBMIT, k)
-                return
-            rec.status = exc.status
-            self._push(back, HEADERS, (k, i, exc.status))
-            self._push(back, CLOSE, k)
+            self._push(back, HEADERS, (k, i, exc.status))  # the refusal, back at the proxy
             return
         self._push(back, HEADERS, (k, i, 200))  # a stream's headers leave at once
         if not self._busy[i]:
@@ -393,8 +387,9 @@ class Simulation:
     def _retry_to(self, k: int, side: RouterSide, status: int) -> int | None:
         """Where Envoy retries a refused attempt, as the rendered route does (fleet `retries`):
         a 503 before any byte, once, on the decision's next-best replica, while the proxy's
-        retries in flight stay within ``budget_percent`` of its open requests (at least
-        ``min_retry_concurrency``); None: the refusal is the answer."""
+        retries in flight (from the retry's start to its attempt's headers) stay within
+        ``budget_percent`` of its open requests (at least ``min_retry_concurrency``); None: the
+        refusal is the answer."""
         r = self.spec.retries
         if status != 503 or not r.enabled or k in self._retried or k not in side.decisions:
             return None
@@ -405,11 +400,23 @@ class Simulation:
         return next_best(side.decisions[k])
 
     def _headers(self, payload: tuple[int, int, int]) -> None:
-        """An answer's headers at the router, as `extproc.service` reads them: a retry's first
-        replica failed and the request moved; the replica that answered failed (5xx) or did
-        not."""
+        """An answer's headers at the proxy. A 503 Envoy retries goes on to the next-best
+        replica after its back-off, unseen by the router; any other answer reaches the router,
+        which reads it as `extproc.service` does: a retry's first replica failed and the request
+        moved; the replica that answered failed (5xx) or did not. A refusal is the end."""
         k, i, status = payload
         side = self.sides[self.home[k]]
+        rec = self.records[k]
+        if status != 200:
+            fallback = self._retry_to(k, side, status)
+            if fallback is not None:
+                self._retried[k] = i
+                side.retrying.add(k)
+                rec.replica = fallback
+                wait = float(self.rng.uniform(0.0, ENVOY_RETRY_BACK_OFF_S))
+                self._push(self.now + wait + side.net.one_way(fallback), SUBMIT, k)
+                return
+        side.retrying.discard(k)  # the retry's attempt answered: its budget slot is free
         s = side.router.state
         first = self._retried.get(k)
         if first is not None and first != i:
@@ -420,6 +427,9 @@ class Simulation:
             s.record_failed_response(i, self.now)
         else:
             s.record_good_response(i)
+        if status != 200:
+            rec.status = status
+            self._close(k)
 
     def engine_request(self, k: int, i: int, now: float) -> EngineRequest:
         """Request ``k`` as engine ``i`` receives it at ``now`` (a `cache: precise` replica hashes
@@ -482,7 +492,6 @@ class Simulation:
 
     def _close(self, k: int) -> None:
         side = self.sides[self.home[k]]
-        side.retrying.discard(k)
         d = side.decisions.pop(k)
         side.router.complete(d.id)
         self._publish(self.home[k])

@@ -85,11 +85,14 @@ class RequestRecord:
 
     @property
     def first_answer_ms(self) -> float | None:
-        """TTFT, or for an answer that came without a token (an empty completion) its E2E: when
-        the client had all of it. The live tables rank by this; a missing first token counted as
-        infinitely slow made an empty answer the slowest request."""
-        return self.ttft_ms if self.ttft_ms is not None else (
-            self.e2e_ms if self.outcome == "ok" else None)
+        """For an answer that came whole: its TTFT, or without a token (an empty completion) its
+        E2E, when the client had all of it; None for a failed request (the tables count it as
+        unbounded: a stream cut after its first token is no fast answer). The live tables rank
+        by this; a missing first token counted as infinitely slow made an empty answer the
+        slowest request."""
+        if self.outcome != "ok":
+            return None
+        return self.ttft_ms if self.ttft_ms is not None else self.e2e_ms
 
     @property
     def error_key(self) -> str | None:

@@ -185,6 +185,12 @@ def test_a_retry_moves_the_booking_at_the_peers_too() -> None:
     expected = [0, 0, 0]
     expected[other] = 1
     assert b.state.inflight_reqs.tolist() == expected
+    demand = b.state.demand()
+    d2 = a.route(features(a, "second " * 100), 0.0)  # then a request that only arrives
+    deliver(a, b)
+    assert d2 is not None and b.state.demand()[0] > demand[0]
+    # ... the move was no second arrival at the peer either (its demand read 2x, retried)
+    assert b.state.demand()[0] == pytest.approx(a.state.demand()[0])
 
 
 def test_a_reload_keeps_the_bookings_on_kept_replicas() -> None:

@@ -205,6 +205,15 @@ def test_ties_rotate_among_themselves_whatever_the_choices_between_them() -> Non
     assert sorted(picks) == [0] * 5 + [1] * 5
 
 
+def test_each_set_of_tied_replicas_rotates_on_its_own() -> None:
+    # one counter for every set: two models' ties, alternating, each fell on one replica
+    s = FleetState(spec(4))
+    p = PolicyBase(s.spec)
+    alpha, beta = np.array([0.0, 0.0, np.inf, np.inf]), np.array([np.inf, np.inf, 0.0, 0.0])
+    picks = [p.pick_lowest(scores, s).replica for _ in range(10) for scores in (alpha, beta)]
+    assert Counter(picks) == {0: 5, 1: 5, 2: 5, 3: 5}
+
+
 def test_tie_break_only_among_tied() -> None:
     s = FleetState(spec())
     s.add_inflight(1, 1, 1)

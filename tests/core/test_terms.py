@@ -221,21 +221,34 @@ def test_slo_least_violating_replica_still_pays_for_its_failures(targets: dict) 
 
 
 def test_another_models_faster_replica_does_not_slow_this_ones_decode() -> None:
-    """The slowdown is against the fastest replica of the request's own model: one fast replica
-    of an unrelated model made every replica of this one 20x slower (its decode term and the
-    ITL the SLO compares)."""
-    def fleet(with_beta: bool) -> FleetState:
-        reps = [{"name": n, "engine": "sim", "region": "near", "address": f"h:{k}",
-                 "prefill_rate": 4000, "models": ["alpha"]} for k, n in enumerate("ab", 1)]
-        if with_beta:
-            reps.append({"name": "c", "engine": "sim", "region": "near", "address": "h:3",
-                         "prefill_rate": 80000, "models": ["beta"]})
-        return FleetState(parse_fleet({"regions": {"near": {}}, "chars_per_token": 1.0,
-                                       "replicas": reps}))
-    alone, beside = fleet(False), fleet(True)
-    assert BY_NAME["decode"].compute(_req(beside), beside)[:2] == pytest.approx(
-        BY_NAME["decode"].compute(_req(alone), alone))
-    assert slowdown(beside).tolist() == [1.0, 1.0, 1.0]
+    """The slowdown is against the fastest of the request's own model's replicas: one fast
+    replica of an unrelated model made every replica of this one 20x slower (its decode term
+    and the ITL the SLO compares), and a replica serving both models took the other model's
+    fastest as its reference."""
+    def router(beta: bool) -> Router:
+        reps = [{"name": "x", "engine": "sim", "region": "near", "address": "h:1",
+                 "prefill_rate": 1000, "models": ["alpha", "beta"]},
+                {"name": "y", "engine": "sim", "region": "near", "address": "h:2",
+                 "prefill_rate": 500, "models": ["alpha"]}]
+        if beta:
+            reps.append({"name": "z", "engine": "sim", "region": "near", "address": "h:3",
+                         "prefill_rate": 20000, "models": ["beta"]})
+        r = Router(parse_fleet({"regions": {"near": {}}, "chars_per_token": 1.0,
+                                "objective": "e2e", "replicas": reps}))
+        for i in range(r.state.n):
+            r.state.observe_rtt(i, 5.0)
+        return r
+
+    def alpha(r: Router):
+        body = {"model": "alpha", "prompt": "x" * 100, "max_tokens": 200}
+        return r.route(extract_features("/v1/completions", {}, json.dumps(body).encode(),
+                                        r.state.tok), now=0.0)
+
+    alone, beside = alpha(router(False)), alpha(router(True))
+    assert beside.replica == alone.replica == 0  # x: alpha's fastest
+    assert beside.terms["decode"] == pytest.approx(alone.terms["decode"])
+    s = router(True).state
+    assert slowdown(s).tolist() == [20.0, 40.0, 1.0]  # no request scored: the whole fleet
 
 
 def test_slo_defaults_come_from_the_fleet_and_headers_override_them() -> None:

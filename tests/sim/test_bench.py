@@ -234,6 +234,27 @@ def test_bench_cli_writes_table_json_and_plots(tmp_path: Path) -> None:
                      "--rerun", "gorgo"]) == 2
 
 
+def test_rerun_refuses_a_trace_rewritten_in_place(tmp_path: Path) -> None:
+    """Same file, same window label and size, other requests: --rerun kept the old requests'
+    runs beside new ones (rc 0)."""
+    trace = tmp_path / "t.jsonl"
+
+    def write(tokens: int) -> None:
+        trace.write_text("".join(json.dumps({
+            "timestamp": 200 * k, "input_length": tokens, "output_length": 40,
+            "hash_ids": list(range(20 * k, 20 * k + tokens // 512))}) + "\n"
+            for k in range(12)))
+
+    argv = ["bench", "sim", "--trace", f"mooncake:path={trace}", "--capacity", "2", "--seeds",
+            "1", "--load", "0.5", "--policies", "round-robin,least-request", "--jobs", "1",
+            "--out", str(tmp_path / "out"), "--capacity-cache", str(tmp_path / "cap.json")]
+    write(2000)
+    assert cli_main(argv) == 0
+    assert cli_main([*argv, "--rerun", "least-request"]) == 0  # the same requests: kept
+    write(6000)
+    assert cli_main([*argv, "--rerun", "least-request"]) == 2
+
+
 def test_a_percentile_is_unbounded_once_its_rank_reaches_a_failure() -> None:
     # 75 failed of 1,500: the p95 was reported as 5e298 ms (interpolated toward a stand-in).
     values = np.arange(1500, dtype=float)

@@ -105,6 +105,25 @@ def test_streamed_chat_completion_and_prefix_reuse(flavor):
     serve(fn, flavor=flavor)
 
 
+def test_a_prompt_of_token_ids_is_cached_in_blocks_of_ids_as_the_router_prices_it():
+    """Two 2,000-id prompts sharing 1,000 ids: 15 blocks of 64 ids cached, what the router
+    prices (the engine paged the decimal text and served 1,728 tokens from cache)."""
+    shared = list(range(100_000, 101_000))
+    a, b = shared + list(range(200_000, 201_000)), shared + list(range(300_000, 301_000))
+
+    async def fn(srv, session):
+        usage = []
+        for prompt in (a, b):
+            async with session.post(srv.url + "/v1/completions",
+                                    json={"model": MODEL, "prompt": prompt, "max_tokens": 2}) as r:
+                usage.append((await r.json())["usage"])
+        return usage
+
+    first, second = serve(fn)
+    assert first["prompt_tokens"] == second["prompt_tokens"] == 2000
+    assert second["prompt_tokens_details"]["cached_tokens"] == 1000 // 64 * 64
+
+
 def test_stream_without_usage_and_stream_interval():
     body = chat_body("hi there", stream=True, max_tokens=10)
 

@@ -79,3 +79,16 @@ def test_without_retries_or_budget_the_503_is_the_answer_and_the_router_knows() 
         assert failed, retries
         assert sim.router.state.penalty()[failed[0].replica] > 0
         assert res.leaked_inflight == 0
+
+
+def test_a_retry_holds_its_budget_slot_until_its_attempt_answers_not_until_its_end() -> None:
+    """Envoy frees a retry's budget slot at its attempt's headers: held until the end of the
+    whole stream, 6 of these 12 retries were refused."""
+    doc = fleet_document({"local": 4}, profile="tiny-test", links={"local": {"link": "local"}})
+    spec = parse_fleet(doc)
+    reqs = [TraceRequest(k, 0.03 * k, 100, 400, session="user-1") for k in range(40)]
+    w = workload_from_requests("one-session", reqs, tokenization(spec))
+    sim = Simulation(spec, "session-affinity", seed=1)
+    res = sim.run(w.arrivals.tolist(), w.features, w.output_tokens)
+    assert len(sim._retried) == 12  # 6 when the slot was held to the end
+    assert res.leaked_inflight == 0

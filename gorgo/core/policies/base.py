@@ -13,6 +13,8 @@ from gorgo.core.features import RequestFeatures
 from gorgo.core.fleet import FleetSpec
 from gorgo.core.state import FleetState
 
+MAX_TIE_SETS = 4096  # sets of tied replicas whose turns are kept (then they start over)
+
 
 class Policy(Protocol):
     """A pure, synchronous scorer: features and fleet state in, a decision out. No I/O.
@@ -40,7 +42,9 @@ class PolicyBase:
 
     def __init__(self, spec: FleetSpec) -> None:
         self.spec = spec
-        self._ticks = 0
+        # Per set of tied replicas, the turns taken: one counter for every set (one model's
+        # pair, then another's) put each model's ties on one replica.
+        self._turns: dict[bytes, int] = {}
 
     def refresh(self, s: FleetState) -> None:
         """Recompute slow-moving state; nothing to do for a policy that scores per request."""
@@ -51,7 +55,7 @@ class PolicyBase:
         rotation, round robin's turn or a generator's sequence (reloads every 2 requests sent
         all of round robin's traffic to half the replicas). What is indexed by replica
         (plans, salts) is rebuilt for the new fleet, not carried."""
-        self._ticks = old._ticks
+        self._turns = old._turns
         for name in self.carried:
             setattr(self, name, getattr(old, name))
 
@@ -76,9 +80,12 @@ class PolicyBase:
             ties = ties[second <= second.min()]
         if len(ties) == 1:
             i = int(ties[0])
-        else:  # counted on ties only: a tie after every untied choice always fell on one index
-            self._ticks += 1
-            i = int(ties[self._ticks % len(ties)])
+        else:  # turns of this very set: a tie after each other choice always fell on one index
+            key = ties.tobytes()
+            if key not in self._turns and len(self._turns) >= MAX_TIE_SETS:
+                self._turns.clear()
+            turn = self._turns[key] = self._turns.get(key, 0) + 1
+            i = int(ties[turn % len(ties)])
         return Decision(replica=i, policy=self.name, scores=masked)
 
 

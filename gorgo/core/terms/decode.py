@@ -69,20 +69,18 @@ def _batch(s: FleetState) -> np.ndarray:
 
 
 def slowdown(s: FleetState) -> np.ndarray:
-    """How much slower than the fastest replica of its model each one computes (prefill as the
-    proxy): the decode constants are that replica's, and another model's hardware is no
-    reference (one fast replica of another model made every replica of this one 20x slower)."""
+    """How much slower than the fastest of the request's candidates (its model's replicas, while
+    one is scored) each replica computes (prefill as the proxy): the decode constants are that
+    replica's, and another model's hardware is no reference (one fast replica of another model
+    made every replica of this one 20x slower)."""
+    if s.candidates is not None and s.candidates.any():
+        rate = s.prefill_rate
+        return rate[s.candidates].max() / rate
     return s.derived("decode.slowdown", _slowdown)
 
 
 def _slowdown(s: FleetState) -> np.ndarray:
-    rate = s.prefill_rate
-    if not s.model_masks:
-        return rate.max() / rate
-    fastest = np.zeros_like(rate)
-    for mask in s.model_masks.values():  # a replica serving several models: the fastest of all
-        fastest = np.where(mask, np.maximum(fastest, rate[mask].max()), fastest)
-    return np.where(fastest > 0, fastest, rate) / rate
+    return s.prefill_rate.max() / s.prefill_rate
 
 
 def predicted_itl(f: RequestFeatures, s: FleetState) -> np.ndarray:
