@@ -230,8 +230,8 @@ def live_table(runs: list[LiveRun], region_of: dict[str, str]) -> bench.Table:
     for run in runs:
         recs = run.answered()
         ok = [r.outcome == "ok" for r in recs]
-        ttft = np.array([r.first_answer_ms if good and r.first_answer_ms is not None else np.inf
-                         for r, good in zip(recs, ok, strict=True)])
+        ttft = np.array([np.inf if r.first_answer_ms is None else r.first_answer_ms
+                         for r in recs])  # None for a failed request
         e2e = np.array([r.e2e_ms if good and r.e2e_ms is not None else np.inf
                         for r, good in zip(recs, ok, strict=True)])
         served = [r for r, good in zip(recs, ok, strict=True) if good]

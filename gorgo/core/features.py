@@ -268,15 +268,18 @@ def _all_ids(ids: list[Any]) -> bool:
     return True
 
 
-def prompt_ids(body: Mapping[str, Any]) -> list[int] | None:
-    """A completions prompt of token ids (a batch's lists one after the other, as a batch of
-    texts is hashed as one text), checked by `prompt_text`; None for text."""
-    prompt = body.get("prompt")
+def prompt_block_hashes(endpoint: str, body: Mapping[str, Any], text: str,
+                        tok: Tokenization) -> np.ndarray:
+    """The prompt's chained block hashes, as the router and the simulated engine both cut them:
+    ``text`` (`prompt_text`) in blocks of characters, but a completions prompt of token ids in
+    blocks of ``block_tokens`` ids (a batch's lists one after the other, as a batch of texts is
+    hashed as one text), as the engine pages them."""
+    prompt = body.get("prompt") if endpoint == "completions" else None
     if _ids_shaped(prompt):
-        return prompt
+        return tok.id_block_hashes(prompt)
     if isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt):
-        return [i for ids in prompt for i in ids]
-    return None
+        return tok.id_block_hashes([i for ids in prompt for i in ids])
+    return tok.block_hashes(text)
 
 
 def _ids_text(ids: list[int]) -> str:
@@ -339,7 +342,7 @@ def prompt_text(endpoint: str, body: Mapping[str, Any], limits: Limits = DEFAULT
         elif isinstance(prompt, list) and all(isinstance(p, str) for p in prompt):
             pieces = _bounded(prompt, limits.max_messages, "prompt")
         elif _token_ids(prompt, limits):
-            # Token ids: counted and hashed as ids (`prompt_ids`), their text for the rest
+            # Token ids: counted and hashed as ids (`prompt_block_hashes`), their text for the rest
             pieces = [_ids_text(prompt)]
         elif _token_id_batch(prompt, limits):
             pieces = [_ids_text(ids) for ids in prompt]
@@ -492,7 +495,6 @@ def extract_features(
     # element) is counted as ids, a batch of prompts one by one; None: the one prompt's text
     sizes = prompt_sizes(body["prompt"], tok) if endpoint == "completions" else None
     prompt_tokens = tok.count_tokens(len(text)) if sizes is None else sum(sizes)
-    ids = prompt_ids(body) if endpoint == "completions" else None
     batch = sizes is not None and not (_ids_shaped(body["prompt"]) or isinstance(
         body["prompt"], str))
     session = headers.get(SESSION_HEADER) or None
@@ -507,7 +509,7 @@ def extract_features(
         session_key=session,
         prompt_chars=len(text),
         prompt_tokens=prompt_tokens,
-        block_hashes=tok.block_hashes(text) if ids is None else tok.id_block_hashes(ids),
+        block_hashes=prompt_block_hashes(endpoint, body, text, tok),
         policy=policy,
         priority=priority,
         slo_ttft_ms=slo[0],

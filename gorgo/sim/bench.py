@@ -835,17 +835,17 @@ def _kept_runs(args: argparse.Namespace, workloads: list[Workload], policies: li
     kept = [r for r in runs if r["policy"] in policies and r["policy"] not in rerun]
     # ... every kept run with this command's routers (a hetero run once kept paper's)
     _same_bench(args, doc, kept, "--rerun")
-    # the same windows: their labels and sizes, and their requests (a trace file rewritten in
-    # place kept both, and the kept runs were of the old requests)
-    same = ([(w.label, w.n) for w in windows] == [(w.trace, w.n) for w in workloads]
-            and all(f"|w:{workload_digest(head)}|" in w.capacity.key
-                    for w, head in zip(windows, _CTX["capacity_workloads"], strict=True))
-            and sorted(doc["loads"]) == sorted(loads) and doc["seeds"] == seeds)
-    if not same:
-        raise UserError(f"--rerun: {args.out / 'results.json'} ran other windows, loads or "
-                        "seeds than this command")
-    # ... and the windows' capacities this command asks for (a new --capacity was ignored)
+    other = (f"--rerun: {args.out / 'results.json'} ran other windows, loads or seeds than "
+             "this command")
+    if not ([(w.label, w.n) for w in windows] == [(w.trace, w.n) for w in workloads]
+            and sorted(doc["loads"]) == sorted(loads) and doc["seeds"] == seeds):
+        raise UserError(other)
     for w, head in zip(windows, _CTX["capacity_workloads"], strict=True):
+        # the same requests too (a trace file rewritten in place kept labels and sizes, and the
+        # kept runs were of the old requests) ...
+        if f"|w:{workload_digest(head)}|" not in w.capacity.key:
+            raise UserError(other)
+        # ... and the capacities this command asks for (a new --capacity was ignored)
         given = w.capacity.key.endswith("|given")
         if (given != (args.capacity is not None)
                 or (given and w.capacity.rate_rps != args.capacity)

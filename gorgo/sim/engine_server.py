@@ -41,7 +41,7 @@ from gorgo.core.features import (
     endpoint_for_path,
     output_bound,
     parse_json_body,
-    prompt_ids,
+    prompt_block_hashes,
     prompt_sizes,
     prompt_text,
 )
@@ -570,10 +570,10 @@ class EngineServer:
         rid = prefix + uuid.uuid4().hex
         loop = asyncio.get_running_loop()
         now = loop.time()
-        if self.hashing is None:  # blocks as the router cuts them (ids: `block_tokens` a block)
-            ids = prompt_ids(body) if endpoint == "completions" else None
-            hashes = self.tok.block_hashes(text) if ids is None else self.tok.id_block_hashes(ids)
-            req = EngineRequest(rid, prompt_tokens, hashes, max_tokens, now)
+        if self.hashing is None:  # blocks as the router cuts them
+            req = EngineRequest(rid, prompt_tokens,
+                                prompt_block_hashes(endpoint, body, text, self.tok),
+                                max_tokens, now)
         else:
             ids, hashes = self.hashing.blocks(text)
             req = EngineRequest(rid, prompt_tokens, hashes, max_tokens, now, ids)

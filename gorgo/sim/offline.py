@@ -72,11 +72,11 @@ PEER_LOCAL_S = 1e-3
 # order, they reach an engine in that order, where link jitter alone would shuffle them in its
 # FCFS queue. Simultaneous requests arrive shortest prompt first (`arrival_order`), a tie the
 # trace leaves open, broken the same way by the live load generator (`replay.replay`).
+INTAKE_BASE_S = 0.5e-3
+INTAKE_PER_TOKEN_S = 0.05e-6
 # Envoy's default retry back-off (the rendered route sets none): the first retry waits a uniform
 # random time below this base interval.
 ENVOY_RETRY_BACK_OFF_S = 0.025
-INTAKE_BASE_S = 0.5e-3
-INTAKE_PER_TOKEN_S = 0.05e-6
 
 
 @dataclass(slots=True)

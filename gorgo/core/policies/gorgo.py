@@ -51,9 +51,8 @@ class Gorgo(PolicyBase):
         violation = np.zeros(s.n)
         if target_ttft > 0:
             violation = np.maximum(violation, ttft / target_ttft)
-        itl = predicted_itl(f, s)
         if target_tpot > 0:
-            violation = np.maximum(violation, itl / target_tpot)
+            violation = np.maximum(violation, predicted_itl(f, s) / target_tpot)
         meets = violation <= 1.0
         if (meets & s.routable()).any():
             return np.where(meets, cost, np.inf)
