@@ -1,4 +1,6 @@
-"""Read queue length, running requests and KV usage out of SGLang's or vLLM's /metrics text.
+"""Read queue length, running requests and KV usage out of SGLang's or vLLM's /metrics text, and
+the counters of tokens generated and requests finished (the typical output length,
+`gorgo.core.outputs`).
 
 Engines label their series (model_name, engine, ...) and a replica may serve several models, so
 values of one name are summed over label sets (usage is averaged), each sample within its bounds
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 from prometheus_client.parser import text_string_to_metric_families
 
 from gorgo.core.kv_events import MAX_GPU_BLOCKS, block_size_ok
+from gorgo.core.outputs import MAX_COUNTER
 from gorgo.core.state import MAX_ENGINE_REQS, scraped
 
 NAMES = {
@@ -24,6 +27,12 @@ NAMES = {
 }
 # vLLM before 0.10 called KV usage gpu_cache_usage_perc.
 ALIASES = {"vllm:gpu_cache_usage_perc": "vllm:kv_cache_usage_perc"}
+# Counters of tokens generated and of requests finished (vLLM: one series per finish reason,
+# summed), as their samples are named.
+COUNTERS = {
+    "sglang": ("sglang:generation_tokens_total", "sglang:num_requests_total"),
+    "vllm": ("vllm:generation_tokens_total", "vllm:request_success_total"),
+}
 
 
 CACHE_CONFIG = "vllm:cache_config_info"
@@ -44,6 +53,8 @@ class EngineLoad:
     queue_reqs: float
     running_reqs: float
     kv_usage: float
+    generated: float = float("nan")  # the counters (NaN: not on the page)
+    finished: float = float("nan")
     cache: CacheConfig | None = None
 
 
@@ -74,15 +85,27 @@ def _lines_of(names: tuple[str, ...]) -> re.Pattern[str]:
 # The lines each flavor reads (samples and their TYPE/HELP lines). An engine's page holds
 # thousands of histogram buckets the router never reads; the Prometheus parser costs about
 # 0.2 s a megabyte, on the thread that also times the RTT probes.
-_READ = {flavor: _lines_of((*names, *ALIASES, CACHE_CONFIG)) for flavor, names in NAMES.items()}
+_READ = {flavor: _lines_of((*names, *ALIASES, CACHE_CONFIG, *COUNTERS[flavor],
+                            *(c.removesuffix("_total") for c in COUNTERS[flavor])))
+         for flavor, names in NAMES.items()}
 # The most of those lines a page may hold (an engine has one per model and rank, with TYPE and
 # HELP): 140,000 of them, within the page size limit, once held that thread 4.5 s.
 MAX_READ_LINES = 10_000
 
 
+def _counter(values: list[float]) -> float:
+    """A counter summed over its series (models, ranks, finish reasons); NaN when absent or when
+    a series is not a finite count (the sum would mislead the increments)."""
+    if not values or not all(0.0 <= v < MAX_COUNTER for v in values):
+        return float("nan")
+    return sum(values)
+
+
 def parse_engine_metrics(text: str, flavor: str) -> EngineLoad:
     queue_name, running_name, usage_name = NAMES[flavor]
-    sums: dict[str, list[float]] = {queue_name: [], running_name: [], usage_name: []}
+    generated_name, finished_name = COUNTERS[flavor]
+    sums: dict[str, list[float]] = {queue_name: [], running_name: [], usage_name: [],
+                                    generated_name: [], finished_name: []}
     cache = None
     lines = [m[0] for m in itertools.islice(_READ[flavor].finditer(text), MAX_READ_LINES + 1)]
     if len(lines) > MAX_READ_LINES:
@@ -102,5 +125,7 @@ def parse_engine_metrics(text: str, flavor: str) -> EngineLoad:
         queue_reqs=sum(scraped(v, MAX_ENGINE_REQS, 0.0) for v in sums[queue_name]),
         running_reqs=sum(scraped(v, MAX_ENGINE_REQS, 0.0) for v in sums[running_name]),
         kv_usage=sum(usage) / len(usage) if usage else float("nan"),
+        generated=_counter(sums[generated_name]),
+        finished=_counter(sums[finished_name]),
         cache=cache,
     )

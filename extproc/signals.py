@@ -277,7 +277,8 @@ class Signals:
 
     def apply_scrape(self, i: int, load: EngineLoad) -> None:
         self.router.state.observe_engine(
-            i, self.clock(), load.queue_reqs, load.running_reqs, load.kv_usage)
+            i, self.clock(), load.queue_reqs, load.running_reqs, load.kv_usage, load.generated,
+            load.finished)
         if load.cache is not None:
             c = load.cache
             self.router.state.observe_cache_config(i, c.block_size, c.num_blocks, c.hash_algo)

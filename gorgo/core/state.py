@@ -16,6 +16,7 @@ import numpy as np
 from gorgo.core.features import RequestFeatures
 from gorgo.core.fleet import FleetSpec, ModelSettings
 from gorgo.core.kv_events import KVEvent
+from gorgo.core.outputs import MAX_COUNTER, OutputModel
 from gorgo.core.precise import PreciseCache
 from gorgo.core.prefix_index import PrefixIndex
 from gorgo.core.terms import TERMS
@@ -96,6 +97,11 @@ class FleetState:
         self.eng_running_reqs = np.full(n, np.nan)
         self.eng_kv_usage = np.full(n, np.nan)
         self.eng_scraped_at = np.full(n, -np.inf)
+        # The engines' generated-token and finished-request counters as last scraped (NaN: not
+        # reported), whose increments teach ``outputs`` the typical output length.
+        self.eng_generated = np.full(n, np.nan)
+        self.eng_finished = np.full(n, np.nan)
+        self.outputs = OutputModel()
         # Anomaly penalty in ms (failed responses here, slow-vs-predicted from the tuner), as of
         # ``penalty_at``; it halves every ``penalties.half_life_s``.
         self.penalty_ms = np.zeros(n)
@@ -248,8 +254,8 @@ class FleetState:
         keeps its row of every per-replica array (RTT, scrapes, health, backlog, penalty,
         calibrated prefill rate), its prefix-index entries and its KV capacity; the others
         start fresh, unroutable until probed. Draining and the term params (configured, not
-        learned) follow ``spec``. The weights
-        and the demand estimate carry over whole."""
+        learned) follow ``spec``. The weights,
+        the demand estimate and the learned output length carry over whole."""
         new = FleetState(spec, unbounded_prefix=self.prefix.capacity is None)
         pairs = [(j, self.index[carried[name]]) for j, name in enumerate(new.names)
                  if name in carried]
@@ -286,6 +292,7 @@ class FleetState:
             new.weights = self.weights
         new.now = self.now
         new.reuse_share = self.reuse_share
+        new.outputs = self.outputs
         new._arrivals, new._arrival_tokens = self._arrivals, self._arrival_tokens
         new._arrivals_at, new._first_arrival = self._arrivals_at, self._first_arrival
         new.version = self.version + 1
@@ -325,6 +332,8 @@ class FleetState:
                 cached = cached[self.candidates]
             seen = float(cached.max(initial=0)) / f.prompt_tokens
             self.reuse_share += REUSE_EWMA_ALPHA * (seen - self.reuse_share)
+        if f.max_tokens is not None:
+            self.outputs.sent(f.max_tokens)
         self.book(i, f.block_hashes, f.prompt_tokens, uncached, f.choices,
                   f.context_tokens)
 
@@ -426,13 +435,17 @@ class FleetState:
 
     def observe_engine(
         self, i: int, now: float, queue_reqs: float, running_reqs: float, kv_usage: float,
+        generated: float = math.nan, finished: float = math.nan,
     ) -> None:
         """A scrape of replica i's engine, read at ``now``. An idle engine (nothing waiting or
         running) owes no prefill but for what was sent after it was read: our backlog is cut to
         that (tokens sent since the previous scrape, a bound that errs on the high side). The
         counts are read within [0, MAX_ENGINE_REQS], NaN (which stands for "never scraped") as
-        0; the KV use is a share, within [0, 1] (NaN: not reported)."""
+        0; the KV use is a share, within [0, 1] (NaN: not reported). ``generated`` and
+        ``finished``: the engine's counters of tokens generated and requests finished (NaN: not
+        reported), see `_count_outputs`."""
         self.version += 1
+        self._count_outputs(i, generated, finished)
         queue_reqs = scraped(queue_reqs, MAX_ENGINE_REQS, 0.0)
         running_reqs = scraped(running_reqs, MAX_ENGINE_REQS, 0.0)
         if queue_reqs == 0 and running_reqs == 0:
@@ -445,6 +458,18 @@ class FleetState:
         self.eng_backlog_tokens[i] = 0.0  # what this router sends from now on
         self.eng_backlog_at[i] = now
         self.sent_since_scrape[i] = 0.0
+
+    def _count_outputs(self, i: int, generated: float, finished: float) -> None:
+        """Teach ``outputs`` the increments of replica i's counters since its last scrape. A
+        counter that went down is an engine restart: the new values are only a baseline."""
+        g = scraped(generated, MAX_COUNTER, math.nan)
+        d = scraped(finished, MAX_COUNTER, math.nan)
+        if g != g or d != d:
+            return
+        old_g, old_d = float(self.eng_generated[i]), float(self.eng_finished[i])
+        self.eng_generated[i], self.eng_finished[i] = g, d
+        if old_g == old_g and g >= old_g and d >= old_d:
+            self.outputs.observe(g - old_g, d - old_d)
 
     def observe_cache_config(
         self, i: int, block_size: int, capacity_blocks: int, algorithm: str | None = None

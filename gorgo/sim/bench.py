@@ -65,10 +65,13 @@ from gorgo.sim.routers import PLACEMENTS, SAME
 from gorgo.sim.stats import jsonable, percentile
 from gorgo.sim.traces import TraceRequest, load_trace, parse_spec
 from gorgo.sim.workload import (
+    BOUND_OPTION,
     BOUNDS,
+    EXACT,
     ORACLE,
     Workload,
     simulate,
+    split_client_bound,
     tokenization,
     workload_from_requests,
 )
@@ -700,13 +703,16 @@ def load_windows(cmd: str, trace: str, spec: FleetSpec, requests: int | None, wi
     alone; UserError ``cannot load ...`` if the trace cannot be used (a bench exits 2 on it
     rather than with a traceback)."""
     try:
-        slices = trace_windows(trace, requests, windows)  # a bad trace fails before any progress
+        base, bound = split_client_bound(trace)
+        slices = trace_windows(base, requests, windows)  # a bad trace fails before any progress
         if pick is not None:
             slices = slices[pick:pick + 1]
         out = []
         for label, reqs in slices:
+            if bound != EXACT:
+                label += f" {BOUND_OPTION}={'none' if bound is None else bound}"
             log(f"{cmd}: building request features for {label} ({len(reqs)} requests) ...")
-            workload = workload_from_requests(label, reqs, tokenization(spec))
+            workload = workload_from_requests(label, reqs, tokenization(spec), bound)
             _ = workload.mean_rate_rps
             out.append(workload)
     except (ValueError, OSError) as exc:

@@ -230,14 +230,16 @@ def code_digest() -> str:
 
 
 def workload_digest(workload: Workload) -> str:
-    """What a window's requests are (arrivals, prompts and their blocks, outputs), not what the
-    trace is called: a trace file rewritten in place (or $GORGO_TRACES pointing elsewhere) kept
-    its key, and a capacity found for other prompts scaled every load."""
+    """What a window's requests are (arrivals, prompts and their blocks, bounds, outputs), not
+    what the trace is called: a trace file rewritten in place (or $GORGO_TRACES pointing
+    elsewhere) kept its key, and a capacity found for other prompts scaled every load."""
     h = hashlib.blake2b(digest_size=6)
     h.update(np.asarray(workload.arrivals, dtype=float).tobytes())
     h.update(np.asarray(workload.output_tokens, dtype=np.int64).tobytes())
     for f in workload.features:
         h.update(f.prompt_tokens.to_bytes(8, "little"))
+        # what the client says of its output (the router reads it; `--trace ...,max_tokens=`)
+        h.update((-1 if f.max_tokens is None else f.max_tokens).to_bytes(8, "little", signed=True))
         h.update(np.asarray(f.block_hashes, dtype=np.uint64).tobytes())
     return h.hexdigest()
 

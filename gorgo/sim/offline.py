@@ -546,7 +546,8 @@ class Simulation:
         m = self.engines[i].metrics()
         back = self.sides[j].net.one_way(i)
         self._push(self.now + back, SCRAPE_DONE,
-                   (j, i, m.num_waiting, m.num_running, m.kv_usage))
+                   (j, i, m.num_waiting, m.num_running, m.kv_usage, m.generated_tokens_total,
+                    m.requests_finished))
         self._push(self.now + self.spec.signals.scrape_interval_s, SCRAPE_AT, payload)
 
     def _scrape_done(self, payload: tuple) -> None:

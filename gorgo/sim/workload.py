@@ -74,22 +74,65 @@ def build_workload(trace: str, tok: Tokenization, requests: int | None = None) -
     return workload_from_requests(trace, reqs[:requests] if requests is not None else reqs, tok)
 
 
+# What a replayed client sends as max_tokens (`--trace SPEC,max_tokens=...` of `gorgo bench sim`):
+# EXACT, the request's own output length (the traces' replay, and the default); None, no bound; or
+# one cap N for every request, which cuts an output longer than N to N. The engine always
+# generates the output (cut at the cap), never the bound: only what the router is told changes.
+EXACT = "exact"
+BOUND_OPTION = "max_tokens"
+ClientBound = int | str | None
+
+
+def parse_client_bound(value: str) -> ClientBound:
+    """``exact``, ``none`` or a cap of at least 1 token; ValueError otherwise."""
+    v = value.strip().lower()
+    if v in (EXACT, "none"):
+        return EXACT if v == EXACT else None
+    if v.isdigit() and int(v) >= 1:
+        return int(v)
+    raise ValueError(f"{BOUND_OPTION}={value!r}: expected exact, none or a number of tokens >= 1")
+
+
+def split_client_bound(trace: str) -> tuple[str, ClientBound]:
+    """``trace`` without its ``max_tokens=`` option (an offline one: the trace loaders do not
+    know it), and the bound it names (EXACT when absent)."""
+    name, sep, rest = trace.partition(":")
+    if not sep or "=" not in rest:
+        return trace, EXACT
+    items = [item for item in rest.split(",")]
+    kept = [item for item in items if item.partition("=")[0].strip() != BOUND_OPTION]
+    bounds = [item.partition("=")[2] for item in items if item not in kept]
+    if not bounds:
+        return trace, EXACT
+    if len(bounds) > 1:
+        raise ValueError(f"{trace}: {BOUND_OPTION} given {len(bounds)} times")
+    return (f"{name}:{','.join(kept)}" if kept else name), parse_client_bound(bounds[0])
+
+
 def workload_from_requests(
-    name: str, reqs: Sequence[TraceRequest], tok: Tokenization
+    name: str, reqs: Sequence[TraceRequest], tok: Tokenization, bound: ClientBound = EXACT
 ) -> Workload:
-    """Parse each request's chat body as the router would; ``name`` labels the workload."""
+    """Parse each request's chat body as the router would; ``name`` labels the workload,
+    ``bound`` is the max_tokens its client sends (see EXACT)."""
     if not reqs:
         raise ValueError(f"{name}: no requests")
+    outputs = [r.output_tokens if not isinstance(bound, int) else min(r.output_tokens, bound)
+               for r in reqs]
+    bodies = [r.chat_body(tok, MODEL) for r in reqs]
+    if bound != EXACT:
+        for body in bodies:
+            if bound is None:
+                del body["max_tokens"]
+            else:
+                body["max_tokens"] = bound
     features = tuple(
-        extract_features(CHAT_PATH, {}, json.dumps(r.chat_body(tok, MODEL)).encode(), tok)
-        for r in reqs
-    )
+        extract_features(CHAT_PATH, {}, json.dumps(body).encode(), tok) for body in bodies)
     arrivals = np.array([r.arrival_s for r in reqs], dtype=float)
     return Workload(
         trace=name,
         arrivals=arrivals - arrivals[0],
         features=features,
-        output_tokens=tuple(r.output_tokens for r in reqs),
+        output_tokens=tuple(outputs),
     )
 
 

@@ -320,3 +320,34 @@ def test_the_live_router_bounds_the_index_whatever_the_policy_models() -> None:
     paper = dataclasses.replace(spec(), policy="gorgo-paper")
     assert Router(paper).state.prefix.capacity is None  # the simulator: the paper's trie
     assert Router(paper, unbounded_prefix=False).state.prefix.capacity is not None  # live
+
+
+def test_the_engines_output_counters_teach_the_typical_output() -> None:
+    s = FleetState(spec())
+    s.observe_engine(0, 0.0, 0, 0, 0.1, generated=5000.0, finished=10.0)  # a baseline only
+    assert s.outputs.typical() is None
+    s.observe_engine(0, 1.0, 0, 0, 0.1, generated=5000.0 + 120.0 * 30, finished=40.0)
+    assert s.outputs.typical() == pytest.approx(120.0)
+    # an engine restart (counters back near 0) is a new baseline, never a negative increment
+    s.observe_engine(0, 2.0, 0, 0, 0.1, generated=50.0, finished=1.0)
+    assert s.outputs.typical() == pytest.approx(120.0)
+    s.observe_engine(0, 3.0, 0, 0, 0.1, generated=50.0 + 120.0 * 10, finished=11.0)
+    assert s.outputs.typical() == pytest.approx(120.0)
+    # an engine that does not report them (NaN) changes nothing, and keeps the baseline
+    s.observe_engine(0, 4.0, 0, 0, 0.1)
+    assert s.eng_finished[0] == 11.0
+    # replicas count apart: another engine's first scrape is its own baseline
+    s.observe_engine(1, 4.0, 0, 0, 0.1, generated=1e6, finished=1.0)
+    assert s.outputs.typical() == pytest.approx(120.0)
+    # a fleet reload keeps what was learned
+    assert s.reindexed(spec(), {"a": "a", "b": "b"}).outputs.typical() == pytest.approx(120.0)
+
+
+def test_routed_bounds_are_counted_once_per_request() -> None:
+    s = FleetState(spec())
+    f = extract_features("/v1/completions", {},
+                         json.dumps({"prompt": "x" * 40, "max_tokens": 64}).encode(), s.tok)
+    s.record_sent(0, f, 40)
+    s.book(1, f.block_hashes, f.prompt_tokens, 40, arrival=False)  # a retry's move: no new bound
+    assert s.outputs.bound_n == pytest.approx(1.0)
+    assert s.outputs.bound_sum == pytest.approx(64.0)

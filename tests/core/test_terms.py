@@ -438,3 +438,36 @@ def test_congestion_keeps_the_near_replica_from_filling_up_to_the_far_ones_round
     t = cost_terms(f, r.state)
     assert (t["rtt"] + t["queue"] + t["prefill"])[0] < (t["rtt"] + t["queue"] + t["prefill"])[1]
     assert r.route(f, now=1.0).replica == 1
+
+
+def test_a_generous_cap_is_priced_at_what_the_engines_generate() -> None:
+    # Clients that send max_tokens 4,096 and stop after ~300: the decode terms priced 4,096
+    # tokens (chat x paper at load 0.8: E2E p95 1.36x cache-aware's, 1.06x priced as learned).
+    s = FleetState(_spec())
+    capped = _req(s, max_tokens=4096)
+    for _ in range(50):
+        s.record_sent(0, capped, 100)
+    s.observe_engine(0, 0.0, 0.0, 0.0, 0.0, generated=1000.0, finished=10.0)
+    s.observe_engine(0, 1.0, 0.0, 0.0, 0.0, generated=1000.0 + 300.0 * 40, finished=50.0)
+    as_300 = cost_terms(_req(s, max_tokens=300), s)
+    terms = cost_terms(capped, s)
+    assert terms["decode"] == pytest.approx(as_300["decode"])
+    assert terms["interference"] == pytest.approx(as_300["interference"])
+    # a bound below the typical output is still a bound
+    short = cost_terms(_req(s, max_tokens=20), s)["decode"]
+    assert short == pytest.approx(as_300["decode"] * 20 / 300, rel=0.05)
+
+
+def test_the_admission_wait_prices_the_engines_typical_output() -> None:
+    s = FleetState(_spec())
+    s.params["admission"]["max_running"][:] = 2.0
+    for _ in range(4):
+        s.add_inflight(0, 100, 0)
+    f = _req(s)
+    default = cost_terms(f, s)["admission"][0]
+    assert default > 0
+    s.observe_engine(1, 0.0, 0.0, 0.0, 0.0, generated=0.0, finished=0.0)
+    s.observe_engine(1, 1.0, 0.0, 0.0, 0.0, generated=64.0 * 100, finished=100.0)
+    s.version += 1
+    learned = cost_terms(f, s)["admission"][0]
+    assert learned == pytest.approx(default * 64 / 256, rel=0.05)  # the parameter's 256

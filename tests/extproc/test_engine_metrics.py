@@ -89,3 +89,34 @@ def test_a_cache_config_out_of_any_engines_range_is_no_config_and_the_load_stand
     assert (load.queue_reqs, load.running_reqs) == (5.0, 17.0)
     got = None if load.cache is None else (load.cache.block_size, load.cache.num_blocks)
     assert got == expected
+
+
+def test_the_output_counters_of_both_engines() -> None:
+    # vLLM counts successes per finish reason and engine: all of them are finished requests
+    vllm = VLLM + (
+        "# TYPE vllm:generation_tokens counter\n"
+        'vllm:generation_tokens_total{engine="0"} 1200\n'
+        'vllm:generation_tokens_total{engine="1"} 800\n'
+        "# TYPE vllm:request_success counter\n"
+        'vllm:request_success_total{engine="0",finished_reason="stop"} 5\n'
+        'vllm:request_success_total{engine="0",finished_reason="length"} 2\n'
+        'vllm:request_success_total{engine="1",finished_reason="stop"} 3\n'
+        'vllm:generation_tokens_created{engine="0"} 1.7e9\n')
+    load = parse_engine_metrics(vllm, "vllm")
+    assert (load.generated, load.finished) == (2000.0, 10.0)
+    sglang = SGLANG + ("# TYPE sglang:generation_tokens counter\n"
+                       'sglang:generation_tokens_total{model_name="qwen"} 640\n'
+                       "# TYPE sglang:num_requests counter\n"
+                       'sglang:num_requests_total{model_name="qwen"} 4\n')
+    load = parse_engine_metrics(sglang, "sglang")
+    assert (load.generated, load.finished) == (640.0, 4.0)
+
+
+def test_absent_or_broken_output_counters_are_not_reported() -> None:
+    load = parse_engine_metrics(VLLM, "vllm")
+    assert math.isnan(load.generated) and math.isnan(load.finished)
+    broken = VLLM + ('vllm:generation_tokens_total{engine="0"} 10\n'
+                     'vllm:generation_tokens_total{engine="1"} NaN\n'
+                     'vllm:request_success_total{engine="0"} +Inf\n')
+    load = parse_engine_metrics(broken, "vllm")
+    assert math.isnan(load.generated) and math.isnan(load.finished)

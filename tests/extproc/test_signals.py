@@ -59,6 +59,8 @@ def test_router_probes_rtt_and_scrapes_sglang_and_vllm_metrics() -> None:
             assert list(s.eng_queue_reqs) == [0.0, 0.0]
             assert list(s.eng_running_reqs) == [0.0, 0.0]
             assert np.all((s.eng_kv_usage >= 0) & (s.eng_kv_usage <= 1))
+            # both flavors' output counters reach the state (nothing served yet)
+            assert list(s.eng_generated) == [0.0, 0.0] and list(s.eng_finished) == [0.0, 0.0]
             assert s.healthy.all()
             await fleet.kill("vl")
             for _ in range(3):

@@ -13,6 +13,7 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from extproc.engine_metrics import parse_engine_metrics
 from gorgo.core.features import prompt_text
 from gorgo.core.tokens import Tokenization
 from gorgo.sim import engine_server
@@ -194,9 +195,11 @@ def test_metrics_parse_with_the_flavors_names(flavor):
                     continue  # vLLM's cache config info carries no model name
                 assert s.labels["model_name"] == MODEL
                 samples[s.name] = s.value
-        return samples, usage
+        return samples, usage, parse_engine_metrics(text, flavor)
 
-    samples, usage = serve(fn, flavor=flavor)
+    samples, usage, load = serve(fn, flavor=flavor)
+    # what the router learns the typical output from (`gorgo.core.outputs`)
+    assert (load.generated, load.finished) == (4.0, 1.0)
     p = flavor + ":"
     # the ITL histogram the router calibrates decode from: 3 gaps after the first of 4 tokens
     assert samples[p + "inter_token_latency_seconds_count"] == usage["completion_tokens"] - 1

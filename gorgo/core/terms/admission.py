@@ -10,11 +10,11 @@ decode time), so
 
     wait_i = max(k, 0) * out * itl_i / max_running
 
-with ``out`` the decode term's typical output length (``output_tokens``: the running requests'
-lengths, not this one's) and ``itl_i`` the decode term's predicted inter-token latency. The
-`queue` term prices only prompt tokens waiting for prefill, so without this term a replica
-whose slots are full looks free. Measured on the Azure conversation trace, where the paper's
-fleet (64 slots per replica) fills them in bursts: gorgo's p95 TTFT went from 1.17x to 0.92x
+with ``out`` the typical output length (the running requests' lengths, not this one's: what the
+engines report, else the decode term's ``output_tokens``) and ``itl_i`` the decode term's predicted
+inter-token latency. The `queue` term prices only prompt tokens waiting for prefill, so without this
+term a replica whose slots are full looks free. Measured on the Azure conversation trace, where the
+paper's fleet (64 slots per replica) fills them in bursts: gorgo's p95 TTFT went from 1.17x to 0.92x
 cache-aware's on fleet `paper` at load 0.8 (docs/results.md); traces that never fill the slots
 (Mooncake, `chat`) route as before.
 
@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from gorgo.core.terms.base import FIXED, CostTerm
-from gorgo.core.terms.decode import batch, predicted_itl
+from gorgo.core.terms.decode import batch, predicted_itl, typical_output
 
 if TYPE_CHECKING:
     from gorgo.core.features import RequestFeatures
@@ -44,7 +44,7 @@ def _admission(f: RequestFeatures, s: FleetState) -> np.ndarray:
     ahead = np.maximum(batch(s) + 1.0 - slots, 0.0)
     if not ahead.any():
         return ahead
-    out = s.params["decode"]["output_tokens"]
+    out = typical_output(s)
     return ahead * out * predicted_itl(f, s) / slots
 
 

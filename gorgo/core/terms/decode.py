@@ -9,8 +9,9 @@ attention over the KV cache in use), so the term is ``out * itl_i(batch_i + choi
 ``batch_i`` the sequences decoding there (this router's count, or the engine's own running and
 waiting requests when a fresh scrape says more), ``choices`` this request's own (`n` per
 prompt), ``context`` every sequence's prompt tokens plus half its expected output, and ``out``
-the expected output length: ``max_tokens`` when the request sets it (a completion's default is
-the API's 16), else the ``output_tokens`` parameter. A replica whose prefill rate is below the
+the expected output length: the request's ``max_tokens`` (a completion's default is the API's
+16) read as the bound it is, against the output the engines report (`gorgo.core.outputs`);
+without either, the ``output_tokens`` parameter. A replica whose prefill rate is below the
 fleet's fastest is assumed to decode as much slower. The constants are per replica
 (``FleetState.params["decode"]``); their defaults are an H100 running an 8B model. (Calibrating
 them from the engines' inter-token latency histograms was tried and measured worse: under chunked
@@ -39,11 +40,18 @@ PARAMS = {"itl_base_ms": 6.0, "itl_per_seq_ms": 0.03, "itl_per_kctx_ms": 0.04,
 
 
 def expected_output(f: RequestFeatures, s: FleetState) -> np.ndarray | float:
-    """Output tokens expected per replica: the request's max_tokens (one for all), else the
-    parameter."""
-    if f.max_tokens is not None:  # 0: a prompt's logprobs only (`echo`)
-        return float(f.max_tokens)
-    return s.params["decode"]["output_tokens"]
+    """Output tokens expected (one for all replicas): from the request's max_tokens (0: a
+    prompt's logprobs only, `echo`) and the engines' typical output (`OutputModel.expected`),
+    else the parameter per replica."""
+    out = s.outputs.expected(f.max_tokens)
+    return s.params["decode"]["output_tokens"] if out is None else out
+
+
+def typical_output(s: FleetState) -> np.ndarray | float:
+    """Output tokens of a typical request (one already running): what the engines report,
+    else the parameter."""
+    out = s.outputs.typical()
+    return s.params["decode"]["output_tokens"] if out is None else out
 
 
 def own_context(f: RequestFeatures, out: np.ndarray | float) -> np.ndarray | float:

@@ -1,0 +1,86 @@
+"""How many tokens a request will generate, learned from what the engines report.
+
+The decode and interference terms price a request's output. A client's ``max_tokens`` is a
+bound, not a length: some clients send the length they want (a batch job, the replay of a
+trace), most send a generous cap (4,096 for every request) or none, and the engine stops at
+end of sequence long before it. Taken at face value, a cap of 4,096 priced every request at
+4,096 tokens of decoding and made the decode terms drown the first-token ones (Mooncake x
+`paper` at load 0.8: E2E p95 +5-6 % against the exact lengths; docs/results.md, "What the
+client's max_tokens tells the router").
+
+The engines count what they generate: vLLM's ``vllm:generation_tokens_total`` and
+``vllm:request_success_total``, SGLang's ``sglang:generation_tokens_total`` and
+``sglang:num_requests_total``. Between two scrapes their increments give the tokens generated
+per finished request; summed over the fleet and decayed (half-life `HALF_LIFE_REQS` finished
+requests) that is the typical output ``L``. The router also keeps the typical bound ``B`` of
+the requests it routes that set one. Then a request's expected output is
+
+    no max_tokens:     L
+    max_tokens m:      min(m, max(r * m, L)),   r = min(L / B, 1)
+
+When bounds are the lengths, L = B and the estimate is m itself (r of at least `EXACT_RATIO`
+reads as 1: the two sums are of different requests); when they are one cap,
+r * m = L; when they are caps of several sizes, a small cap is still a bound and a large one
+counts as r of itself. Until `MIN_REQS` requests have been counted on either side, ``m`` (else
+the decode term's ``output_tokens`` parameter) stands as before.
+
+One estimate for the fleet: a fleet serving several models shares it (their engines' counters
+are per replica, not per model on every engine).
+"""
+
+from __future__ import annotations
+
+import math
+
+HALF_LIFE_REQS = 500.0  # the estimates follow a change of traffic within a few hundred requests
+MIN_REQS = 20.0  # counted (decayed) requests before an estimate is used
+MAX_COUNTER = 2.0**63  # an engine's counter is read within [0, this]
+# L / B at or above this reads as bounds that are the lengths: the counters include the partial
+# outputs of running requests and the bounds are of requests sent later than those finished, so
+# exact bounds measure 0.9-1.1, caps far below.
+EXACT_RATIO = 0.8
+
+
+class OutputModel:
+    """Decayed sums of tokens generated per finished request (from the engines' counters) and of
+    the bounds routed requests set (from this router's requests)."""
+
+    __slots__ = ("bound_n", "bound_sum", "finished", "generated")
+
+    def __init__(self) -> None:
+        self.generated = 0.0  # tokens the engines generated, decayed per finished request
+        self.finished = 0.0  # requests they finished, decayed alike
+        self.bound_sum = 0.0  # max_tokens of routed requests that set it, decayed per request
+        self.bound_n = 0.0
+
+    def observe(self, generated: float, finished: float) -> None:
+        """The engines generated ``generated`` tokens and finished ``finished`` requests since
+        their previous scrape (one replica's counters' increments)."""
+        if not (finished >= 0.0 and generated >= 0.0) or finished + generated == 0.0:
+            return
+        keep = math.exp2(-finished / HALF_LIFE_REQS)
+        self.generated = self.generated * keep + generated
+        self.finished = self.finished * keep + finished
+
+    def sent(self, max_tokens: int) -> None:
+        """A routed request set ``max_tokens``."""
+        keep = math.exp2(-1.0 / HALF_LIFE_REQS)
+        self.bound_sum = self.bound_sum * keep + max_tokens
+        self.bound_n = self.bound_n * keep + 1.0
+
+    def typical(self) -> float | None:
+        """Tokens a finished request generated, on average (None until `MIN_REQS`)."""
+        return self.generated / self.finished if self.finished >= MIN_REQS else None
+
+    def expected(self, max_tokens: int | None) -> float | None:
+        """The output tokens to price for a request that set ``max_tokens`` (None: no bound);
+        None when nothing is known yet (no bound, and no typical output reported)."""
+        typical = self.typical()
+        if max_tokens is None:
+            return typical
+        if typical is None or self.bound_n < MIN_REQS:
+            return float(max_tokens)
+        r = typical * self.bound_n / self.bound_sum if self.bound_sum > 0 else 1.0
+        if r >= EXACT_RATIO:
+            return float(max_tokens)
+        return min(float(max_tokens), max(r * max_tokens, typical))
