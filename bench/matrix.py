@@ -10,8 +10,12 @@ and 0.95 of each window's capacity. Policies: gorgo under each objective (``gorg
 one row per (trace, fleet, load) and none dropped (a run that fails is a row saying so), goes to
 ``<out>/summary.md`` and, with ``--write-docs``, between this script's markers in that file.
 
+``--bound MODE`` replays clients that send another ``max_tokens`` than their exact output (the
+trace option ``max_tokens=MODE``, docs/simulator.md: ``none`` or one cap N) into its own folder
+and docs block; ``--loads`` runs some of the loads.
+
     .venv/bin/python bench/matrix.py [--requests 1500] [--windows 3] [--seeds 2] [--jobs N]
-        [--write-docs docs/results.md] [--report-only]
+        [--bound none|N] [--loads 0.8] [--write-docs docs/results.md] [--report-only]
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from gorgo.harness.docblock import command_lines, public_args, stop_on_signals, 
 from gorgo.sim import bench
 from gorgo.sim.capacity import code_digest
 from gorgo.sim.presets import PRESETS
+from gorgo.sim.workload import BOUND_OPTION, EXACT, parse_client_bound
 
 TRACES: dict[str, str] = {
     "mooncake": "mooncake",
@@ -43,6 +48,8 @@ LOADS = (0.5, 0.8, 0.95)
 METRICS = tuple(bench.GOALS)
 SECTION = "## Offline matrix: every trace, fleet and load"
 BEGIN, END = "<!-- bench/matrix.py begin -->", "<!-- bench/matrix.py end -->"
+BOUND_SECTION = "### The matrix when clients do not send their output length"
+OUT = Path("results/matrix")
 
 
 def policies() -> list[str]:
@@ -55,6 +62,14 @@ def variants(pols: list[str]) -> list[str]:
     return [p for p in pols if bench.is_gorgo(p)]
 
 
+def trace_spec(trace: str, bound: str) -> str:
+    """The bench's trace spec: the project trace with the client's bound, when not exact."""
+    spec = TRACES[trace]
+    if bound == EXACT:
+        return spec
+    return f"{spec}{',' if ':' in spec else ':'}{BOUND_OPTION}={bound}"
+
+
 def run_pair(trace: str, fleet: str, pols: list[str], args: argparse.Namespace) -> Path:
     """One `gorgo bench sim` over every load; returns its results folder."""
     out = args.out / f"{trace}-{fleet}"
@@ -62,9 +77,10 @@ def run_pair(trace: str, fleet: str, pols: list[str], args: argparse.Namespace) 
         parser = argparse.ArgumentParser()
         bench.add_arguments(parser)
         bench.main(parser.parse_args([
-            "--trace", TRACES[trace], "--fleet", fleet, "--policies", ",".join(pols),
+            "--trace", trace_spec(trace, args.bound), "--fleet", fleet,
+            "--policies", ",".join(pols),
             "--windows", str(args.windows), "--seeds", str(args.seeds),
-            "--requests", str(args.requests), "--load", ",".join(map(str, LOADS)),
+            "--requests", str(args.requests), "--load", ",".join(map(str, args.loads)),
             "--capacity-cache", str(args.out / "capacity.json"), "--out", str(out),
             "--jobs", str(args.jobs), *(["--rerun", args.rerun] if args.rerun else [])]))
     return out
@@ -82,7 +98,8 @@ class Row:
         return "| " + " | ".join([*self.cells, *goals]) + " |"
 
 
-def rows(trace: str, fleet: str, out: Path, gorgos: list[str]) -> list[Row]:
+def rows(trace: str, fleet: str, out: Path, gorgos: list[str], loads: tuple[float, ...]
+         ) -> list[Row]:
     """The summary rows of one (trace, fleet): one per load, also for loads without results;
     ``gorgos`` are the gorgo variants that ran."""
     try:
@@ -93,7 +110,7 @@ def rows(trace: str, fleet: str, out: Path, gorgos: list[str]) -> list[Row]:
     width = len(METRICS) * (1 + len(gorgos))
     everything = [bench.TABLE_METRICS[k][0] for k in METRICS]
     out_rows = []
-    for load in (f"{x:g}" for x in LOADS):
+    for load in (f"{x:g}" for x in loads):
         head = [trace, fleet, load]
         t = by_load.get(load)
         if t is None:
@@ -139,8 +156,9 @@ def summary(table: list[Row], args: argparse.Namespace, run: dict[str, Any]) -> 
     heads += [f"goal {v}" for v in gorgos]
     return "\n".join([
         *head,
-        f"{len(table)} cells ({len(TRACES)} traces x {len(PRESETS)} fleets x {len(LOADS)} "
-        f"loads){took}. Each cell: {args.windows} trace windows of {args.requests} requests "
+        f"{len(table)} cells ({len(TRACES)} traces x {len(PRESETS)} fleets x "
+        f"{len(args.loads)} loads){took}.{_bound_note(args.bound)} Each cell: {args.windows} "
+        f"trace windows of {args.requests} requests "
         f"(`chat`: generator seeds 0-{args.windows - 1}) x {args.seeds} seeds, every policy at "
         "that load of each window's own capacity. Peers: "
         f"{', '.join(p for p in pols if p not in gorgos)}. Cells are {bench.CI_NOTE}. A "
@@ -153,6 +171,14 @@ def summary(table: list[Row], args: argparse.Namespace, run: dict[str, Any]) -> 
         "| trace | fleet | load | " + " | ".join(heads) + " |",
         "|---|---|---:|" + "---:|" * len(heads),
         *(r.line() for r in table), "", *tally(table), ""])
+
+
+def _bound_note(bound: str) -> str:
+    if bound == EXACT:
+        return ""
+    what = "no `max_tokens`" if bound == "none" else f"`max_tokens` {bound} (outputs cut to it)"
+    return (f" Every client sends {what} instead of its exact output length (trace option "
+            f"`{BOUND_OPTION}={bound}`, docs/simulator.md).")
 
 
 def _rerun_note(run: dict[str, Any]) -> str:
@@ -172,14 +198,32 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--windows", type=int, default=3, help="trace windows per cell")
     p.add_argument("--seeds", type=int, default=2, help="link and policy seeds per window")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
-    p.add_argument("--out", type=Path, default=Path("results/matrix"))
+    p.add_argument("--out", type=Path, default=OUT)
     p.add_argument("--write-docs", type=Path, default=None, metavar="FILE.md")
     p.add_argument("--report-only", action="store_true",
                    help="rebuild the summary from the results already in --out")
+    p.add_argument("--bound", default=EXACT, metavar="MODE",
+                   help="what each client sends as max_tokens: exact (default), none or a cap "
+                   "N; not exact: its own --out and docs block")
+    p.add_argument("--loads", default=",".join(map(str, LOADS)), metavar="X,Y",
+                   help="multiples of capacity (default: 0.5,0.8,0.95)")
     p.add_argument("--rerun", default=None, metavar="POLICIES",
                    help="re-simulate only these policies in every cell, keeping the other "
                    "policies' runs (see `gorgo bench sim --rerun`)")
     args = p.parse_args(argv)
+    try:
+        bound = parse_client_bound(args.bound)
+        args.loads = tuple(bench.parse_loads(args.loads))
+    except ValueError as exc:
+        p.error(str(exc))
+    args.bound = args.bound.strip().lower() if bound in (EXACT, None) else str(bound)
+    section, begin, end = SECTION, BEGIN, END
+    if args.bound != EXACT:
+        section = f"{BOUND_SECTION} ({BOUND_OPTION}={args.bound})"
+        begin, end = (m.replace("bench/matrix.py", f"bench/matrix.py {BOUND_OPTION}={args.bound}")
+                      for m in (BEGIN, END))
+        if args.out == OUT:
+            args.out = OUT.with_name(f"matrix-{BOUND_OPTION}-{args.bound}")
     stop_on_signals()
     t0 = time.monotonic()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -207,14 +251,14 @@ def main(argv: list[str] | None = None) -> int:
             except (UserError, RuntimeError) as exc:  # the cell is reported, not dropped
                 print(f"matrix: {trace} x {fleet} failed: {exc}", file=sys.stderr)
                 out = args.out / f"{trace}-{fleet}" / "failed"
-            table += rows(trace, fleet, out, variants(run["policies"]))
+            table += rows(trace, fleet, out, variants(run["policies"]), args.loads)
     if not args.report_only:
         run["wall_s"] = time.monotonic() - t0
         meta.write_text(json.dumps(run) + "\n")
     text = summary(table, args, run)
-    (args.out / "summary.md").write_text(f"{SECTION}\n\n{text}")
+    (args.out / "summary.md").write_text(f"{section}\n\n{text}")
     if args.write_docs is not None:
-        write_block(args.write_docs, SECTION, BEGIN, END, text, "# Results")
+        write_block(args.write_docs, section, begin, end, text, "# Results")
     print(f"matrix: {len(table)} cells in {time.monotonic() - t0:.0f} s; wrote "
           f"{args.out / 'summary.md'}", file=sys.stderr)
     return 0
