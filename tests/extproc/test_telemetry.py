@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 from pathlib import Path
 
 import pytest
@@ -280,3 +281,17 @@ def test_the_fleet_observability_section_is_strict(observability: dict, error: s
     with pytest.raises(FleetError, match=error):
         parse_fleet({**DOC, "observability": observability})
     assert parse_fleet(DOC).observability.access_log is False
+
+
+def test_the_learned_output_length_is_exported() -> None:
+    router = _router()
+    metrics = RouterMetrics(router.state, lambda: 0)
+    value = metrics.registry.get_sample_value
+    assert math.isnan(value("gorgo_output_tokens_typical", {}))
+    assert math.isnan(value("gorgo_max_tokens_typical", {}))
+    s = router.state
+    s.observe_engine(0, 0.0, 0, 0, 0.1, generated=0.0, finished=0.0)
+    s.observe_engine(0, 1.0, 0, 0, 0.1, generated=180.0 * 30, finished=30.0)
+    s.outputs.sent(4096)
+    assert value("gorgo_output_tokens_typical", {}) == pytest.approx(180.0)
+    assert value("gorgo_max_tokens_typical", {}) == pytest.approx(4096.0)
