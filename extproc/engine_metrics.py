@@ -28,10 +28,16 @@ NAMES = {
 # vLLM before 0.10 called KV usage gpu_cache_usage_perc.
 ALIASES = {"vllm:gpu_cache_usage_perc": "vllm:kv_cache_usage_perc"}
 # Counters of tokens generated and of requests finished (vLLM: one series per finish reason,
-# summed), as their samples are named.
+# summed), as their samples are named; first where a page has it, a histogram of the tokens each
+# finished request generated (its sum and count are of the same requests: the counters also count
+# aborted requests' tokens, never the requests).
 COUNTERS = {
     "sglang": ("sglang:generation_tokens_total", "sglang:num_requests_total"),
     "vllm": ("vllm:generation_tokens_total", "vllm:request_success_total"),
+}
+PER_REQUEST = {
+    "sglang": None,
+    "vllm": ("vllm:request_generation_tokens_sum", "vllm:request_generation_tokens_count"),
 }
 
 
@@ -85,17 +91,21 @@ def _lines_of(names: tuple[str, ...]) -> re.Pattern[str]:
 # The lines each flavor reads (samples and their TYPE/HELP lines). An engine's page holds
 # thousands of histogram buckets the router never reads; the Prometheus parser costs about
 # 0.2 s a megabyte, on the thread that also times the RTT probes.
-_READ = {flavor: _lines_of((*names, *ALIASES, CACHE_CONFIG, *COUNTERS[flavor],
-                            *(c.removesuffix("_total") for c in COUNTERS[flavor])))
+_OUTPUT_NAMES = {flavor: (*COUNTERS[flavor], *(PER_REQUEST[flavor] or ())) for flavor in NAMES}
+_READ = {flavor: _lines_of((*names, *ALIASES, CACHE_CONFIG, *_OUTPUT_NAMES[flavor],
+                            *(c.removesuffix("_total") for c in COUNTERS[flavor]),
+                            *(h.removesuffix("_sum") for h in (PER_REQUEST[flavor] or ())[:1])))
          for flavor, names in NAMES.items()}
 # The most of those lines a page may hold (an engine has one per model and rank, with TYPE and
 # HELP): 140,000 of them, within the page size limit, once held that thread 4.5 s.
 MAX_READ_LINES = 10_000
 
 
-def _counter(values: list[float]) -> float:
-    """A counter summed over its series (models, ranks, finish reasons); NaN when absent or when
-    a series is not a finite count (the sum would mislead the increments)."""
+def _counter(series: dict[tuple, float]) -> float:
+    """A counter summed over its series (models, ranks, finish reasons), each label set once (a
+    series listed twice was added twice); NaN when absent or when a series is not a finite count
+    (the sum would mislead the increments)."""
+    values = series.values()
     if not values or not all(0.0 <= v < MAX_COUNTER for v in values):
         return float("nan")
     return sum(values)
@@ -103,9 +113,8 @@ def _counter(values: list[float]) -> float:
 
 def parse_engine_metrics(text: str, flavor: str) -> EngineLoad:
     queue_name, running_name, usage_name = NAMES[flavor]
-    generated_name, finished_name = COUNTERS[flavor]
-    sums: dict[str, list[float]] = {queue_name: [], running_name: [], usage_name: [],
-                                    generated_name: [], finished_name: []}
+    sums: dict[str, list[float]] = {queue_name: [], running_name: [], usage_name: []}
+    counters: dict[str, dict[tuple, float]] = {name: {} for name in _OUTPUT_NAMES[flavor]}
     cache = None
     lines = [m[0] for m in itertools.islice(_READ[flavor].finditer(text), MAX_READ_LINES + 1)]
     if len(lines) > MAX_READ_LINES:
@@ -116,16 +125,23 @@ def parse_engine_metrics(text: str, flavor: str) -> EngineLoad:
             name = ALIASES.get(sample.name, sample.name)
             if name in sums:
                 sums[name].append(sample.value)
+            elif name in counters:
+                counters[name][tuple(sorted(sample.labels.items()))] = sample.value
             elif name == CACHE_CONFIG and cache is None:
                 cache = _cache_config(sample.labels)
     if not sums[queue_name] or not sums[running_name]:
         raise MetricsFormatError(f"no {queue_name} / {running_name} in {flavor} metrics")
     usage = [scraped(u, 1.0, 0.0) for u in sums[usage_name] if u == u]  # NaN: not reported
+    generated, finished = (_counter(counters[n]) for n in COUNTERS[flavor])
+    if PER_REQUEST[flavor] is not None:
+        per_request = tuple(_counter(counters[n]) for n in PER_REQUEST[flavor])
+        if all(v == v for v in per_request):
+            generated, finished = per_request
     return EngineLoad(
         queue_reqs=sum(scraped(v, MAX_ENGINE_REQS, 0.0) for v in sums[queue_name]),
         running_reqs=sum(scraped(v, MAX_ENGINE_REQS, 0.0) for v in sums[running_name]),
         kv_usage=sum(usage) / len(usage) if usage else float("nan"),
-        generated=_counter(sums[generated_name]),
-        finished=_counter(sums[finished_name]),
+        generated=generated,
+        finished=finished,
         cache=cache,
     )

@@ -12,8 +12,11 @@ The engines count what they generate: vLLM's ``vllm:generation_tokens_total`` an
 ``vllm:request_success_total``, SGLang's ``sglang:generation_tokens_total`` and
 ``sglang:num_requests_total``. Between two scrapes their increments give the tokens generated
 per finished request; summed over the fleet and decayed (half-life `HALF_LIFE_REQS` finished
-requests) that is the typical output ``L``. The router also keeps the typical bound ``B`` of
-the requests it routes that set one. Then a request's expected output is
+requests) that is the typical output ``L`` (vLLM's ``vllm:request_generation_tokens``
+histogram, whose sum and count are of the same finished requests, is read first where the page
+has it: the counters also count the tokens of aborted requests, which finish as no success). The
+router also keeps the typical bound ``B`` of the requests it routes that set one, and the share
+of those that set none. Then a request's expected output is
 
     no max_tokens:     L
     max_tokens m:      min(m, max(r * m, L)),   r = min(L / B, 1)
@@ -21,11 +24,20 @@ the requests it routes that set one. Then a request's expected output is
 When bounds are the lengths, L = B and the estimate is m itself (r of at least `EXACT_RATIO`
 reads as 1: the two sums are of different requests); when they are one cap,
 r * m = L; when they are caps of several sizes, a small cap is still a bound and a large one
-counts as r of itself. Until `MIN_REQS` requests have been counted on either side, ``m`` (else
-the decode term's ``output_tokens`` parameter) stands as before.
+counts as r of itself. ``L`` and ``B`` compare only when (nearly) every request sets a bound:
+where more than `MIXED_SHARE` of the routed requests set none, ``L`` is also theirs, and a bound
+stands as given. Until `MIN_REQS` requests have been counted on either side, ``m`` (else the decode
+term's ``output_tokens`` parameter) stands as before.
 
-One estimate for the fleet: a fleet serving several models shares it (their engines' counters
-are per replica, not per model on every engine).
+An increment no engine could have generated (more tokens than its finished, running and waiting
+requests could hold at the largest output a request may ask for: a duplicated series, a counter
+gone wild) is no sample: it is skipped and the counters re-read from there
+(`FleetState._count_outputs`), or one page could price every request at 10^16 tokens for tens of
+thousands of requests.
+
+One estimate for the fleet: a fleet serving several models shares it (a model of long answers
+beside a busier one of short answers is priced at the mix; the engines label their counters by
+model, which a per-model estimate could use).
 """
 
 from __future__ import annotations
@@ -39,19 +51,21 @@ MAX_COUNTER = 2.0**63  # an engine's counter is read within [0, this]
 # outputs of running requests and the bounds are of requests sent later than those finished, so
 # exact bounds measure 0.9-1.1, caps far below.
 EXACT_RATIO = 0.8
+MIXED_SHARE = 0.1  # routed requests without a bound above this share: L and B do not compare
 
 
 class OutputModel:
     """Decayed sums of tokens generated per finished request (from the engines' counters) and of
     the bounds routed requests set (from this router's requests)."""
 
-    __slots__ = ("bound_n", "bound_sum", "finished", "generated")
+    __slots__ = ("bound_n", "bound_sum", "finished", "generated", "unbounded_n")
 
     def __init__(self) -> None:
         self.generated = 0.0  # tokens the engines generated, decayed per finished request
         self.finished = 0.0  # requests they finished, decayed alike
         self.bound_sum = 0.0  # max_tokens of routed requests that set it, decayed per request
         self.bound_n = 0.0
+        self.unbounded_n = 0.0  # routed requests that set none, decayed alike
 
     def observe(self, generated: float, finished: float) -> None:
         """The engines generated ``generated`` tokens and finished ``finished`` requests since
@@ -62,11 +76,17 @@ class OutputModel:
         self.generated = self.generated * keep + generated
         self.finished = self.finished * keep + finished
 
-    def sent(self, max_tokens: int) -> None:
-        """A routed request set ``max_tokens``."""
+    def sent(self, max_tokens: int | None) -> None:
+        """A routed request set ``max_tokens`` (None: no bound)."""
         keep = math.exp2(-1.0 / HALF_LIFE_REQS)
-        self.bound_sum = self.bound_sum * keep + max_tokens
-        self.bound_n = self.bound_n * keep + 1.0
+        self.bound_sum *= keep
+        self.bound_n *= keep
+        self.unbounded_n *= keep
+        if max_tokens is None:
+            self.unbounded_n += 1.0
+        else:
+            self.bound_sum += max_tokens
+            self.bound_n += 1.0
 
     def typical(self) -> float | None:
         """Tokens a finished request generated, on average (None until `MIN_REQS`)."""
@@ -78,7 +98,8 @@ class OutputModel:
         typical = self.typical()
         if max_tokens is None:
             return typical
-        if typical is None or self.bound_n < MIN_REQS:
+        if (typical is None or self.bound_n < MIN_REQS
+                or self.unbounded_n > MIXED_SHARE * (self.bound_n + self.unbounded_n)):
             return float(max_tokens)
         r = typical * self.bound_n / self.bound_sum if self.bound_sum > 0 else 1.0
         if r >= EXACT_RATIO:

@@ -332,8 +332,7 @@ class FleetState:
                 cached = cached[self.candidates]
             seen = float(cached.max(initial=0)) / f.prompt_tokens
             self.reuse_share += REUSE_EWMA_ALPHA * (seen - self.reuse_share)
-        if f.max_tokens is not None:
-            self.outputs.sent(f.max_tokens)
+        self.outputs.sent(f.max_tokens)
         self.book(i, f.block_hashes, f.prompt_tokens, uncached, f.choices,
                   f.context_tokens)
 
@@ -443,11 +442,13 @@ class FleetState:
         counts are read within [0, MAX_ENGINE_REQS], NaN (which stands for "never scraped") as
         0; the KV use is a share, within [0, 1] (NaN: not reported). ``generated`` and
         ``finished``: the engine's counters of tokens generated and requests finished (NaN: not
-        reported), see `_count_outputs`."""
+        reported): the increments since the previous scrape teach ``outputs``."""
         self.version += 1
-        self._count_outputs(i, generated, finished)
         queue_reqs = scraped(queue_reqs, MAX_ENGINE_REQS, 0.0)
         running_reqs = scraped(running_reqs, MAX_ENGINE_REQS, 0.0)
+        before = float(self.eng_queue_reqs[i] + self.eng_running_reqs[i])  # NaN: first scrape
+        self._count_outputs(i, generated, finished,
+                            max(queue_reqs + running_reqs, before if before == before else 0.0))
         if queue_reqs == 0 and running_reqs == 0:
             self.backlog_tokens[i] = min(self.backlog_tokens[i], self.sent_since_scrape[i])
         self.eng_queue_reqs[i] = queue_reqs
@@ -459,16 +460,24 @@ class FleetState:
         self.eng_backlog_at[i] = now
         self.sent_since_scrape[i] = 0.0
 
-    def _count_outputs(self, i: int, generated: float, finished: float) -> None:
+    def _count_outputs(self, i: int, generated: float, finished: float, active: float) -> None:
         """Teach ``outputs`` the increments of replica i's counters since its last scrape. A
-        counter that went down is an engine restart: the new values are only a baseline."""
+        counter that went down is an engine restart: the new values are only a baseline. An
+        increment no engine could generate (`gorgo.core.outputs`) is skipped the same way."""
         g = scraped(generated, MAX_COUNTER, math.nan)
         d = scraped(finished, MAX_COUNTER, math.nan)
         if g != g or d != d:
             return
         old_g, old_d = float(self.eng_generated[i]), float(self.eng_finished[i])
         self.eng_generated[i], self.eng_finished[i] = g, d
-        if old_g == old_g and g >= old_g and d >= old_d:
+        if not (old_g == old_g and g >= old_g and d >= old_d):
+            return
+        # every request that could have generated them (finished since, or ``active``: running or
+        # waiting at either scrape), each at most the largest output a request may ask for, nor
+        # more than the KV pool holds
+        most = min(self.spec.limits.max_output_tokens,
+                   self.spec.replicas[i].kv_capacity_tokens)
+        if g - old_g <= (d - old_d + active) * most:
             self.outputs.observe(g - old_g, d - old_d)
 
     def observe_cache_config(

@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from gorgo.core.features import RequestFeatures, extract_features
-from gorgo.core.fleet import FleetSpec
+from gorgo.core.fleet import FleetSpec, Limits
 from gorgo.core.tokens import Tokenization
 from gorgo.sim.lookahead import LOOKAHEAD, lookahead_factory
 from gorgo.sim.offline import SimResult, Simulation
@@ -84,13 +84,16 @@ ClientBound = int | str | None
 
 
 def parse_client_bound(value: str) -> ClientBound:
-    """``exact``, ``none`` or a cap of at least 1 token; ValueError otherwise."""
+    """``exact``, ``none`` or a cap of 1 to the largest ``max_tokens`` a request may ask for;
+    ValueError otherwise."""
     v = value.strip().lower()
     if v in (EXACT, "none"):
         return EXACT if v == EXACT else None
-    if v.isdigit() and int(v) >= 1:
+    most = Limits().max_output_tokens
+    if v.isascii() and v.isdigit() and len(v) <= 20 and 1 <= int(v) <= most:
         return int(v)
-    raise ValueError(f"{BOUND_OPTION}={value!r}: expected exact, none or a number of tokens >= 1")
+    raise ValueError(f"{BOUND_OPTION}={value!r}: expected exact, none or a number of tokens "
+                     f"from 1 to {most}")
 
 
 def split_client_bound(trace: str) -> tuple[str, ClientBound]:

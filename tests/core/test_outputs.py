@@ -76,3 +76,20 @@ def test_increments_that_are_no_counts_teach_nothing(generated: float, finished:
     before = (m.generated, m.finished)
     m.observe(generated, finished)
     assert (m.generated, m.finished) == before
+
+
+def test_bounds_do_not_compare_when_many_requests_set_none() -> None:
+    # Half the clients send an exact 1,000, half send nothing and stop after 100: L = 550 and
+    # B = 1,000 read as caps, and the exact 1,000 was priced at 550.
+    m = OutputModel()
+    for _ in range(100):
+        m.sent(1000)
+        m.sent(None)
+    m.observe(550.0 * 200, 200)
+    assert m.expected(1000) == 1000.0
+    assert m.expected(None) == pytest.approx(550.0)
+    # a few requests without a bound among capped ones leave the comparison
+    c = _model(300.0, [4096] * 200)
+    for _ in range(10):
+        c.sent(None)
+    assert c.expected(4096) == pytest.approx(300.0)

@@ -324,23 +324,44 @@ def test_the_live_router_bounds_the_index_whatever_the_policy_models() -> None:
 
 def test_the_engines_output_counters_teach_the_typical_output() -> None:
     s = FleetState(spec())
-    s.observe_engine(0, 0.0, 0, 0, 0.1, generated=5000.0, finished=10.0)  # a baseline only
+    s.observe_engine(2, 0.0, 0, 0, 0.1, generated=5000.0, finished=10.0)  # a baseline only
     assert s.outputs.typical() is None
-    s.observe_engine(0, 1.0, 0, 0, 0.1, generated=5000.0 + 120.0 * 30, finished=40.0)
+    s.observe_engine(2, 1.0, 0, 0, 0.1, generated=5000.0 + 120.0 * 30, finished=40.0)
     assert s.outputs.typical() == pytest.approx(120.0)
     # an engine restart (counters back near 0) is a new baseline, never a negative increment
-    s.observe_engine(0, 2.0, 0, 0, 0.1, generated=50.0, finished=1.0)
+    s.observe_engine(2, 2.0, 0, 0, 0.1, generated=50.0, finished=1.0)
     assert s.outputs.typical() == pytest.approx(120.0)
-    s.observe_engine(0, 3.0, 0, 0, 0.1, generated=50.0 + 120.0 * 10, finished=11.0)
+    s.observe_engine(2, 3.0, 0, 0, 0.1, generated=50.0 + 120.0 * 10, finished=11.0)
     assert s.outputs.typical() == pytest.approx(120.0)
     # an engine that does not report them (NaN) changes nothing, and keeps the baseline
-    s.observe_engine(0, 4.0, 0, 0, 0.1)
-    assert s.eng_finished[0] == 11.0
+    s.observe_engine(2, 4.0, 0, 0, 0.1)
+    assert s.eng_finished[2] == 11.0
     # replicas count apart: another engine's first scrape is its own baseline
     s.observe_engine(1, 4.0, 0, 0, 0.1, generated=1e6, finished=1.0)
     assert s.outputs.typical() == pytest.approx(120.0)
     # a fleet reload keeps what was learned
     assert s.reindexed(spec(), {"a": "a", "b": "b"}).outputs.typical() == pytest.approx(120.0)
+
+
+def test_an_increment_no_engine_could_generate_is_skipped() -> None:
+    # One page of 9e18 tokens (a counter gone wild, a series listed twice) priced every request
+    # at 10^16 tokens for some 23,000 requests.
+    s = FleetState(spec())
+    s.observe_engine(2, 0.0, 0, 0, 0.1, generated=0.0, finished=0.0)
+    s.observe_engine(2, 1.0, 0, 0, 0.1, generated=200.0 * 50, finished=50.0)
+    s.observe_engine(2, 2.0, 0, 4, 0.1, generated=9e18, finished=60.0)
+    assert s.outputs.typical() == pytest.approx(200.0)
+    # ... and the next sane page, lower, is a new baseline: nothing of the spike is learned
+    s.observe_engine(2, 3.0, 0, 4, 0.1, generated=200.0 * 70, finished=70.0)
+    s.observe_engine(2, 4.0, 0, 4, 0.1, generated=200.0 * 90, finished=90.0)
+    assert s.outputs.typical() == pytest.approx(200.0)
+    # the bound is the KV pool where it is smaller: replica a holds 40 tokens
+    s.observe_engine(0, 5.0, 0, 0, 0.1, generated=0.0, finished=0.0)
+    s.observe_engine(0, 6.0, 0, 0, 0.1, generated=41.0 * 10, finished=10.0)
+    assert s.outputs.typical() == pytest.approx(200.0)
+    # requests still running count: tokens of requests not yet finished are possible
+    s.observe_engine(2, 7.0, 0, 3, 0.1, generated=200.0 * 90 + 5000.0, finished=90.0)
+    assert s.eng_generated[2] == 200.0 * 90 + 5000.0
 
 
 def test_routed_bounds_are_counted_once_per_request() -> None:

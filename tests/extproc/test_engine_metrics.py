@@ -120,3 +120,21 @@ def test_absent_or_broken_output_counters_are_not_reported() -> None:
                      'vllm:request_success_total{engine="0"} +Inf\n')
     load = parse_engine_metrics(broken, "vllm")
     assert math.isnan(load.generated) and math.isnan(load.finished)
+
+
+def test_vllm_per_request_histogram_comes_first_and_series_count_once() -> None:
+    # aborted requests add their tokens to generation_tokens_total but never to
+    # request_success_total: the histogram's sum and count are of the same finished requests
+    page = VLLM + (
+        'vllm:generation_tokens_total{engine="0"} 3620\n'
+        'vllm:request_success_total{engine="0",finished_reason="stop"} 20\n'
+        "# TYPE vllm:request_generation_tokens histogram\n"
+        'vllm:request_generation_tokens_bucket{engine="0",le="+Inf"} 20\n'
+        'vllm:request_generation_tokens_sum{engine="0"} 2000\n'
+        'vllm:request_generation_tokens_count{engine="0"} 20\n')
+    load = parse_engine_metrics(page, "vllm")
+    assert (load.generated, load.finished) == (2000.0, 20.0)
+    # a series listed twice is one series
+    twice = VLLM + ('vllm:generation_tokens_total{engine="0"} 50000000\n' * 2
+                    + 'vllm:request_success_total{engine="0"} 10\n')
+    assert parse_engine_metrics(twice, "vllm").generated == 5e7

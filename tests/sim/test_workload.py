@@ -26,6 +26,7 @@ def test_the_bound_option_is_split_off_the_trace_spec(spec: str, base: str, boun
 
 
 @pytest.mark.parametrize("spec", ["chat:max_tokens=0", "chat:max_tokens=-3", "chat:max_tokens=",
+                                  "chat:max_tokens=2000000", "chat:max_tokens=" + "9" * 30,
                                   "chat:max_tokens=lots", "chat:max_tokens=1,max_tokens=2"])
 def test_a_bad_bound_is_refused(spec: str) -> None:
     with pytest.raises(ValueError, match="max_tokens"):
