@@ -64,6 +64,8 @@ TTFT_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
     20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
 )
+# vLLM's buckets for tokens per request (1-2-5 steps), of its per-request generation histogram.
+GENERATION_BUCKETS = tuple(m * 10**e for e in range(6) for m in (1, 2, 5))
 # How late each step's end was delivered (the event loop's scheduling slip), for the fleet bench.
 STEP_LAG_BUCKETS = (
     0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0,
@@ -194,6 +196,9 @@ class _MetricsCollector(Collector):
                                           "requests.", labels=[*keys, "finished_reason"])
             success.add_metric([*vals, "length"], m.requests_finished)
             yield success
+            yield histogram("vllm:request_generation_tokens",
+                            "Number of generation tokens processed.", GENERATION_BUCKETS,
+                            s.generation_counts, s.generation_sum)
             # vLLM's cache config as an info gauge: what a router reads block size and capacity
             # (and, for KV events, the hash algorithm) from.
             bt = s.tok.block_tokens
@@ -260,6 +265,8 @@ class EngineServer:
         self.created = int(time.time())
         self.ttft_counts = [0] * (len(TTFT_BUCKETS) + 1)
         self.ttft_sum = 0.0
+        self.generation_counts = [0] * (len(GENERATION_BUCKETS) + 1)
+        self.generation_sum = 0
         self.lag_counts = [0] * (len(STEP_LAG_BUCKETS) + 1)
         self.lag_sum = 0.0
         self.registry = CollectorRegistry(auto_describe=False)
@@ -430,6 +437,9 @@ class EngineServer:
             if p.stream and (p.sent == 0 or p.tokens - p.sent >= interval):
                 p.event.set()
         for f in res.finished:
+            self.generation_counts[bisect.bisect_left(GENERATION_BUCKETS,
+                                                      f.completion_tokens)] += 1
+            self.generation_sum += f.completion_tokens
             p = pending.get(f.rid)
             if p is not None:
                 p.finished = True

@@ -198,8 +198,12 @@ def test_metrics_parse_with_the_flavors_names(flavor):
         return samples, usage, parse_engine_metrics(text, flavor)
 
     samples, usage, load = serve(fn, flavor=flavor)
-    # what the router learns the typical output from (`gorgo.core.outputs`)
+    # what the router learns the typical output from (`gorgo.core.outputs`): vLLM's per-request
+    # histogram (one request of 4 tokens), SGLang's counters
     assert (load.generated, load.finished) == (4.0, 1.0)
+    if flavor == "vllm":
+        assert samples["vllm:request_generation_tokens_sum"] == 4
+        assert samples["vllm:request_generation_tokens_count"] == 1
     p = flavor + ":"
     # the ITL histogram the router calibrates decode from: 3 gaps after the first of 4 tokens
     assert samples[p + "inter_token_latency_seconds_count"] == usage["completion_tokens"] - 1
