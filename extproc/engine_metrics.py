@@ -88,13 +88,12 @@ def _lines_of(names: tuple[str, ...]) -> re.Pattern[str]:
     return re.compile(rf"^(?:# (?:TYPE|HELP) )?(?:{alt})(?:[{{ \t].*)?$", re.MULTILINE)
 
 
-# The lines each flavor reads (samples and their TYPE/HELP lines). An engine's page holds
+# The lines each flavor reads (samples and their TYPE/HELP lines; a counter's or a histogram's
+# TYPE line names its family, not the samples read, which parse as untyped). An engine's page holds
 # thousands of histogram buckets the router never reads; the Prometheus parser costs about
 # 0.2 s a megabyte, on the thread that also times the RTT probes.
 _OUTPUT_NAMES = {flavor: (*COUNTERS[flavor], *(PER_REQUEST[flavor] or ())) for flavor in NAMES}
-_READ = {flavor: _lines_of((*names, *ALIASES, CACHE_CONFIG, *_OUTPUT_NAMES[flavor],
-                            *(c.removesuffix("_total") for c in COUNTERS[flavor]),
-                            *(h.removesuffix("_sum") for h in (PER_REQUEST[flavor] or ())[:1])))
+_READ = {flavor: _lines_of((*names, *ALIASES, CACHE_CONFIG, *_OUTPUT_NAMES[flavor]))
          for flavor, names in NAMES.items()}
 # The most of those lines a page may hold (an engine has one per model and rank, with TYPE and
 # HELP): 140,000 of them, within the page size limit, once held that thread 4.5 s.

@@ -120,17 +120,14 @@ class _StateCollector(Collector):
         o = GaugeMetricFamily("gorgo_open_decisions", "Decisions whose stream has not closed")
         o.add_metric([], self.open_requests())
         yield o
-        typical = s.outputs.typical()
-        t = GaugeMetricFamily("gorgo_output_tokens_typical", "Tokens a finished request "
-                              "generated, from the engines' counters (NaN: not yet known)")
-        t.add_metric([], math.nan if typical is None else typical)
-        yield t
-        b = s.outputs
-        bound = b.bound_sum / b.bound_n if b.bound_n > 0 else math.nan
-        m = GaugeMetricFamily("gorgo_max_tokens_typical", "max_tokens of the routed requests "
-                              "that set it, on average (decayed; NaN: none yet)")
-        m.add_metric([], bound)
-        yield m
+        for name, doc, value in (
+                ("gorgo_output_tokens_typical", "Tokens a finished request generated, from the "
+                 "engines' counters (NaN: not yet known)", s.outputs.typical()),
+                ("gorgo_max_tokens_typical", "max_tokens of the routed requests that set it, "
+                 "on average (decayed; NaN: none yet)", s.outputs.typical_bound())):
+            g = GaugeMetricFamily(name, doc)
+            g.add_metric([], math.nan if value is None else value)
+            yield g
 
 
 class RouterMetrics:

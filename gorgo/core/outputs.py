@@ -92,6 +92,10 @@ class OutputModel:
         """Tokens a finished request generated, on average (None until `MIN_REQS`)."""
         return self.generated / self.finished if self.finished >= MIN_REQS else None
 
+    def typical_bound(self) -> float | None:
+        """The max_tokens of routed requests that set one, on average (None: none yet)."""
+        return self.bound_sum / self.bound_n if self.bound_n > 0 else None
+
     def expected(self, max_tokens: int | None) -> float | None:
         """The output tokens to price for a request that set ``max_tokens`` (None: no bound);
         None when nothing is known yet (no bound, and no typical output reported)."""

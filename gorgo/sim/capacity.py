@@ -238,7 +238,7 @@ def workload_digest(workload: Workload) -> str:
     h.update(np.asarray(workload.output_tokens, dtype=np.int64).tobytes())
     for f in workload.features:
         h.update(f.prompt_tokens.to_bytes(8, "little"))
-        # what the client says of its output (the router reads it; `--trace ...,max_tokens=`)
+        # what the client says of its output (the router reads it; `--trace NAME:max_tokens=`)
         h.update((-1 if f.max_tokens is None else f.max_tokens).to_bytes(8, "little", signed=True))
         h.update(np.asarray(f.block_hashes, dtype=np.uint64).tobytes())
     return h.hexdigest()

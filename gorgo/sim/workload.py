@@ -74,7 +74,7 @@ def build_workload(trace: str, tok: Tokenization, requests: int | None = None) -
     return workload_from_requests(trace, reqs[:requests] if requests is not None else reqs, tok)
 
 
-# What a replayed client sends as max_tokens (`--trace SPEC,max_tokens=...` of `gorgo bench sim`):
+# What a replayed client sends as max_tokens (`gorgo bench sim --trace NAME:[...,]max_tokens=`):
 # EXACT, the request's own output length (the traces' replay, and the default); None, no bound; or
 # one cap N for every request, which cuts an output longer than N to N. The engine always
 # generates the output (cut at the cap), never the bound: only what the router is told changes.
@@ -102,9 +102,14 @@ def split_client_bound(trace: str) -> tuple[str, ClientBound]:
     name, sep, rest = trace.partition(":")
     if not sep or "=" not in rest:
         return trace, EXACT
-    items = [item for item in rest.split(",")]
-    kept = [item for item in items if item.partition("=")[0].strip() != BOUND_OPTION]
-    bounds = [item.partition("=")[2] for item in items if item not in kept]
+    kept: list[str] = []
+    bounds: list[str] = []
+    for item in rest.split(","):
+        key, _, value = item.partition("=")
+        if key.strip() == BOUND_OPTION:
+            bounds.append(value)
+        else:
+            kept.append(item)
     if not bounds:
         return trace, EXACT
     if len(bounds) > 1:

@@ -73,6 +73,6 @@ def test_offline_the_router_learns_the_typical_output_from_the_engines() -> None
     sim.run(wl.arrivals.tolist(), wl.features, wl.output_tokens)
     outputs = sim.router.state.outputs
     assert outputs.typical() == pytest.approx(np.mean(wl.output_tokens), rel=0.25)
-    assert outputs.bound_sum / outputs.bound_n == pytest.approx(4096)
+    assert outputs.typical_bound() == pytest.approx(4096)
     # so a 4,096 bound is priced near the typical output, not at 4,096
     assert outputs.expected(4096) < 2 * np.mean(wl.output_tokens)
