@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import grpc
+import numpy as np
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2_grpc import TraceServiceStub
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, InstrumentationScope, KeyValue
@@ -85,6 +86,11 @@ class RepeatedFailures:
         log_event(self.logger, self.event, level, **fields, error=text)
 
 
+def _per_replica(value: float | np.ndarray | None, n: int) -> np.ndarray:
+    """An estimate that is one value for the fleet, or one per replica, as one per replica."""
+    return np.broadcast_to(math.nan if value is None else value, (n,))
+
+
 class _StateCollector(Collector):
     def __init__(self, state: FleetState, open_requests) -> None:
         self.state = state
@@ -104,6 +110,12 @@ class _StateCollector(Collector):
                                                      s.prefill_rate),
             "gorgo_penalty_seconds": ("Anomaly penalty in the cost (decayed)",
                                       s.penalty() / 1000.0),
+            "gorgo_output_tokens_typical": (
+                "Tokens a finished request of the replica's model generated, from the engines' "
+                "counters (NaN: not yet known)", _per_replica(s.outputs.typical(), s.n)),
+            "gorgo_max_tokens_typical": (
+                "max_tokens of the routed requests of the replica's model that set it, on "
+                "average (decayed; NaN: none yet)", _per_replica(s.outputs.typical_bound(), s.n)),
         }
         for name, (doc, values) in gauges.items():
             g = GaugeMetricFamily(name, doc, labels=list(REPLICA_LABELS))
@@ -120,14 +132,6 @@ class _StateCollector(Collector):
         o = GaugeMetricFamily("gorgo_open_decisions", "Decisions whose stream has not closed")
         o.add_metric([], self.open_requests())
         yield o
-        for name, doc, value in (
-                ("gorgo_output_tokens_typical", "Tokens a finished request generated, from the "
-                 "engines' counters (NaN: not yet known)", s.outputs.typical()),
-                ("gorgo_max_tokens_typical", "max_tokens of the routed requests that set it, "
-                 "on average (decayed; NaN: none yet)", s.outputs.typical_bound())):
-            g = GaugeMetricFamily(name, doc)
-            g.add_metric([], math.nan if value is None else value)
-            yield g
 
 
 class RouterMetrics:

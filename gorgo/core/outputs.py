@@ -35,14 +35,19 @@ gone wild) is no sample: it is skipped and the counters re-read from there
 (`FleetState._count_outputs`), or one page could price every request at 10^16 tokens for tens of
 thousands of requests.
 
-One estimate for the fleet: a fleet serving several models shares it (a model of long answers
-beside a busier one of short answers is priced at the mix; the engines label their counters by
-model, which a per-model estimate could use).
+One estimate per model (`FleetOutputs`): replicas that serve the same model, or are tied by a
+model they share, learn one estimate from their engines' counters and the bounds of the requests
+routed to them; a fleet that lists no models is one. (One estimate for the whole fleet priced a
+model of long answers and a busier one of short answers both at the mix: 2,000 and 100 tokens
+a request, three requests of the short one to one of the long, made both 575.)
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+
+import numpy as np
 
 HALF_LIFE_REQS = 500.0  # the estimates follow a change of traffic within a few hundred requests
 MIN_REQS = 20.0  # counted (decayed) requests before an estimate is used
@@ -66,6 +71,15 @@ class OutputModel:
         self.bound_sum = 0.0  # max_tokens of routed requests that set it, decayed per request
         self.bound_n = 0.0
         self.unbounded_n = 0.0  # routed requests that set none, decayed alike
+
+    @classmethod
+    def merged(cls, models: Sequence[OutputModel]) -> OutputModel:
+        """One model holding the sums of ``models`` (none: a fresh one)."""
+        new = cls()
+        for m in models:
+            for attr in cls.__slots__:
+                setattr(new, attr, getattr(new, attr) + getattr(m, attr))
+        return new
 
     def observe(self, generated: float, finished: float) -> None:
         """The engines generated ``generated`` tokens and finished ``finished`` requests since
@@ -109,3 +123,78 @@ class OutputModel:
         if r >= EXACT_RATIO:
             return float(max_tokens)
         return min(float(max_tokens), max(r * max_tokens, typical))
+
+
+def output_groups(names: Sequence[Sequence[str]]) -> np.ndarray:
+    """Each replica's estimate, from the model names it serves (aliases included): replicas that
+    share a name share one (transitively); a fleet that lists no models has one."""
+    parent = list(range(len(names)))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    first: dict[str, int] = {}
+    for i, served in enumerate(names):
+        for name in served:
+            parent[root(i)] = root(first.setdefault(name, i))
+    if not any(names):
+        return np.zeros(len(names), dtype=np.int64)
+    roots = [root(i) for i in range(len(names))]
+    index = {r: k for k, r in enumerate(dict.fromkeys(roots))}
+    return np.array([index[r] for r in roots], dtype=np.int64)
+
+
+class FleetOutputs:
+    """An `OutputModel` per model (`output_groups`): a replica's counters and the bounds routed to
+    it teach its model's. The estimates come back per replica (one value when the fleet has
+    one estimate, the usual case, so nothing is spent on arrays there)."""
+
+    __slots__ = ("group", "models")
+
+    def __init__(self, group: np.ndarray) -> None:
+        self.group = group
+        self.models = [OutputModel() for _ in range(int(group.max(initial=0)) + 1)]
+
+    def of(self, i: int) -> OutputModel:
+        """Replica i's model's estimate."""
+        return self.models[self.group[i]]
+
+    def observe(self, i: int, generated: float, finished: float) -> None:
+        """Replica i's engine generated and finished so many since its previous scrape."""
+        self.of(i).observe(generated, finished)
+
+    def sent(self, i: int, max_tokens: int | None) -> None:
+        """A request that set ``max_tokens`` (None: no bound) was routed to replica i."""
+        self.of(i).sent(max_tokens)
+
+    def expected(self, max_tokens: int | None) -> float | np.ndarray | None:
+        """`OutputModel.expected` on each replica's model (None, or NaN for a replica, where
+        nothing is known)."""
+        return self._each([m.expected(max_tokens) for m in self.models])
+
+    def typical(self) -> float | np.ndarray | None:
+        """`OutputModel.typical` on each replica's model (None, or NaN: not yet known)."""
+        return self._each([m.typical() for m in self.models])
+
+    def typical_bound(self) -> float | np.ndarray | None:
+        """`OutputModel.typical_bound` on each replica's model (None, or NaN: none yet)."""
+        return self._each([m.typical_bound() for m in self.models])
+
+    def _each(self, values: list[float | None]) -> float | np.ndarray | None:
+        if len(values) == 1:
+            return values[0]
+        return np.array([math.nan if v is None else v for v in values])[self.group]
+
+    def reindexed(self, group: np.ndarray, sources: Sequence[int | None]) -> FleetOutputs:
+        """The estimates for a new fleet whose replica j was this fleet's ``sources[j]`` (None:
+        added): each new model keeps what its carried replicas' models had learned (summed when
+        they came from several; fresh when none was carried)."""
+        new = FleetOutputs(group)
+        for k in range(len(new.models)):
+            old = {int(self.group[i]) for j, i in enumerate(sources)
+                   if i is not None and group[j] == k}
+            new.models[k] = OutputModel.merged([self.models[g] for g in sorted(old)])
+        return new

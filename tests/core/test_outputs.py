@@ -5,9 +5,16 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 
-from gorgo.core.outputs import HALF_LIFE_REQS, MIN_REQS, OutputModel
+from gorgo.core.outputs import (
+    HALF_LIFE_REQS,
+    MIN_REQS,
+    FleetOutputs,
+    OutputModel,
+    output_groups,
+)
 
 
 def _model(typical: float, bounds: list[int], finished: int = 200) -> OutputModel:
@@ -93,3 +100,73 @@ def test_bounds_do_not_compare_when_many_requests_set_none() -> None:
     for _ in range(10):
         c.sent(None)
     assert c.expected(4096) == pytest.approx(300.0)
+
+
+# --- one estimate per model (FleetOutputs) -----------------------------------------------------
+
+
+@pytest.mark.parametrize(("names", "groups"), [
+    ([(), (), ()], [0, 0, 0]),  # no models listed: every replica serves everything
+    ([("a",), ("a",), ("b",)], [0, 0, 1]),
+    ([("b",), ("a",), ("b",)], [0, 1, 0]),
+    ([("a", "alias"), ("alias",), ("c",)], [0, 0, 1]),  # an alias ties them
+    ([("a", "x"), ("b", "y"), ("b", "x"), ("c",)], [0, 0, 0, 1]),  # transitively
+    ([], []),
+])
+def test_replicas_share_an_estimate_when_they_share_a_model(names: list, groups: list) -> None:
+    assert output_groups(names).tolist() == groups
+
+
+def _two_models() -> FleetOutputs:
+    # model 0 on replicas 0 and 2 answers 2,000 tokens; model 1 on replica 1 answers 100, and
+    # is asked three times as often
+    o = FleetOutputs(np.array([0, 1, 0]))
+    o.observe(0, 2000.0 * 50, 50)
+    o.observe(2, 2000.0 * 50, 50)
+    o.observe(1, 100.0 * 300, 300)
+    for _ in range(100):
+        o.sent(0, 4096)
+        o.sent(1, 4096)
+    return o
+
+
+def test_each_model_is_priced_at_its_own_output() -> None:
+    # one estimate for the fleet priced both at the mix, 575 tokens
+    o = _two_models()
+    np.testing.assert_allclose(o.typical(), [2000.0, 100.0, 2000.0])
+    np.testing.assert_allclose(o.expected(None), [2000.0, 100.0, 2000.0])
+    np.testing.assert_allclose(o.expected(4096), [2000.0, 100.0, 2000.0])  # one cap: L each
+    np.testing.assert_allclose(o.typical_bound(), [4096.0] * 3)
+    assert o.of(2) is o.of(0) and o.of(1) is not o.of(0)
+
+
+def test_a_model_nothing_is_known_of_is_nan_beside_the_others() -> None:
+    o = FleetOutputs(np.array([0, 1]))
+    o.observe(0, 300.0 * 40, 40)
+    typical = o.typical()
+    assert typical[0] == pytest.approx(300.0) and math.isnan(typical[1])
+    assert np.isnan(FleetOutputs(np.array([0, 1])).expected(None)).all()
+    # one estimate: one value, as before
+    one = FleetOutputs(np.zeros(3, dtype=np.int64))
+    assert one.expected(None) is None and one.expected(64) == 64.0
+    one.observe(1, 300.0 * 40, 40)
+    assert one.typical() == pytest.approx(300.0)
+
+
+def test_a_new_fleet_keeps_each_models_estimate() -> None:
+    o = _two_models()
+    # replica 2 (model 0) removed, a fresh replica of a new model added: the carried replicas
+    # keep their models' estimates, the new model starts fresh and owes nothing to the old
+    new = o.reindexed(np.array([0, 1, 2]), [0, 1, None])
+    np.testing.assert_allclose(new.typical()[:2], [2000.0, 100.0])
+    assert math.isnan(new.typical()[2])
+    before = o.of(0).finished
+    new.observe(0, 0.0, 1.0)  # a copy: the old state's estimates are left as they were
+    assert o.of(0).finished == before
+    # two models merged into one (a replica of each now serves a shared alias): their sums
+    merged = o.reindexed(np.array([0, 0]), [0, 1])
+    a, b = o.of(0), o.of(1)
+    pooled = (a.generated + b.generated) / (a.finished + b.finished)
+    assert merged.typical() == pytest.approx(pooled)
+    assert 100.0 < merged.typical() < 2000.0
+    assert OutputModel.merged([]).typical() is None

@@ -475,3 +475,25 @@ def test_irb_plans_each_model_over_its_own_replicas_and_demand() -> None:
     assert irb.plans["alpha"].weights.tolist() == [1.0, 0.0, 0.0]
     assert irb.plans["beta"].weights.tolist() == [0.0, 0.0, 1.0]
     assert irb.plans["beta"].rate_rps == 0.0  # beta was sent nothing: alpha's demand is alpha's
+
+
+def test_each_models_requests_are_priced_at_that_models_output() -> None:
+    # alpha answers 2,000 tokens a request, beta 100: one estimate for the fleet priced both at
+    # the mix, and the decode term of a short answer as if it were long
+    r = Router(two_models())
+    s = r.state
+    for i, tokens in ((0, 2000.0), (1, 2000.0), (2, 100.0)):
+        s.observe_engine(i, 0.0, 0, 0, 0.1, generated=0.0, finished=0.0)
+        s.observe_engine(i, 1.0, 0, 0, 0.1, generated=tokens * 60, finished=60.0)
+    itl = s.params["decode"]["itl_base_ms"][0]
+
+    def chat(model: str) -> RequestFeatures:  # no max_tokens (a completion's default is 16)
+        body = {"model": model, "messages": [{"role": "user", "content": "x" * 8}]}
+        return extract_features("/v1/chat/completions", {}, json.dumps(body).encode(), s.tok)
+
+    alpha = r.route(chat("alpha"), now=2.0)
+    beta = r.route(chat("b"), now=2.0)  # by its alias
+    assert alpha.terms["decode"] == pytest.approx(2000.0 * itl, rel=0.05)
+    assert beta.terms["decode"] == pytest.approx(100.0 * itl, rel=0.05)
+    # each model learns the bounds of its own requests only
+    assert s.outputs.of(2).bound_n + s.outputs.of(2).unbounded_n == pytest.approx(1.0)

@@ -370,5 +370,27 @@ def test_routed_bounds_are_counted_once_per_request() -> None:
                          json.dumps({"prompt": "x" * 40, "max_tokens": 64}).encode(), s.tok)
     s.record_sent(0, f, 40)
     s.book(1, f.block_hashes, f.prompt_tokens, 40, arrival=False)  # a retry's move: no new bound
-    assert s.outputs.bound_n == pytest.approx(1.0)
-    assert s.outputs.bound_sum == pytest.approx(64.0)
+    assert s.outputs.of(0).bound_n == pytest.approx(1.0)
+    assert s.outputs.of(0).bound_sum == pytest.approx(64.0)
+
+
+def test_each_models_replicas_teach_that_models_output_and_a_reload_keeps_it() -> None:
+    doc = {
+        "regions": {"us-east": {}},
+        "replicas": [
+            {"name": n, "engine": "sim", "region": "us-east", "address": f"h:{k + 1}",
+             "models": [m]}
+            for k, (n, m) in enumerate([("a", "long"), ("b", "short"), ("c", "long")])],
+    }
+    s = FleetState(parse_fleet(doc))
+    for i, tokens in ((0, 900.0), (1, 50.0), (2, 1100.0)):
+        s.observe_engine(i, 0.0, 0, 0, 0.1, generated=0.0, finished=0.0)
+        s.observe_engine(i, 1.0, 0, 0, 0.1, generated=tokens * 40, finished=40.0)
+    np.testing.assert_allclose(s.outputs.typical(), [1000.0, 50.0, 1000.0], rtol=0.01)
+    # c removed, d of a third model added: "long" keeps what it learned, d starts with nothing
+    doc["replicas"][2] = {"name": "d", "engine": "sim", "region": "us-east", "address": "h:9",
+                          "models": ["other"]}
+    new = s.reindexed(parse_fleet(doc), {"a": "a", "b": "b"})
+    typical = new.outputs.typical()
+    np.testing.assert_allclose(typical[:2], [1000.0, 50.0], rtol=0.01)
+    assert math.isnan(typical[2])

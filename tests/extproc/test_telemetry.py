@@ -287,11 +287,16 @@ def test_the_learned_output_length_is_exported() -> None:
     router = _router()
     metrics = RouterMetrics(router.state, lambda: 0)
     value = metrics.registry.get_sample_value
-    assert math.isnan(value("gorgo_output_tokens_typical", {}))
-    assert math.isnan(value("gorgo_max_tokens_typical", {}))
     s = router.state
+    labels = [{"replica": name, "region": s.regions[s.region_idx[i]]}
+              for i, name in enumerate(s.names)]
+    assert all(math.isnan(value("gorgo_output_tokens_typical", x)) for x in labels)
+    assert all(math.isnan(value("gorgo_max_tokens_typical", x)) for x in labels)
     s.observe_engine(0, 0.0, 0, 0, 0.1, generated=0.0, finished=0.0)
     s.observe_engine(0, 1.0, 0, 0, 0.1, generated=180.0 * 30, finished=30.0)
-    s.outputs.sent(4096)
-    assert value("gorgo_output_tokens_typical", {}) == pytest.approx(180.0)
-    assert value("gorgo_max_tokens_typical", {}) == pytest.approx(4096.0)
+    s.outputs.sent(0, 4096)
+    # one model: every replica shows its estimate
+    assert [value("gorgo_output_tokens_typical", x) for x in labels] == pytest.approx(
+        [180.0] * s.n)
+    assert [value("gorgo_max_tokens_typical", x) for x in labels] == pytest.approx(
+        [4096.0] * s.n)

@@ -40,18 +40,25 @@ PARAMS = {"itl_base_ms": 6.0, "itl_per_seq_ms": 0.03, "itl_per_kctx_ms": 0.04,
 
 
 def expected_output(f: RequestFeatures, s: FleetState) -> np.ndarray | float:
-    """Output tokens expected (one for all replicas): from the request's max_tokens (0: a
-    prompt's logprobs only, `echo`) and the engines' typical output (`OutputModel.expected`),
-    else the parameter per replica."""
-    out = s.outputs.expected(f.max_tokens)
-    return s.params["decode"]["output_tokens"] if out is None else out
+    """Output tokens expected (one value when the fleet has one model's estimate): from the
+    request's max_tokens (0: a prompt's logprobs only, `echo`) and the engines' typical output
+    of each replica's model (`OutputModel.expected`), else the parameter per replica."""
+    return _or_parameter(s.outputs.expected(f.max_tokens), s)
 
 
 def typical_output(s: FleetState) -> np.ndarray | float:
-    """Output tokens of a typical request (one already running): what the engines report,
-    else the parameter."""
-    out = s.outputs.typical()
-    return s.params["decode"]["output_tokens"] if out is None else out
+    """Output tokens of a typical request of each replica's model (one already running): what
+    the engines report, else the parameter."""
+    return _or_parameter(s.outputs.typical(), s)
+
+
+def _or_parameter(out: np.ndarray | float | None, s: FleetState) -> np.ndarray | float:
+    """``out``, the ``output_tokens`` parameter where it is unknown (None, or NaN per replica)."""
+    if out is None:
+        return s.params["decode"]["output_tokens"]
+    if isinstance(out, np.ndarray):
+        return np.where(np.isnan(out), s.params["decode"]["output_tokens"], out)
+    return out
 
 
 def own_context(f: RequestFeatures, out: np.ndarray | float) -> np.ndarray | float:
