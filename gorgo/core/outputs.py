@@ -11,8 +11,9 @@ client's max_tokens tells the router").
 The engines count what they generate: vLLM's ``vllm:generation_tokens_total`` and
 ``vllm:request_success_total``, SGLang's ``sglang:generation_tokens_total`` and
 ``sglang:num_requests_total``. Between two scrapes their increments give the tokens generated
-per finished request; summed over the fleet and decayed (half-life `HALF_LIFE_REQS` finished
-requests) that is the typical output ``L`` (vLLM's ``vllm:request_generation_tokens``
+per finished request; summed over the model's replicas and decayed (half-life
+`HALF_LIFE_REQS` finished requests) that is the typical output ``L`` (vLLM's
+``vllm:request_generation_tokens``
 histogram, whose sum and count are of the same finished requests, is read first where the page
 has it: the counters also count the tokens of aborted requests, which finish as no success). The
 router also keeps the typical bound ``B`` of the requests it routes that set one, and the share
@@ -35,11 +36,13 @@ gone wild) is no sample: it is skipped and the counters re-read from there
 (`FleetState._count_outputs`), or one page could price every request at 10^16 tokens for tens of
 thousands of requests.
 
-One estimate per model (`FleetOutputs`): replicas that serve the same model, or are tied by a
-model they share, learn one estimate from their engines' counters and the bounds of the requests
-routed to them; a fleet that lists no models is one. (One estimate for the whole fleet priced a
-model of long answers and a busier one of short answers both at the mix: 2,000 and 100 tokens
-a request, three requests of the short one to one of the long, made both 575.)
+One estimate per model (`FleetOutputs`): a model's replicas learn it from their engines'
+counters and the bounds of the requests routed to them. Models served together on one replica
+share theirs (its engine's counters mix them), and a fleet that lists no models has one. (One
+estimate for the whole fleet priced a model of long answers and a busier one of short answers
+both at the mix: 2,000 and 100 tokens a request, three requests of the short one to one of the
+long, made both 575.) A reload keeps each model's estimate by its name, wherever its replicas
+now are.
 """
 
 from __future__ import annotations
@@ -152,11 +155,15 @@ class FleetOutputs:
     it teach its model's. The estimates come back per replica (one value when the fleet has
     one estimate, the usual case, so nothing is spent on arrays there)."""
 
-    __slots__ = ("group", "models")
+    __slots__ = ("group", "models", "served")
 
-    def __init__(self, group: np.ndarray) -> None:
-        self.group = group
-        self.models = [OutputModel() for _ in range(int(group.max(initial=0)) + 1)]
+    def __init__(self, names: Sequence[Sequence[str]]) -> None:
+        """``names``: the model names each replica serves (aliases included; none listed: every
+        replica serves everything, one estimate)."""
+        self.group = output_groups(names)
+        self.models = [OutputModel() for _ in range(int(self.group.max(initial=0)) + 1)]
+        self.served: dict[str, int] = {n: int(self.group[i]) for i, ns in enumerate(names)
+                                       for n in ns}  # model name -> its estimate
 
     def of(self, i: int) -> OutputModel:
         """Replica i's model's estimate."""
@@ -188,13 +195,17 @@ class FleetOutputs:
             return values[0]
         return np.array([math.nan if v is None else v for v in values])[self.group]
 
-    def reindexed(self, group: np.ndarray, sources: Sequence[int | None]) -> FleetOutputs:
-        """The estimates for a new fleet whose replica j was this fleet's ``sources[j]`` (None:
-        added): each new model keeps what its carried replicas' models had learned (summed when
-        they came from several; fresh when none was carried)."""
-        new = FleetOutputs(group)
+    def reindexed(self, names: Sequence[Sequence[str]]) -> FleetOutputs:
+        """The estimates for a reloaded fleet whose replicas serve ``names``: each model keeps
+        what it had learned, wherever its replicas now are (the names it serves, summed where
+        a replica now ties several; a model new to the fleet starts fresh). Where either fleet
+        lists no models, what was learned is every model's."""
+        new = FleetOutputs(names)
         for k in range(len(new.models)):
-            old = {int(self.group[i]) for j, i in enumerate(sources)
-                   if i is not None and group[j] == k}
+            if self.served and new.served:
+                old = {self.served[n] for n, g in new.served.items()
+                       if g == k and n in self.served}
+            else:
+                old = set(range(len(self.models)))
             new.models[k] = OutputModel.merged([self.models[g] for g in sorted(old)])
         return new

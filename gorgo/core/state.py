@@ -16,7 +16,7 @@ import numpy as np
 from gorgo.core.features import RequestFeatures
 from gorgo.core.fleet import FleetSpec, ModelSettings
 from gorgo.core.kv_events import KVEvent
-from gorgo.core.outputs import MAX_COUNTER, FleetOutputs, output_groups
+from gorgo.core.outputs import MAX_COUNTER, FleetOutputs
 from gorgo.core.precise import PreciseCache
 from gorgo.core.prefix_index import PrefixIndex
 from gorgo.core.terms import TERMS
@@ -101,7 +101,7 @@ class FleetState:
         # reported), whose increments teach ``outputs`` the typical output length.
         self.eng_generated = np.full(n, np.nan)
         self.eng_finished = np.full(n, np.nan)
-        self.outputs = FleetOutputs(output_groups([r.model_names for r in spec.replicas]))
+        self.outputs = FleetOutputs([r.model_names for r in spec.replicas])
         # Anomaly penalty in ms (failed responses here, slow-vs-predicted from the tuner), as of
         # ``penalty_at``; it halves every ``penalties.half_life_s``.
         self.penalty_ms = np.zeros(n)
@@ -255,7 +255,7 @@ class FleetState:
         calibrated prefill rate), its prefix-index entries and its KV capacity; the others
         start fresh, unroutable until probed. Draining and the term params (configured, not
         learned) follow ``spec``. The weights and the demand estimate carry over whole, the
-        learned output lengths per model (`FleetOutputs.reindexed`)."""
+        learned output lengths by model name (`FleetOutputs.reindexed`)."""
         new = FleetState(spec, unbounded_prefix=self.prefix.capacity is None)
         pairs = [(j, self.index[carried[name]]) for j, name in enumerate(new.names)
                  if name in carried]
@@ -276,8 +276,9 @@ class FleetState:
         added = np.ones(new.n, dtype=bool)
         added[dst] = False
         new.healthy[added] = False
-        sources = [self.index[carried[name]] if name in carried else None for name in new.names]
-        new.prefix = self.prefix.reindexed(sources, new.prefix.capacity)
+        new.prefix = self.prefix.reindexed(
+            [self.index[carried[name]] if name in carried else None for name in new.names],
+            new.prefix.capacity)
         # So does a prefix capacity still at the old file's `kv_capacity_tokens`: an edit there
         # reached the size check but never the index of an engine that reports none (SGLang).
         if self.prefix.capacity is not None:
@@ -291,7 +292,7 @@ class FleetState:
             new.weights = self.weights
         new.now = self.now
         new.reuse_share = self.reuse_share
-        new.outputs = self.outputs.reindexed(new.outputs.group, sources)
+        new.outputs = self.outputs.reindexed([r.model_names for r in spec.replicas])
         new._arrivals, new._arrival_tokens = self._arrivals, self._arrival_tokens
         new._arrivals_at, new._first_arrival = self._arrivals_at, self._first_arrival
         new.version = self.version + 1

@@ -109,8 +109,8 @@ def test_bounds_do_not_compare_when_many_requests_set_none() -> None:
     ([(), (), ()], [0, 0, 0]),  # no models listed: every replica serves everything
     ([("a",), ("a",), ("b",)], [0, 0, 1]),
     ([("b",), ("a",), ("b",)], [0, 1, 0]),
-    ([("a", "alias"), ("alias",), ("c",)], [0, 0, 1]),  # an alias ties them
-    ([("a", "x"), ("b", "y"), ("b", "x"), ("c",)], [0, 0, 0, 1]),  # transitively
+    ([("a", "alias"), ("a", "alias"), ("c",)], [0, 0, 1]),  # an alias is its model's name
+    ([("a",), ("b",), ("b", "a"), ("c",)], [0, 0, 0, 1]),  # a replica serving two ties them
     ([], []),
 ])
 def test_replicas_share_an_estimate_when_they_share_a_model(names: list, groups: list) -> None:
@@ -118,9 +118,9 @@ def test_replicas_share_an_estimate_when_they_share_a_model(names: list, groups:
 
 
 def _two_models() -> FleetOutputs:
-    # model 0 on replicas 0 and 2 answers 2,000 tokens; model 1 on replica 1 answers 100, and
+    # "long" on replicas 0 and 2 answers 2,000 tokens; "short" on replica 1 answers 100, and
     # is asked three times as often
-    o = FleetOutputs(np.array([0, 1, 0]))
+    o = FleetOutputs([("long",), ("short",), ("long",)])
     o.observe(0, 2000.0 * 50, 50)
     o.observe(2, 2000.0 * 50, 50)
     o.observe(1, 100.0 * 300, 300)
@@ -141,32 +141,47 @@ def test_each_model_is_priced_at_its_own_output() -> None:
 
 
 def test_a_model_nothing_is_known_of_is_nan_beside_the_others() -> None:
-    o = FleetOutputs(np.array([0, 1]))
+    o = FleetOutputs([("a",), ("b",)])
     o.observe(0, 300.0 * 40, 40)
     typical = o.typical()
     assert typical[0] == pytest.approx(300.0) and math.isnan(typical[1])
-    assert np.isnan(FleetOutputs(np.array([0, 1])).expected(None)).all()
+    assert np.isnan(FleetOutputs([("a",), ("b",)]).expected(None)).all()
     # one estimate: one value, as before
-    one = FleetOutputs(np.zeros(3, dtype=np.int64))
+    one = FleetOutputs([(), (), ()])
     assert one.expected(None) is None and one.expected(64) == 64.0
     one.observe(1, 300.0 * 40, 40)
     assert one.typical() == pytest.approx(300.0)
+    assert FleetOutputs([]).expected(64) == 64.0  # no replica yet (discovery)
 
 
-def test_a_new_fleet_keeps_each_models_estimate() -> None:
+@pytest.mark.parametrize(("names", "typical"), [
+    # "long" moved from replica 2 to a new replica: it keeps what it learned
+    ([("long",), ("short",), ("long",)], [2000.0, 100.0, 2000.0]),
+    ([("short",), ("short",), ("long",)], [100.0, 100.0, 2000.0]),  # a replica switched model
+    ([("long",), ("short",), ("new",)], [2000.0, 100.0, math.nan]),  # a new model: fresh
+    ([("short",)], [100.0]),  # "long" gone
+])
+def test_a_reload_keeps_each_models_estimate_by_its_name(names: list, typical: list) -> None:
+    np.testing.assert_allclose(_two_models().reindexed(names).typical(), typical)
+
+
+def test_a_reload_copies_and_merges_estimates() -> None:
     o = _two_models()
-    # replica 2 (model 0) removed, a fresh replica of a new model added: the carried replicas
-    # keep their models' estimates, the new model starts fresh and owes nothing to the old
-    new = o.reindexed(np.array([0, 1, 2]), [0, 1, None])
-    np.testing.assert_allclose(new.typical()[:2], [2000.0, 100.0])
-    assert math.isnan(new.typical()[2])
+    new = o.reindexed([("long",), ("short",)])
     before = o.of(0).finished
     new.observe(0, 0.0, 1.0)  # a copy: the old state's estimates are left as they were
     assert o.of(0).finished == before
-    # two models merged into one (a replica of each now serves a shared alias): their sums
-    merged = o.reindexed(np.array([0, 0]), [0, 1])
+    # one replica now serves both: their sums
+    merged = o.reindexed([("long", "short")])
     a, b = o.of(0), o.of(1)
     pooled = (a.generated + b.generated) / (a.finished + b.finished)
     assert merged.typical() == pytest.approx(pooled)
     assert 100.0 < merged.typical() < 2000.0
+    # a fleet that lists no models, before or after, keeps what was learned whole (discovery
+    # renames every replica of a rollout)
+    assert o.reindexed([(), ()]).typical() == pytest.approx(pooled)
+    one = FleetOutputs([()])
+    one.observe(0, 300.0 * 40, 40)
+    np.testing.assert_allclose(one.reindexed([("a",), ("b",)]).typical(), [300.0, 300.0])
+    assert one.reindexed([(), ()]).typical() == pytest.approx(300.0)
     assert OutputModel.merged([]).typical() is None

@@ -339,8 +339,10 @@ def test_the_engines_output_counters_teach_the_typical_output() -> None:
     # replicas count apart: another engine's first scrape is its own baseline
     s.observe_engine(1, 4.0, 0, 0, 0.1, generated=1e6, finished=1.0)
     assert s.outputs.typical() == pytest.approx(120.0)
-    # a fleet reload keeps what was learned
+    # a fleet reload keeps what was learned, even when no replica is kept (discovery names
+    # replicas by their addresses: a rollout replaces them all)
     assert s.reindexed(spec(), {"a": "a", "b": "b"}).outputs.typical() == pytest.approx(120.0)
+    assert s.reindexed(spec(), {}).outputs.typical() == pytest.approx(120.0)
 
 
 def test_an_increment_no_engine_could_generate_is_skipped() -> None:
@@ -394,3 +396,7 @@ def test_each_models_replicas_teach_that_models_output_and_a_reload_keeps_it() -
     typical = new.outputs.typical()
     np.testing.assert_allclose(typical[:2], [1000.0, 50.0], rtol=0.01)
     assert math.isnan(typical[2])
+    # b now serves "long" and d "short": each model's estimate follows its name, not the replica
+    doc["replicas"][1]["models"], doc["replicas"][2]["models"] = ["long"], ["short"]
+    moved = new.reindexed(parse_fleet(doc), {"a": "a", "b": "b", "d": "d"}).outputs.typical()
+    np.testing.assert_allclose(moved, [1000.0, 1000.0, 50.0], rtol=0.01)
