@@ -60,7 +60,7 @@ from gorgo.sim.presets import PRESETS
 from gorgo.sim.replay import replay, select_window
 from gorgo.sim.stats import percentile
 from gorgo.sim.traces import TraceRequest, load_trace
-from gorgo.sim.workload import workload_from_requests
+from gorgo.sim.workload import EXACT, ClientBound, parse_client_bound, workload_from_requests
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "results.md"
@@ -273,13 +273,14 @@ def _p_all(values: Sequence[float | None], q: float) -> float:
 
 def run_live(router: Router, fleet_doc: dict[str, Any], requests: Sequence[TraceRequest],
              time_scale: float, load: float, seed: int, bin_dir: Path | None,
-             timeout_s: float, tok: Tokenization) -> Run:
+             timeout_s: float, tok: Tokenization, bound: ClientBound = EXACT) -> Run:
     region_of = {r["name"]: r["region"] for r in fleet_doc["replicas"]}
     regions = list(dict.fromkeys(region_of.values()))
     with (tempfile.TemporaryDirectory(prefix="gorgo-peers-") as d,
           serving(router, with_free_ports(fleet_doc), Path(d), seed, bin_dir) as (url, status)):
         t0 = time.perf_counter()
-        res = asyncio.run(replay(requests, url, time_scale, tok=tok, timeout_s=timeout_s))
+        res = asyncio.run(replay(requests, url, time_scale, tok=tok, timeout_s=timeout_s,
+                                 bound=bound))
         wall = time.perf_counter() - t0
         finished = {name: s["finished"] for name, s in status().items()}
     ok = [r for r in res.records if r.outcome == "ok"]
@@ -306,9 +307,10 @@ def run_live(router: Router, fleet_doc: dict[str, Any], requests: Sequence[Trace
 
 
 def run_offline(policy: str, fleet_doc: dict[str, Any], requests: Sequence[TraceRequest],
-                time_scale: float, seed: int, tok: Tokenization) -> dict[str, float]:
+                time_scale: float, seed: int, tok: Tokenization,
+                bound: ClientBound = EXACT) -> dict[str, float]:
     """The slice through the offline simulator, arrivals scaled like the live replay's."""
-    wl = workload_from_requests("slice", requests, tok)
+    wl = workload_from_requests("slice", requests, tok, bound)
     sim = Simulation(parse_fleet(fleet_doc), policy, seed=seed)
     records = sim.run((wl.arrivals * time_scale).tolist(), wl.features,
                       wl.output_tokens).records
@@ -339,6 +341,14 @@ def _ratio(a: Sequence[Run], b: Sequence[Run], key: str) -> tuple[float, bool]:
     return ma / mb if mb else math.nan, abs(ma - mb) > ha + hb
 
 
+def _bound_words(mode: int | str) -> str:
+    """What the clients sent as max_tokens (a run's ``max_tokens``), in words."""
+    if mode == EXACT:
+        return "each request's output as `max_tokens`"
+    said = "no `max_tokens`" if mode == "none" else f"`max_tokens` {mode}"
+    return f"{said} (the engines stop at the trace's output)"
+
+
 def render(runs: Sequence[Run], offline: dict[str, dict[str, list[dict[str, float]]]],
            cfg: dict[str, Any]) -> str:
     loads = sorted({r.load for r in runs})
@@ -355,7 +365,8 @@ def render(runs: Sequence[Run], offline: dict[str, dict[str, list[dict[str, floa
         f"Slice: Mooncake trace time {cfg['offset_s']:g}-{cfg['offset_s'] + cfg['trace_s']:g} s "
         f"({cfg['requests']} requests, {cfg['rate']:.2f} req/s at trace speed, mean prompt "
         f"{cfg['mean_prompt']:,.0f} tokens), fleet `paper` (3 regions x 2 replicas, RTT "
-        f"37/279/456 ms), fresh fleet per run, `--stream-interval {STREAM_INTERVAL}`. Load = slice "
+        f"37/279/456 ms), fresh fleet per run, `--stream-interval {STREAM_INTERVAL}`, clients "
+        f"sending {_bound_words(cfg.get('max_tokens', EXACT))}. Load = slice "
         f"rate / {cfg['capacity']:g} req/s (time scale "
         + ", ".join(f"{s:.3f} at {load:g}" for load, s in cfg["time_scales"])
         + f"). Runs per cell: {cfg['repeats']} (link-jitter seeds 0..{cfg['repeats'] - 1}); "
@@ -452,7 +463,8 @@ def result_args(cfg: dict[str, Any]) -> dict[str, Any]:
     capacity also fix every load's time scale); None where the run did not record one."""
     return {"--offset": cfg.get("offset_s"), "--duration": cfg.get("trace_s"),
             "--loads": [load for load, _ in cfg.get("time_scales", [])],
-            "--capacity": cfg.get("capacity"), "--timeout": cfg.get("timeout_s")}
+            "--capacity": cfg.get("capacity"), "--timeout": cfg.get("timeout_s"),
+            "--max-tokens": cfg.get("max_tokens", EXACT)}
 
 
 def check_resumable(saved: dict[str, Any], cfg: dict[str, Any], path: Path) -> None:
@@ -461,6 +473,8 @@ def check_resumable(saved: dict[str, Any], cfg: dict[str, Any], path: Path) -> N
     def show(value: Any) -> str:
         if value is None:
             return "not recorded"
+        if isinstance(value, str):
+            return value
         return ",".join(f"{v:g}" for v in value) if isinstance(value, list) else f"{value:g}"
 
     old, new = result_args(saved), result_args(cfg)
@@ -476,6 +490,14 @@ def _utc_now() -> str:
 
 
 # --- main -------------------------------------------------------------------------------------
+
+
+def client_bound(text: str) -> ClientBound:
+    """An argparse type: `gorgo.sim.workload.parse_client_bound`'s modes."""
+    try:
+        return parse_client_bound(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -495,14 +517,17 @@ def main(argv: list[str] | None = None) -> int:
                    help="offline runs per policy and load (0: skip the offline check)")
     p.add_argument("--timeout", type=positive_number, default=300.0,
                    help="per-request timeout (s)")
+    p.add_argument("--max-tokens", type=client_bound, default=EXACT, metavar="MODE",
+                   help="what each client sends as max_tokens: exact (the trace's output), none "
+                        "or a cap N; the simulated engines still stop at the trace's output")
     p.add_argument("--peers-venv", type=Path, default=DEFAULT_VENV,
                    help="virtual environment for the peer routers (created when missing)")
     p.add_argument("--out", type=output_file, default=None,
                    help="write the runs as JSON here (after every run)")
     p.add_argument("--resume", action="store_true",
                    help="keep the runs already in --out and do only the missing ones (refused "
-                        "when they had another --offset, --duration, --loads, --capacity or "
-                        "--timeout)")
+                        "when they had another --offset, --duration, --loads, --capacity, "
+                        "--timeout or --max-tokens)")
     p.add_argument("--write-docs", action="store_true",
                    help=f"write the tables into '{SECTION}' of {DOC.relative_to(ROOT)}")
     p.add_argument("--render", type=Path, default=None, metavar="RUN.json",
@@ -550,6 +575,7 @@ def bench(args: argparse.Namespace, log: Callable[[str], None]) -> str:
         "capacity": args.capacity, "timeout_s": args.timeout,
         "time_scales": list(scales.items()), "repeats": args.repeats,
         "sim_seeds": args.sim_seeds, "command": command, "load_before": os.getloadavg()[0],
+        "max_tokens": "none" if args.max_tokens is None else args.max_tokens,
     }
     runs: list[Run] = []
     offline: dict[str, dict[str, list[dict[str, float]]]] = {}
@@ -573,7 +599,8 @@ def bench(args: argparse.Namespace, log: Callable[[str], None]) -> str:
         if str(load) in offline:
             continue
         offline[str(load)] = {
-            policy: [run_offline(policy, fleet_doc, requests, scale, seed, tok)
+            policy: [run_offline(policy, fleet_doc, requests, scale, seed, tok,
+                                 args.max_tokens)
                      for seed in range(args.sim_seeds)]
             for policy in (OFFLINE_POLICIES if args.sim_seeds > 0 else ())}
         for policy, sims in offline[str(load)].items():
@@ -589,7 +616,7 @@ def bench(args: argparse.Namespace, log: Callable[[str], None]) -> str:
                     continue
                 try:
                     run = run_live(router, fleet_doc, requests, scale, load, seed, bin_dir,
-                                   args.timeout, tok)
+                                   args.timeout, tok, args.max_tokens)
                 except (RuntimeError, OSError) as exc:  # one broken run must not lose the rest
                     failed.append(f"{router.name}, load {load:g}, seed {seed}: {exc}")
                     log(f"[peers] FAILED {failed[-1]}")

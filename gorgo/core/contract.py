@@ -102,6 +102,11 @@ SLO_TPOT_HEADER = "x-slo-tpot-ms"
 CONTROL_HEADERS = (POLICY_HEADER, PRIORITY_HEADER, SLO_TTFT_HEADER, SLO_TPOT_HEADER)
 PRIORITY_BOUNDS = (0, 100)
 SLO_BOUNDS_MS = (1.0, 3_600_000.0)  # a target outside this is a client error
+# Replay client -> simulated engine only (`gorgo replay --trace NAME:max_tokens=...`): the output
+# the trace says this request generates, where its body's max_tokens is a cap or absent, as a real
+# client's is (the engine stops there, as a real one stops at end of sequence). The router neither
+# reads it nor needs to: it learns output lengths from the engines' counters.
+SIM_OUTPUT_HEADER = "x-gorgo-sim-output-tokens"
 # Envoy -> router, on the response (include_attempt_count_in_response): 2 means the retry served it.
 ATTEMPT_COUNT_HEADER = "x-envoy-attempt-count"
 # Every header the router reads, request and response: the only ones Envoy forwards to it.

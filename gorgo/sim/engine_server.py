@@ -36,6 +36,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
 
 from gorgo import shutdown
+from gorgo.core.contract import SIM_OUTPUT_HEADER
 from gorgo.core.features import (
     RequestError,
     endpoint_for_path,
@@ -45,7 +46,7 @@ from gorgo.core.features import (
     prompt_sizes,
     prompt_text,
 )
-from gorgo.core.fleet import finite_number
+from gorgo.core.fleet import Limits, finite_number
 from gorgo.core.prompt_tokens import SimTokenizer
 from gorgo.core.tokens import DEFAULT_BLOCK_TOKENS, DEFAULT_CHARS_PER_TOKEN, Tokenization
 from gorgo.errors import UserError, bind_error, port_number, positive_number
@@ -560,8 +561,11 @@ class EngineServer:
             if not isinstance(stream, bool):
                 raise RequestError(400, "'stream' must be a boolean.", param="stream")
             max_tokens = output_bound(endpoint, body)
-            # echo without generation runs one step, as vLLM does
-            max_tokens = self.default_max_tokens if max_tokens is None else max(max_tokens, 1)
+            stops = _sim_output(request.headers.get(SIM_OUTPUT_HEADER))
+            if max_tokens is None:  # stops at "end of sequence": the replay's, else the default
+                max_tokens = self.default_max_tokens if stops is None else stops
+            else:  # echo without generation runs one step, as vLLM does
+                max_tokens = max(max_tokens if stops is None else min(max_tokens, stops), 1)
             include_usage = not responses and _include_usage(body)
             if responses and body.get("previous_response_id") is not None:
                 raise RequestError(400, "'previous_response_id' is not supported: this engine "
@@ -821,6 +825,17 @@ def _reset(request: web.Request) -> None:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
     transport.abort()
 
+
+def _sim_output(value: str | None) -> int | None:
+    """The replay's `SIM_OUTPUT_HEADER`: the output this request generates (None: not said)."""
+    if value is None:
+        return None
+    most = Limits().max_output_tokens
+    v = value.strip()
+    if not (v.isascii() and v.isdigit() and len(v) <= 20 and 1 <= int(v) <= most):
+        raise RequestError(400, f"{SIM_OUTPUT_HEADER} must be a number of tokens from 1 to "
+                           f"{most}, not {value[:40]!r}.")
+    return int(v)
 
 
 def _include_usage(body: dict[str, Any]) -> bool:

@@ -29,11 +29,13 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from gorgo import shutdown
+from gorgo.core.contract import SIM_OUTPUT_HEADER
 from gorgo.core.tokens import Tokenization
 from gorgo.errors import UserError, at_least, header_pair, output_file, url_arg
 from gorgo.progress import StatusLine
 from gorgo.sim.stats import percentile, rate_per_s, summarize
 from gorgo.sim.traces import DESCRIPTION, TraceRequest, load_trace, parse_spec
+from gorgo.sim.workload import EXACT, ClientBound, generated, split_client_bound, with_client_bound
 
 ENDPOINT_PATHS: dict[str, str] = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 REPLICA_HEADERS: tuple[str, ...] = ("x-gorgo-replica", "x-gorgo-served-by")
@@ -210,6 +212,7 @@ async def replay(
     timeout_s: float = DEFAULT_TIMEOUT_S,
     headers: dict[str, str] | None = None,
     extra_body: dict[str, Any] | None = None,
+    bound: ClientBound = EXACT,
     on_result: Callable[[RequestRecord], None] | None = None,
     progress: IO[str] | None = None,
     stop: asyncio.Event | None = None,
@@ -218,6 +221,8 @@ async def replay(
 
     ``on_result`` is called with every finished record (ok, failed or cancelled). Setting
     ``stop`` ends the replay early: unsent requests are dropped, in-flight ones cancelled.
+    ``bound``: what each client sends as max_tokens (`gorgo.sim.workload.EXACT`); where it is not
+    the output, `SIM_OUTPUT_HEADER` tells a simulated engine where the request stops.
     """
     if time_scale < 0:
         raise ValueError("time_scale must be >= 0")
@@ -255,7 +260,7 @@ async def replay(
             body = req.completion_body(tok, model, stream=True)
         if extra_body:
             body.update(extra_body)
-        return json.dumps(body).encode()
+        return json.dumps(with_client_bound(body, bound)).encode()
 
     if ordered:
         # The first build generates the shared text pool; do it now, not on the schedule.
@@ -287,9 +292,10 @@ async def replay(
                 index=req.index,
                 session=req.session,
                 input_tokens=req.input_tokens,
-                max_tokens=req.output_tokens,
+                max_tokens=generated(req.output_tokens, bound),
                 scheduled_s=at - t0,
             )
+            told = None if bound == EXACT else {SIM_OUTPUT_HEADER: str(rec.max_tokens)}
             try:
                 payload = build(req)
             except Exception as exc:
@@ -305,7 +311,7 @@ async def replay(
             if tracker is not None:
                 tracker.sent += 1
             try:
-                await _send(session, target, payload, rec, sent, endpoint)
+                await _send(session, target, payload, rec, sent, endpoint, told)
             except asyncio.CancelledError:
                 rec.outcome, rec.error = "cancelled", "cancelled before completion"
                 finish(rec)
@@ -368,11 +374,12 @@ async def _send(
     rec: RequestRecord,
     sent: float,
     endpoint: str,
+    headers: dict[str, str] | None = None,
 ) -> None:
     """Post one request and fill ``rec``; every failure ends up in ``rec``, never raised."""
     loop = asyncio.get_running_loop()
     try:
-        async with session.post(url, data=payload) as resp:
+        async with session.post(url, data=payload, headers=headers) as resp:
             rec.status = resp.status
             rec.replica = _replica(resp.headers)
             if resp.status != 200:
@@ -508,7 +515,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--trace", required=True, metavar="SPEC",
         help="mooncake[:PATH] | azure[:PATH] | chat[:seed=S,users=U,rate=R,...] "
-        "(options as k=v; limit=N keeps the first N requests)",
+        "(options as k=v; limit=N keeps the first N requests; max_tokens=exact|none|N: what "
+        "each client sends as max_tokens, the simulated engine still told each output)",
     )
     parser.add_argument("--url", required=True, type=url_arg,
                         help="base URL (endpoint path added) or full URL")
@@ -566,8 +574,16 @@ def main(args: argparse.Namespace) -> int:
     for path in (args.out, args.summary):  # before the replay, not after it
         if path is not None:
             output_file(path)
-    source, _ = parse_spec(args.trace)
-    requests = load_trace(args.trace, root=args.traces_dir)
+    try:
+        trace, bound = split_client_bound(args.trace)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    if args.ignore_eos and bound != EXACT:
+        raise UserError("--ignore-eos needs the trace's exact max_tokens: an engine told to "
+                        "ignore end of sequence generates the whole bound (or, with none, "
+                        "up to its context)")
+    source, _ = parse_spec(trace)
+    requests = load_trace(trace, root=args.traces_dir)
     selected = select_window(
         requests, args.offset, args.duration, args.max_requests, args.time_scale
     )
@@ -592,7 +608,7 @@ def main(args: argparse.Namespace) -> int:
             return await replay(
                 selected, args.url, args.time_scale, tok=tok, model=args.model,
                 endpoint=args.endpoint, timeout_s=args.timeout, headers=headers,
-                extra_body=extra, on_result=write,
+                extra_body=extra, bound=bound, on_result=write,
                 progress=sys.stderr if show_progress else None, stop=stop,
             )
         finally:

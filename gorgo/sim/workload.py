@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 
@@ -74,10 +75,11 @@ def build_workload(trace: str, tok: Tokenization, requests: int | None = None) -
     return workload_from_requests(trace, reqs[:requests] if requests is not None else reqs, tok)
 
 
-# What a replayed client sends as max_tokens (`gorgo bench sim --trace NAME:[...,]max_tokens=`):
-# EXACT, the request's own output length (the traces' replay, and the default); None, no bound; or
-# one cap N for every request, which cuts an output longer than N to N. The engine always
-# generates the output (cut at the cap), never the bound: only what the router is told changes.
+# What a replayed client sends as max_tokens (`gorgo bench sim` and `gorgo replay`, `--trace
+# NAME:[...,]max_tokens=`): EXACT, the request's own output length (the traces' replay, and the
+# default); None, no bound; or one cap N for every request, which cuts an output longer than N to
+# N. The engine always generates the output (cut at the cap), never the bound: only what the
+# router is told changes (live, the replay tells the simulated engine in `SIM_OUTPUT_HEADER`).
 EXACT = "exact"
 BOUND_OPTION = "max_tokens"
 ClientBound = int | str | None
@@ -117,6 +119,22 @@ def split_client_bound(trace: str) -> tuple[str, ClientBound]:
     return (f"{name}:{','.join(kept)}" if kept else name), parse_client_bound(bounds[0])
 
 
+def with_client_bound(body: dict[str, Any], bound: ClientBound) -> dict[str, Any]:
+    """``body`` (whose max_tokens is the request's output) as a client sending ``bound`` writes
+    it."""
+    if bound is None:
+        body.pop("max_tokens", None)
+    elif bound != EXACT:
+        body["max_tokens"] = bound
+    return body
+
+
+def generated(output_tokens: int, bound: ClientBound) -> int:
+    """The output the engine generates for a request of ``output_tokens`` whose client sends
+    ``bound``: cut at a cap."""
+    return min(output_tokens, bound) if isinstance(bound, int) else output_tokens
+
+
 def workload_from_requests(
     name: str, reqs: Sequence[TraceRequest], tok: Tokenization, bound: ClientBound = EXACT
 ) -> Workload:
@@ -124,15 +142,8 @@ def workload_from_requests(
     ``bound`` is the max_tokens its client sends (see EXACT)."""
     if not reqs:
         raise ValueError(f"{name}: no requests")
-    outputs = [r.output_tokens if not isinstance(bound, int) else min(r.output_tokens, bound)
-               for r in reqs]
-    bodies = [r.chat_body(tok, MODEL) for r in reqs]
-    if bound != EXACT:
-        for body in bodies:
-            if bound is None:
-                del body["max_tokens"]
-            else:
-                body["max_tokens"] = bound
+    outputs = [generated(r.output_tokens, bound) for r in reqs]
+    bodies = (with_client_bound(r.chat_body(tok, MODEL), bound) for r in reqs)
     features = tuple(
         extract_features(CHAT_PATH, {}, json.dumps(body).encode(), tok) for body in bodies)
     arrivals = np.array([r.arrival_s for r in reqs], dtype=float)

@@ -43,6 +43,7 @@ def _refused(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
     (["--timeout", "-1"], "--timeout: must be >= 0"),
     (["--repeats", "-1"], "--repeats: must be >= 0"),
     (["--offset", "1e9", "--sim-seeds", "1"], "no requests in trace time 1e+09-1e+09 s"),
+    (["--max-tokens", "lots"], "--max-tokens: max_tokens='lots': expected exact, none or a"),
 ])
 def test_a_bad_argument_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[str],
                                                argv: list[str], says: str) -> None:
@@ -89,6 +90,7 @@ def test_resume_keeps_the_runs_of_the_same_slice(capsys: pytest.CaptureFixture[s
      "--offset 1200 (here 300), --duration 5 (here 20), --capacity 5.416 (here 2)"),
     (["--loads", "0.6,0.75"], "--loads 0.6 (here 0.6,0.75)"),
     (["--timeout", "60"], "--timeout 300 (here 60)"),
+    (["--max-tokens", "4096"], "--max-tokens exact (here 4096)"),
 ])
 def test_resume_refuses_a_run_of_other_arguments(capsys: pytest.CaptureFixture[str],
                                                  tmp_path: Path, argv: list[str],
@@ -99,3 +101,23 @@ def test_resume_refuses_a_run_of_other_arguments(capsys: pytest.CaptureFixture[s
     err = _refused(capsys, [*SLICE, *argv, "--out", str(out), "--resume"])
     assert f"--resume: {out} was run with {says};" in err
     assert out.read_text() == before
+
+
+@pytest.mark.parametrize(("mode", "saved", "says"), [
+    ("none", "none", "clients sending no `max_tokens` (the engines stop at the trace's output)"),
+    ("4096", 4096, "clients sending `max_tokens` 4096 (the engines stop at the trace's output)"),
+    ("exact", "exact", "clients sending each request's output as `max_tokens`"),
+])
+def test_the_clients_bound_is_recorded_and_reported(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path, mode: str, saved: object,
+        says: str) -> None:
+    out = tmp_path / "run.json"
+    assert peers.main([*SLICE, "--repeats", "0", "--max-tokens", mode, "--out", str(out)]) == 0
+    assert says in capsys.readouterr().out
+    assert json.loads(out.read_text())["config"]["max_tokens"] == saved
+    # a saved run from before the option read as exact
+    data = json.loads(out.read_text())
+    del data["config"]["max_tokens"]
+    out.write_text(json.dumps(data))
+    assert peers.main([*SLICE, "--repeats", "0", "--out", str(out), "--resume",
+                       "--max-tokens", "exact"]) == 0

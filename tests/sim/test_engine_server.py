@@ -14,6 +14,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from extproc.engine_metrics import parse_engine_metrics
+from gorgo.core.contract import SIM_OUTPUT_HEADER
 from gorgo.core.features import prompt_text
 from gorgo.core.tokens import Tokenization
 from gorgo.sim import engine_server
@@ -664,3 +665,33 @@ def test_a_slowdown_factor_is_finite_and_positive(factor: float) -> None:
     with pytest.raises(ValueError, match="slowdown factor must be a finite number > 0"):
         srv.slowdown = factor  # 10**400 raised OverflowError
     assert srv.slowdown == 1.0 and srv.engine.speed == 1.0
+
+
+@pytest.mark.parametrize(("bound", "told", "generated"), [
+    (None, 7, 7),  # no max_tokens: the replay says where the request stops
+    (5, 7, 5),  # a cap still cuts
+    (40, 7, 7),  # a generous cap: stops at the trace's output, as at end of sequence
+    (9, None, 9),  # nothing told: the bound, as before
+])
+def test_the_replay_tells_the_engine_where_a_request_stops(
+        bound: int | None, told: int | None, generated: int) -> None:
+    async def fn(srv, session):
+        body = chat_body("stop me " * 20, **({} if bound is None else {"max_tokens": bound}))
+        headers = {} if told is None else {SIM_OUTPUT_HEADER: str(told)}
+        async with session.post(srv.url + "/v1/chat/completions", json=body,
+                                headers=headers) as resp:
+            assert resp.status == 200
+            return (await resp.json())["usage"]["completion_tokens"]
+
+    assert serve(fn) == generated
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "x", "1.5", str(2**21), "9" * 30])
+def test_a_bad_output_header_is_a_json_400(value: str) -> None:
+    async def fn(srv, session):
+        async with session.post(srv.url + "/v1/chat/completions", json=chat_body("hi"),
+                                headers={SIM_OUTPUT_HEADER: value}) as resp:
+            return resp.status, await resp.json()
+
+    status, body = serve(fn)
+    assert status == 400 and SIM_OUTPUT_HEADER in body["error"]["message"]

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
+from gorgo.core.contract import SIM_OUTPUT_HEADER
 from gorgo.core.tokens import Tokenization
 from gorgo.errors import UserError
 from gorgo.sim.replay import (
@@ -50,6 +51,7 @@ class SSEServer:
     def __init__(self) -> None:
         self.port = 0
         self.received: list[dict] = []
+        self.headers: list[dict[str, str]] = []  # each request's, beside ``received``
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -83,6 +85,7 @@ class SSEServer:
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.received.append(body)
+        self.headers.append(dict(request.headers))
         user = body.get("user")
         if user == "fail":
             return web.Response(status=503, text="overloaded")
@@ -260,9 +263,9 @@ def test_simultaneous_requests_go_out_shortest_first_from_one_timer(
     sent: list[int] = []
     real = module._send
 
-    async def recorded(session, url, payload, rec, at, endpoint):
+    async def recorded(session, url, payload, rec, at, endpoint, headers=None):
         sent.append(rec.index)
-        await real(session, url, payload, rec, at, endpoint)
+        await real(session, url, payload, rec, at, endpoint, headers)
 
     monkeypatch.setattr(module, "_send", recorded)
     sizes = [900, 100, 500, 100, 2000, 300, 700, 50, 1200, 400, 800, 600]
@@ -340,6 +343,41 @@ def test_cli_honours_offset_duration_and_max_requests(server: SSEServer, tmp_pat
 
     with pytest.raises(UserError, match="unknown trace source 'nosuch'"):
         main(_args("--trace", "nosuch", "--url", url))  # gorgo.cli prints it and exits 2
+
+
+@pytest.mark.parametrize(("option", "cap"), [
+    ("", "exact"),  # the default
+    (",max_tokens=exact", "exact"),
+    (",max_tokens=none", None),
+    (",max_tokens=50", 50),
+])
+def test_a_replayed_client_sends_its_bound_and_the_engine_is_told_the_output(
+        server: SSEServer, tmp_path: Path, option: str, cap: object) -> None:
+    spec = "chat:seed=2,users=4,rate=40,message_tokens=40,system_tokens=100,limit=12"
+    outputs = sorted(r.output_tokens for r in load_trace(spec))
+    generated = sorted(min(o, cap) if isinstance(cap, int) else o for o in outputs)
+    assert generated != outputs or not isinstance(cap, int)  # the cap cuts some
+    out = tmp_path / "out.jsonl"
+    url = f"http://{HOST}:{server.port}"
+    assert main(_args("--trace", spec + option, "--url", url, "--out", str(out))) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert sorted(r["max_tokens"] for r in rows) == generated  # what the engine generates
+    bodies = [b.get("max_tokens") for b in server.received]
+    told = [h.get(SIM_OUTPUT_HEADER) for h in server.headers]
+    if cap == "exact":
+        assert sorted(bodies) == outputs and told == [None] * len(outputs)
+    else:
+        assert bodies == [cap] * len(outputs)
+        assert sorted(int(v) for v in told) == generated
+
+
+@pytest.mark.parametrize(("args", "error"), [
+    (("--trace", "chat:max_tokens=lots"), r"max_tokens='lots': expected exact, none or a number"),
+    (("--trace", "chat:max_tokens=none", "--ignore-eos"), r"--ignore-eos needs the trace's exact"),
+])
+def test_a_bad_client_bound_is_one_line(args: tuple[str, ...], error: str) -> None:
+    with pytest.raises(UserError, match=error):
+        main(_args(*args, "--url", f"http://{HOST}:{_closed_port()}"))
 
 
 def test_sigint_stops_cleanly_and_writes_results(server: SSEServer, tmp_path: Path) -> None:
