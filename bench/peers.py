@@ -57,7 +57,7 @@ from gorgo.harness.stack import LiveStack, StackOptions, with_free_ports
 from gorgo.sim.bench import ci95, pct
 from gorgo.sim.offline import Simulation
 from gorgo.sim.presets import PRESETS
-from gorgo.sim.replay import replay, select_window
+from gorgo.sim.replay import RequestRecord, replay, select_window
 from gorgo.sim.stats import percentile
 from gorgo.sim.traces import TraceRequest, load_trace
 from gorgo.sim.workload import EXACT, ClientBound, parse_client_bound, workload_from_requests
@@ -271,6 +271,17 @@ def _p_all(values: Sequence[float | None], q: float) -> float:
     return pct(np.array([math.inf if x is None else x for x in values], dtype=float), q)
 
 
+def check_lengths(ok: Sequence[RequestRecord], name: str) -> None:
+    """A RuntimeError unless every answer has the length the replay asked for: an engine told
+    where a request stops (`SIM_OUTPUT_KEY`) generates exactly that, so another length means
+    the router did not pass the request on as sent, and the run replayed another workload."""
+    other = [r for r in ok if r.completion_tokens not in (None, r.max_tokens)]
+    if other:
+        raise RuntimeError(f"{len(other)} of {len(ok)} answers were not the trace's length (the "
+                           f"first: {other[0].completion_tokens} tokens for "
+                           f"{other[0].max_tokens}): {name} did not pass the request on as sent")
+
+
 def run_live(router: Router, fleet_doc: dict[str, Any], requests: Sequence[TraceRequest],
              time_scale: float, load: float, seed: int, bin_dir: Path | None,
              timeout_s: float, tok: Tokenization, bound: ClientBound = EXACT) -> Run:
@@ -284,6 +295,7 @@ def run_live(router: Router, fleet_doc: dict[str, Any], requests: Sequence[Trace
         wall = time.perf_counter() - t0
         finished = {name: s["finished"] for name, s in status().items()}
     ok = [r for r in res.records if r.outcome == "ok"]
+    check_lengths(ok, router.name)
     errors: dict[str, int] = {}
     for r in res.records:
         if r.outcome != "ok":
@@ -464,7 +476,7 @@ def result_args(cfg: dict[str, Any]) -> dict[str, Any]:
     return {"--offset": cfg.get("offset_s"), "--duration": cfg.get("trace_s"),
             "--loads": [load for load, _ in cfg.get("time_scales", [])],
             "--capacity": cfg.get("capacity"), "--timeout": cfg.get("timeout_s"),
-            "--max-tokens": cfg.get("max_tokens", EXACT)}
+            "--bound": cfg.get("max_tokens", EXACT)}
 
 
 def check_resumable(saved: dict[str, Any], cfg: dict[str, Any], path: Path) -> None:
@@ -517,7 +529,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="offline runs per policy and load (0: skip the offline check)")
     p.add_argument("--timeout", type=positive_number, default=300.0,
                    help="per-request timeout (s)")
-    p.add_argument("--max-tokens", type=client_bound, default=EXACT, metavar="MODE",
+    p.add_argument("--bound", type=client_bound, default=EXACT, metavar="MODE",
                    help="what each client sends as max_tokens: exact (the trace's output), none "
                         "or a cap N; the simulated engines still stop at the trace's output")
     p.add_argument("--peers-venv", type=Path, default=DEFAULT_VENV,
@@ -527,7 +539,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--resume", action="store_true",
                    help="keep the runs already in --out and do only the missing ones (refused "
                         "when they had another --offset, --duration, --loads, --capacity, "
-                        "--timeout or --max-tokens)")
+                        "--timeout or --bound)")
     p.add_argument("--write-docs", action="store_true",
                    help=f"write the tables into '{SECTION}' of {DOC.relative_to(ROOT)}")
     p.add_argument("--render", type=Path, default=None, metavar="RUN.json",
@@ -575,7 +587,7 @@ def bench(args: argparse.Namespace, log: Callable[[str], None]) -> str:
         "capacity": args.capacity, "timeout_s": args.timeout,
         "time_scales": list(scales.items()), "repeats": args.repeats,
         "sim_seeds": args.sim_seeds, "command": command, "load_before": os.getloadavg()[0],
-        "max_tokens": "none" if args.max_tokens is None else args.max_tokens,
+        "max_tokens": "none" if args.bound is None else args.bound,
     }
     runs: list[Run] = []
     offline: dict[str, dict[str, list[dict[str, float]]]] = {}
@@ -600,7 +612,7 @@ def bench(args: argparse.Namespace, log: Callable[[str], None]) -> str:
             continue
         offline[str(load)] = {
             policy: [run_offline(policy, fleet_doc, requests, scale, seed, tok,
-                                 args.max_tokens)
+                                 args.bound)
                      for seed in range(args.sim_seeds)]
             for policy in (OFFLINE_POLICIES if args.sim_seeds > 0 else ())}
         for policy, sims in offline[str(load)].items():
@@ -616,7 +628,7 @@ def bench(args: argparse.Namespace, log: Callable[[str], None]) -> str:
                     continue
                 try:
                     run = run_live(router, fleet_doc, requests, scale, load, seed, bin_dir,
-                                   args.timeout, tok, args.max_tokens)
+                                   args.timeout, tok, args.bound)
                 except (RuntimeError, OSError) as exc:  # one broken run must not lose the rest
                     failed.append(f"{router.name}, load {load:g}, seed {seed}: {exc}")
                     log(f"[peers] FAILED {failed[-1]}")

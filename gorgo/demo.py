@@ -54,7 +54,9 @@ DEMO_PROFILE = "h100-llama3-8b"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--trace", default="mooncake", help="trace spec (see `gorgo replay --help`)")
+    p.add_argument("--trace", default="mooncake",
+                   help="trace spec (see `gorgo replay --help`; the demo's clients send the "
+                   "trace's exact max_tokens)")
     p.add_argument("--offset", type=at_least(0.0, float), default=0.0,
                    help="start of the slice in trace seconds")
     p.add_argument("--duration", type=positive_number, default=60.0,

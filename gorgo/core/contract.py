@@ -104,9 +104,11 @@ PRIORITY_BOUNDS = (0, 100)
 SLO_BOUNDS_MS = (1.0, 3_600_000.0)  # a target outside this is a client error
 # Replay client -> simulated engine only (`gorgo replay --trace NAME:max_tokens=...`): the output
 # the trace says this request generates, where its body's max_tokens is a cap or absent, as a real
-# client's is (the engine stops there, as a real one stops at end of sequence). The router neither
+# client's is (the engine stops there, as a real one stops at end of sequence). A key of the body's
+# `metadata` (OpenAI's field for a client's own tags), the one place every router here passes on:
+# sglang-router 0.3.2 drops unknown headers and body fields, and `user` too. The router neither
 # reads it nor needs to: it learns output lengths from the engines' counters.
-SIM_OUTPUT_HEADER = "x-gorgo-sim-output-tokens"
+SIM_OUTPUT_KEY = "gorgo_sim_output_tokens"
 # Envoy -> router, on the response (include_attempt_count_in_response): 2 means the retry served it.
 ATTEMPT_COUNT_HEADER = "x-envoy-attempt-count"
 # Every header the router reads, request and response: the only ones Envoy forwards to it.

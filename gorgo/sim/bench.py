@@ -533,9 +533,9 @@ def _clock(s: float) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace", default="mooncake", metavar="SPEC",
-                        help="trace spec as for `gorgo replay`, plus the offline option "
-                        "NAME:[...,]max_tokens=exact|none|N: what each client sends as its "
-                        "bound (docs/simulator.md) (default: mooncake)")
+                        help="trace spec as for `gorgo replay`, its option "
+                        "NAME:[...,]max_tokens=exact|none|N included: what each client sends as "
+                        "its bound (docs/simulator.md) (default: mooncake)")
     parser.add_argument("--fleet", default="paper",
                         help=f"preset ({', '.join(PRESETS)}) or fleet YAML path (default: paper)")
     parser.add_argument("--policies", default="all",

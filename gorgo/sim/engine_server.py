@@ -36,7 +36,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
 
 from gorgo import shutdown
-from gorgo.core.contract import SIM_OUTPUT_HEADER
+from gorgo.core.contract import SIM_OUTPUT_KEY
 from gorgo.core.features import (
     RequestError,
     endpoint_for_path,
@@ -96,8 +96,8 @@ def pseudo_token_ids(tok: Tokenization, text: str) -> list[int]:
 class _Pending:
     """What one in-flight request has received from the engine so far."""
 
-    __slots__ = ("aborted", "arrival", "cached", "event", "finished", "first_at", "prompt_tokens",
-                 "sent", "stream", "tokens")
+    __slots__ = ("aborted", "arrival", "cached", "event", "finish", "finished", "first_at",
+                 "prompt_tokens", "sent", "stream", "tokens")
 
     def __init__(self, prompt_tokens: int, stream: bool, arrival: float) -> None:
         self.arrival = arrival
@@ -108,6 +108,9 @@ class _Pending:
         self.cached = 0
         self.first_at: float | None = None
         self.finished = False
+        # why it ends: its token limit, or where the replay said it stops (`SIM_OUTPUT_KEY`),
+        # which answers as a real engine's end of sequence
+        self.finish = "length"
         self.aborted = False  # the server is shutting down
         self.event = asyncio.Event()
 
@@ -195,7 +198,8 @@ class _MetricsCollector(Collector):
                           m.cached_tokens_total)
             success = CounterMetricFamily("vllm:request_success", "Count of successfully processed "
                                           "requests.", labels=[*keys, "finished_reason"])
-            success.add_metric([*vals, "length"], m.requests_finished)
+            success.add_metric([*vals, "length"], m.requests_finished - s.stopped_total)
+            success.add_metric([*vals, "stop"], s.stopped_total)
             yield success
             yield histogram("vllm:request_generation_tokens",
                             "Number of generation tokens processed.", GENERATION_BUCKETS,
@@ -268,6 +272,7 @@ class EngineServer:
         self.ttft_sum = 0.0
         self.generation_counts = [0] * (len(GENERATION_BUCKETS) + 1)
         self.generation_sum = 0
+        self.stopped_total = 0  # requests that finished where the replay said (`_Pending.finish`)
         self.lag_counts = [0] * (len(STEP_LAG_BUCKETS) + 1)
         self.lag_sum = 0.0
         self.registry = CollectorRegistry(auto_describe=False)
@@ -444,6 +449,7 @@ class EngineServer:
             p = pending.get(f.rid)
             if p is not None:
                 p.finished = True
+                self.stopped_total += p.finish == "stop"
                 p.event.set()
 
     # -- HTTP -------------------------------------------------------------------------------------
@@ -560,12 +566,14 @@ class EngineServer:
             stream = body.get("stream", False)
             if not isinstance(stream, bool):
                 raise RequestError(400, "'stream' must be a boolean.", param="stream")
-            max_tokens = output_bound(endpoint, body)
-            stops = _sim_output(request.headers.get(SIM_OUTPUT_HEADER))
-            if max_tokens is None:  # stops at "end of sequence": the replay's, else the default
-                max_tokens = self.default_max_tokens if stops is None else stops
+            bound = output_bound(endpoint, body)
+            stops = _sim_output(body.get("metadata"))
+            # stopped at "end of sequence" (the replay's) before the client's bound
+            stopped = stops is not None and (bound is None or stops < bound)
+            if stopped:
+                max_tokens = stops
             else:  # echo without generation runs one step, as vLLM does
-                max_tokens = max(max_tokens if stops is None else min(max_tokens, stops), 1)
+                max_tokens = self.default_max_tokens if bound is None else max(bound, 1)
             include_usage = not responses and _include_usage(body)
             if responses and body.get("previous_response_id") is not None:
                 raise RequestError(400, "'previous_response_id' is not supported: this engine "
@@ -597,11 +605,14 @@ class EngineServer:
             kind = "server_error" if exc.status >= 500 else "invalid_request_error"
             return _error(exc.status, exc.reason, kind)
         pending = _Pending(prompt_tokens, stream, now)
+        limit = max_tokens  # what the Responses API reports: the client's own bound if it stopped
+        if stopped:
+            pending.finish, limit = "stop", bound
         self._pending[rid] = pending
         self._wake.set()
         try:
             if stream and responses:
-                return await self._stream_responses(request, rid, pending, max_tokens)
+                return await self._stream_responses(request, rid, pending, limit)
             if stream:
                 return await self._stream(request, endpoint, rid, pending, include_usage)
             while not pending.finished:
@@ -612,7 +623,7 @@ class EngineServer:
                     return web.Response(status=500)
             if responses:
                 return web.json_response(self._response_object(
-                    rid, "msg_" + uuid.uuid4().hex, pending, int(time.time()), max_tokens))
+                    rid, "msg_" + uuid.uuid4().hex, pending, int(time.time()), limit))
             return web.json_response(self._full_body(endpoint, rid, pending))
         finally:
             self._pending.pop(rid, None)
@@ -634,11 +645,11 @@ class EngineServer:
                 "index": 0,
                 "message": {"role": "assistant", "content": text},
                 "logprobs": None,
-                "finish_reason": "length",
+                "finish_reason": p.finish,
             }
             obj = "chat.completion"
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": "length"}
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": p.finish}
             obj = "text_completion"
         return {
             "id": rid,
@@ -709,10 +720,10 @@ class EngineServer:
             finish_sent = False
             if text:
                 finish_sent = done and vllm  # vLLM puts finish_reason on the last content chunk
-                out.append(chunk(piece(text, "length" if finish_sent else None)))
+                out.append(chunk(piece(text, p.finish if finish_sent else None)))
             if done:
                 if not finish_sent:
-                    out.append(chunk(piece(None, "length")))
+                    out.append(chunk(piece(None, p.finish)))
                 if include_usage:
                     out.append(chunk(None, self._usage(p)))
                 out.append("data: [DONE]\n\n")
@@ -720,9 +731,10 @@ class EngineServer:
         return await self._end(request, resp, p)
 
     def _response_object(self, rid: str, msg_id: str, p: _Pending, created: int,
-                         max_tokens: int, done: bool = True) -> dict[str, Any]:
-        """A Responses API response; generation always stops at the token limit, which the API
-        reports as status "incomplete" with reason "max_output_tokens"."""
+                         max_tokens: int | None, done: bool = True) -> dict[str, Any]:
+        """A Responses API response; generation stops at the token limit, which the API reports
+        as status "incomplete" with reason "max_output_tokens", or where the replay said
+        (`_Pending.finish`), "completed"."""
         out: dict[str, Any] = {
             "id": rid, "object": "response", "created_at": created, "model": self.model_name,
             "status": "in_progress", "incomplete_details": None, "error": None,
@@ -730,8 +742,11 @@ class EngineServer:
         }
         if done:
             text = pseudo_text(self.tok, 0, p.tokens)
-            out.update(status="incomplete", incomplete_details={"reason": "max_output_tokens"},
-                       output=[_message_item(msg_id, "incomplete", text)], usage={
+            whole = p.finish == "stop"
+            status = "completed" if whole else "incomplete"
+            out.update(status=status,
+                       incomplete_details=None if whole else {"reason": "max_output_tokens"},
+                       output=[_message_item(msg_id, status, text)], usage={
                            "input_tokens": p.prompt_tokens,
                            "input_tokens_details": {"cached_tokens": p.cached},
                            "output_tokens": p.tokens,
@@ -741,7 +756,7 @@ class EngineServer:
         return out
 
     async def _stream_responses(
-        self, request: web.Request, rid: str, p: _Pending, max_tokens: int
+        self, request: web.Request, rid: str, p: _Pending, max_tokens: int | None
     ) -> web.StreamResponse:
         """The Responses API's typed event stream (``event:`` + ``data:``, no [DONE])."""
         resp = await self._event_stream(request)
@@ -774,7 +789,7 @@ class EngineServer:
                         event("response.content_part.done", **where, part=_output_text(full)),
                         event("response.output_item.done", output_index=0,
                               item=final["output"][0]),
-                        event("response.incomplete", response=final)]
+                        event(f"response.{final['status']}", response=final)]
             await resp.write("".join(out).encode())
         return await self._end(request, resp, p)
 
@@ -826,15 +841,17 @@ def _reset(request: web.Request) -> None:
     transport.abort()
 
 
-def _sim_output(value: str | None) -> int | None:
-    """The replay's `SIM_OUTPUT_HEADER`: the output this request generates (None: not said)."""
-    if value is None:
+def _sim_output(metadata: Any) -> int | None:
+    """The replay's `SIM_OUTPUT_KEY` in the body's metadata: the output this request generates
+    (None: not said)."""
+    if not isinstance(metadata, dict) or SIM_OUTPUT_KEY not in metadata:
         return None
+    value = metadata[SIM_OUTPUT_KEY]
     most = Limits().max_output_tokens
-    v = value.strip()
+    v = value.strip() if isinstance(value, str) else ""
     if not (v.isascii() and v.isdigit() and len(v) <= 20 and 1 <= int(v) <= most):
-        raise RequestError(400, f"{SIM_OUTPUT_HEADER} must be a number of tokens from 1 to "
-                           f"{most}, not {value[:40]!r}.")
+        raise RequestError(400, f"metadata.{SIM_OUTPUT_KEY} must be a number of tokens from 1 "
+                           f"to {most} (a string), not {str(value)[:40]!r}.", param="metadata")
     return int(v)
 
 

@@ -29,7 +29,7 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from gorgo import shutdown
-from gorgo.core.contract import SIM_OUTPUT_HEADER
+from gorgo.core.contract import SIM_OUTPUT_KEY
 from gorgo.core.tokens import Tokenization
 from gorgo.errors import UserError, at_least, header_pair, output_file, url_arg
 from gorgo.progress import StatusLine
@@ -201,6 +201,15 @@ class _Progress:
             status.done(self.line())
 
 
+def check_bound(endpoint: str, bound: ClientBound) -> None:
+    """ValueError for a client bound the endpoint cannot replay: a completion without max_tokens
+    gets the API's 16 tokens (the router prices it so, the engine generates it), not the
+    trace's output."""
+    if endpoint == "completions" and bound is None:
+        raise ValueError("max_tokens=none cannot be replayed on the completions endpoint: a "
+                         "completion without max_tokens gets the API's 16 tokens; use a cap")
+
+
 async def replay(
     requests: Sequence[TraceRequest],
     url: str,
@@ -222,10 +231,12 @@ async def replay(
     ``on_result`` is called with every finished record (ok, failed or cancelled). Setting
     ``stop`` ends the replay early: unsent requests are dropped, in-flight ones cancelled.
     ``bound``: what each client sends as max_tokens (`gorgo.sim.workload.EXACT`); where it is not
-    the output, `SIM_OUTPUT_HEADER` tells a simulated engine where the request stops.
+    the output, `SIM_OUTPUT_KEY` in the body's metadata tells a simulated engine where the
+    request stops.
     """
     if time_scale < 0:
         raise ValueError("time_scale must be >= 0")
+    check_bound(endpoint, bound)
     loop = asyncio.get_running_loop()
     target = endpoint_url(url, endpoint)
     tok = tok or Tokenization()
@@ -260,6 +271,9 @@ async def replay(
             body = req.completion_body(tok, model, stream=True)
         if extra_body:
             body.update(extra_body)
+        if bound != EXACT:
+            body["metadata"] = {**body.get("metadata", {}),
+                                SIM_OUTPUT_KEY: str(generated(req.output_tokens, bound))}
         return json.dumps(with_client_bound(body, bound)).encode()
 
     if ordered:
@@ -295,7 +309,6 @@ async def replay(
                 max_tokens=generated(req.output_tokens, bound),
                 scheduled_s=at - t0,
             )
-            told = None if bound == EXACT else {SIM_OUTPUT_HEADER: str(rec.max_tokens)}
             try:
                 payload = build(req)
             except Exception as exc:
@@ -311,7 +324,7 @@ async def replay(
             if tracker is not None:
                 tracker.sent += 1
             try:
-                await _send(session, target, payload, rec, sent, endpoint, told)
+                await _send(session, target, payload, rec, sent, endpoint)
             except asyncio.CancelledError:
                 rec.outcome, rec.error = "cancelled", "cancelled before completion"
                 finish(rec)
@@ -374,12 +387,11 @@ async def _send(
     rec: RequestRecord,
     sent: float,
     endpoint: str,
-    headers: dict[str, str] | None = None,
 ) -> None:
     """Post one request and fill ``rec``; every failure ends up in ``rec``, never raised."""
     loop = asyncio.get_running_loop()
     try:
-        async with session.post(url, data=payload, headers=headers) as resp:
+        async with session.post(url, data=payload) as resp:
             rec.status = resp.status
             rec.replica = _replica(resp.headers)
             if resp.status != 200:
@@ -576,6 +588,7 @@ def main(args: argparse.Namespace) -> int:
             output_file(path)
     try:
         trace, bound = split_client_bound(args.trace)
+        check_bound(args.endpoint, bound)
     except ValueError as exc:
         raise UserError(str(exc)) from None
     if args.ignore_eos and bound != EXACT:

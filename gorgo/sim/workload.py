@@ -79,7 +79,7 @@ def build_workload(trace: str, tok: Tokenization, requests: int | None = None) -
 # NAME:[...,]max_tokens=`): EXACT, the request's own output length (the traces' replay, and the
 # default); None, no bound; or one cap N for every request, which cuts an output longer than N to
 # N. The engine always generates the output (cut at the cap), never the bound: only what the
-# router is told changes (live, the replay tells the simulated engine in `SIM_OUTPUT_HEADER`).
+# router is told changes (live, the replay tells the simulated engine in `SIM_OUTPUT_KEY`).
 EXACT = "exact"
 BOUND_OPTION = "max_tokens"
 ClientBound = int | str | None
@@ -99,8 +99,8 @@ def parse_client_bound(value: str) -> ClientBound:
 
 
 def split_client_bound(trace: str) -> tuple[str, ClientBound]:
-    """``trace`` without its ``max_tokens=`` option (an offline one: the trace loaders do not
-    know it), and the bound it names (EXACT when absent)."""
+    """``trace`` without its ``max_tokens=`` option (the client's, not the trace's: the loaders
+    do not know it), and the bound it names (EXACT when absent)."""
     name, sep, rest = trace.partition(":")
     if not sep or "=" not in rest:
         return trace, EXACT

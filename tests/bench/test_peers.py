@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from bench import peers
+from gorgo.sim.replay import RequestRecord
 
 SLICE = ["--routers", "gorgo", "--duration", "5", "--loads", "0.6", "--sim-seeds", "0"]
 
@@ -43,7 +44,7 @@ def _refused(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
     (["--timeout", "-1"], "--timeout: must be >= 0"),
     (["--repeats", "-1"], "--repeats: must be >= 0"),
     (["--offset", "1e9", "--sim-seeds", "1"], "no requests in trace time 1e+09-1e+09 s"),
-    (["--max-tokens", "lots"], "--max-tokens: max_tokens='lots': expected exact, none or a"),
+    (["--bound", "lots"], "--bound: max_tokens='lots': expected exact, none or a"),
 ])
 def test_a_bad_argument_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[str],
                                                argv: list[str], says: str) -> None:
@@ -90,7 +91,7 @@ def test_resume_keeps_the_runs_of_the_same_slice(capsys: pytest.CaptureFixture[s
      "--offset 1200 (here 300), --duration 5 (here 20), --capacity 5.416 (here 2)"),
     (["--loads", "0.6,0.75"], "--loads 0.6 (here 0.6,0.75)"),
     (["--timeout", "60"], "--timeout 300 (here 60)"),
-    (["--max-tokens", "4096"], "--max-tokens exact (here 4096)"),
+    (["--bound", "4096"], "--bound exact (here 4096)"),
 ])
 def test_resume_refuses_a_run_of_other_arguments(capsys: pytest.CaptureFixture[str],
                                                  tmp_path: Path, argv: list[str],
@@ -112,7 +113,7 @@ def test_the_clients_bound_is_recorded_and_reported(
         capsys: pytest.CaptureFixture[str], tmp_path: Path, mode: str, saved: object,
         says: str) -> None:
     out = tmp_path / "run.json"
-    assert peers.main([*SLICE, "--repeats", "0", "--max-tokens", mode, "--out", str(out)]) == 0
+    assert peers.main([*SLICE, "--repeats", "0", "--bound", mode, "--out", str(out)]) == 0
     assert says in capsys.readouterr().out
     assert json.loads(out.read_text())["config"]["max_tokens"] == saved
     # a saved run from before the option read as exact
@@ -120,4 +121,16 @@ def test_the_clients_bound_is_recorded_and_reported(
     del data["config"]["max_tokens"]
     out.write_text(json.dumps(data))
     assert peers.main([*SLICE, "--repeats", "0", "--out", str(out), "--resume",
-                       "--max-tokens", "exact"]) == 0
+                       "--bound", "exact"]) == 0
+
+
+def test_a_run_whose_answers_are_not_the_traces_lengths_fails() -> None:
+    # a peer that dropped the header would have its engines generate the whole cap
+    def rec(i: int, asked: int, got: int | None) -> RequestRecord:
+        return RequestRecord(index=i, session=None, input_tokens=10, max_tokens=asked,
+                             scheduled_s=0.0, completion_tokens=got)
+
+    peers.check_lengths([rec(0, 40, 40), rec(1, 7, None)], "some router")  # None: no usage said
+    with pytest.raises(RuntimeError, match=r"1 of 2 answers were not the trace's length \(the "
+                                           r"first: 4096 tokens for 40\): some router did not"):
+        peers.check_lengths([rec(0, 40, 4096), rec(1, 7, 7)], "some router")

@@ -14,7 +14,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from extproc.engine_metrics import parse_engine_metrics
-from gorgo.core.contract import SIM_OUTPUT_HEADER
+from gorgo.core.contract import SIM_OUTPUT_KEY
 from gorgo.core.features import prompt_text
 from gorgo.core.tokens import Tokenization
 from gorgo.sim import engine_server
@@ -195,7 +195,7 @@ def test_metrics_parse_with_the_flavors_names(flavor):
                 if s.name.endswith("_bucket") or s.name == "vllm:cache_config_info":
                     continue  # vLLM's cache config info carries no model name
                 assert s.labels["model_name"] == MODEL
-                samples[s.name] = s.value
+                samples[s.name] = samples.get(s.name, 0) + s.value  # summed over labels
         return samples, usage, parse_engine_metrics(text, flavor)
 
     samples, usage, load = serve(fn, flavor=flavor)
@@ -667,31 +667,50 @@ def test_a_slowdown_factor_is_finite_and_positive(factor: float) -> None:
     assert srv.slowdown == 1.0 and srv.engine.speed == 1.0
 
 
-@pytest.mark.parametrize(("bound", "told", "generated"), [
-    (None, 7, 7),  # no max_tokens: the replay says where the request stops
-    (5, 7, 5),  # a cap still cuts
-    (40, 7, 7),  # a generous cap: stops at the trace's output, as at end of sequence
-    (9, None, 9),  # nothing told: the bound, as before
+@pytest.mark.parametrize(("bound", "told", "generated", "finish"), [
+    (None, 7, 7, "stop"),  # no max_tokens: the replay says where the request stops
+    (5, 7, 5, "length"),  # a cap still cuts
+    (40, 7, 7, "stop"),  # a generous cap: stops at the trace's output, at "end of sequence"
+    (7, 7, 7, "length"),  # the bound is the output: its limit, as before
+    (9, None, 9, "length"),  # nothing told: the bound, as before
 ])
 def test_the_replay_tells_the_engine_where_a_request_stops(
-        bound: int | None, told: int | None, generated: int) -> None:
+        bound: int | None, told: int | None, generated: int, finish: str) -> None:
     async def fn(srv, session):
-        body = chat_body("stop me " * 20, **({} if bound is None else {"max_tokens": bound}))
-        headers = {} if told is None else {SIM_OUTPUT_HEADER: str(told)}
-        async with session.post(srv.url + "/v1/chat/completions", json=body,
-                                headers=headers) as resp:
+        said = {} if told is None else {"metadata": {SIM_OUTPUT_KEY: str(told)}}
+        body = chat_body("stop me " * 20, **said,
+                         **({} if bound is None else {"max_tokens": bound}))
+        async with session.post(srv.url + "/v1/chat/completions", json=body) as resp:
             assert resp.status == 200
-            return (await resp.json())["usage"]["completion_tokens"]
+            chat = await resp.json()
+        responses = {"model": MODEL, "input": "stop me " * 20, **said,
+                     **({} if bound is None else {"max_output_tokens": bound})}
+        async with session.post(srv.url + "/v1/responses", json=responses) as resp:
+            answer = await resp.json()
+        async with session.get(srv.url + "/metrics") as resp:
+            page = await resp.text()
+        return chat, answer, page
 
-    assert serve(fn) == generated
+    chat, answer, page = serve(fn, flavor="vllm")
+    assert chat["usage"]["completion_tokens"] == generated
+    assert chat["choices"][0]["finish_reason"] == finish
+    assert answer["usage"]["output_tokens"] == generated
+    # the Responses API: "completed" at end of sequence, else "incomplete" at the client's limit
+    assert answer["status"] == ("completed" if finish == "stop" else "incomplete")
+    assert answer["max_output_tokens"] == (bound if finish == "stop" else generated)
+    assert f'finished_reason="{finish}"' in page
+    stops = sum(s.value for fam in text_string_to_metric_families(page) for s in fam.samples
+                if s.name == "vllm:request_success_total" and s.labels["finished_reason"] == "stop")
+    assert stops == (2 if finish == "stop" else 0)
 
 
-@pytest.mark.parametrize("value", ["0", "-3", "x", "1.5", str(2**21), "9" * 30])
-def test_a_bad_output_header_is_a_json_400(value: str) -> None:
+@pytest.mark.parametrize("value", ["0", "-3", "x", "1.5", str(2**21), "9" * 30, 5, None])
+def test_a_bad_output_length_is_a_json_400(value: object) -> None:
     async def fn(srv, session):
-        async with session.post(srv.url + "/v1/chat/completions", json=chat_body("hi"),
-                                headers={SIM_OUTPUT_HEADER: value}) as resp:
+        body = chat_body("hi", metadata={SIM_OUTPUT_KEY: value})
+        async with session.post(srv.url + "/v1/chat/completions", json=body) as resp:
             return resp.status, await resp.json()
 
     status, body = serve(fn)
-    assert status == 400 and SIM_OUTPUT_HEADER in body["error"]["message"]
+    assert status == 400 and SIM_OUTPUT_KEY in body["error"]["message"]
+    assert body["error"]["param"] == "metadata"

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from gorgo.core.contract import SIM_OUTPUT_HEADER
+from gorgo.core.contract import SIM_OUTPUT_KEY
 from gorgo.core.tokens import Tokenization
 from gorgo.errors import UserError
 from gorgo.sim.replay import (
@@ -51,7 +51,6 @@ class SSEServer:
     def __init__(self) -> None:
         self.port = 0
         self.received: list[dict] = []
-        self.headers: list[dict[str, str]] = []  # each request's, beside ``received``
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -85,7 +84,6 @@ class SSEServer:
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.received.append(body)
-        self.headers.append(dict(request.headers))
         user = body.get("user")
         if user == "fail":
             return web.Response(status=503, text="overloaded")
@@ -263,9 +261,9 @@ def test_simultaneous_requests_go_out_shortest_first_from_one_timer(
     sent: list[int] = []
     real = module._send
 
-    async def recorded(session, url, payload, rec, at, endpoint, headers=None):
+    async def recorded(session, url, payload, rec, at, endpoint):
         sent.append(rec.index)
-        await real(session, url, payload, rec, at, endpoint, headers)
+        await real(session, url, payload, rec, at, endpoint)
 
     monkeypatch.setattr(module, "_send", recorded)
     sizes = [900, 100, 500, 100, 2000, 300, 700, 50, 1200, 400, 800, 600]
@@ -363,7 +361,7 @@ def test_a_replayed_client_sends_its_bound_and_the_engine_is_told_the_output(
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert sorted(r["max_tokens"] for r in rows) == generated  # what the engine generates
     bodies = [b.get("max_tokens") for b in server.received]
-    told = [h.get(SIM_OUTPUT_HEADER) for h in server.headers]
+    told = [b.get("metadata", {}).get(SIM_OUTPUT_KEY) for b in server.received]
     if cap == "exact":
         assert sorted(bodies) == outputs and told == [None] * len(outputs)
     else:
@@ -374,6 +372,9 @@ def test_a_replayed_client_sends_its_bound_and_the_engine_is_told_the_output(
 @pytest.mark.parametrize(("args", "error"), [
     (("--trace", "chat:max_tokens=lots"), r"max_tokens='lots': expected exact, none or a number"),
     (("--trace", "chat:max_tokens=none", "--ignore-eos"), r"--ignore-eos needs the trace's exact"),
+    # a completion without max_tokens gets 16 tokens, not the trace's output
+    (("--trace", "chat:max_tokens=none", "--endpoint", "completions"),
+     r"max_tokens=none cannot be replayed on the completions endpoint"),
 ])
 def test_a_bad_client_bound_is_one_line(args: tuple[str, ...], error: str) -> None:
     with pytest.raises(UserError, match=error):
