@@ -119,7 +119,9 @@ BAD_HTTP_BODY = (
 )
 BAD_HTTP_FILTER = ("(response.code >= 400 && (response.code_details.startsWith('http1.') || "
                    "response.code_details.startsWith('http2.'))) || "
-                   "response.code_details == 'upgrade_failed'")
+                   "response.code_details == 'upgrade_failed' || "
+                   # a path Envoy will not normalise: a `#fragment` (RFC 3986 keeps it client-side)
+                   "response.code_details == 'path_normalization_failed'")
 # Envoy's response code details when a header mutation (the router's routing headers) would take
 # the request past max_headers_count.
 HEADERS_FULL_DETAILS = "header_mutation_result_exceeds_limit"

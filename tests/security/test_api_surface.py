@@ -230,6 +230,10 @@ def test_a_request_that_is_not_valid_http_gets_an_openai_style_error(
     (b"GET /v1/chat/completions HTTP/1.1\r\nhost: gorgo\r\nconnection: upgrade\r\n"
      b"upgrade: websocket\r\nsec-websocket-version: 13\r\n"
      b"sec-websocket-key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n", 403),
+    # a fragment in the path, which Envoy will not normalise: a 400 with an empty body before
+    (b"POST /v1/chat/completions#frag HTTP/1.1\r\nhost: gorgo\r\nconnection: close\r\n"
+     b"content-type: application/json\r\ncontent-length: 2\r\n\r\n{}", 400),
+    (b"GET /v1/models?x=1#y HTTP/1.1\r\nhost: gorgo\r\nconnection: close\r\n\r\n", 400),
 ])
 def test_every_refusal_of_envoys_codec_is_an_openai_style_error(
         stack: LiveStack, request_bytes: bytes, status: int) -> None:
