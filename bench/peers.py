@@ -55,6 +55,7 @@ from gorgo.harness.docblock import public_args, stop_on_signals, write_block
 from gorgo.harness.procs import GorgoProcess, free_ports, spawn, stop_group, wait_for
 from gorgo.harness.stack import LiveStack, StackOptions, with_free_ports
 from gorgo.sim.bench import ci95, pct
+from gorgo.sim.capacity import code_digest
 from gorgo.sim.offline import Simulation
 from gorgo.sim.presets import PRESETS
 from gorgo.sim.replay import RequestRecord, replay, select_window
@@ -274,8 +275,10 @@ def _p_all(values: Sequence[float | None], q: float) -> float:
 def check_lengths(ok: Sequence[RequestRecord], name: str) -> None:
     """A RuntimeError unless every answer has the length the replay asked for: an engine told
     where a request stops (`SIM_OUTPUT_KEY`) generates exactly that, so another length means
-    the router did not pass the request on as sent, and the run replayed another workload."""
-    other = [r for r in ok if r.completion_tokens not in (None, r.max_tokens)]
+    the router did not pass the request on as sent, and the run replayed another workload. An
+    answer without usage fails too: the simulated engines always send it, so a router dropped
+    it, and with it the proof."""
+    other = [r for r in ok if r.completion_tokens != r.max_tokens]
     if other:
         raise RuntimeError(f"{len(other)} of {len(ok)} answers were not the trace's length (the "
                            f"first: {other[0].completion_tokens} tokens for "
@@ -353,6 +356,15 @@ def _ratio(a: Sequence[Run], b: Sequence[Run], key: str) -> tuple[float, bool]:
     return ma / mb if mb else math.nan, abs(ma - mb) > ha + hb
 
 
+def code_version() -> str:
+    """The commit and the router and simulator digest a run starts with (a commit made while a
+    bench runs reaches the routers started after it)."""
+    out = subprocess.run(["git", "-C", str(ROOT), "describe", "--always", "--dirty"],
+                         capture_output=True, text=True)
+    commit = out.stdout.strip() if out.returncode == 0 else "unknown commit"
+    return f"{commit}, digest {code_digest()}"
+
+
 def _bound_words(mode: int | str) -> str:
     """What the clients sent as max_tokens (a run's ``max_tokens``), in words."""
     if mode == EXACT:
@@ -378,7 +390,8 @@ def render(runs: Sequence[Run], offline: dict[str, dict[str, list[dict[str, floa
         f"({cfg['requests']} requests, {cfg['rate']:.2f} req/s at trace speed, mean prompt "
         f"{cfg['mean_prompt']:,.0f} tokens), fleet `paper` (3 regions x 2 replicas, RTT "
         f"37/279/456 ms), fresh fleet per run, `--stream-interval {STREAM_INTERVAL}`, clients "
-        f"sending {_bound_words(cfg.get('max_tokens', EXACT))}. Load = slice "
+        f"sending {_bound_words(cfg.get('max_tokens', EXACT))}, code "
+        f"{cfg.get('code', 'not recorded')}. Load = slice "
         f"rate / {cfg['capacity']:g} req/s (time scale "
         + ", ".join(f"{s:.3f} at {load:g}" for load, s in cfg["time_scales"])
         + f"). Runs per cell: {cfg['repeats']} (link-jitter seeds 0..{cfg['repeats'] - 1}); "
@@ -508,8 +521,8 @@ def client_bound(text: str) -> ClientBound:
     """An argparse type: `gorgo.sim.workload.parse_client_bound`'s modes."""
     try:
         return parse_client_bound(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+    except ValueError as exc:  # its message names the trace option: keep what follows
+        raise argparse.ArgumentTypeError(str(exc).partition(": ")[2]) from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -588,6 +601,7 @@ def bench(args: argparse.Namespace, log: Callable[[str], None]) -> str:
         "time_scales": list(scales.items()), "repeats": args.repeats,
         "sim_seeds": args.sim_seeds, "command": command, "load_before": os.getloadavg()[0],
         "max_tokens": "none" if args.bound is None else args.bound,
+        "code": code_version(),
     }
     runs: list[Run] = []
     offline: dict[str, dict[str, list[dict[str, float]]]] = {}

@@ -271,8 +271,9 @@ async def replay(
             body = req.completion_body(tok, model, stream=True)
         if extra_body:
             body.update(extra_body)
-        if bound != EXACT:
-            body["metadata"] = {**body.get("metadata", {}),
+        if bound != EXACT:  # a client's own tags kept (OpenAI allows a null metadata)
+            tags = body.get("metadata")
+            body["metadata"] = {**(tags if isinstance(tags, dict) else {}),
                                 SIM_OUTPUT_KEY: str(generated(req.output_tokens, bound))}
         return json.dumps(with_client_bound(body, bound)).encode()
 

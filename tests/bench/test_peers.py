@@ -44,7 +44,7 @@ def _refused(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
     (["--timeout", "-1"], "--timeout: must be >= 0"),
     (["--repeats", "-1"], "--repeats: must be >= 0"),
     (["--offset", "1e9", "--sim-seeds", "1"], "no requests in trace time 1e+09-1e+09 s"),
-    (["--bound", "lots"], "--bound: max_tokens='lots': expected exact, none or a"),
+    (["--bound", "lots"], "--bound: expected exact, none or a number of tokens"),
 ])
 def test_a_bad_argument_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[str],
                                                argv: list[str], says: str) -> None:
@@ -125,12 +125,15 @@ def test_the_clients_bound_is_recorded_and_reported(
 
 
 def test_a_run_whose_answers_are_not_the_traces_lengths_fails() -> None:
-    # a peer that dropped the header would have its engines generate the whole cap
+    # a peer that dropped the stop point would have its engines generate the whole cap
     def rec(i: int, asked: int, got: int | None) -> RequestRecord:
         return RequestRecord(index=i, session=None, input_tokens=10, max_tokens=asked,
                              scheduled_s=0.0, completion_tokens=got)
 
-    peers.check_lengths([rec(0, 40, 40), rec(1, 7, None)], "some router")  # None: no usage said
+    peers.check_lengths([rec(0, 40, 40), rec(1, 7, 7)], "some router")
     with pytest.raises(RuntimeError, match=r"1 of 2 answers were not the trace's length \(the "
                                            r"first: 4096 tokens for 40\): some router did not"):
         peers.check_lengths([rec(0, 40, 4096), rec(1, 7, 7)], "some router")
+    # an answer without usage proves nothing: a router dropped it
+    with pytest.raises(RuntimeError, match=r"1 of 2 answers .* None tokens for 7"):
+        peers.check_lengths([rec(0, 40, 40), rec(1, 7, None)], "some router")

@@ -369,6 +369,19 @@ def test_a_replayed_client_sends_its_bound_and_the_engine_is_told_the_output(
         assert sorted(int(v) for v in told) == generated
 
 
+@pytest.mark.parametrize("tags", [None, "s", {"team": "a"}])
+def test_a_clients_own_metadata_is_kept_beside_the_stop_point(server: SSEServer,
+                                                               tags: object) -> None:
+    # a null or non-object metadata (OpenAI allows null) failed every request's build
+    reqs = _requests(2, 50.0)
+    result = asyncio.run(replay(reqs, f"http://{HOST}:{server.port}", bound=4096,
+                                extra_body={"metadata": tags}))
+    assert [r.outcome for r in result.records] == ["ok", "ok"]
+    kept = tags if isinstance(tags, dict) else {}
+    assert [b["metadata"] for b in server.received] == [
+        {**kept, SIM_OUTPUT_KEY: "3"}] * 2  # each request's output, under the cap
+
+
 @pytest.mark.parametrize(("args", "error"), [
     (("--trace", "chat:max_tokens=lots"), r"max_tokens='lots': expected exact, none or a number"),
     (("--trace", "chat:max_tokens=none", "--ignore-eos"), r"--ignore-eos needs the trace's exact"),
