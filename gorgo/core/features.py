@@ -301,6 +301,17 @@ def _token_id_batch(prompt: Any, limits: Limits) -> bool:
     return all(_all_ids(ids) for ids in prompt)
 
 
+def token_count(text: str, limits: Limits = DEFAULT_LIMITS) -> int | None:
+    """``text`` as a number of output tokens a request may ask for (1 to
+    ``limits.max_output_tokens``), None when it is not one: plain ASCII digits, at most 20 of
+    them (``isdigit`` takes '²', which int refuses; int refuses past 4,300 digits)."""
+    if text.isascii() and text.isdigit() and len(text) <= 20:
+        n = int(text)
+        if 1 <= n <= limits.max_output_tokens:
+            return n
+    return None
+
+
 def output_bound(endpoint: str, body: Mapping[str, Any],
                  limits: Limits = DEFAULT_LIMITS) -> int | None:
     """The output tokens a request asks for at most (None: not said): the field its API reads

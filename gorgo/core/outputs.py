@@ -13,9 +13,9 @@ The engines count what they generate: vLLM's ``vllm:generation_tokens_total`` an
 ``sglang:num_requests_total``. Between two scrapes their increments give the tokens generated
 per finished request; summed over the model's replicas and decayed (half-life
 `HALF_LIFE_REQS` finished requests) that is the typical output ``L`` (vLLM's
-``vllm:request_generation_tokens``
-histogram, whose sum and count are of the same finished requests, is read first where the page
-has it: the counters also count the tokens of aborted requests, which finish as no success). The
+``vllm:request_generation_tokens`` histogram, whose sum and count are of the same finished
+requests, is read first where the page has it: the counters also count the tokens of aborted
+requests, which finish as no success). The
 router also keeps the typical bound ``B`` of the requests it routes that set one, and the share
 of those that set none. Then a request's expected output is
 

@@ -45,6 +45,7 @@ from gorgo.core.features import (
     prompt_block_hashes,
     prompt_sizes,
     prompt_text,
+    token_count,
 )
 from gorgo.core.fleet import Limits, finite_number
 from gorgo.core.prompt_tokens import SimTokenizer
@@ -847,12 +848,12 @@ def _sim_output(metadata: Any) -> int | None:
     if not isinstance(metadata, dict) or SIM_OUTPUT_KEY not in metadata:
         return None
     value = metadata[SIM_OUTPUT_KEY]
-    most = Limits().max_output_tokens
-    v = value.strip() if isinstance(value, str) else ""
-    if not (v.isascii() and v.isdigit() and len(v) <= 20 and 1 <= int(v) <= most):
+    n = token_count(value.strip()) if isinstance(value, str) else None
+    if n is None:
         raise RequestError(400, f"metadata.{SIM_OUTPUT_KEY} must be a number of tokens from 1 "
-                           f"to {most} (a string), not {str(value)[:40]!r}.", param="metadata")
-    return int(v)
+                           f"to {Limits().max_output_tokens} (a string), not "
+                           f"{str(value)[:40]!r}.", param="metadata")
+    return n
 
 
 def _include_usage(body: dict[str, Any]) -> bool:

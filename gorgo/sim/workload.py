@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from gorgo.core.features import RequestFeatures, extract_features
+from gorgo.core.features import RequestFeatures, extract_features, token_count
 from gorgo.core.fleet import FleetSpec, Limits
 from gorgo.core.tokens import Tokenization
 from gorgo.sim.lookahead import LOOKAHEAD, lookahead_factory
@@ -91,11 +91,11 @@ def parse_client_bound(value: str) -> ClientBound:
     v = value.strip().lower()
     if v in (EXACT, "none"):
         return EXACT if v == EXACT else None
-    most = Limits().max_output_tokens
-    if v.isascii() and v.isdigit() and len(v) <= 20 and 1 <= int(v) <= most:
-        return int(v)
-    raise ValueError(f"{BOUND_OPTION}={value!r}: expected exact, none or a number of tokens "
-                     f"from 1 to {most}")
+    n = token_count(v)
+    if n is None:
+        raise ValueError(f"{BOUND_OPTION}={value!r}: expected exact, none or a number of tokens "
+                         f"from 1 to {Limits().max_output_tokens}")
+    return n
 
 
 def split_client_bound(trace: str) -> tuple[str, ClientBound]:
