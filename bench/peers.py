@@ -52,8 +52,15 @@ from gorgo.core.terms import OBJECTIVES
 from gorgo.core.tokens import Tokenization
 from gorgo.errors import OneLineParser, UserError, at_least, output_file, positive_number
 from gorgo.harness.docblock import public_args, stop_on_signals, write_block
-from gorgo.harness.procs import GorgoProcess, free_ports, spawn, stop_group, wait_for
-from gorgo.harness.stack import LiveStack, StackOptions, with_free_ports
+from gorgo.harness.procs import (
+    GorgoProcess,
+    free_ports,
+    retried_on_port_clash,
+    spawn,
+    stop_group,
+    wait_for,
+)
+from gorgo.harness.stack import LiveStack, StackOptions, start_sim_fleet, with_free_ports
 from gorgo.sim.bench import ci95, pct
 from gorgo.sim.capacity import code_digest
 from gorgo.sim.offline import Simulation
@@ -207,12 +214,19 @@ def serving(router: Router, fleet_doc: dict[str, Any], workdir: Path, seed: int,
     for r in doc["replicas"]:
         r.setdefault("sim", {})["flavor"] = router.kind
     path = workdir / "fleet.yaml"
-    path.write_text(yaml.safe_dump(doc, sort_keys=False))
-    urls = [f"http://{r['address']}" for r in doc["replicas"]]
+
+    def start_fleet() -> GorgoProcess:
+        path.write_text(yaml.safe_dump(doc, sort_keys=False))
+        return start_sim_fleet(path, StackOptions(stream_interval=STREAM_INTERVAL, seed=seed))
+
+    def redraw() -> None:
+        nonlocal doc
+        doc = with_free_ports(doc)
+
     with contextlib.ExitStack() as stack:
-        fleet = GorgoProcess(["sim", "fleet", str(path), "--control-port", "0",
-                              "--stream-interval", str(STREAM_INTERVAL), "--seed", str(seed)])
+        fleet = retried_on_port_clash(start_fleet, redraw)
         stack.callback(fleet.stop)
+        urls = [f"http://{r['address']}" for r in doc["replicas"]]
         control = f"http://127.0.0.1:{fleet.field('control')}"
         port, metrics_port = free_ports(2)
         log_path = workdir / "router.log"

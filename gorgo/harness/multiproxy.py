@@ -17,8 +17,8 @@ from typing import Any
 import yaml
 
 from gorgo.core.fleet import parse_fleet
-from gorgo.harness.procs import GorgoProcess, free_ports
-from gorgo.harness.stack import LiveStack, StackOptions, start_sim_fleet
+from gorgo.harness.procs import GorgoProcess, free_ports, retried_on_port_clash
+from gorgo.harness.stack import LiveStack, StackOptions, start_sim_fleet, with_free_ports
 from gorgo.sim.view import view_doc
 
 
@@ -41,12 +41,21 @@ class ProxyPerRegion:
         self.opts = opts
         spec = parse_fleet(fleet_doc)
         self.regions = list(regions or spec.region_names)
-        self.docs = {g: region_view(fleet_doc, g) for g in self.regions}
-        self.fleet_doc = fleet_doc
+        self._draw(fleet_doc)
         self.fleet: GorgoProcess | None = None
         self.stacks: dict[str, LiveStack] = {}
 
+    def _draw(self, fleet_doc: dict[str, Any]) -> None:
+        self.fleet_doc = fleet_doc
+        self.docs = {g: region_view(fleet_doc, g) for g in self.regions}
+
     def start(self, ready_timeout: float = 30.0) -> ProxyPerRegion:
+        """Start the fleet and every proxy; where a port drawn for the fleet's replicas or views
+        was taken before it bound it, stop them all and start again on new ports."""
+        return retried_on_port_clash(lambda: self._start_once(ready_timeout),
+                                     lambda: self._draw(with_free_ports(self.fleet_doc)))
+
+    def _start_once(self, ready_timeout: float) -> ProxyPerRegion:
         try:
             self._start(ready_timeout)
         except BaseException:

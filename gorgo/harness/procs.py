@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from gorgo import shutdown
 
@@ -99,6 +99,30 @@ def free_ports(n: int) -> list[int]:
     finally:
         for s in socks:
             s.close()
+
+
+# What every part of a stack says when a port it was given is taken: `gorgo sim fleet`,
+# `gorgo extproc`, `gorgo tuner` and Envoy alike (the kernel's EADDRINUSE text).
+PORT_CLASH = "Address already in use"
+START_ATTEMPTS = 3
+
+T = TypeVar("T")
+
+
+def retried_on_port_clash(start: Callable[[], T], redraw: Callable[[], object],
+                          attempts: int = START_ATTEMPTS) -> T:
+    """``start()``, again after ``redraw()`` while it fails because a port drawn by
+    `free_ports` was taken before its child bound it (another test's child, a stray connection):
+    the draw cannot reserve a port, so a parallel `make test` failed one run in a few hundred
+    that way. ``start`` must have stopped whatever it started when it raises."""
+    for _ in range(attempts - 1):
+        try:
+            return start()
+        except (RuntimeError, TimeoutError) as exc:
+            if PORT_CLASH not in str(exc):
+                raise
+            redraw()
+    return start()
 
 
 class LoopThread:

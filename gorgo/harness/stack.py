@@ -23,11 +23,12 @@ import yaml
 from gorgo.core.fleet import FleetSpec, load_fleet
 from gorgo.envoy_config import render_bootstrap
 from gorgo.harness.envoy_proc import EnvoyProcess
-from gorgo.harness.procs import GorgoProcess, free_ports, wait_for
+from gorgo.harness.procs import GorgoProcess, free_ports, retried_on_port_clash, wait_for
 
 
 def with_free_ports(doc: dict[str, Any]) -> dict[str, Any]:
-    """A copy of a fleet document whose replicas listen on free loopback ports."""
+    """A copy of a fleet document whose replicas listen on free loopback ports (drawn again by
+    the stack that runs it if one is taken before the fleet binds it)."""
     out = json.loads(json.dumps(doc))
     for r, port in zip(out["replicas"], free_ports(len(out["replicas"])), strict=True):
         r["address"] = f"127.0.0.1:{port}"
@@ -71,16 +72,11 @@ class LiveStack:
         # Absolute: the tuner reads relative paths in its config relative to the config file.
         self.workdir = Path(workdir).resolve()
         self.workdir.mkdir(parents=True, exist_ok=True)
-        doc = dict(fleet_doc, policy=opts.policy, allow_policy_override=True)
         self.fleet_path = self.workdir / "fleet.yaml"
-        self.fleet_path.write_text(yaml.safe_dump(doc, sort_keys=False))
-        self.spec: FleetSpec = load_fleet(self.fleet_path)
         self.router_fleet_path = self.fleet_path
         if opts.router_replicas is not None:
             self.router_fleet_path = self.workdir / "router-fleet.yaml"
-            self.router_fleet_path.write_text(yaml.safe_dump(dict(doc, replicas=[
-                r for r in doc["replicas"] if r["name"] in opts.router_replicas]),
-                sort_keys=False))
+        self._write_fleet(dict(fleet_doc, policy=opts.policy, allow_policy_override=True))
         self.cds_path = self.workdir / "cds.yaml" if opts.cds else None
         self.token = secrets.token_hex(16)
         self.token_path = self.workdir / "admin-token"
@@ -98,9 +94,28 @@ class LiveStack:
         self.control_url = ""
         self.tuner_status_url = ""
 
+    def _write_fleet(self, doc: dict[str, Any]) -> None:
+        self.doc = doc
+        self.fleet_path.write_text(yaml.safe_dump(doc, sort_keys=False))
+        self.spec: FleetSpec = load_fleet(self.fleet_path)
+        if self.opts.router_replicas is not None:
+            self.router_fleet_path.write_text(yaml.safe_dump(dict(doc, replicas=[
+                r for r in doc["replicas"] if r["name"] in self.opts.router_replicas]),
+                sort_keys=False))
+
     # --- lifecycle ------------------------------------------------------------------------------
 
     def start(self, ready_timeout: float = 30.0) -> LiveStack:
+        """Start every process; where a port drawn for one was taken before it bound it, stop
+        them all and start again on new ports (the replicas' too where this stack runs the
+        fleet: `spec` then holds their new addresses)."""
+        def redraw() -> None:
+            if self.opts.fleet_control_url is None:
+                self._write_fleet(with_free_ports(self.doc))
+
+        return retried_on_port_clash(lambda: self._start_once(ready_timeout), redraw)
+
+    def _start_once(self, ready_timeout: float) -> LiveStack:
         try:
             self._start(ready_timeout)
         except BaseException:

@@ -113,3 +113,44 @@ def test_a_child_started_from_a_short_lived_thread_outlives_the_thread(gorgo_bin
         assert started[0].p.poll() is None
     finally:
         started[0].stop()
+
+
+def test_a_start_that_lost_a_port_is_redrawn_and_tried_again() -> None:
+    tries: list[int] = []
+    redraws: list[int] = []
+
+    def start() -> str:
+        tries.append(1)
+        if len(tries) < 3:
+            raise RuntimeError("envoy exited 1: cannot bind '127.0.0.1:29807': "
+                               f"{procs.PORT_CLASH}")
+        return "up"
+
+    assert procs.retried_on_port_clash(start, lambda: redraws.append(1)) == "up"
+    assert (len(tries), len(redraws)) == (3, 2)
+
+
+@pytest.mark.parametrize("error", [RuntimeError("gorgo extproc exited: bad fleet file"),
+                                   TimeoutError("not ready in 20 s"), KeyboardInterrupt()])
+def test_a_start_that_failed_otherwise_is_not_retried(error: BaseException) -> None:
+    tries: list[int] = []
+
+    def start() -> None:
+        tries.append(1)
+        raise error
+
+    with pytest.raises(type(error)):
+        procs.retried_on_port_clash(start, lambda: pytest.fail("redrawn"))
+    assert len(tries) == 1
+
+
+def test_a_port_that_stays_taken_fails_after_the_last_attempt() -> None:
+    tries: list[int] = []
+
+    def start() -> None:
+        tries.append(1)
+        raise RuntimeError(procs.PORT_CLASH)
+
+    with pytest.raises(RuntimeError, match=procs.PORT_CLASH):
+        procs.retried_on_port_clash(start, lambda: None, attempts=2)
+    assert len(tries) == 2
