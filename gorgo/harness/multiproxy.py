@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 
 from gorgo.core.fleet import parse_fleet
-from gorgo.harness.procs import GorgoProcess, free_ports, retried_on_port_clash
+from gorgo.harness.procs import GorgoProcess, ProcessSet, free_ports
 from gorgo.harness.stack import LiveStack, StackOptions, start_sim_fleet, with_free_ports
 from gorgo.sim.view import view_doc
 
@@ -30,7 +30,7 @@ def region_view(doc: dict[str, Any], region: str) -> dict[str, Any]:
     return view_doc(doc, region, [f"127.0.0.1:{p}" for p in free_ports(len(doc["replicas"]))])
 
 
-class ProxyPerRegion:
+class ProxyPerRegion(ProcessSet):
     """One `gorgo sim fleet` and a `LiveStack` (router + Envoy) per region; `stop()` ends every
     process it started (the stacks first, then the fleet)."""
 
@@ -49,19 +49,8 @@ class ProxyPerRegion:
         self.fleet_doc = fleet_doc
         self.docs = {g: region_view(fleet_doc, g) for g in self.regions}
 
-    def start(self, ready_timeout: float = 30.0) -> ProxyPerRegion:
-        """Start the fleet and every proxy; where a port drawn for the fleet's replicas or views
-        was taken before it bound it, stop them all and start again on new ports."""
-        return retried_on_port_clash(lambda: self._start_once(ready_timeout),
-                                     lambda: self._draw(with_free_ports(self.fleet_doc)))
-
-    def _start_once(self, ready_timeout: float) -> ProxyPerRegion:
-        try:
-            self._start(ready_timeout)
-        except BaseException:
-            self.stop()
-            raise
-        return self
+    def _redraw(self) -> None:
+        self._draw(with_free_ports(self.fleet_doc))  # the replicas' and the views' ports
 
     def _start(self, ready_timeout: float) -> None:
         o = self.opts
@@ -87,9 +76,3 @@ class ProxyPerRegion:
         if self.fleet is not None:
             self.fleet.stop()
             self.fleet = None
-
-    def __enter__(self) -> ProxyPerRegion:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()

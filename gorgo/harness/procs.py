@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Self, TypeVar
 
 from gorgo import shutdown
 
@@ -123,6 +123,39 @@ def retried_on_port_clash(start: Callable[[], T], redraw: Callable[[], object],
                 raise
             redraw()
     return start()
+
+
+class ProcessSet:
+    """Several processes started as one: `start()` (or a ``with`` block) starts them all and
+    stops every one already started if any fails; `stop()` ends them. A start that failed on a
+    port taken before its child bound it is tried again on ports drawn anew (`_redraw`)."""
+
+    def start(self, ready_timeout: float = 30.0) -> Self:
+        def once() -> Self:
+            try:
+                self._start(ready_timeout)
+            except BaseException:
+                self.stop()
+                raise
+            return self
+
+        return retried_on_port_clash(once, self._redraw)
+
+    def _start(self, ready_timeout: float) -> None:
+        raise NotImplementedError
+
+    def _redraw(self) -> None:
+        """Draw new ports for what `_start` binds from its own arguments (its own draws are
+        drawn anew on every start)."""
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
 
 class LoopThread:

@@ -23,7 +23,7 @@ import yaml
 from gorgo.core.fleet import FleetSpec, load_fleet
 from gorgo.envoy_config import render_bootstrap
 from gorgo.harness.envoy_proc import EnvoyProcess
-from gorgo.harness.procs import GorgoProcess, free_ports, retried_on_port_clash, wait_for
+from gorgo.harness.procs import GorgoProcess, ProcessSet, free_ports, wait_for
 
 
 def with_free_ports(doc: dict[str, Any]) -> dict[str, Any]:
@@ -64,8 +64,10 @@ def start_sim_fleet(fleet_path: Path, opts: StackOptions,
                          "--speed", str(opts.speed), "--seed", str(opts.seed)])
 
 
-class LiveStack:
-    """Start with `start()` (or as a context manager); `stop()` ends every process it started."""
+class LiveStack(ProcessSet):
+    """Start with `start()` (or as a context manager); `stop()` ends every process it started.
+    Where it runs the fleet and a start lost a replica's port, the replicas move to new ones:
+    `spec` holds their addresses."""
 
     def __init__(self, fleet_doc: dict[str, Any], workdir: Path, opts: StackOptions) -> None:
         self.opts = opts
@@ -105,23 +107,9 @@ class LiveStack:
 
     # --- lifecycle ------------------------------------------------------------------------------
 
-    def start(self, ready_timeout: float = 30.0) -> LiveStack:
-        """Start every process; where a port drawn for one was taken before it bound it, stop
-        them all and start again on new ports (the replicas' too where this stack runs the
-        fleet: `spec` then holds their new addresses)."""
-        def redraw() -> None:
-            if self.opts.fleet_control_url is None:
-                self._write_fleet(with_free_ports(self.doc))
-
-        return retried_on_port_clash(lambda: self._start_once(ready_timeout), redraw)
-
-    def _start_once(self, ready_timeout: float) -> LiveStack:
-        try:
-            self._start(ready_timeout)
-        except BaseException:
-            self.stop()
-            raise
-        return self
+    def _redraw(self) -> None:
+        if self.opts.fleet_control_url is None:  # the replicas are this stack's to place
+            self._write_fleet(with_free_ports(self.doc))
 
     def _start(self, ready_timeout: float) -> None:
         o = self.opts
@@ -175,12 +163,6 @@ class LiveStack:
         for proc in reversed(list(self.procs.values())):
             proc.stop()
         self.procs.clear()
-
-    def __enter__(self) -> LiveStack:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
     # --- observation and control ------------------------------------------------------------------
 
