@@ -239,6 +239,9 @@ class ControlHeaders:
     trusted_peers: tuple[str, ...] = ()
 
 
+DEFAULT_MEDIA_TOKENS = 1000  # `FleetSpec.media_tokens`
+MAX_MEDIA_TOKENS = 1 << 20
+
 # `Sharing.stagger_ms` unless set: twice the bus's one-way delay within a region (about 1 ms,
 # `sim.offline.PEER_LOCAL_S`).
 DEFAULT_STAGGER_MS = 2.0
@@ -321,6 +324,12 @@ class FleetSpec:
     weights: Weights = field(default_factory=Weights)
     block_tokens: int = 64
     chars_per_token: float = 4.0
+    # Tokens one image, audio, video or file part of a prompt counts for (`gorgo.core.features`).
+    # The engine's own count depends on the model and the media (LLaVA-1.5: 576 an image;
+    # Qwen2.5-VL: one per 28 x 28 pixels, about 1,300 at 1024 x 1024; Gemma 3: 256), which the
+    # router cannot read without decoding the media; a thousand is their middle. 0: media count
+    # for nothing (the router then prices an image request as its text alone).
+    media_tokens: int = DEFAULT_MEDIA_TOKENS
     default_cluster: str = ""
     timeouts: Timeouts = field(default_factory=Timeouts)
     signals: Signals = field(default_factory=Signals)
@@ -946,7 +955,8 @@ def parse_fleet(raw: Any, source: str = "fleet") -> FleetSpec:
         raw,
         {"name", "proxy_region", "regions", "replicas", "policy", "objective",
          "allow_policy_override", "models",
-         "weights", "block_tokens", "chars_per_token", "default_cluster", "timeouts", "signals",
+         "weights", "block_tokens", "chars_per_token", "media_tokens", "default_cluster",
+         "timeouts", "signals",
          "limits", "endpoint_picker", "shedding", "slo", "penalties", "retries", "routes",
          "control_headers", "observability", "extproc", "sharing"},
         source,
@@ -994,6 +1004,8 @@ def parse_fleet(raw: Any, source: str = "fleet") -> FleetSpec:
         weights=weights,
         block_tokens=_num(raw, "block_tokens", source, 64, minimum=1, cast=int),
         chars_per_token=_num(raw, "chars_per_token", source, 4.0, strict=True),
+        media_tokens=_num(raw, "media_tokens", source, DEFAULT_MEDIA_TOKENS,
+                          maximum=MAX_MEDIA_TOKENS, cast=int),
         default_cluster=default_cluster,
         timeouts=_section(raw, "timeouts", Timeouts, source),
         signals=_section(raw, "signals", Signals, source),

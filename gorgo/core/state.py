@@ -51,7 +51,7 @@ class FleetState:
 
     def __init__(self, spec: FleetSpec, *, unbounded_prefix: bool = False) -> None:
         self.spec = spec
-        self.tok = Tokenization(spec.chars_per_token, spec.block_tokens)
+        self.tok = Tokenization(spec.chars_per_token, spec.block_tokens, spec.media_tokens)
         n = self.n = len(spec.replicas)
         self.names = [r.name for r in spec.replicas]
         self.index = {name: i for i, name in enumerate(self.names)}

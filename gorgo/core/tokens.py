@@ -28,12 +28,17 @@ class Tokenization:
 
     chars_per_token: float = DEFAULT_CHARS_PER_TOKEN
     block_tokens: int = DEFAULT_BLOCK_TOKENS
+    # Tokens a media part of a chat or Responses prompt counts for (the fleet's `media_tokens`;
+    # 0 for a text-only model, as the simulated engines are)
+    media_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not self.chars_per_token > 0:
             raise ValueError("chars_per_token must be > 0")
         if self.block_tokens < 1:
             raise ValueError("block_tokens must be >= 1")
+        if self.media_tokens < 0:
+            raise ValueError("media_tokens must be >= 0")
 
     @property
     def block_chars(self) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import replace
 from typing import Any
 
@@ -157,14 +158,55 @@ def test_chat_next_turn_extends_previous_prompt() -> None:
     np.testing.assert_array_equal(h2[: len(h1)], h1)
 
 
-def test_chat_multi_part_keeps_text_ignores_images() -> None:
+def test_chat_multi_part_keeps_text_and_marks_media() -> None:
     body = {"messages": [{"role": "user", "content": [
         {"type": "text", "text": "look at"},
         {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
         "raw string part",
         {"type": "text", "text": "this"},
+        {"type": "refusal", "refusal": "no"},  # neither text nor media: nothing, as before
     ]}]}
-    assert prompt_text("chat", body) == "look at\nraw string part\nthis"
+    text = prompt_text("chat", body)
+    assert re.fullmatch(r"look at\n<image_url [0-9a-f]{16}>\nraw string part\nthis", text)
+
+
+def _image_turn(url: str, question: str = "what is in this picture? " * 8) -> dict:
+    return {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": question},
+        {"type": "image_url", "image_url": {"url": url}},
+        {"type": "text", "text": "answer in one line, please, and be brief " * 4}]}]}
+
+
+def test_a_media_part_counts_for_the_fleets_media_tokens() -> None:
+    """An image was priced as nothing: a request of one image and a line of text read as a few
+    dozen tokens where the engine prefills a thousand more."""
+    body = json.dumps(_image_turn("http://x/cat.png")).encode()
+    text_only = extract_features(CHAT, {}, body, TOK).prompt_tokens
+    tok = Tokenization(chars_per_token=1.0, block_tokens=4, media_tokens=700)
+    assert extract_features(CHAT, {}, body, tok).prompt_tokens == text_only + 700
+    two = _image_turn("http://x/cat.png")
+    two["messages"][0]["content"].append({"type": "input_audio",
+                                          "input_audio": {"data": "UklG", "format": "wav"}})
+    f = extract_features(CHAT, {}, json.dumps(two).encode(), tok)
+    assert f.prompt_tokens > text_only + 2 * 700
+    items = {"input": [{"role": "user", "content": [
+        {"type": "input_text", "text": "hi"}, {"type": "input_image", "image_url": "http://x"}]}]}
+    assert (extract_features(RESPONSES, {}, json.dumps(items).encode(), tok).prompt_tokens
+            >= 700 + 2)
+
+
+def test_prompts_that_differ_only_in_their_images_hash_apart() -> None:
+    """Two questions asked of two images shared every block, so the second was priced as
+    cached where the first had gone; the same image hashes alike."""
+    cat, dog = feats(CHAT, _image_turn("http://x/cat.png")), feats(CHAT, _image_turn("http://x/dog.png"))
+    again = feats(CHAT, _image_turn("http://x/cat.png"))
+    np.testing.assert_array_equal(again.block_hashes, cat.block_hashes)
+    assert cat.prompt_tokens == dog.prompt_tokens
+    same = int(np.argmax(cat.block_hashes != dog.block_hashes))
+    assert 0 < same < len(cat.block_hashes)  # apart from the image on, alike before it
+    np.testing.assert_array_equal(cat.block_hashes[:same], dog.block_hashes[:same])
+    assert (cat.block_hashes[same:] != dog.block_hashes[same:]).all()
+    assert cat.head_hash != dog.head_hash
 
 
 def test_chat_null_content_and_tool_calls() -> None:
@@ -288,7 +330,8 @@ def test_responses_message_list_input() -> None:
             {"role": "assistant", "content": "hello"},
         ],
     }
-    assert prompt_text("responses", body) == "INS\nDEV\nhi\nhello"
+    assert re.fullmatch(r"INS\nDEV\nhi\n<input_image [0-9a-f]{16}>\nhello",
+                        prompt_text("responses", body))
 
 
 def test_responses_function_calls_and_their_outputs_count() -> None:

@@ -57,6 +57,7 @@ def test_defaults() -> None:
     assert spec.allow_policy_override is False
     assert spec.weights == Weights({"rtt": 1.0, "queue": 1.0}, 0)
     assert spec.block_tokens == 64 and spec.chars_per_token == 4.0
+    assert spec.media_tokens == 1000
     assert spec.proxy_region == "us-east"  # the first region
     assert spec.default_cluster == "a"  # the first replica's cluster
     assert spec.timeouts == Timeouts()
@@ -115,7 +116,7 @@ def test_explicit_values_are_kept() -> None:
     raw.update({
         "name": "prod", "policy": "round-robin", "allow_policy_override": True,
         "weights": {"rtt": 0.5, "queue": 2}, "block_tokens": 16, "chars_per_token": 3.5,
-        "proxy_region": "eu-frankfurt", "default_cluster": "cb",
+        "media_tokens": 576, "proxy_region": "eu-frankfurt", "default_cluster": "cb",
         "timeouts": {"message_ms": 250, "request_s": 30},
         "signals": {"rtt_ewma_alpha": 0.5}, "limits": {"max_json_depth": 10},
     })
@@ -125,7 +126,7 @@ def test_explicit_values_are_kept() -> None:
     spec = parse_fleet(raw)
     assert spec.name == "prod" and spec.policy == "round-robin" and spec.allow_policy_override
     assert spec.weights == Weights({"rtt": 0.5, "queue": 2.0}, 0)
-    assert (spec.block_tokens, spec.chars_per_token) == (16, 3.5)
+    assert (spec.block_tokens, spec.chars_per_token, spec.media_tokens) == (16, 3.5, 576)
     assert spec.proxy_region == "eu-frankfurt" and spec.default_cluster == "cb"
     assert spec.timeouts.message_ms == 250 and isinstance(spec.timeouts.message_ms, int)
     assert spec.timeouts.request_s == 30.0 and isinstance(spec.timeouts.request_s, float)
@@ -267,6 +268,9 @@ def _del(path: list) -> Any:
         (_set(["block_tokens"], 0), "fleet.block_tokens: must be >= 1"),
         (_set(["block_tokens"], 2.5), "fleet.block_tokens: expected an integer"),
         (_set(["chars_per_token"], 0), "fleet.chars_per_token: must be > 0"),
+        (_set(["media_tokens"], -1), "fleet.media_tokens: must be >= 0"),
+        (_set(["media_tokens"], 2.5), "fleet.media_tokens: expected an integer"),
+        (_set(["media_tokens"], 2**21), "fleet.media_tokens: must be <= 1048576"),
         (_set(["timeouts"], {"message_ms": 1.5}), "fleet.timeouts.message_ms: expected an integer"),
         (_set(["signals"], {"metrics_stale_s": -1}), "fleet.signals.metrics_stale_s: must be > 0"),
         # "0s" is no timeout to Envoy, but the tuner's range, peer bookings and held bookings

@@ -68,6 +68,24 @@ def test_decision_carries_terms() -> None:
     assert d.scores[1] > 250.0
 
 
+def test_an_image_is_priced_at_the_fleets_media_tokens() -> None:
+    """The router's tokens count each media part as the fleet's `media_tokens`: an image's
+    prefill is priced, not only its question's."""
+    body = {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "what is this? " * 4},
+        {"type": "image_url", "image_url": {"url": "http://x/cat.png"}}]}]}
+    raw = json.dumps(body).encode()
+    without = dict(body, messages=[{"role": "user", "content": "what is this? " * 4}])
+    r = Router(spec(media_tokens=300))
+    assert r.state.tok.media_tokens == 300
+    f = extract_features("/v1/chat/completions", {}, raw, r.state.tok)
+    d = r.route(f, now=0.0)
+    text_only = extract_features("/v1/chat/completions", {}, json.dumps(without).encode(),
+                                 r.state.tok).prompt_tokens
+    assert d.prompt_tokens >= text_only + 300 and d.uncached_tokens >= 300
+    assert d.terms["prefill"] >= 300 * 1000.0 / 2000  # 300 tokens at b's 2,000 a second
+
+
 @pytest.mark.parametrize("objective", ["ttft", "e2e", "slo"])
 @pytest.mark.parametrize("garbage", [math.nan, math.inf, -3.0, 1e308])
 def test_an_engine_reporting_garbage_counts_is_still_routed(objective: str, garbage: float) -> None:
