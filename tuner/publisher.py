@@ -72,10 +72,12 @@ class _Track:
 
 
 class Publisher:
-    def __init__(self, targets: list[RouterTarget], timeout_s: float = 2.0, clock=time.monotonic):
+    def __init__(self, targets: list[RouterTarget], timeout_s: float = 2.0, clock=time.monotonic,
+                 answer_wait_s: float = ANSWER_WAIT_S):
         self.targets = list(targets)
         self.timeout_s = timeout_s
         self.clock = clock
+        self.answer_wait_s = answer_wait_s  # what `poll` and `sync` wait at most
         self._track = {t.url: _Track() for t in self.targets}
         self._session: aiohttp.ClientSession | None = None
         # Requests still out, at most one of each kind per router: (task, version sent).
@@ -116,14 +118,14 @@ class Publisher:
                 log.warning("GET %s: %s", t.endpoint, exc or type(exc).__name__)
             return None
 
-    async def poll(self, wait_s: float = ANSWER_WAIT_S) -> list[dict[str, Any] | None]:
-        """Every router's GET /admin/weights, in target order, waiting at most ``wait_s``: None
-        for a router that did not answer (yet: its request stays out, one at a time, and its
-        answer is returned by the call that finds it done)."""
+    async def poll(self) -> list[dict[str, Any] | None]:
+        """Every router's GET /admin/weights, in target order, waiting at most
+        ``answer_wait_s``: None for a router that did not answer (yet: its request stays out,
+        one at a time, and its answer is returned by the call that finds it done)."""
         for t in self.targets:
             if t.url not in self._fetching:
                 self._fetching[t.url] = asyncio.create_task(self.fetch(t, quiet=True))
-        await asyncio.wait(self._fetching.values(), timeout=wait_s)
+        await asyncio.wait(self._fetching.values(), timeout=self.answer_wait_s)
         docs: list[dict[str, Any] | None] = []
         for t in self.targets:
             task = self._fetching.get(t.url)
@@ -181,10 +183,10 @@ class Publisher:
         except (aiohttp.ClientError, TimeoutError) as exc:
             return PublishResult(t.url, 0, None, str(exc) or type(exc).__name__)
 
-    async def sync(self, proposal: Proposal, wait_s: float = ANSWER_WAIT_S) -> int | None:
-        """Bring every due router to ``proposal``, waiting at most ``wait_s`` for their answers
-        (a later one is settled by the call that finds it done); a version floor if one holds a
-        newer version."""
+    async def sync(self, proposal: Proposal) -> int | None:
+        """Bring every due router to ``proposal``, waiting at most ``answer_wait_s`` for their
+        answers (a later one is settled by the call that finds it done); a version floor if one
+        holds a newer version."""
         now = self.clock()
         version = proposal.weights.version
         for t in self.targets:
@@ -193,7 +195,8 @@ class Publisher:
                 self._putting[t.url] = (asyncio.create_task(self.put(t, proposal)), version)
         if not self._putting:
             return None
-        await asyncio.wait([task for task, _ in self._putting.values()], timeout=wait_s)
+        await asyncio.wait([task for task, _ in self._putting.values()],
+                           timeout=self.answer_wait_s)
         floor: int | None = None
         for url, (task, sent) in list(self._putting.items()):
             if task.done():

@@ -3,6 +3,7 @@ is replaced by a failure, so a test passes only if the script stops (or renders)
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import asdict
 from pathlib import Path
@@ -16,6 +17,10 @@ from gorgo.sim.replay import RequestRecord
 SLICE = ["--routers", "gorgo", "--duration", "5", "--loads", "0.6", "--sim-seeds", "0"]
 
 
+# The Mooncake trace parsed once for the module's tests (0.8 s a parse; its requests are frozen)
+_TRACE = functools.cache(peers.load_trace)
+
+
 @pytest.fixture(autouse=True)
 def _no_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     def ran(*_: Any, **__: Any) -> None:
@@ -24,6 +29,7 @@ def _no_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in ("run_live", "run_offline", "ensure_peers"):
         monkeypatch.setattr(peers, name, ran)
     monkeypatch.setattr(peers, "stop_on_signals", lambda: None)  # keep pytest's handlers
+    monkeypatch.setattr(peers, "load_trace", _TRACE)
 
 
 def _refused(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:

@@ -225,6 +225,7 @@ def test_early_samples_reach_the_tuner_at_the_first_token_once_each(
     assert any(h["e2e_incumbent"] is not None for h in evals)  # the ends still join in
 
 
+@pytest.mark.slow
 def test_the_e2e_objective_searches_its_weights_and_ranks_the_grid_on_e2e(
         tmp_path: Path) -> None:
     out = tmp_path / "tune"

@@ -22,6 +22,7 @@ import yaml
 from aiohttp import web
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
 
+import tuner.main
 from extproc.http_api import make_app
 from extproc.telemetry import RouterMetrics
 from gorgo.core.contract import WORKER_READ_TIMEOUT_S, WORKER_WRITE_TIMEOUT_S
@@ -282,6 +283,7 @@ def test_a_hung_router_holds_neither_ticks_nor_status_nor_samples(tmp_path: Path
         svc = TunerService(load_config(write_config(tmp_path, [a, hung],
                                                     publish_timeout_s=3600)))
         await svc.start()
+        svc.publisher.answer_wait_s = 0.05  # a tick's wait for the routers (1 s: 8 s a run)
         try:
             await svc.tick(0.0)
             v = svc.tuner.active.weights.version
@@ -346,6 +348,7 @@ def test_a_get_answered_after_a_later_put_is_not_a_restart(tmp_path: Path) -> No
         await a.start()
         svc = TunerService(load_config(write_config(tmp_path, [a])))
         await svc.start()
+        svc.publisher.answer_wait_s = 0.05  # a tick's wait for the routers (1 s: 4 s a run)
         try:
             a.late = True
             for k in range(4):
@@ -641,9 +644,12 @@ def test_spans_are_taken_while_a_verdict_computes_and_reach_the_tuner_after_it(
     run(body)
 
 
-def test_a_fresh_start_waits_for_a_router_and_takes_its_weights(tmp_path: Path) -> None:
+def test_a_fresh_start_waits_for_a_router_and_takes_its_weights(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """No state, no initial_weights: the tuner starts from the weights the routers run. With no
     router up yet it started from the defaults, saved them and published them everywhere."""
+    monkeypatch.setattr(tuner.main, "ROUTER_RETRY_S", 0.1)  # asks again every 0.1 s, not 1 s
+
     async def body() -> None:
         a = RouterApp()
         port = free_port()
@@ -651,7 +657,7 @@ def test_a_fresh_start_waits_for_a_router_and_takes_its_weights(tmp_path: Path) 
         cfg = load_config(write_config(tmp_path, [a]))
         svc = TunerService(cfg)
         starting = asyncio.ensure_future(svc.start())
-        await asyncio.sleep(1.5)
+        await asyncio.sleep(0.4)  # it has asked, and been refused, several times by now
         assert not starting.done() and not cfg.state_file.exists()
         a.router.state.set_weights(Weights(W(2.0, 0.5), 7))
         await a.start(port)
