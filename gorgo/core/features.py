@@ -183,66 +183,105 @@ def _bounded(items: list[Any], limit: int, param: str) -> list[Any]:
     return items
 
 
-# Content parts that carry media, not text (OpenAI's chat and Responses parts, and vLLM's own):
-# each stands in the prompt as a mark naming its content (`_media_mark`) and counts for the
-# fleet's `media_tokens`. Any other part without text adds nothing, as before.
+# Content parts that carry media, not text (OpenAI's chat and Responses parts, and vLLM's own),
+# by their type; a part with no type is media when it holds one of ``MEDIA_KEYS``, as vLLM reads
+# it. Each stands in the prompt as a mark naming its content (`_Media.mark`). Any other part
+# without text adds nothing.
 MEDIA_PARTS = frozenset({"image_url", "input_image", "image", "image_embeds", "image_pil",
-                         "input_audio", "audio_url", "audio", "video_url", "video", "file",
-                         "input_file"})
+                         "input_audio", "audio_url", "audio", "audio_embeds", "video_url",
+                         "video", "file", "input_file"})
+MEDIA_KEYS = ("image_url", "audio_url", "video_url", "image_embeds", "input_audio",
+              "audio_embeds")
 
 
-def _media_mark(part: dict[str, Any]) -> str:
-    """A media part in the prompt's text: its type and a digest of the whole part (the image's
-    URL or data, its detail, ...). Prompts that differ only in their images then hash apart from
-    the first image on (ignored, a question asked of two images shared every block, so the
-    second was priced as cached where the first had been), and the same image hashes alike.
-    The digest reads the part in the client's key order (`ascii`: a fifth of a sorted JSON
-    dump's cost per part; a body of 48,000 tiny parts took 262 ms that way, 133 now, against
-    55 for as many text parts): another key order only misses a cache match."""
-    digest = hashlib.blake2b(ascii(part).encode(), digest_size=8)
-    return f"<{part['type']} {digest.hexdigest()}>"
+def _media_kind(part: dict[str, Any]) -> str | None:
+    """The media type of a content part, None for text or anything else."""
+    kind = part.get("type")
+    if kind is None:
+        return next((k for k in MEDIA_KEYS if k in part), None)
+    return kind if isinstance(kind, str) and kind in MEDIA_PARTS else None
 
 
-def _content_text(content: Any, param: str, max_parts: int) -> tuple[str, int]:
-    """(text, media parts) of a message's content: a string, or a multi-part list's text parts,
-    each media part as its mark."""
+class _Media:
+    """How media parts stand in one prompt's text. A part is a mark naming its content, padded
+    to ``chars`` characters (the fleet's `media_tokens` at its characters per token), so it
+    counts for its tokens and its blocks hash with the text around it: two questions about
+    different images hash apart from the first image on (an image once added nothing, so the
+    second was priced as cached where the first had gone), and the same image, sent again in a
+    conversation, is a cached prefix like its text. At most ``most`` characters of marks (the
+    prompt limit), checked before they are built."""
+
+    def __init__(self, chars: int, most: int) -> None:
+        self.chars = chars
+        self.most = most
+        self.size = 0  # characters of the marks so far
+
+    def mark(self, part: dict[str, Any], kind: str) -> str:
+        digest = _media_digest(part)
+        mark = f"<{kind} {digest}>"
+        size = max(len(mark), self.chars)
+        self.size += size
+        if self.size > self.most:
+            raise RequestError(
+                413, f"The prompt's media parts stand for more than {self.most} characters, the "
+                     "limit of a prompt.", code="request_too_large")
+        return mark if size == len(mark) else (mark + digest * (size // len(digest)))[:size]
+
+
+def _media_digest(part: dict[str, Any]) -> str:
+    """16 hex digits of a media part's content: its string fields and those of its objects, one
+    level down (the URL or data of an image, an audio clip's data and format, a file's data or
+    id), in key order; a list (embeddings) by its length only. Each string is hashed as its
+    bytes: the part's `ascii` text once cost 2-3x the parse of the whole body (8 MB of floats:
+    1.1 s)."""
+    h = hashlib.blake2b(digest_size=8)
+    for key in sorted(part):
+        for k, v in ([(key, part[key])] if not isinstance(part[key], dict)
+                     else [(f"{key}.{k2}", part[key][k2]) for k2 in sorted(part[key])]):
+            if isinstance(v, str):
+                h.update(f"{k}={len(v)}:".encode())
+                h.update(v.encode("utf-8", "surrogatepass"))
+            elif isinstance(v, list):
+                h.update(f"{k}=[{len(v)}]".encode())
+    return h.hexdigest()
+
+
+def _content_text(content: Any, param: str, max_parts: int, media: _Media) -> str:
+    """Text of a message's content: a string, or a multi-part list's text parts, each media part
+    as its mark."""
     if content is None:
-        return "", 0
+        return ""
     if isinstance(content, str):
-        return content, 0
+        return content
     if isinstance(content, list):
         parts = []
-        media = 0
         for i, part in enumerate(_bounded(content, max_parts, param)):
             if isinstance(part, str):
                 parts.append(part)
             elif isinstance(part, dict):
-                text = part.get("text")
-                if isinstance(text, str):
-                    parts.append(text)
-                elif part.get("type") in MEDIA_PARTS:
-                    parts.append(_media_mark(part))
-                    media += 1
+                kind = _media_kind(part)
+                if kind is not None:
+                    parts.append(media.mark(part, kind))
+                elif isinstance(part.get("text"), str):
+                    parts.append(part["text"])
             else:
                 raise RequestError(400, f"Invalid content part at {param}[{i}].", param=param)
-        return "\n".join(parts), media
+        return "\n".join(parts)
     raise RequestError(400, f"'{param}' must be a string or a list of parts.", param=param)
 
 
-def _messages_text(messages: Any, param: str,
-                   limits: Limits) -> tuple[list[str], list[str], int]:
-    """(system texts, conversation texts, media parts) of a message list."""
+def _messages_text(messages: Any, param: str, limits: Limits,
+                   media: _Media) -> tuple[list[str], list[str]]:
+    """(system texts, conversation texts) of a message list."""
     if not isinstance(messages, list):
         raise RequestError(400, f"'{param}' must be a list of messages.", param=param)
     system: list[str] = []
     rest: list[str] = []
-    media = 0
     parts = limits.max_content_parts
     for i, msg in enumerate(_bounded(messages, limits.max_messages, param)):
         if not isinstance(msg, dict):
             raise RequestError(400, f"'{param}[{i}]' must be an object.", param=f"{param}[{i}]")
-        text, n = _content_text(msg.get("content"), f"{param}[{i}].content", parts)
-        media += n
+        text = _content_text(msg.get("content"), f"{param}[{i}].content", parts, media)
         calls = msg.get("tool_calls") or []
         if not isinstance(calls, list):
             raise RequestError(400, f"'{param}[{i}].tool_calls' must be a list.",
@@ -255,11 +294,9 @@ def _messages_text(messages: Any, param: str,
             if isinstance(msg.get(key), str):
                 text += msg[key]
         if isinstance(msg.get("output"), str | list):  # other shapes (a screenshot) add nothing
-            out, n = _content_text(msg["output"], f"{param}[{i}].output", parts)
-            text += out
-            media += n
+            text += _content_text(msg["output"], f"{param}[{i}].output", parts, media)
         (system if msg.get("role") in ("system", "developer") else rest).append(text)
-    return system, rest, media
+    return system, rest
 
 
 def _tools_text(tools: Any, max_tools: int) -> list[str]:
@@ -366,21 +403,17 @@ def prompt_sizes(prompt: Any, tok: Tokenization) -> list[int]:
     return [len(p) if isinstance(p, list) else tok.count_tokens(len(p)) for p in prompt]
 
 
-def prompt_text(endpoint: str, body: Mapping[str, Any], limits: Limits = DEFAULT_LIMITS) -> str:
+def prompt_text(endpoint: str, body: Mapping[str, Any], limits: Limits = DEFAULT_LIMITS,
+                media_chars: int = 0) -> str:
     """The prompt as the engine's template sees it (see module docstring for the order), at most
     ``limits.max_prompt_chars`` long; every list is bounded before its elements are read. A
-    media part stands as a mark naming its content (`_media_mark`)."""
-    return prompt_media(endpoint, body, limits)[0]
-
-
-def prompt_media(endpoint: str, body: Mapping[str, Any],
-                 limits: Limits = DEFAULT_LIMITS) -> tuple[str, int]:
-    """(`prompt_text`, the media parts in it)."""
-    media = 0
+    media part stands as a mark naming its content, padded to ``media_chars`` characters (its
+    tokens' worth, `_Media`)."""
+    media = _Media(media_chars, limits.max_prompt_chars)
     if endpoint == "chat":
         if "messages" not in body:
             raise RequestError(400, "Missing required parameter: 'messages'.", param="messages")
-        system, convo, media = _messages_text(body["messages"], "messages", limits)
+        system, convo = _messages_text(body["messages"], "messages", limits, media)
         pieces = system + _tools_text(body.get("tools"), limits.max_tools) + convo
     elif endpoint == "completions":
         if "prompt" not in body:
@@ -405,8 +438,8 @@ def prompt_media(endpoint: str, body: Mapping[str, Any],
         if instructions is not None and not isinstance(instructions, str):
             raise RequestError(400, "'instructions' must be a string.", param="instructions")
         inp = body["input"]
-        system, convo, media = (([], [inp], 0) if isinstance(inp, str)
-                                else _messages_text(inp, "input", limits))
+        system, convo = (([], [inp]) if isinstance(inp, str)
+                         else _messages_text(inp, "input", limits, media))
         if instructions:
             system.insert(0, instructions)
         pieces = system + _tools_text(body.get("tools"), limits.max_tools) + convo
@@ -417,7 +450,7 @@ def prompt_media(endpoint: str, body: Mapping[str, Any],
         raise RequestError(
             413, f"The prompt has {len(text)} characters; the limit is {limits.max_prompt_chars}.",
             code="request_too_large")
-    return text, media
+    return text
 
 
 def positive_int(body: Mapping[str, Any], *names: str, maximum: int | None = None,
@@ -523,7 +556,7 @@ def extract_features(
                                headers.get(SESSION_HEADER) or None, 0, 0, EMPTY_HASHES, policy,
                                priority, *slo)
     body = parse_json_body(raw_body, limits.max_json_depth, limits.max_json_containers)
-    text, media = prompt_media(endpoint, body, limits)
+    text = prompt_text(endpoint, body, limits, tok.chars_for_tokens(tok.media_tokens))
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise RequestError(400, "'model' must be a string.", param="model")
@@ -543,8 +576,7 @@ def extract_features(
     # each prompt's tokens: a completions prompt of token ids (prompt_text checked every
     # element) is counted as ids, a batch of prompts one by one; None: the one prompt's text
     sizes = prompt_sizes(body["prompt"], tok) if endpoint == "completions" else None
-    prompt_tokens = (tok.count_tokens(len(text)) + media * tok.media_tokens if sizes is None
-                     else sum(sizes))
+    prompt_tokens = tok.count_tokens(len(text)) if sizes is None else sum(sizes)
     batch = sizes is not None and not (_ids_shaped(body["prompt"]) or isinstance(
         body["prompt"], str))
     session = headers.get(SESSION_HEADER) or None

@@ -327,8 +327,7 @@ class FleetSpec:
     # Tokens one image, audio, video or file part of a prompt counts for (`gorgo.core.features`).
     # The engine's own count depends on the model and the media (LLaVA-1.5: 576 an image;
     # Qwen2.5-VL: one per 28 x 28 pixels, about 1,300 at 1024 x 1024; Gemma 3: 256), which the
-    # router cannot read without decoding the media; a thousand is their middle. 0: media count
-    # for nothing (the router then prices an image request as its text alone).
+    # router cannot read without decoding the media. 0: a part counts only its short mark.
     media_tokens: int = DEFAULT_MEDIA_TOKENS
     default_cluster: str = ""
     timeouts: Timeouts = field(default_factory=Timeouts)

@@ -170,43 +170,85 @@ def test_chat_multi_part_keeps_text_and_marks_media() -> None:
     assert re.fullmatch(r"look at\n<image_url [0-9a-f]{16}>\nraw string part\nthis", text)
 
 
-def _image_turn(url: str, question: str = "what is in this picture? " * 8) -> dict:
+def _image_turn(*parts: dict, question: str = "what is in this picture? " * 8) -> dict:
     return {"messages": [{"role": "user", "content": [
-        {"type": "text", "text": question},
-        {"type": "image_url", "image_url": {"url": url}},
+        {"type": "text", "text": question}, *parts,
         {"type": "text", "text": "answer in one line, please, and be brief " * 4}]}]}
 
 
-def test_a_media_part_counts_for_the_fleets_media_tokens() -> None:
-    """An image was priced as nothing: a request of one image and a line of text read as a few
-    dozen tokens where the engine prefills a thousand more."""
-    body = json.dumps(_image_turn("http://x/cat.png")).encode()
-    text_only = extract_features(CHAT, {}, body, TOK).prompt_tokens
-    tok = Tokenization(chars_per_token=1.0, block_tokens=4, media_tokens=700)
-    assert extract_features(CHAT, {}, body, tok).prompt_tokens == text_only + 700
-    two = _image_turn("http://x/cat.png")
-    two["messages"][0]["content"].append({"type": "input_audio",
-                                          "input_audio": {"data": "UklG", "format": "wav"}})
-    f = extract_features(CHAT, {}, json.dumps(two).encode(), tok)
-    assert f.prompt_tokens > text_only + 2 * 700
+def _image(url: str) -> dict:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+MEDIA_TOK = Tokenization(chars_per_token=1.0, block_tokens=4, media_tokens=700)
+
+
+def _tokens(body: dict, tok: Tokenization = MEDIA_TOK) -> int:
+    return extract_features(CHAT, {}, json.dumps(body).encode(), tok).prompt_tokens
+
+
+@pytest.mark.parametrize("part", [
+    _image("http://x/cat.png"),
+    {"type": "image_url", "image_url": "http://x/cat.png", "text": ""},  # the type decides
+    {"image_url": {"url": "http://x/cat.png"}},  # no type: a media key, as vLLM reads it
+    {"type": "input_audio", "input_audio": {"data": "UklG", "format": "wav"}},
+    {"type": "image_embeds", "image_embeds": [0.5] * 1000},
+    {"type": "file", "file": {"file_id": "f-1"}},
+])
+def test_a_media_part_counts_for_the_fleets_media_tokens(part: dict) -> None:
+    """An image was priced as nothing: a one-image question read as its few dozen words of
+    text, where the engine prefills a thousand tokens more."""
+    text_only = _tokens(_image_turn())
+    assert _tokens(_image_turn(part)) == text_only + 700 + 1  # the part, and its newline
+    assert _tokens(_image_turn(part, part)) == text_only + 2 * (700 + 1)
     items = {"input": [{"role": "user", "content": [
         {"type": "input_text", "text": "hi"}, {"type": "input_image", "image_url": "http://x"}]}]}
-    assert (extract_features(RESPONSES, {}, json.dumps(items).encode(), tok).prompt_tokens
-            >= 700 + 2)
+    assert extract_features(RESPONSES, {}, json.dumps(items).encode(), MEDIA_TOK).prompt_tokens \
+        == 2 + 1 + 700  # "hi", its newline, the image
+
+
+@pytest.mark.parametrize("part", [
+    {"type": ["image_url"], "image_url": "u"}, {"type": {"a": 1}}, {"type": 5},
+    {"type": None, "x": 1}, {"type": "refusal", "refusal": "no"}, {"type": "input_text"}])
+def test_a_part_of_no_known_media_type_adds_nothing(part: dict) -> None:
+    """A type that is a list or an object raised TypeError (unhashable) in the media check:
+    the router failed the request open, past every check of the body."""
+    assert _tokens(_image_turn(part)) == _tokens(_image_turn())
+
+
+def test_with_media_tokens_0_a_media_part_is_only_its_mark() -> None:
+    tok = Tokenization(chars_per_token=1.0, block_tokens=4)
+    text = prompt_text("chat", _image_turn(_image("http://x/cat.png")))
+    mark = re.search(r"<image_url [0-9a-f]{16}>", text)
+    assert mark is not None
+    assert _tokens(_image_turn(_image("u")), tok) == _tokens(_image_turn(), tok) + len(
+        mark.group()) + 1
 
 
 def test_prompts_that_differ_only_in_their_images_hash_apart() -> None:
     """Two questions asked of two images shared every block, so the second was priced as
     cached where the first had gone; the same image hashes alike."""
-    cat, dog = feats(CHAT, _image_turn("http://x/cat.png")), feats(CHAT, _image_turn("http://x/dog.png"))
-    again = feats(CHAT, _image_turn("http://x/cat.png"))
+    def f(url: str) -> RequestFeatures:
+        return extract_features(CHAT, {}, json.dumps(_image_turn(_image(url))).encode(),
+                                MEDIA_TOK)
+    cat, dog, again = f("http://x/cat.png"), f("http://x/dog.png"), f("http://x/cat.png")
     np.testing.assert_array_equal(again.block_hashes, cat.block_hashes)
     assert cat.prompt_tokens == dog.prompt_tokens
-    same = int(np.argmax(cat.block_hashes != dog.block_hashes))
-    assert 0 < same < len(cat.block_hashes)  # apart from the image on, alike before it
-    np.testing.assert_array_equal(cat.block_hashes[:same], dog.block_hashes[:same])
-    assert (cat.block_hashes[same:] != dog.block_hashes[same:]).all()
+    first = int(np.argmax(cat.block_hashes != dog.block_hashes))
+    assert 0 < first < len(cat.block_hashes)  # apart from the image on, alike before it
+    np.testing.assert_array_equal(cat.block_hashes[:first], dog.block_hashes[:first])
+    assert (cat.block_hashes[first:] != dog.block_hashes[first:]).all()
     assert cat.head_hash != dog.head_hash
+    # The image's tokens are blocks of the prompt: most of its 700 tokens are whole blocks.
+    assert len(cat.block_hashes) * 4 >= cat.prompt_tokens - 4
+
+
+def test_media_parts_past_the_prompt_limit_are_refused_before_they_are_built() -> None:
+    limits = replace(DEFAULT_LIMITS, max_prompt_chars=5_000)
+    body = _image_turn(*[_image(f"http://x/{k}.png") for k in range(8)])  # 8 x 700 chars
+    with pytest.raises(RequestError) as info:
+        extract_features(CHAT, {}, json.dumps(body).encode(), MEDIA_TOK, limits=limits)
+    assert info.value.status == 413
 
 
 def test_chat_null_content_and_tool_calls() -> None:

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gorgo.core.features import DEFAULT_LIMITS, RequestError, extract_features
+from gorgo.core.features import DEFAULT_LIMITS, MEDIA_PARTS, RequestError, extract_features
 from gorgo.core.tokens import Tokenization
 
 TOK = Tokenization()
@@ -51,12 +51,23 @@ shaped = st.fixed_dictionaries(
 )
 
 
+# Content parts whose `type` and media fields are free to be anything: a list as a type once
+# raised TypeError (unhashable) and failed the request open.
+parts = st.fixed_dictionaries({}, optional={
+    "type": st.sampled_from([*sorted(MEDIA_PARTS), "text", "input_text"]) | json_values,
+    "text": json_values, "image_url": json_values, "input_audio": json_values,
+    "image_embeds": json_values, "file": json_values})
+with_parts = st.fixed_dictionaries({"messages": st.lists(
+    st.fixed_dictionaries({"role": st.just("user"), "content": st.lists(parts, max_size=4)}),
+    min_size=1, max_size=3)})
+MEDIA = Tokenization(chars_per_token=1.0, block_tokens=4, media_tokens=50)
+
 SHALLOW = replace(DEFAULT_LIMITS, max_json_depth=16)
 
 
-def _check(path: str, headers: dict[str, str], raw: bytes) -> None:
+def _check(path: str, headers: dict[str, str], raw: bytes, tok: Tokenization = TOK) -> None:
     try:
-        f = extract_features(path, headers, raw, TOK, limits=SHALLOW)
+        f = extract_features(path, headers, raw, tok, limits=SHALLOW)
     except RequestError as err:
         assert 400 <= err.status < 500
         body = err.to_body()
@@ -83,6 +94,15 @@ def test_arbitrary_json(path: str, headers: dict[str, str], value: object) -> No
 @given(st.sampled_from(PATHS[:3]), HEADERS, shaped)
 def test_request_shaped_json(path: str, headers: dict[str, str], body: dict) -> None:
     _check(path, headers, json.dumps(body).encode())
+
+
+@pytest.mark.slow  # about 5 s of generation
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.sampled_from(["/v1/chat/completions", "/v1/responses"]), with_parts)
+def test_content_parts_of_any_shape(path: str, body: dict) -> None:
+    if path == "/v1/responses":
+        body = {"input": body["messages"]}
+    _check(path, {}, json.dumps(body).encode(), MEDIA)
 
 
 def test_deep_nesting_is_a_400() -> None:

@@ -68,22 +68,29 @@ def test_decision_carries_terms() -> None:
     assert d.scores[1] > 250.0
 
 
-def test_an_image_is_priced_at_the_fleets_media_tokens() -> None:
+def test_an_image_is_priced_at_the_fleets_media_tokens_and_cached_when_sent_again() -> None:
     """The router's tokens count each media part as the fleet's `media_tokens`: an image's
-    prefill is priced, not only its question's."""
-    body = {"messages": [{"role": "user", "content": [
-        {"type": "text", "text": "what is this? " * 4},
-        {"type": "image_url", "image_url": {"url": "http://x/cat.png"}}]}]}
-    raw = json.dumps(body).encode()
-    without = dict(body, messages=[{"role": "user", "content": "what is this? " * 4}])
+    prefill is priced, not only its question's; and sent again (the next turn of its
+    conversation) its tokens are a cached prefix, as the engine's are (they were priced
+    uncached on every turn, 1,004 of a 1,388-token prompt whose every block matched)."""
+    question = {"type": "text", "text": "what is this? " * 4}
+    image = {"type": "image_url", "image_url": {"url": "http://x/cat.png"}}
+
+    def features(*content: dict) -> RequestFeatures:
+        body = {"messages": [{"role": "user", "content": list(content)}]}
+        return extract_features("/v1/chat/completions", {}, json.dumps(body).encode(),
+                                r.state.tok)
+
     r = Router(spec(media_tokens=300))
     assert r.state.tok.media_tokens == 300
-    f = extract_features("/v1/chat/completions", {}, raw, r.state.tok)
+    f = features(question, image)
+    assert f.prompt_tokens == features(question).prompt_tokens + 300 + 1  # and its newline
     d = r.route(f, now=0.0)
-    text_only = extract_features("/v1/chat/completions", {}, json.dumps(without).encode(),
-                                 r.state.tok).prompt_tokens
-    assert d.prompt_tokens >= text_only + 300 and d.uncached_tokens >= 300
-    assert d.terms["prefill"] >= 300 * 1000.0 / 2000  # 300 tokens at b's 2,000 a second
+    assert d.uncached_tokens == f.prompt_tokens
+    r.complete(d.id)
+    again = r.route(features(question, image), now=1.0)
+    assert again.replica == d.replica
+    assert again.uncached_tokens < 4  # what is left of the last block
 
 
 @pytest.mark.parametrize("objective", ["ttft", "e2e", "slo"])
