@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from gorgo.core.decimals import whole_number
 from gorgo.core.kv_events import MAX_GPU_BLOCKS, block_size_ok
 from gorgo.core.outputs import MAX_COUNTER
 from gorgo.core.state import MAX_ENGINE_REQS, scraped
@@ -64,16 +65,10 @@ class EngineLoad:
     cache: CacheConfig | None = None
 
 
-def decimal_count(text: str) -> int | None:
-    """A scraped counter's decimal text (a uint64 at most), None when it is not one
-    (``isdigit`` takes '²', which int refuses; int refuses past 4,300 digits)."""
-    return int(text) if len(text) <= 20 and text.isascii() and text.isdigit() else None
-
-
 def _cache_config(labels: dict[str, str]) -> CacheConfig | None:
     """The config of one cache_config_info sample; None without a usable block size and pool."""
-    size = decimal_count(labels.get("block_size", "")) or 0
-    blocks = decimal_count(labels.get("num_gpu_blocks", "")) or 0
+    size = whole_number(labels.get("block_size", "")) or 0
+    blocks = whole_number(labels.get("num_gpu_blocks", "")) or 0
     if not (block_size_ok(size) and 0 < blocks <= MAX_GPU_BLOCKS):
         return None
     return CacheConfig(size, blocks, labels.get("prefix_caching_hash_algo") or None)

@@ -21,8 +21,8 @@ from typing import Any
 
 import aiohttp
 
-from extproc.engine_metrics import decimal_count
 from extproc.telemetry import RepeatedFailures, log_event
+from gorgo.core.decimals import whole_number
 from gorgo.core.fleet import FleetSpec, unbracketed
 from gorgo.core.router import Router
 
@@ -43,7 +43,7 @@ def _list(value: Any) -> list[Any]:
 def _counter(value: Any) -> int | None:
     """A counter as Envoy's JSON writes it (a uint64: a decimal string, or a number)."""
     if isinstance(value, str):
-        return decimal_count(value)
+        return whole_number(value)
     if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
         return value
     return None

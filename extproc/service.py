@@ -39,6 +39,7 @@ from gorgo.core.contract import (
     decision_fields,
     request_fields,
 )
+from gorgo.core.decimals import whole_number
 from gorgo.core.decision import SHED, UNKNOWN_MODEL, Decision, Rejection, next_best
 from gorgo.core.features import RequestError, RequestFeatures, extract_features
 from gorgo.core.fleet import FleetSpec
@@ -283,7 +284,8 @@ class ExtProcService(ExternalProcessorServicer):
         if answer is not None:
             return answer
         length = st.headers.get("content-length", "")
-        if length.isascii() and length.isdigit() and int(length) > self.max_body:
+        size = whole_number(length)
+        if size is not None and size > self.max_body:
             return self._reject(RequestError(
                 413, f"Request body of {length} bytes exceeds the limit of {self.max_body}.",
                 code="request_too_large"))
@@ -356,8 +358,8 @@ class ExtProcService(ExternalProcessorServicer):
         status = st.status = headers.get(":status", "")
         s = self.router.state
         chosen = self._replica(st.served, st.served_id)  # None: removed since the decision
-        attempts = headers.get(ATTEMPT_COUNT_HEADER, "1")
-        if st.fallback is not None and attempts.isdigit() and int(attempts) > 1:
+        attempts = whole_number(headers.get(ATTEMPT_COUNT_HEADER, "1"))
+        if st.fallback is not None and attempts is not None and attempts > 1:
             # Envoy retried on the next-best replica: the chosen one failed before answering.
             if chosen is not None:
                 s.record_failed_response(chosen, self.clock())

@@ -55,6 +55,7 @@ from prometheus_client.registry import Collector
 
 from gorgo import shutdown
 from gorgo.core.contract import WEIGHT_BOUNDS, WORKER_WRITE_TIMEOUT_S
+from gorgo.core.decimals import whole_number
 from gorgo.core.fleet import Timeouts, finite_number, http_url, load_fleet, split_address
 from gorgo.errors import LOG_LEVELS, UserError, check_port, header_token
 from tuner.calibration import CalibrationConfig
@@ -635,8 +636,9 @@ class TunerService:
             if isinstance(routed, dict):
                 for key, by_policy in routed.items():
                     n = by_policy.get(policy) if isinstance(by_policy, dict) else None
-                    if isinstance(n, int) and key.isdigit() and int(key) in wanted:
-                        counts[int(key)] = max(counts.get(int(key), 0), n)
+                    version = whole_number(key)
+                    if isinstance(n, int) and version in wanted:
+                        counts[version] = max(counts.get(version, 0), n)
             for v in [v for v in counts if v not in wanted]:
                 del counts[v]
         for v in versions:

@@ -27,6 +27,7 @@ from gorgo.core.contract import (
     SLO_TPOT_HEADER,
     SLO_TTFT_HEADER,
 )
+from gorgo.core.decimals import whole_number
 from gorgo.core.fleet import Limits
 from gorgo.core.tokens import Tokenization
 
@@ -370,13 +371,9 @@ def _token_id_batch(prompt: Any, limits: Limits) -> bool:
 
 def token_count(text: str, limits: Limits = DEFAULT_LIMITS) -> int | None:
     """``text`` as a number of output tokens a request may ask for (1 to
-    ``limits.max_output_tokens``), None when it is not one: plain ASCII digits, at most 20 of
-    them (``isdigit`` takes '²', which int refuses; int refuses past 4,300 digits)."""
-    if text.isascii() and text.isdigit() and len(text) <= 20:
-        n = int(text)
-        if 1 <= n <= limits.max_output_tokens:
-            return n
-    return None
+    ``limits.max_output_tokens``), None when it is not one (`whole_number`)."""
+    n = whole_number(text)
+    return n if n is not None and 1 <= n <= limits.max_output_tokens else None
 
 
 def output_bound(endpoint: str, body: Mapping[str, Any],
@@ -478,8 +475,9 @@ def _priority(headers: Mapping[str, str]) -> int | None:
     if raw is None:
         return None
     lo, hi = PRIORITY_BOUNDS
-    if raw.isascii() and raw.isdigit() and len(raw) <= len(str(hi)) and lo <= int(raw) <= hi:
-        return int(raw)
+    n = whole_number(raw, len(str(hi)))
+    if n is not None and lo <= n <= hi:
+        return n
     raise RequestError(400, f"Header '{PRIORITY_HEADER}' must be an integer in [{lo}, {hi}].",
                        param=PRIORITY_HEADER, code="invalid_priority")
 

@@ -21,6 +21,7 @@ import yaml
 
 from gorgo.core.block_hashes import DEFAULT_SEED
 from gorgo.core.contract import API_PATHS, HEALTH_PATH, RESERVED_CLUSTERS, WEIGHT_BOUNDS
+from gorgo.core.decimals import whole_number
 from gorgo.core.terms import BY_NAME, OBJECTIVES, TTFT
 from gorgo.core.weights import Weights
 from gorgo.errors import MAX_PORT, UserError
@@ -495,9 +496,9 @@ def split_address(value: str, lowest_port: int = 1) -> tuple[str, int]:
     """HOST:PORT as (host, port): an IP as Python writes it (IPv6 without its brackets) or a DNS
     name as given, and a port of ``lowest_port`` to 65535. The one check of every HOST:PORT, in
     a fleet file or on a command line; a ValueError that says what is wrong otherwise."""
-    host, sep, port = value.rpartition(":")
-    if not (sep and host and port.isascii() and port.isdigit()
-            and lowest_port <= int(port) <= MAX_PORT) \
+    host, sep, port_text = value.rpartition(":")
+    port = whole_number(port_text, 10)  # leading zeros are read (08000 is 8000)
+    if not (sep and host and port is not None and lowest_port <= port <= MAX_PORT) \
             or "/" in value or any(c.isspace() for c in value):
         raise ValueError(f"expected host:port (an IPv6 host in brackets, no URL) with a port of "
                          f"{lowest_port} to {MAX_PORT}, got {value!r}")
@@ -508,11 +509,11 @@ def split_address(value: str, lowest_port: int = 1) -> tuple[str, int]:
         if bracketed or ":" in host or not _DNS_NAME.fullmatch(host):
             raise ValueError(f"{host!r} is neither an IP address (IPv6 in brackets) "
                              "nor a DNS name") from None
-        return host, int(port)
+        return host, port
     if ip.version == 6 and not bracketed:
         raise ValueError(f"an IPv6 address is written in brackets, "
-                         f"{host_port(str(ip), int(port))}, got {value!r}")
-    return str(ip), int(port)
+                         f"{host_port(str(ip), port)}, got {value!r}")
+    return str(ip), port
 
 
 def _label(obj: Mapping[str, Any], key: str, path: str, default: str | None = None) -> str:

@@ -30,6 +30,7 @@ from gorgo.core.contract import (
     SPAN_PREFIX,
     TTFT_ATTR,
 )
+from gorgo.core.decimals import whole_number
 
 TEXT = "text"
 BOOL = "bool"
@@ -62,9 +63,10 @@ def _typed(kind: str, raw: str) -> str | bool | float | None:
         return raw
     if kind == BOOL:
         return {"true": True, "false": False}.get(raw)
-    if not raw.isdigit():  # Envoy writes a whole number of microseconds
+    us = whole_number(raw)  # Envoy writes a whole number of microseconds
+    if us is None:
         return None
-    x = int(raw) / 1e6
+    x = us / 1e6
     return x if math.isfinite(x) else None
 
 

@@ -516,6 +516,14 @@ def test_split_address_reads_a_host_port(text: str, parsed: tuple[str, int]) -> 
     assert split_address(text) == parsed
 
 
+@pytest.mark.parametrize("text", ["h:" + "9" * 5000, "h:²", "h:00000065536", "h:-1", "h:"])
+def test_split_address_refuses_a_port_that_is_no_plain_number(text: str) -> None:
+    """A port of 5,000 digits ended in int's own error ("Exceeds the limit (4300 digits)"),
+    and '²' in "invalid literal for int()", not in the one line that names host:port."""
+    with pytest.raises(ValueError, match="expected host:port"):
+        split_address(text)
+
+
 
 @pytest.mark.parametrize(("value", "expected"), [
     (2, 2.0), (0.5, 0.5), (-3, -3.0), (True, None), ("1", None), (None, None),

@@ -112,6 +112,20 @@ def test_answer_names_chosen_then_next_best_and_attributes_the_retry() -> None:
     assert s.penalty_ms[s.names.index(names[chosen])] > 0
 
 
+@pytest.mark.parametrize("count", ["²", "9" * 5000])
+def test_an_attempt_count_that_is_no_plain_number_is_no_retry(count: str) -> None:
+    """'²' passes `isdigit` and 5,000 digits pass it too; `int` refused both, and the stream's
+    answer to the response headers was lost in a ValueError (no tag, no penalty)."""
+    doc = _doc(["10.0.0.1", "10.0.0.2", "10.0.0.3"])
+    answers, router = _exchange(doc, {":status": "200", "x-envoy-attempt-count": count})
+    routed = _set_headers(answers[1].request_body.response)
+    chosen = routed[messages.ENDPOINTS_HEADER].split(",")[0]
+    names = {r.address: r.name for r in router.spec.replicas}
+    assert _set_headers(answers[2].response_headers.response)[messages.REPLICA_HEADER] \
+        == names[chosen]  # served where it was sent
+    assert not router.state.failures.any()
+
+
 def test_no_list_without_a_second_routable_replica_or_with_retries_off() -> None:
     for doc in (_doc(["10.0.0.1"]),
                 _doc(["10.0.0.1", "10.0.0.2"], retries={"enabled": False})):

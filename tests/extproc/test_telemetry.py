@@ -261,6 +261,8 @@ def test_the_shipped_collector_config_runs_the_same_rewrite() -> None:
     ({TTFT_ATTR: "1500", "gorgo.stream": "false"}, {GENAI_STREAM_ATTR: False}),
     ({TTFT_ATTR: "-", "gorgo.stream": "true"}, {GENAI_STREAM_ATTR: True}),  # no first byte
     ({TTFT_ATTR: "1e3", "gorgo.stream": "true"}, {GENAI_STREAM_ATTR: True}),
+    ({TTFT_ATTR: "²", "gorgo.stream": "true"}, {GENAI_STREAM_ATTR: True}),  # was a ValueError
+    ({TTFT_ATTR: "9" * 5000, "gorgo.stream": "true"}, {GENAI_STREAM_ATTR: True}),  # too
     ({TTFT_ATTR: "1500", "gorgo.stream": "-", "gorgo.model": "-"}, {}),  # not a decided request
 ])
 def test_typed_attributes(attrs: dict[str, str], expected: dict) -> None:

@@ -799,3 +799,22 @@ def test_a_state_file_that_cannot_be_written_at_start_is_one_error(tmp_path: Pat
         await a.stop()
 
     run(body)
+
+
+@pytest.mark.parametrize("key", ["²", "9" * 5000])
+def test_a_routed_count_under_a_key_that_is_no_version_is_ignored(tmp_path: Path,
+                                                                  key: str) -> None:
+    """A router's `routed` counts are keyed by version: '²' passes `isdigit` and 5,000 digits
+    too, and `int` refused both, a ValueError out of every tick's poll of the routers."""
+    async def body() -> None:
+        async with two_routers(tmp_path) as (svc, a, b):
+            try:
+                doc = await svc.publisher.fetch(svc.cfg.routers[0])
+                assert doc is not None
+                svc._docs[a.url] = {**doc, "routed": {key: {"gorgo": 7}, **doc["routed"]}}
+                svc._count_routed()
+                assert all(key not in counts for counts in svc._routed.values())
+            finally:
+                await b.stop()
+
+    run(body)

@@ -1,0 +1,19 @@
+"""Whole numbers written as decimal text by a client, an engine or Envoy (a header, a scraped
+counter, a span attribute, a JSON key), read one way everywhere.
+
+``str.isdigit`` takes '²' and other digits that ``int`` refuses, and ``int`` refuses text past
+4,300 digits: either raised ValueError where a check of ``isdigit`` alone stood before ``int``
+(a retried request's attempt count, a span's microseconds, a router's weights document).
+"""
+
+from __future__ import annotations
+
+UINT64_DIGITS = 20  # 18,446,744,073,709,551,615
+
+
+def whole_number(text: str, digits: int = UINT64_DIGITS) -> int | None:
+    """``text`` as a whole number when it is plain ASCII digits, at most ``digits`` of them;
+    None otherwise."""
+    if len(text) <= digits and text.isascii() and text.isdigit():
+        return int(text)
+    return None
