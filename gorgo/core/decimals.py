@@ -12,8 +12,10 @@ UINT64_DIGITS = 20  # 18,446,744,073,709,551,615
 
 
 def whole_number(text: str, digits: int = UINT64_DIGITS) -> int | None:
-    """``text`` as a whole number when it is plain ASCII digits, at most ``digits`` of them;
+    """``text`` as a whole number when it is plain ASCII digits, at most ``digits`` of them
+    after any leading zeros (HTTP allows them: a zero-padded Content-Length is the same length);
     None otherwise."""
-    if len(text) <= digits and text.isascii() and text.isdigit():
-        return int(text)
-    return None
+    if not (text.isascii() and text.isdigit()):
+        return None
+    significant = text.lstrip("0")
+    return int(significant or "0") if len(significant) <= digits else None

@@ -13,7 +13,10 @@ from gorgo.core.decimals import whole_number
     ("18446744073709551615", 20, 2**64 - 1),
     ("1" * 21, 20, None),  # past its digits
     ("65535", 5, 65535),
-    ("065535", 5, None),
+    ("065535", 5, 65535),  # leading zeros are not digits of the bound: refused before
+    ("0" * 25 + "7", 20, 7),
+    ("0" * 5000 + "7", 20, 7),  # int would refuse the whole text
+    ("000", 20, 0),
     ("²", 20, None),  # isdigit takes it, int refuses it: a ValueError before
     ("٣", 20, None),  # an Arabic-Indic 3: isdigit takes it and int reads it, no ASCII
     ("9" * 5000, 20, None),  # int refuses past 4,300 digits: a ValueError before

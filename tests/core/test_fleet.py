@@ -518,8 +518,8 @@ def test_split_address_reads_a_host_port(text: str, parsed: tuple[str, int]) -> 
 
 @pytest.mark.parametrize("text", ["h:" + "9" * 5000, "h:²", "h:00000065536", "h:-1", "h:"])
 def test_split_address_refuses_a_port_that_is_no_plain_number(text: str) -> None:
-    """A port of 5,000 digits ended in int's own error ("Exceeds the limit (4300 digits)"),
-    and '²' in "invalid literal for int()", not in the one line that names host:port."""
+    """A port of 5,000 digits ended in int's own error ("Exceeds the limit (4300 digits)"), not
+    in the one line that names host:port; '²' and a zero-padded 65536 stay refused."""
     with pytest.raises(ValueError, match="expected host:port"):
         split_address(text)
 
