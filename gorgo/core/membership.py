@@ -50,6 +50,13 @@ def check_reloadable(old: FleetSpec, new: FleetSpec) -> None:
     if new.sharing != old.sharing:
         raise FleetError("sharing: cannot change on reload (the NATS connection is set up at "
                          "start); restart the router")
+    if new.extproc != old.extproc:
+        # Envoy's processing mode is rendered from it: a router that took on `response_headers:
+        # skip` alone ended its bookings at the request's end while Envoy still sent the response
+        # headers, and read no replica's errors (no --envoy-admin, checked only at start).
+        raise FleetError("extproc: cannot change on reload (Envoy's ext_proc processing mode is "
+                         "rendered from it by `gorgo envoy-config`); render Envoy again and "
+                         "restart it and the router")
     if new.limits.max_body_bytes > old.limits.max_body_bytes:
         raise FleetError("limits.max_body_bytes: cannot grow on reload (the gRPC message limit "
                          "is set at start); restart the router")

@@ -174,6 +174,23 @@ def test_a_failed_reload_changes_nothing() -> None:
     assert router.state is state and router.spec is spec and router.generation == 0
 
 
+@pytest.mark.parametrize("extproc", [{"response_headers": "skip"}, {"request_headers": "skip"},
+                                     {"response_trailers": "send"}])
+def test_a_reload_that_changes_how_envoy_talks_to_the_router_is_refused(
+        extproc: dict[str, str]) -> None:
+    """Before: taken on, though Envoy's processing mode is rendered from it. With
+    `response_headers: skip` the router ended each booking at the request's end while Envoy
+    still sent the response headers, and read no replica's errors (the start's check that
+    --envoy-admin is given was never made)."""
+    router = Router(parse_fleet(_doc(_replica("a", 1), _replica("b", 2))))
+    spec = router.spec
+    with pytest.raises(FleetError, match="extproc: cannot change on reload"):
+        router.reload(parse_fleet(_doc(_replica("a", 1), _replica("b", 2), extproc=extproc)))
+    assert router.spec is spec and router.generation == 0
+    router.reload(parse_fleet(_doc(_replica("a", 1), _replica("c", 3))))  # the rest reloads
+    assert router.state.names == ["a", "c"]
+
+
 def test_reload_takes_on_the_new_models_and_drains() -> None:
     router = Router(parse_fleet(TWO_MODELS))
     router.reload(parse_fleet(_doc(_replica("a1", 1, ["alpha"], drain=True),
