@@ -287,7 +287,7 @@ class ExtProcService(ExternalProcessorServicer):
         size = whole_number(length)
         if size is not None and size > self.max_body:
             return self._reject(RequestError(
-                413, f"Request body of {length} bytes exceeds the limit of {self.max_body}.",
+                413, f"Request body of {size} bytes exceeds the limit of {self.max_body}.",
                 code="request_too_large"))
         if msg.end_of_stream:  # no body will follow
             if _routed_by_body(st.path):

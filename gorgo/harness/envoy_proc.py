@@ -24,6 +24,7 @@ from gorgo.harness.procs import file_tail, spawn, stop_group, stopped_on_failure
 # hot-restart domain sockets); the id is drawn at random, so a clash is retried with a new one.
 BASE_ID_CLASH = "unable to bind domain socket"
 BASE_ID_ATTEMPTS = 3
+SERVER_INFO_BYTES = 1 << 20  # Envoy's own answer is a few KiB
 
 
 def draw_base_id() -> int:
@@ -77,16 +78,26 @@ class EnvoyProcess:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"envoy exited {self.proc.returncode}: {self.log_tail()}")
-            if self._answers_as(base_id):
+            if self._answers_as(base_id, deadline):
                 return
             time.sleep(0.1)
         raise TimeoutError(f"envoy not ready after {timeout}s: {self.log_tail()}")
 
-    def _answers_as(self, base_id: int) -> bool:
-        """Whether the admin port answers LIVE as the Envoy started with ``base_id``."""
+    def _answers_as(self, base_id: int, deadline: float) -> bool:
+        """Whether the admin port answers LIVE as the Envoy started with ``base_id``. The answer
+        is read in pieces, at most SERVER_INFO_BYTES and until ``deadline``: another process on
+        the port may send a body that never ends."""
+        body = b""
         try:
             with urllib.request.urlopen(self.admin_url + "/server_info", timeout=1) as r:
-                info = json.loads(r.read())
+                while len(body) < SERVER_INFO_BYTES and time.monotonic() < deadline:
+                    piece = r.read1(16384)
+                    if not piece:
+                        break
+                    body += piece
+                else:
+                    return False
+            info = json.loads(body)
         except (OSError, ValueError):
             return False
         if not isinstance(info, dict):

@@ -68,10 +68,11 @@ PEER_LOCAL_S = 1e-3
 # costs about INTAKE_BASE_S + INTAKE_PER_TOKEN_S * prompt tokens before it leaves for its replica
 # (Envoy buffering the body, the gRPC hop, JSON parsing and prefix hashing; the router's own part
 # measures 0.3 ms at 1k tokens and 1.7 ms at 40k on the 2-core dev machine). Milliseconds, but
-# decisive for the bursts of simultaneous requests in Mooncake: spread out in their arrival
-# order, they reach an engine in that order, where link jitter alone would shuffle them in its
-# FCFS queue. Simultaneous requests arrive shortest prompt first (`arrival_order`), a tie the
-# trace leaves open, broken the same way by the live load generator (`replay.replay`).
+# decisive for the bursts of simultaneous requests in Mooncake: they are decided and booked in
+# their arrival order, a millisecond or two apart; each one-way delay is drawn on its own, so on a
+# jittery link they still reach an engine in any order (docs/results.md, "Where the Mooncake
+# predictions go wrong"). Simultaneous requests arrive shortest prompt first (`arrival_order`), a
+# tie the trace leaves open, broken the same way by the live load generator (`replay.replay`).
 INTAKE_BASE_S = 0.5e-3
 INTAKE_PER_TOKEN_S = 0.05e-6
 # Envoy's default retry back-off (the rendered route sets none): the first retry waits a uniform

@@ -15,7 +15,8 @@ from gorgo.core.decimals import whole_number
     ("65535", 5, 65535),
     ("065535", 5, 65535),  # leading zeros are not digits of the bound: refused before
     ("0" * 25 + "7", 20, 7),
-    ("0" * 5000 + "7", 20, 7),  # int would refuse the whole text
+    ("0" * 63 + "7", 20, 7),
+    ("0" * 64 + "7", 20, None),  # past MAX_PADDED_CHARS: refused unscanned
     ("000", 20, 0),
     ("²", 20, None),  # isdigit takes it, int refuses it: a ValueError before
     ("٣", 20, None),  # an Arabic-Indic 3: isdigit takes it and int reads it, no ASCII

@@ -3,8 +3,10 @@ interrupt while Envoy starts stops it (a stand-in for the binary)."""
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import json
+import socket
 import threading
 import urllib.request
 from collections.abc import Iterator
@@ -116,3 +118,40 @@ def test_a_second_rendered_envoy_cannot_take_the_first_ones_listener() -> None:
         second = envoy()
         with pytest.raises(RuntimeError, match=PORT_CLASH):
             second.start(timeout=30)
+
+
+@pytest.mark.envoy
+@pytest.mark.slow
+def test_an_endless_answer_on_the_admin_port_does_not_outlast_the_start_timeout() -> None:
+    """Before (with the check of /server_info): its body was read whole, so a server trickling
+    a byte every 0.2 s held the start for ever, past its timeout and Envoy's exit."""
+    port = free_port()
+    stop = threading.Event()
+    listener = socket.create_server(("127.0.0.1", port))
+
+    def trickle() -> None:
+        listener.settimeout(0.2)
+        conns = []
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+                conn.sendall(b"HTTP/1.0 200 OK\r\n\r\n{")
+                conns.append(conn)
+            except TimeoutError:
+                pass
+            for c in conns:
+                with contextlib.suppress(OSError):
+                    c.sendall(b" ")
+        for c in conns:
+            c.close()
+
+    thread = threading.Thread(target=trickle, daemon=True)
+    thread.start()
+    try:
+        envoy = envoy_proc.EnvoyProcess({"admin": _admin(port)})
+        with pytest.raises((RuntimeError, TimeoutError)):
+            envoy.start(timeout=3)
+    finally:
+        stop.set()
+        thread.join(5)
+        listener.close()
