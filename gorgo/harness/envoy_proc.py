@@ -18,7 +18,14 @@ from typing import Any
 
 import yaml
 
-from gorgo.harness.procs import file_tail, spawn, stop_group, stopped_on_failure, venv_binary
+from gorgo.harness.procs import (
+    file_tail,
+    retried_on,
+    spawn,
+    stop_group,
+    stopped_on_failure,
+    venv_binary,
+)
 
 # Envoy's words when another Envoy on this host holds the same --base-id (its shared-memory and
 # hot-restart domain sockets); the id is drawn at random, so a clash is retried with a new one.
@@ -56,22 +63,20 @@ class EnvoyProcess:
         cfg = Path(self._dir.name) / "envoy.yaml"
         cfg.write_text(yaml.safe_dump(self.bootstrap, sort_keys=False))
         with stopped_on_failure(self._dir.cleanup):
-            for attempt in range(1, BASE_ID_ATTEMPTS + 1):
-                base_id = draw_base_id()
-                with self.stderr_path.open("wb") as err:
-                    self.proc = spawn(
-                        [envoy_binary(), "-c", str(cfg), "--base-id", str(base_id),
-                         "-l", self.log_level, "--concurrency", str(self.concurrency),
-                         "--log-path", str(self.log_path)],
-                        stdout=subprocess.DEVNULL, stderr=err)
-                try:
-                    with stopped_on_failure(self.stop_process):
-                        self._wait_ready(timeout, base_id)
-                    return self
-                except RuntimeError as exc:
-                    if BASE_ID_CLASH not in str(exc) or attempt == BASE_ID_ATTEMPTS:
-                        raise
-        raise AssertionError("unreachable")
+            # a new id is drawn by each start: nothing to redraw between them
+            return retried_on(BASE_ID_CLASH, lambda: self._start_once(cfg, timeout),
+                              lambda: None, BASE_ID_ATTEMPTS)
+
+    def _start_once(self, cfg: Path, timeout: float) -> EnvoyProcess:
+        base_id = draw_base_id()
+        with self.stderr_path.open("wb") as err:
+            self.proc = spawn(
+                [envoy_binary(), "-c", str(cfg), "--base-id", str(base_id), "-l", self.log_level,
+                 "--concurrency", str(self.concurrency), "--log-path", str(self.log_path)],
+                stdout=subprocess.DEVNULL, stderr=err)
+        with stopped_on_failure(self.stop_process):
+            self._wait_ready(timeout, base_id)
+        return self
 
     def _wait_ready(self, timeout: float, base_id: int) -> None:
         deadline = time.monotonic() + timeout

@@ -109,20 +109,28 @@ START_ATTEMPTS = 3
 T = TypeVar("T")
 
 
+def retried_on(words: str, start: Callable[[], T], redraw: Callable[[], object],
+               attempts: int = START_ATTEMPTS) -> T:
+    """``start()``, again after ``redraw()`` while its failure (a RuntimeError or TimeoutError)
+    says ``words``: a clash on something drawn at random, which another draw avoids. ``start``
+    must have stopped whatever it started when it raises."""
+    for _ in range(attempts - 1):
+        try:
+            return start()
+        except (RuntimeError, TimeoutError) as exc:
+            if words not in str(exc):
+                raise
+            redraw()
+    return start()
+
+
 def retried_on_port_clash(start: Callable[[], T], redraw: Callable[[], object],
                           attempts: int = START_ATTEMPTS) -> T:
     """``start()``, again after ``redraw()`` while it fails because a port drawn by
     `free_ports` was taken before its child bound it (another test's child, a stray connection):
     the draw cannot reserve a port, so a parallel `make test` failed one run in a few hundred
-    that way. ``start`` must have stopped whatever it started when it raises."""
-    for _ in range(attempts - 1):
-        try:
-            return start()
-        except (RuntimeError, TimeoutError) as exc:
-            if PORT_CLASH not in str(exc):
-                raise
-            redraw()
-    return start()
+    that way."""
+    return retried_on(PORT_CLASH, start, redraw, attempts)
 
 
 class ProcessSet:
