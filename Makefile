@@ -32,7 +32,7 @@ test: venv
 	$(BIN)/python protos/generate.py --check
 	$(PYTEST) $(PARALLEL) -m "not engine" --ignore=tests/engines
 
-# The same checks without the tests that start a real Envoy or run for more than a few seconds.
+# The same checks without the tests that start a real Envoy or take about a second or more.
 test-fast: venv
 	$(BIN)/ruff check .
 	$(BIN)/python protos/generate.py --check

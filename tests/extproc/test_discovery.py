@@ -76,6 +76,7 @@ def test_a_waiting_router_reads_its_file_again_and_tries_every_few_seconds(
     assert slept == [WAIT_RETRY_S] and [r.name for r in d.spec.replicas] == ["vllm-10-0-0-5"]
 
 
+@pytest.mark.slow
 def test_gorgo_extproc_waits_for_a_name_that_answers_nothing_and_stops_on_sigterm(
         tmp_path: Path) -> None:
     proc = subprocess.Popen(
@@ -101,6 +102,7 @@ def test_gorgo_extproc_waits_for_a_name_that_answers_nothing_and_stops_on_sigter
     assert proc.returncode == 0 and "stopped (SIGTERM)" in out and "READY" not in out, out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flags", [
     ["--workers", "99999"], ["--admin-token-file", "/nonexistent/token"],
     ["--cds-file", "clusters.yaml"]])

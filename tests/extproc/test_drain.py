@@ -32,6 +32,7 @@ async def _status(server: ExtProcServer) -> int:
     return answer.status
 
 
+@pytest.mark.slow
 def test_a_drain_waits_for_pending_streams_then_for_quiet() -> None:
     async def run() -> tuple[float, int]:
         server = _server()

@@ -154,6 +154,7 @@ async def _synced() -> tuple[Router, FakePublisher, KVEventsClient]:
     return router, fake, client
 
 
+@pytest.mark.slow
 def test_an_unreadable_batch_is_counted_and_warned_and_the_view_comes_back(
         caplog: pytest.LogCaptureFixture) -> None:
     async def go() -> None:
@@ -179,6 +180,7 @@ def test_an_unreadable_batch_is_counted_and_warned_and_the_view_comes_back(
                for m in warned), warned
 
 
+@pytest.mark.slow
 def test_a_message_over_the_size_limit_is_refused_unread(monkeypatch: pytest.MonkeyPatch) -> None:
     # Anything reaching the port the router binds could push a 400 MB frame, received whole.
     monkeypatch.setattr(kv_events_module, "MAX_EVENT_MESSAGE_BYTES", 4096)

@@ -96,6 +96,7 @@ def test_each_router_counts_the_others_requests(nats_server: NatsProcess) -> Non
         lt.close()
 
 
+@pytest.mark.slow
 def test_sharing_resumes_after_the_server_restarts_with_the_closes_made_meanwhile() -> None:
     # What a router opened while the server was down is not replayed; what it closed is (a blip
     # of seconds left the peer counting the requests that ended in it for request_s).
@@ -134,6 +135,7 @@ def test_sharing_resumes_after_the_server_restarts_with_the_closes_made_meanwhil
         server.stop()
 
 
+@pytest.mark.slow
 def test_a_router_cut_off_alone_asks_for_the_closes_it_missed(nats_server: NatsProcess) -> None:
     # Core NATS keeps nothing for a subscriber that is away: the closes sent while one router's
     # connection was down (or, after a server restart, before it had resubscribed) reached it

@@ -91,6 +91,7 @@ def test_loop_lag_sees_a_stall() -> None:
     assert stalled >= 0.2 > quiet
 
 
+@pytest.mark.slow
 def test_probes_keep_their_schedule_while_a_decision_holds_the_router_loop(
     upstream: Health,
 ) -> None:

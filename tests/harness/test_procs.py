@@ -38,6 +38,7 @@ def gorgo_bin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]
     end(tmp_path / "gorgo")
 
 
+@pytest.mark.slow
 def test_a_child_that_prints_nothing_times_out_and_is_stopped(gorgo_bin: Path) -> None:
     """Before: the wait read lines with a blocking readline, so a silent child held it past any
     timeout (30 s with timeout=2); here the stand-in ends after 20 s, and the old wait raised

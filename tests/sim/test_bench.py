@@ -52,6 +52,7 @@ def test_fleet_yaml_path_is_accepted(tmp_path: Path) -> None:
     assert resolve_fleet(str(path)).name == "mine"
 
 
+@pytest.mark.slow
 def test_capacity_search_brackets_round_robin_stability(tmp_path: Path) -> None:
     spec = parse_fleet(fleet_document({"local": 2}, profile="h100-llama3-8b",
                                       links={"local": {"link": "local"}}))
@@ -234,6 +235,7 @@ def test_bench_cli_writes_table_json_and_plots(tmp_path: Path) -> None:
                      "--rerun", "gorgo"]) == 2
 
 
+@pytest.mark.slow
 def test_rerun_refuses_a_trace_rewritten_in_place(tmp_path: Path) -> None:
     """Same file, same window label and size, other requests: --rerun kept the old requests'
     runs beside new ones (rc 0)."""

@@ -116,6 +116,7 @@ def test_one_way_samples_match_the_configured_rtt(dist: str) -> None:
 # so that a scheduling hiccup on one sample does not count.
 
 
+@pytest.mark.slow
 def test_measured_keepalive_rtt_matches_configuration() -> None:
     async def run() -> tuple[list[float], list[float], float]:
         async with http_server() as port:

@@ -394,6 +394,7 @@ def test_a_bad_client_bound_is_one_line(args: tuple[str, ...], error: str) -> No
         main(_args(*args, "--url", f"http://{HOST}:{_closed_port()}"))
 
 
+@pytest.mark.slow
 def test_sigint_stops_cleanly_and_writes_results(server: SSEServer, tmp_path: Path) -> None:
     out, summary = tmp_path / "out.jsonl", tmp_path / "summary.json"
     code = (

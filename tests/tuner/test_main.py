@@ -7,6 +7,7 @@ import signal
 import subprocess
 from pathlib import Path
 
+import pytest
 import yaml
 
 from gorgo.harness.procs import BIN, GorgoProcess, free_port, wait_for
@@ -30,6 +31,7 @@ def run_tuner(config: Path) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, timeout=60)
 
 
+@pytest.mark.slow
 def test_a_second_tuner_on_one_state_file_exits_2_naming_its_lock(tmp_path: Path) -> None:
     """Two tuners on one state file both ran, each renumbering above the other's versions: a
     router went from v1 to v61 in 6 s."""

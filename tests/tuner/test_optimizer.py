@@ -389,6 +389,7 @@ def test_search_finds_the_bowl_minimum() -> None:
     assert abs(math.log(queue / 0.5)) < math.log(1.6)
 
 
+@pytest.mark.slow
 def test_tuner_fpr_over_many_evaluations_on_a_flat_landscape() -> None:
     """End to end (windows, versions, ABBA, bootstrap): weights do not matter, so every
     acceptance is a false positive."""
