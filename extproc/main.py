@@ -131,6 +131,9 @@ class ExtProcServer:
         self.peers = PeerLink(router, self.metrics) if router.spec.sharing is not None else None
         self.cds_file = cds_file
         self.cds_write = cds_write
+        # Envoy's routes send the requests that fail open to the default cluster its bootstrap
+        # was rendered with: the start fleet's, whatever a reload names later.
+        self.rendered_default = router.spec.default_cluster
         if discovery is None and fleet_path is not None:
             discovery = DnsDiscovery(fleet_path)
         self.discovery = discovery
@@ -213,18 +216,20 @@ class ExtProcServer:
         """Take on a new fleet (FleetError: nothing changed): the router first, then what reads
         its state, then the CDS file, so Envoy learns an added cluster while the new replica
         still waits for its first probe, and drops a removed one once nothing routes there."""
-        old = self.router.spec.default_cluster
+        kept = self.rendered_default
         if (self.cds_file is not None and not self.reloader.adopting
-                and old not in {r.cluster for r in spec.replicas}):
-            # Envoy's bootstrap routes the requests that fail open to the default cluster it
-            # was rendered with, which the clusters file would no longer hold: every one a 503.
+                and kept not in {r.cluster for r in spec.replicas}):
+            # The clusters file would no longer hold that cluster: every request failing open
+            # a 503. The router's own default does not help: a reload that named another one
+            # (taken on, as Envoy's bootstrap is not) and then removed this replica got there.
             # (A restarted worker started from the file; the peers' document it adopts keeps
             # that cluster, as their own checks did.)
             raise FleetError(
-                f"replicas: {old!r} is the cluster Envoy's routes send the requests that fail "
-                "open to (the fleet's default_cluster; unnamed, the first replica's), and the "
-                "clusters file must keep it until Envoy is rendered again and restarted: "
-                "remove that replica then")
+                f"replicas: {kept!r} is the cluster Envoy's routes send the requests that fail "
+                "open to (the default_cluster of the fleet this router started with; unnamed, "
+                "its first replica's), and the clusters file must keep it until Envoy is "
+                "rendered again and restarted, and this router after it: remove that replica "
+                "then")
         diff = self.router.reload(spec)
         self.service.reloaded()
         self.signals.reloaded()

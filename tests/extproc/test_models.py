@@ -183,6 +183,28 @@ def test_a_reload_that_raises_leaves_the_watch_reading_the_next_change(
     assert server.router.spec.replicas[0].prefill_rate == 8000.0 and r.last_error is None
 
 
+def test_the_cluster_envoy_fails_open_to_stays_after_a_reload_names_another_default(
+        tmp_path: Path) -> None:
+    # Envoy's bootstrap keeps the default cluster it was rendered with. A reload naming b1 the
+    # default was taken on, and the next one could then remove a1: the clusters file lost the
+    # cluster every request failing open goes to.
+    server = _server(tmp_path)
+    r = server.reloader
+    cds = tmp_path / "cds.yaml"
+    server.apply_fleet(server.router.spec)  # the clusters file as the start writes it
+    doc = json.loads(json.dumps(DOC))
+    doc["default_cluster"] = "b1"
+    _write(r.path, doc)
+    r.poll()
+    assert server.router.spec.default_cluster == "b1" and r.last_error is None
+    doc["replicas"] = doc["replicas"][1:]
+    _write(r.path, doc)
+    r.poll()
+    assert _reloads(server, "error") == 1 and server.router.state.names == ["a1", "b1"]
+    assert "'a1' is the cluster Envoy's routes send" in (r.last_error or "")
+    assert "a1" in cds.read_text()
+
+
 def test_admin_adds_drains_and_removes_a_replica_and_its_series(tmp_path: Path) -> None:
     server = _server(tmp_path)
     router = server.router
