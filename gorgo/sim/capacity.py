@@ -35,6 +35,7 @@ router and simulator code.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import math
 import time
@@ -57,7 +58,7 @@ BASELINE = "round-robin"
 SEED = 0
 MAX_ROUNDS = 40
 # Simulator modules whose code decides a run's outcome (with all of gorgo/core): the capacity
-# probes' and the tune bench's static runs' (`tunebench.run.model_digest`). `kv_publish` decides
+# probes' and the tune bench's static runs' (`source_digest`). `kv_publish` decides
 # a precise fleet's cache hits, `link` the delays: an edit to either reused stale results.
 SIM_MODULES = ("offline", "engine", "kv_cache", "kv_publish", "link", "profiles", "traces",
                "workload", "capacity", "routers")
@@ -211,22 +212,33 @@ def fleet_digest(spec: FleetSpec) -> str:
     return hashlib.blake2b(text.encode(), digest_size=6).hexdigest()
 
 
-@cache
-def code_digest() -> str:
-    """A short digest of the code a probe runs (router core and simulator).
+def source_digest(extra: Sequence[str] = (), size: int = 6) -> str:
+    """A short digest of the source that decides a simulated run: all of gorgo/core, the
+    simulator's `SIM_MODULES` and the ``extra`` modules (import names, found as imported).
 
-    The simulator is still being refined; a change to it changes the capacity, and a cache entry
-    from older code must not be reused. Read once per process: a process runs the code it loaded,
-    whatever is edited on disk meanwhile.
+    The simulator is still being refined; a change to it changes the capacity and the static
+    runs, and a cache entry from older code must not be reused. Each file is keyed by its path
+    under the gorgo package, as named, not as found.
     """
     root = Path(__file__).resolve().parents[1]  # the gorgo package
-    files = sorted((root / "core").rglob("*.py")) + [
-        root / "sim" / f"{m}.py" for m in SIM_MODULES]
-    h = hashlib.blake2b(digest_size=6)
-    for f in files:
+    h = hashlib.blake2b(digest_size=size)
+    for f in sorted((root / "core").rglob("*.py")):
         h.update(f.relative_to(root).as_posix().encode())
         h.update(f.read_bytes())
+    for name in (*(f"gorgo.sim.{m}" for m in SIM_MODULES), *extra):
+        spec = importlib.util.find_spec(name)
+        if spec is None or not spec.origin:
+            raise ModuleNotFoundError(name)
+        h.update((name.removeprefix("gorgo.").replace(".", "/") + ".py").encode())
+        h.update(Path(spec.origin).read_bytes())
     return h.hexdigest()
+
+
+@cache
+def code_digest() -> str:
+    """The capacity probes' digest: the router core and the simulator. Read once per process:
+    a process runs the code it loaded, whatever is edited on disk meanwhile."""
+    return source_digest()
 
 
 def workload_digest(workload: Workload) -> str:

@@ -7,8 +7,6 @@ slice simulated under fixed weights and prefill rates, scored as `gorgo bench si
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
 import json
 import math
 import time
@@ -21,7 +19,7 @@ from gorgo.core.decision import Decision
 from gorgo.core.fleet import FleetSpec
 from gorgo.core.terms import TERMS
 from gorgo.core.weights import Weights
-from gorgo.sim.capacity import SIM_MODULES as CAPACITY_MODULES
+from gorgo.sim.capacity import source_digest
 from gorgo.sim.offline import RequestRecord, SimResult, Simulation
 from gorgo.sim.stats import jsonable
 from gorgo.sim.tunebench.points import Point, default_point
@@ -277,28 +275,16 @@ def probe_job(rate: float) -> Any:
 # --------------------------------------------------------------------------- static-run cache
 
 
-# Modules (besides all of gorgo.core) whose source decides what a static run measures: the
-# capacity search's list, one list for both caches, and the code that scores a run (a change to
-# `run_metrics` reused grids scored the old way).
-SIM_MODULES = tuple(f"gorgo.sim.{m}" for m in CAPACITY_MODULES)
+# Modules whose source decides what a static run measures, besides the capacity search's
+# (`source_digest`): the code that scores a run (a change to `run_metrics` reused grids scored
+# the old way).
 SCORING_MODULES = ("gorgo.sim.bench", "gorgo.sim.tunebench.run", "gorgo.sim.tunebench.stats")
 
 
 def model_digest() -> str:
     """Digest of the router and simulation source: cached static runs are reused only by the
     same code, so a change to the engine model or a policy never mixes old and new results."""
-    import gorgo.core
-
-    files = sorted(Path(gorgo.core.__file__).parent.rglob("*.py"))
-    for name in (*SIM_MODULES, *SCORING_MODULES):
-        spec = importlib.util.find_spec(name)
-        if spec is not None and spec.origin:
-            files.append(Path(spec.origin))
-    h = hashlib.blake2b(digest_size=8)
-    for f in files:
-        h.update(f.name.encode())
-        h.update(f.read_bytes())
-    return h.hexdigest()
+    return source_digest(SCORING_MODULES, size=8)
 
 
 def load_cache(path: Path, slice_key: str) -> dict[str, dict[str, float]]:
