@@ -57,6 +57,19 @@ def check_reloadable(old: FleetSpec, new: FleetSpec) -> None:
         raise FleetError("extproc: cannot change on reload (Envoy's ext_proc processing mode is "
                          "rendered from it by `gorgo envoy-config`); render Envoy again and "
                          "restart it and the router")
+    if new.endpoint_picker != old.endpoint_picker:
+        # Envoy's routes and clusters are rendered for one mode: turned off, the router named
+        # a replica added in picker mode by a cluster the bootstrap does not have (every request
+        # routed there a 503), and turned on it named addresses Envoy's routes do not read.
+        raise FleetError("endpoint_picker: cannot change on reload (Envoy's routes and clusters "
+                         "are rendered for one mode by `gorgo envoy-config`); render Envoy again "
+                         "and restart it and the router")
+    for field in ("block_tokens", "chars_per_token", "media_tokens"):
+        if getattr(new, field) != getattr(old, field):
+            # Prompts are cut into blocks by these: every prefix entry (and every peer's
+            # bookings) in the old blocks would never match again, silently.
+            raise FleetError(f"{field}: cannot change on reload (the prefix index holds every "
+                             "replica's cache in blocks cut by it); restart the router")
     if new.limits.max_body_bytes > old.limits.max_body_bytes:
         raise FleetError("limits.max_body_bytes: cannot grow on reload (the gRPC message limit "
                          "is set at start); restart the router")

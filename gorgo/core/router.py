@@ -124,15 +124,16 @@ class Router:
         check_reloadable(self.spec, spec)
         diff = diff_fleets(self.spec, spec)
         self.echoes.clear(self.state)
-        state = self.state.reindexed(spec, {n: n for n in diff.kept})
+        kept = set(diff.kept)  # a tuple's `in` made a reload open requests x replicas
+        state = self.state.reindexed(spec, {n: n for n in kept})
         for key, entry in list(self._open.items()):
             j = state.index.get(self.state.names[entry.replica])
-            if j is None or self.state.names[entry.replica] not in diff.kept:
+            if j is None or self.state.names[entry.replica] not in kept:
                 del self._open[key]
                 self._publish(key, CLOSED, entry)
             else:
                 entry.replica = j
-        self.peers.reindexed(self.state.names, state.index, set(diff.kept))
+        self.peers.reindexed(self.state.names, state.index, kept)
         self.state = state
         self._use(spec)
         self.generation += 1

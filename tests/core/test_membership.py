@@ -191,6 +191,21 @@ def test_a_reload_that_changes_how_envoy_talks_to_the_router_is_refused(
     assert router.state.names == ["a", "c"]
 
 
+@pytest.mark.parametrize(("extra", "field"), [
+    ({"endpoint_picker": True}, "endpoint_picker"), ({"block_tokens": 16}, "block_tokens"),
+    ({"chars_per_token": 3.5}, "chars_per_token"), ({"media_tokens": 500}, "media_tokens")])
+def test_a_reload_that_changes_the_envoy_mode_or_the_blocks_is_refused(
+        extra: dict[str, Any], field: str) -> None:
+    """Before: taken on. `endpoint_picker` turned off named a replica added in picker mode by a
+    cluster Envoy's bootstrap does not have; new block cuts left every prefix entry unmatched
+    (cache affinity lost on every replica, silently)."""
+    router = Router(parse_fleet(_doc(_replica("a", 1), _replica("b", 2))))
+    spec = router.spec
+    with pytest.raises(FleetError, match=f"{field}: cannot change on reload"):
+        router.reload(parse_fleet(_doc(_replica("a", 1), _replica("b", 2), **extra)))
+    assert router.spec is spec and router.generation == 0
+
+
 def test_reload_takes_on_the_new_models_and_drains() -> None:
     router = Router(parse_fleet(TWO_MODELS))
     router.reload(parse_fleet(_doc(_replica("a1", 1, ["alpha"], drain=True),
