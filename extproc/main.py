@@ -97,6 +97,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     # worker 0 started again: its first write waits for the fleet its peers run (the file alone
     # would drop, for a moment or for good, the clusters of the replicas added through the API)
     p.add_argument("--cds-defer", action="store_true", help=argparse.SUPPRESS)
+    # a worker of `--workers N`: the default cluster of the fleet the supervisor started with,
+    # which Envoy was rendered from (a restarted worker's file may name another by then)
+    p.add_argument("--cds-default", default=None, help=argparse.SUPPRESS)
     p.add_argument("--drain-s", type=at_least(0.0, float), default=DRAIN_S,
                    help="on SIGTERM/SIGINT, keep serving the streams Envoy has open (and new "
                         "ones, until its health check sees the drain) for at most this long "
@@ -112,12 +115,13 @@ class ExtProcServer:
         self, router: Router, admin_token: str | None = None, otlp: str | None = None,
         envoy_admin: str | None = None, fleet_path: str | None = None,
         cds_file: str | None = None, discovery: DnsDiscovery | None = None,
-        cds_write: bool = True,
+        cds_write: bool = True, rendered_default: str | None = None,
     ) -> None:
         """``fleet_path``: the fleet file, reloaded on SIGHUP, on change and through the admin
         API; ``cds_file``: the clusters file Envoy watches, rewritten on every reload (by this
         process unless ``cds_write`` is off: with ``--workers``, worker 0 writes it and every
-        worker keeps its rules);
+        worker keeps its rules); ``rendered_default``: the cluster Envoy's routes fail open to
+        (default: the start fleet's `default_cluster`), which the clusters file keeps;
         ``discovery``: the file's DNS names as resolved for ``router`` (default: resolved here),
         whose changed answers are applied as reloads."""
         self.router = router
@@ -133,7 +137,7 @@ class ExtProcServer:
         self.cds_write = cds_write
         # Envoy's routes send the requests that fail open to the default cluster its bootstrap
         # was rendered with: the start fleet's, whatever a reload names later.
-        self.rendered_default = router.spec.default_cluster
+        self.rendered_default = rendered_default or router.spec.default_cluster
         if discovery is None and fleet_path is not None:
             discovery = DnsDiscovery(fleet_path)
         self.discovery = discovery
@@ -217,13 +221,11 @@ class ExtProcServer:
         its state, then the CDS file, so Envoy learns an added cluster while the new replica
         still waits for its first probe, and drops a removed one once nothing routes there."""
         kept = self.rendered_default
-        if (self.cds_file is not None and not self.reloader.adopting
-                and kept not in {r.cluster for r in spec.replicas}):
+        if self.cds_file is not None and kept not in {r.cluster for r in spec.replicas}:
             # The clusters file would no longer hold that cluster: every request failing open
             # a 503. The router's own default does not help: a reload that named another one
             # (taken on, as Envoy's bootstrap is not) and then removed this replica got there.
-            # (A restarted worker started from the file; the peers' document it adopts keeps
-            # that cluster, as their own checks did.)
+            # A peer's document (`PUT /admin/fleet/document`) is checked too: it got past this.
             raise FleetError(
                 f"replicas: {kept!r} is the cluster Envoy's routes send the requests that fail "
                 "open to (the default_cluster of the fleet this router started with; unnamed, "
@@ -331,7 +333,7 @@ async def serve(args: argparse.Namespace, spec: FleetSpec, token: str | None,
     server = ExtProcServer(router, admin_token=token, otlp=args.otlp,
                            envoy_admin=args.envoy_admin, fleet_path=args.fleet,
                            cds_file=args.cds_file, discovery=discovery,
-                           cds_write=not args.cds_read_only)
+                           cds_write=not args.cds_read_only, rendered_default=args.cds_default)
     if args.cds_file and not (args.cds_read_only or args.cds_defer):
         write_cds(spec, args.cds_file)
     loop = asyncio.get_running_loop()

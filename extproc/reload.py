@@ -59,7 +59,6 @@ class FleetReloader:
         self._stamp = _stamp(self.path) if self.path is not None else None
         self.last_error: str | None = None
         self.reloads = 0
-        self.adopting = False  # taking on a peer's document, which its own checks passed
 
     def status(self) -> dict[str, Any]:
         s = self.router.state
@@ -145,11 +144,7 @@ class FleetReloader:
             doc = parse_yaml(text)
         except ValueError as exc:
             raise FleetError(f"document: {exc}") from None
-        self.adopting = True
-        try:
-            diff = self.apply_doc(doc, "admin document")
-        finally:
-            self.adopting = False
+        diff = self.apply_doc(doc, "admin document")
         if file_stamp is not None:
             self._stamp = file_stamp
         return diff

@@ -136,10 +136,13 @@ class Supervisor:
         self.token = token  # the operator's: None, and the admin API answers 403
         # The largest explained request a worker takes (twice the body limit, and 64 KiB): the
         # start's fleet sets it, as a reload cannot raise `limits.max_body_bytes`.
+        # So does the cluster Envoy's routes fail open to, which every worker's clusters-file
+        # rule keeps (a restarted worker's file may name another default by then).
         try:
-            body_limit = load_fleet(args.fleet).limits.max_body_bytes
+            start = load_fleet(args.fleet)
+            body_limit, self.rendered_default = start.limits.max_body_bytes, start.default_cluster
         except FleetError:  # the workers say why, as they start
-            body_limit = Limits().max_body_bytes
+            body_limit, self.rendered_default = Limits().max_body_bytes, None
         self.explain_max_bytes = 2 * body_limit + 65536
         self._token = token.encode() if token else None
         # What the supervisor and the workers share: the operator's, else one of their own, so a
@@ -196,6 +199,8 @@ class Supervisor:
         if a.cds_file:  # every worker keeps its rules; one writer, as all read one fleet file
             cmd += ["--cds-file", a.cds_file] + (
                 ["--cds-read-only"] if w.index else ["--cds-defer"] if self._adopts(w) else [])
+            if self.rendered_default:
+                cmd += ["--cds-default", self.rendered_default]
         if a.otlp:
             cmd += ["--otlp", a.otlp]
         if a.envoy_admin:

@@ -20,7 +20,7 @@ from extproc.service import ExtProcService
 from extproc.telemetry import RouterMetrics
 from gorgo._xds.envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue
 from gorgo._xds.envoy.service.ext_proc.v3 import external_processor_pb2 as pb
-from gorgo.core.fleet import load_fleet, parse_fleet
+from gorgo.core.fleet import FleetError, load_fleet, parse_fleet
 from gorgo.core.router import Router
 from tests.extproc.test_admin import AUTH, TOKEN, Call, with_admin
 
@@ -203,6 +203,25 @@ def test_the_cluster_envoy_fails_open_to_stays_after_a_reload_names_another_defa
     assert _reloads(server, "error") == 1 and server.router.state.names == ["a1", "b1"]
     assert "'a1' is the cluster Envoy's routes send" in (r.last_error or "")
     assert "a1" in cds.read_text()
+
+
+def test_a_peers_document_without_the_fail_open_cluster_is_refused(tmp_path: Path) -> None:
+    # `PUT /admin/fleet/document` (a restarted worker taking on its peers' fleet, or any admin
+    # caller) skipped the check the DELETE of the same replica got
+    server = _server(tmp_path)
+    server.apply_fleet(server.router.spec)
+    doc = json.loads(json.dumps(DOC))
+    doc["replicas"] = doc["replicas"][1:]
+    with pytest.raises(FleetError, match="'a1' is the cluster Envoy's routes send"):
+        server.reloader.adopt(yaml.safe_dump(doc), None)
+    assert server.router.state.names == ["a1", "b1"]
+    assert "a1" in (tmp_path / "cds.yaml").read_text()
+    # a worker started again is told the cluster Envoy was rendered with by its supervisor
+    path = tmp_path / "fleet.yaml"
+    _write(path, {**DOC, "default_cluster": "b1"})
+    worker = ExtProcServer(Router(load_fleet(path)), admin_token=TOKEN, fleet_path=str(path),
+                           cds_file=str(tmp_path / "cds.yaml"), rendered_default="a1")
+    assert worker.rendered_default == "a1"
 
 
 def test_admin_adds_drains_and_removes_a_replica_and_its_series(tmp_path: Path) -> None:
