@@ -36,7 +36,7 @@ from gorgo.core.discovery import dns_sources, refuse_clusters_file
 from gorgo.core.fleet import FleetError, FleetSpec, host_port, load_fleet, parse_fleet, read_fleet
 from gorgo.core.membership import FleetDiff
 from gorgo.core.router import Router
-from gorgo.envoy_config import write_cds
+from gorgo.envoy_config import stage_cds, write_cds
 from gorgo.errors import (
     LOG_LEVELS,
     UserError,
@@ -135,6 +135,7 @@ class ExtProcServer:
         self.peers = PeerLink(router, self.metrics) if router.spec.sharing is not None else None
         self.cds_file = cds_file
         self.cds_write = cds_write
+        self._cds_behind = False  # the last write failed: the file is tried again each poll
         # Envoy's routes send the requests that fail open to the default cluster its bootstrap
         # was rendered with: the start fleet's, whatever a reload names later.
         self.rendered_default = rendered_default or router.spec.default_cluster
@@ -232,22 +233,52 @@ class ExtProcServer:
                 "its first replica's), and the clusters file must keep it until Envoy is "
                 "rendered again and restarted, and this router after it: remove that replica "
                 "then")
-        diff = self.router.reload(spec)
+        staged = None
+        if self.cds_file is not None and self.cds_write:
+            # Written before the router takes the fleet on, renamed over the file after: a file
+            # that cannot be written refuses the change (it was taken on and answered 200, and
+            # Envoy never learnt of an added replica).
+            try:
+                staged = stage_cds(spec, self.cds_file)
+            except OSError as exc:
+                raise FleetError(f"clusters file: cannot write {self.cds_file}: "
+                                 f"{exc.strerror}; the fleet is unchanged") from None
+        try:
+            diff = self.router.reload(spec)
+        except BaseException:
+            if staged is not None:
+                staged.unlink(missing_ok=True)
+            raise
         self.service.reloaded()
         self.signals.reloaded()
         self.metrics.rebind(self.router.state, list(diff.removed))
-        if self.cds_file is not None and self.cds_write:
-            try:
-                write_cds(spec, self.cds_file)
-            except OSError as exc:
-                self.metrics.fleet_reloads.labels("cds_error").inc()
-                log_event(log, "cds_write_failed", logging.ERROR, path=self.cds_file,
-                          error=exc.strerror)
+        if staged is not None:
+            self._replace_cds(staged)
         return diff
+
+    def _replace_cds(self, staged: Path | None = None) -> None:
+        """Put the clusters file for the running fleet in place (``staged``: already written);
+        a failure is counted and logged, and tried again at the next poll of the fleet file."""
+        assert self.cds_file is not None
+        try:
+            if staged is None:
+                write_cds(self.router.spec, self.cds_file)
+            else:
+                os.replace(staged, self.cds_file)
+            self._cds_behind = False
+        except OSError as exc:
+            if staged is not None:
+                staged.unlink(missing_ok=True)
+            self._cds_behind = True
+            self.metrics.fleet_reloads.labels("cds_error").inc()
+            log_event(log, "cds_write_failed", logging.ERROR, path=self.cds_file,
+                      error=exc.strerror)
 
     async def _watch_fleet(self) -> None:
         while True:
             await asyncio.sleep(POLL_INTERVAL_S)
+            if self._cds_behind:
+                self._replace_cds()
             self.reloader.poll()
 
     def ready(self) -> dict[str, bool]:

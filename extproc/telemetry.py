@@ -198,7 +198,8 @@ class RouterMetrics:
         r.register(self._collector)
         self.fleet_reloads = Counter(
             "gorgo_fleet_reloads", "Fleet reloads by outcome (applied, unchanged, error: the old "
-            "fleet stays)", ["result"], registry=r,
+            "fleet stays; cds_error: the clusters file could not be put in place after the "
+            "router took a fleet on, tried again each second)", ["result"], registry=r,
         )
 
     def rebind(self, state: FleetState, removed: list[str]) -> None:

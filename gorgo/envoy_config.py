@@ -741,13 +741,23 @@ def render_cds(spec: FleetSpec) -> dict[str, Any]:
                           for c in replica_clusters(spec)]}
 
 
+def stage_cds(spec: FleetSpec, path: str | os.PathLike[str]) -> Path:
+    """The CDS file for ``spec`` written beside ``path`` under a temporary name, to be renamed
+    over it (`os.replace`): what can fail (a missing directory, a full disk) fails here."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(yaml.safe_dump(render_cds(spec), sort_keys=False, width=100))
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
+    return tmp
+
+
 def write_cds(spec: FleetSpec, path: str | os.PathLike[str]) -> None:
     """Write the CDS file atomically (a temporary file in its directory, renamed over it): Envoy
     watches for the rename and never reads half a file."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(yaml.safe_dump(render_cds(spec), sort_keys=False, width=100))
-    os.replace(tmp, path)
+    os.replace(stage_cds(spec, path), path)
 
 
 def render_yaml(spec: FleetSpec, **kwargs: Any) -> str:

@@ -224,6 +224,39 @@ def test_a_peers_document_without_the_fail_open_cluster_is_refused(tmp_path: Pat
     assert worker.rendered_default == "a1"
 
 
+def test_a_clusters_file_that_cannot_be_written_refuses_the_change(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The write failed after the router had taken the replica on: the admin call answered 200,
+    # and Envoy never learnt of the cluster the router then sent requests to.
+    server = _server(tmp_path)
+    server.cds_file = str(tmp_path / "gone" / "cds.yaml")
+    a2 = {"name": "a2", "region": "near", "address": "10.0.0.3:8000", "engine": "sglang",
+          "models": ["alpha"]}
+    with pytest.raises(FleetError, match=r"clusters file: cannot write .*gone/cds\.yaml"):
+        server.reloader.add(a2)
+    assert server.router.state.names == ["a1", "b1"] and server.router.generation == 0
+    assert _reloads(server, "error") == 1
+    (tmp_path / "gone").mkdir()
+    # the rename can fail too (after the router took it on): counted, and put in place later
+    real = os.replace
+    monkeypatch.setattr("extproc.main.os.replace", lambda *a: (_ for _ in ()).throw(
+        PermissionError(13, "Permission denied")))
+    server.reloader.add(a2)
+    assert server.router.state.names == ["a1", "b1", "a2"] and _reloads(server, "cds_error") == 1
+    assert not list((tmp_path / "gone").iterdir())  # nothing half-written left behind
+    monkeypatch.setattr("extproc.main.os.replace", real)
+    monkeypatch.setattr("extproc.main.POLL_INTERVAL_S", 0.0)
+    asyncio.run(_polls(server, 3))  # the fleet file's watch puts it in place
+    assert "a2" in (tmp_path / "gone" / "cds.yaml").read_text()
+
+
+async def _polls(server: ExtProcServer, n: int) -> None:
+    task = asyncio.create_task(server._watch_fleet())
+    for _ in range(n):
+        await asyncio.sleep(0)
+    task.cancel()
+
+
 def test_admin_adds_drains_and_removes_a_replica_and_its_series(tmp_path: Path) -> None:
     server = _server(tmp_path)
     router = server.router
