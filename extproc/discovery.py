@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from extproc.reload import file_stamp
 from extproc.telemetry import log_event
 from gorgo.core.discovery import (
     MAX_ADDRESSES,
@@ -93,6 +94,7 @@ class DnsDiscovery:
         self.on_change = on_change
         self.resolve = resolve
         while True:
+            self.stamp = file_stamp(self.path)  # before the read: an edit after it is seen
             self.raw: Any = read_fleet(path)
             self.sources = dns_sources(self.raw, self.source)
             self.answers = resolve_sources(self.sources, resolve)

@@ -147,7 +147,8 @@ class ExtProcServer:
         else:
             discovery.on_change = self._dns_changed
             self.reloader = FleetReloader(router, self.metrics, self.apply_fleet, discovery.path,
-                                          self._parse_discovered, discovery.follow)
+                                          self._parse_discovered, discovery.follow,
+                                          start=(discovery.raw, discovery.stamp))
         self._watch_task: asyncio.Task | None = None
         self.health = health.aio.HealthServicer()
         self._health_task: asyncio.Task | None = None

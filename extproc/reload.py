@@ -9,7 +9,8 @@ returned to an admin caller. A document's ``discover:`` entries are parsed resol
 discovery's current answers), and a changed DNS answer comes in as a new spec of the same document
 (`apply_spec`). The file is watched by polling its inode, mtime and size on the
 router's loop (an atomic rename is a new inode), so no watcher dependency is needed. The file is
-the source of truth: an admin change lasts until the file itself changes (or SIGHUP).
+the source of truth: an admin change lasts until the file's document changes (a touch or a copy
+of the same document is none), or a SIGHUP or the admin API reads the file again.
 """
 
 from __future__ import annotations
@@ -32,7 +33,11 @@ log = logging.getLogger("gorgo.reload")
 POLL_INTERVAL_S = 1.0  # how often the fleet file's identity is checked
 
 
-def _stamp(path: Path) -> tuple[int, int, int] | None:
+Stamp = tuple[int, int, int]  # a file's inode, mtime (ns) and size
+
+
+def file_stamp(path: Path) -> Stamp | None:
+    """The file's identity as the watch compares it (None: it cannot be read)."""
     try:
         st = path.stat()
     except OSError:
@@ -46,17 +51,29 @@ class FleetReloader:
     def __init__(self, router: Router, metrics: RouterMetrics,
                  apply: Callable[[FleetSpec], FleetDiff], path: str | os.PathLike[str] | None,
                  parse: Callable[[Any, str], FleetSpec],
-                 adopted: Callable[[Any, FleetSpec], None] | None = None) -> None:
+                 adopted: Callable[[Any, FleetSpec], None] | None = None,
+                 start: tuple[Any, Stamp | None] | None = None) -> None:
         """``parse`` validates a document (resolving its ``discover:`` entries); ``adopted`` is
-        told of each document taken on (DNS discovery re-resolves its names)."""
+        told of each document taken on (DNS discovery re-resolves its names); ``start``: the
+        document the router's fleet was parsed from and the file's stamp taken before it was
+        read (default: the file read now), so an edit made while the router started is taken
+        on at the first poll (it was read here, reported as running and never applied)."""
         self.router = router
         self.metrics = metrics
         self._apply = apply
         self._parse = parse
         self._adopted = adopted
         self.path = None if path is None else Path(path)
-        self.doc: Any = read_fleet(self.path) if self.path is not None else None
-        self._stamp = _stamp(self.path) if self.path is not None else None
+        if start is not None:
+            self.doc, self._stamp = start
+        elif self.path is not None:
+            self._stamp = file_stamp(self.path)
+            self.doc = read_fleet(self.path)
+        else:
+            self.doc, self._stamp = None, None
+        # The document last read from the file: one read again the same (touched, or copied over
+        # with the same content) is not a change, and the admin API's changes stand.
+        self._file_doc: Any = self.doc
         self.last_error: str | None = None
         self.reloads = 0
 
@@ -114,17 +131,22 @@ class FleetReloader:
                   generation=self.router.generation)
         return diff
 
-    def reload_file(self, reason: str) -> FleetDiff:
-        """Read the fleet file again and take it on (SIGHUP, a change, the admin API)."""
+    def reload_file(self, reason: str, if_changed: bool = False) -> FleetDiff | None:
+        """Read the fleet file again and take it on (SIGHUP, a change, the admin API); with
+        ``if_changed``, only if it reads otherwise than it last did (None: the same)."""
         if self.path is None:
             raise FleetError("fleet: this router has no fleet file to reload")
-        self._stamp = _stamp(self.path)
+        self._stamp = file_stamp(self.path)
         try:
             doc = read_fleet(self.path)
         except FleetError as exc:
             self._failed(reason, exc)
             raise
-        return self.apply_doc(doc, reason)
+        if if_changed and doc == self._file_doc:
+            return None
+        diff = self.apply_doc(doc, reason)
+        self._file_doc = doc
+        return diff
 
     def document(self) -> dict[str, Any]:
         """The document the router runs (the file with the admin changes since), as YAML text,
@@ -134,7 +156,7 @@ class FleetReloader:
         return {"document": yaml.safe_dump(self.doc, sort_keys=False),
                 "file_stamp": None if self._stamp is None else list(self._stamp)}
 
-    def adopt(self, text: str, file_stamp: tuple[int, int, int] | None) -> FleetDiff:
+    def adopt(self, text: str, file_stamp: Stamp | None) -> FleetDiff:
         """Take on another router's `document` (a restarted worker, its peers'): with its
         ``file_stamp``, a file this router read and the other had not yet is read again at
         the next poll, as the other will."""
@@ -147,16 +169,17 @@ class FleetReloader:
         diff = self.apply_doc(doc, "admin document")
         if file_stamp is not None:
             self._stamp = file_stamp
+            self._file_doc = None  # what the other read of the file is not known here
         return diff
 
     def poll(self) -> None:
         """Reload when the file is another file (inode: an atomic rename) or was rewritten."""
         if self.path is None:
             return
-        stamp = _stamp(self.path)
+        stamp = file_stamp(self.path)
         if stamp is not None and stamp != self._stamp:
             try:
-                self.reload_file("file changed")
+                self.reload_file("file changed", if_changed=True)
             except FleetError:  # logged and counted; the old fleet stays
                 pass
             except Exception as exc:  # a bug in a reload must not end the watch: the old fleet

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import yaml
 
+from extproc.discovery import DnsDiscovery
 from extproc.http_api import make_app
 from extproc.main import ExtProcServer
 from extproc.service import ExtProcService
@@ -156,6 +157,44 @@ def test_a_changed_file_reloads_and_a_broken_one_keeps_the_old_fleet(tmp_path: P
         assert server.router.state is state
     assert _reloads(server, "error") == 2
     assert "policy: unknown policy 'nope'" in (r.last_error or "")
+
+
+def test_a_file_touched_or_copied_over_unchanged_keeps_the_admin_changes(tmp_path: Path) -> None:
+    # Its inode, mtime or size changed, so the watch reloaded it and undid every admin change
+    # (a replica drained for maintenance took traffic again after config management's copy).
+    server = _server(tmp_path)
+    r = server.reloader
+    r.add({"name": "a2", "region": "near", "address": "10.0.0.3:8000", "engine": "sglang",
+           "models": ["alpha"]})
+    r.drain("a1", True)
+    os.utime(r.path, ns=(1, 1))
+    r.poll()
+    _write(r.path, DOC)  # a new inode, the same document
+    r.poll()
+    assert server.router.state.names == ["a1", "b1", "a2"]
+    assert list(server.router.state.draining) == [True, False, False]
+    _write(r.path, {**DOC, "name": "edited"})  # an edit is the source of truth again
+    r.poll()
+    assert server.router.state.names == ["a1", "b1"] and server.router.spec.name == "edited"
+    assert not server.router.state.draining.any()
+    r.drain("a1", True)
+    r.reload_file("SIGHUP")  # a SIGHUP reads it whatever it holds
+    assert not server.router.state.draining.any()
+
+
+def test_an_edit_made_while_the_router_starts_is_taken_on(tmp_path: Path) -> None:
+    # The file was read again after the router's fleet had been parsed and stamped then: the
+    # edit was reported as the running document and never applied.
+    path = tmp_path / "fleet.yaml"
+    _write(path, DOC)
+    discovery = DnsDiscovery(path)
+    router = Router(discovery.spec)
+    _write(path, {**DOC, "name": "edited"})
+    server = ExtProcServer(router, admin_token=TOKEN, fleet_path=str(path),
+                           discovery=discovery)
+    assert yaml.safe_load(server.reloader.document()["document"])["name"] == "two-models"
+    server.reloader.poll()
+    assert server.router.spec.name == "edited"
 
 
 def test_a_reload_that_raises_leaves_the_watch_reading_the_next_change(
