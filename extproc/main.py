@@ -139,6 +139,8 @@ class ExtProcServer:
         # Envoy's routes send the requests that fail open to the default cluster its bootstrap
         # was rendered with: the start fleet's, whatever a reload names later.
         self.rendered_default = rendered_default or router.spec.default_cluster
+        # Without a clusters file, cluster mode's clusters are static in that bootstrap.
+        self.rendered_clusters = {r.cluster: r.address for r in router.spec.replicas}
         if discovery is None and fleet_path is not None:
             discovery = DnsDiscovery(fleet_path)
         self.discovery = discovery
@@ -234,6 +236,18 @@ class ExtProcServer:
                 "its first replica's), and the clusters file must keep it until Envoy is "
                 "rendered again and restarted, and this router after it: remove that replica "
                 "then")
+        if self.cds_file is None and not spec.endpoint_picker:
+            for r in spec.replicas:
+                if self.rendered_clusters.get(r.cluster) != r.address:
+                    # Taken on, the router sent requests to a cluster Envoy does not have (or
+                    # probed an address Envoy does not send to): every one a 503.
+                    raise FleetError(
+                        f"replicas: {r.name!r} ({r.cluster}, {r.address}) is not a cluster of "
+                        "Envoy's bootstrap, which is static without a clusters file and was "
+                        "rendered from the fleet this router started with: start the router "
+                        "with --cds-file (`gorgo envoy-config --cds-file`) or use "
+                        "endpoint_picker: true to add replicas, or render Envoy again and "
+                        "restart it and the router")
         staged = None
         if self.cds_file is not None and self.cds_write:
             # Written before the router takes the fleet on, renamed over the file after: a file

@@ -244,6 +244,34 @@ def test_the_cluster_envoy_fails_open_to_stays_after_a_reload_names_another_defa
     assert "a1" in cds.read_text()
 
 
+@pytest.mark.parametrize(("picker", "address"), [
+    (False, "10.0.0.3:8000"), (False, None), (True, "10.0.0.3:8000")])
+def test_without_a_clusters_file_a_replica_envoy_has_no_cluster_for_is_refused(
+        tmp_path: Path, picker: bool, address: str | None) -> None:
+    # Cluster mode's clusters are static in Envoy's bootstrap without --cds-file: an added
+    # replica (or a moved address) was taken on, and every request routed there was Envoy's 503.
+    path = tmp_path / "fleet.yaml"
+    _write(path, {**DOC, "endpoint_picker": picker})
+    server = ExtProcServer(Router(load_fleet(path)), admin_token=TOKEN, fleet_path=str(path))
+    r = server.reloader
+    doc = json.loads(json.dumps({**DOC, "endpoint_picker": picker}))
+    if address is None:  # b1 moved
+        doc["replicas"][1]["address"] = "10.0.0.9:8000"
+    else:
+        doc["replicas"].append({"name": "a2", "region": "near", "address": address,
+                                "engine": "sglang", "models": ["alpha"]})
+    if picker:  # Envoy reaches any address the router names
+        r.apply_doc(doc, "test")
+        assert server.router.state.names == ["a1", "b1", "a2"]
+        return
+    with pytest.raises(FleetError, match="is not a cluster of Envoy's bootstrap"):
+        r.apply_doc(doc, "test")
+    assert server.router.state.names == ["a1", "b1"]
+    r.drain("a1", True)  # what the bootstrap has may still change
+    r.remove("b1")
+    assert server.router.state.names == ["a1"]
+
+
 def test_a_peers_document_without_the_fail_open_cluster_is_refused(tmp_path: Path) -> None:
     # `PUT /admin/fleet/document` (a restarted worker taking on its peers' fleet, or any admin
     # caller) skipped the check the DELETE of the same replica got
