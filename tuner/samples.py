@@ -5,7 +5,9 @@ Envoy writes every ``gorgo.*`` decision field and the TTFT as string attributes 
 byte). Spans are parsed strictly: a span that does not carry a decision is *foreign* (another
 service's span fanned out by the same collector), one with a decision but no TTFT is *no_ttft*,
 one whose values do not parse is *malformed*, and one whose TTFT or E2E exceeds the fleet's request
-timeout (Envoy ends every request by then, so such a value is forged or broken) is *out_of_range*.
+timeout (Envoy ends every request by then, so such a value is forged or broken) is *out_of_range*;
+a stream Envoy cut (its response flags) ends a little past it (the route's timer starts once the
+request is in) and counts at the timeout.
 All are dropped and counted, never raised past the receiver. Every attribute name is the
 contract's (`gorgo.core.contract`): the TTFT in microseconds, the HTTP status, and each decision
 field under ``gorgo.``, one per cost term of the registry included.
@@ -252,10 +254,13 @@ def parse_attributes(attrs: dict[str, Any], start: int, end: int | None, max_ms:
     upload_ms = _number(attrs, UPLOAD_ATTR) / 1000.0 if _present(attrs, UPLOAD_ATTR) else 0.0
     total_ms = math.nan if end is None else max((end - start) / 1e6 - upload_ms, 0.0)
     waited_ms = min(total_ms, max_ms)
+    # So does a stream Envoy cut after its first byte (its route timeout, UT): dropped as out of
+    # range, it left its window waiting for it and then scored without it, an error unseen.
+    cut = first_byte and end is not None and _cut(attrs)
     s = Sample(
         ttft_ms=max(_number(attrs, TTFT_ATTR) / 1000.0 - upload_ms, 0.0) if first_byte
         else waited_ms,
-        e2e_ms=total_ms if first_byte else waited_ms,
+        e2e_ms=(waited_ms if cut else total_ms) if first_byte else waited_ms,
         status=status,
         replica=_text(attrs, SPAN_PREFIX + "replica"),
         region=_text(attrs, SPAN_PREFIX + "region"),
@@ -270,7 +275,7 @@ def parse_attributes(attrs: dict[str, Any], start: int, end: int | None, max_ms:
         end_unix_s=0.0 if end is None else end / 1e9,
         source=source,
         start_unix_s=start / 1e9,
-        cut=first_byte and end is not None and _cut(attrs),
+        cut=cut,
         retried=_retried(attrs),
     )
     if s.ttft_ms > max_ms or s.e2e_ms > max_ms:  # NaN (still open) is no violation

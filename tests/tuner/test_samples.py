@@ -173,6 +173,19 @@ def test_a_504_at_the_route_timeout_is_an_error_not_out_of_range(span_builders) 
     assert (s.status, s.ok, s.e2e_ms, s.ttft_ms) == (504, False, MAX_MS, MAX_MS)
 
 
+def test_a_stream_cut_at_the_route_timeout_after_its_first_byte_is_a_cut_sample(
+        span_builders) -> None:
+    """Its E2E, a little past max_ms as the 504's, dropped it as out of range: its window
+    waited for it, then was scored without it (weights that make streams time out looked
+    better). A whole stream that long is still out of range."""
+    attrs, span, _ = span_builders
+    s = parse(span(attrs(**{TTFT_ATTR: "800000", RESPONSE_FLAGS_ATTR: "UT"}),
+                   duration_ms=MAX_MS + 6.0))
+    assert (s.status, s.cut, s.ttft_ms, s.e2e_ms) == (200, True, 800.0, MAX_MS)
+    with pytest.raises(SpanDropped, match=OUT_OF_RANGE):
+        parse(span(attrs(**{TTFT_ATTR: "800000"}), duration_ms=MAX_MS + 6.0))
+
+
 def test_a_first_byte_after_the_span_ended_is_malformed(span_builders) -> None:
     attrs, span, _ = span_builders
     with pytest.raises(SpanDropped, match=MALFORMED):
