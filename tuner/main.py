@@ -60,7 +60,7 @@ from gorgo.core.fleet import Timeouts, finite_number, http_url, load_fleet, spli
 from gorgo.errors import LOG_LEVELS, UserError, check_port, header_token
 from tuner.calibration import CalibrationConfig
 from tuner.join import DUPLICATE, END, FIRST, Join
-from tuner.optimizer import OptimizerConfig, Tuner, config_from_mapping
+from tuner.optimizer import OptimizerConfig, Tuner, VersionsExhausted, config_from_mapping
 from tuner.publisher import Publisher, RouterTarget
 from tuner.receiver import LOG_PREFIX, REFUSED_REASONS, REJECTED, ExportLimits, TraceReceiver
 from tuner.samples import DROP_REASONS, Sample
@@ -739,7 +739,7 @@ async def serve(cfg: TunerConfig) -> int:
             now = loop.time()
             try:
                 await service.tick(now)
-            except (OSError, StateError) as exc:  # published nothing: tried again next tick
+            except (OSError, StateError, VersionsExhausted) as exc:  # tried again next tick
                 log.error("tick failed: %s", exc)
             if now - last_log >= cfg.log_every_s:
                 service.log_status()

@@ -53,10 +53,11 @@ from typing import Any
 
 import numpy as np
 
-from gorgo.core.contract import WEIGHT_BOUNDS
+from gorgo.core.contract import VERSION_MAX, WEIGHT_BOUNDS
 from gorgo.core.fleet import finite_number
 from gorgo.core.terms import E2E, OBJECTIVES, SLO, TTFT, WEIGHTED, weight_keys
 from gorgo.core.weights import Weights
+from gorgo.errors import UserError
 from tuner.calibration import CalibrationConfig, PrefillCalibrator
 from tuner.resample import block_indices
 from tuner.samples import Sample
@@ -625,6 +626,17 @@ def _from_vec(x: Sequence[float] | np.ndarray, keys: Sequence[str]) -> Point:
     return {k: float(v) for k, v in zip(keys, x, strict=True)}
 
 
+class VersionsExhausted(UserError):
+    """No weights version is left to publish above what a router holds."""
+
+
+def _exhausted(floor: int) -> VersionsExhausted:
+    return VersionsExhausted(
+        f"weights version {floor} is held or issued, and no newer one fits in int64: set the "
+        "routers' weights again with a lower version (PUT /admin/weights) and restart the "
+        "tuner")
+
+
 class Tuner:
     """The (1+1)-ES state machine; see the module docstring."""
 
@@ -768,7 +780,11 @@ class Tuner:
         return self._bridge(now) if len(self._pending) > 1 else self._start_eval(now)
 
     def ensure_version_above(self, floor: int) -> None:
-        """Never issue a version <= ``floor`` (a router already holds it)."""
+        """Never issue a version <= ``floor`` (a router already holds it); VersionsExhausted
+        when none is left above it (the tuner issued versions past int64, then refused its own
+        state file at the next start)."""
+        if floor >= VERSION_MAX - 1:
+            raise _exhausted(floor)
         if floor >= self.next_version:
             self.next_version = floor + 1
             self.revision += 1
@@ -778,10 +794,13 @@ class Tuner:
         self.ensure_version_above(floor)
         if self.active is None:
             return None
-        v = self._take_version()
-        if self._open is not None:
-            self._windows[v] = self._open
-            self._open.version = v
+        old, v = self.active.weights.version, self._take_version()
+        # the window its samples land in: an evaluation's, or the warm-up's (a bridge's; lost
+        # here once, and the first evaluation went without its noise estimate)
+        window = self._open if self._open is not None else self._windows.get(old)
+        if window is not None and window is (self._open or self._warmup):
+            self._windows[v] = window
+            window.version = v
         self.active = Proposal(self.active.weights.replace(version=v), self.active.prefill_rate,
                                self.active.arm, self.keys)
         return self.active
@@ -798,6 +817,8 @@ class Tuner:
 
     def _take_version(self) -> int:
         v = self.next_version
+        if v >= VERSION_MAX:  # the state keeps the next one, which must fit int64 too
+            raise _exhausted(v - 1)
         self.next_version += 1
         self.revision += 1
         return v
@@ -1340,6 +1361,10 @@ class Tuner:
         self._record({"event": "objective", "from": old, "to": self.cfg.objective}, 0.0)
         self.incumbent_p95 = self.last_good_p95 = self.baseline_p95 = None
         self.last_good = None
+        # So is the old objective's window noise (another metric's spread: a 2x better TTFT
+        # candidate was judged not better under the E2E spreads carried over) and its fit's try.
+        self.spreads = []
+        self.model_tried = None
         self.phase = EVALUATING
         self.sigma = max(self.sigma, self.cfg.restart_sigma)
         self.failures = 0

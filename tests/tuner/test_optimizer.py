@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from gorgo.core.contract import VERSION_MAX
 from gorgo.core.weights import Weights
 from tuner.calibration import CalibrationConfig
 from tuner.optimizer import (
@@ -25,6 +26,7 @@ from tuner.optimizer import (
     OptimizerConfig,
     Proposal,
     Tuner,
+    VersionsExhausted,
     Window,
     compare,
     config_from_mapping,
@@ -33,6 +35,7 @@ from tuner.optimizer import (
     window_plan,
 )
 from tuner.samples import Sample
+from tuner.state_store import check_state
 
 BASE_MS = 300.0
 
@@ -277,6 +280,34 @@ def test_renumbered_proposal_keeps_its_window() -> None:
     for _ in range(7):
         t.observe(mk(100.0, 42))
     assert t.next_weights(1.0).weights.version == 43
+
+
+def test_a_warm_up_renumbered_keeps_its_window() -> None:
+    """A router's 409 during the warm-up re-issued the bridge under a version no window held:
+    its requests were ignored, and the first evaluation went without its noise estimate."""
+    t = Tuner(OptimizerConfig(calibrate=False))  # the fit's samples first: a warm-up
+    p = t.next_weights(0.0)
+    warmup = t.window_for(p.weights.version)
+    assert warmup is not None and p.arm == BRIDGE
+    q = t.renumber(7)
+    assert q is not None and q.weights.version == 8 and t.window_for(8) is warmup
+    for _ in range(20):
+        t.observe(mk(100.0, 8))
+    assert warmup.n == 20
+
+
+def test_no_version_is_issued_past_int64() -> None:
+    """A router at int64's largest version (the admin API takes it) made the tuner publish past
+    it: every publish a 400, and its own state file refused at the next start."""
+    t = Tuner(es_config())
+    with pytest.raises(VersionsExhausted, match="no newer one fits in int64"):
+        t.ensure_version_above(VERSION_MAX)
+    t.ensure_version_above(VERSION_MAX - 2)
+    p = t.next_weights(0.0)
+    assert p.weights.version == VERSION_MAX - 1 and t.next_version == VERSION_MAX
+    check_state(json.loads(json.dumps(t.snapshot())), 60_000.0)  # what it saves, it reads back
+    with pytest.raises(VersionsExhausted):
+        t.renumber(0)  # the next version it would take
 
 
 def test_weights_stay_in_bounds_and_the_bound_is_not_an_attractor() -> None:
@@ -1038,6 +1069,7 @@ def test_ttft_windows_count_early_samples_and_e2e_windows_wait_for_the_ends() ->
 def test_a_state_of_another_objective_keeps_its_weights_and_drops_its_scores() -> None:
     t = Tuner(es_config(window_samples=5), W(2.0, 0.5), seed=1)
     t.incumbent_p95 = 123.0
+    t.spreads = [(5000.0, 100.0, 4)] * 3  # the old metric's window noise: no noise of this one
     state = json.loads(json.dumps(t.snapshot()))
     old = {**state, "format": 2}
     del old["objective"]
@@ -1046,6 +1078,7 @@ def test_a_state_of_another_objective_keeps_its_weights_and_drops_its_scores() -
     assert r.incumbent["rtt"] == 2.0 and r.incumbent["queue"] == 0.5
     assert set(r.incumbent) == set(es_config(objective="e2e").keys)
     assert r.incumbent_p95 is None and r.history[-1]["event"] == "objective"
+    assert r.spreads == [] and Tuner.restore(es_config(), state).spreads == t.spreads
 
 
 def test_an_incumbent_with_no_latency_is_no_crash_and_keeps_its_last_score() -> None:
