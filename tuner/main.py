@@ -325,7 +325,7 @@ class _StatusCollector(Collector):
         yield spans
         records = CounterMetricFamily("gorgo_tuner_log_records", "TTFT log records by outcome",
                                       labels=["result"])
-        for result in ("samples", *DROP_REASONS, REJECTED):
+        for result in ("samples", *DROP_REASONS, REJECTED, UNKNOWN_REPLICA):
             records.add_metric([result], counts.get(LOG_PREFIX + result, 0))
         yield records
         joined = CounterMetricFamily("gorgo_tuner_decisions", "Known decisions' samples by how "
@@ -448,8 +448,8 @@ class TunerService:
         known = self.publisher.replicas()
         counts = self.receiver.counts
         for s in samples:
-            if known is None or s.replica not in known:
-                counts[UNKNOWN_REPLICA] += 1
+            if known is None or s.replica not in known:  # each input's own counter
+                counts[(LOG_PREFIX if s.early else "") + UNKNOWN_REPLICA] += 1
                 continue
             kind = self.join.admit(s)
             self.max_version_seen = max(self.max_version_seen, s.weights_version)

@@ -1,7 +1,8 @@
 """Publishes the tuner's weights to every router's admin API (`PUT /admin/weights`).
 
-The body (`Proposal.body`) carries every weight key of the registry (the admin API requires each
-key of the contract's ``WEIGHT_BOUNDS``), the version and, when calibrated, the prefill rates.
+The body (`Proposal.body`) carries the weights the tuner searches (its objective's keys; the admin
+API takes any of the contract's ``WEIGHT_BOUNDS``, at least one, and keeps the others), the
+version and, when calibrated, the prefill rates.
 
 Publishing is a reconciliation, not a fire-and-forget: each router's acknowledged version is
 tracked and a router that missed an update (down, slow, restarted) gets it on a later tick, with a

@@ -5,6 +5,7 @@ the routers, not the spans, say which replicas exist and which weights version i
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections import deque
 from typing import Any
 
@@ -169,6 +170,8 @@ def test_a_rate_for_a_replica_no_router_knows_never_wedges_publishing(tmp_path,
 
     from tests.tuner.test_service import RouterApp, export_samples, write_config
     from tuner.main import UNKNOWN_REPLICA, TunerService, load_config
+    from tuner.receiver import LOG_PREFIX
+    from tuner.samples import Sample
     from tuner.state_store import save_state
 
     async def body() -> None:
@@ -191,6 +194,12 @@ def test_a_rate_for_a_replica_no_router_knows_never_wedges_publishing(tmp_path,
                                  (lambda **kw: attrs(gorgo__replica="ghost", **kw), span, export))
             assert svc.receiver.counts[UNKNOWN_REPLICA] == 3
             assert svc.tuner.seen == 0 and "ghost" not in svc.tuner.calibrator._rows
+            # TTFT log records naming it are counted as log records, not as spans
+            early = Sample(120.0, math.nan, 200, "ghost", "near", "gorgo", 4, 100.0, {}, 0,
+                           100, decision_id="early-ghost")
+            svc._on_samples([early, early])
+            assert svc.receiver.counts[UNKNOWN_REPLICA] == 3
+            assert svc.receiver.counts[LOG_PREFIX + UNKNOWN_REPLICA] == 2
         finally:
             await svc.stop()
             await a.stop()
