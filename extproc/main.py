@@ -10,6 +10,7 @@ import io
 import logging
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -32,8 +33,16 @@ from extproc.workers import supervise
 from gorgo import shutdown
 from gorgo._xds.envoy.service.ext_proc.v3 import external_processor_pb2
 from gorgo.core.contract import LIVE_SERVICE
-from gorgo.core.discovery import dns_sources, refuse_clusters_file
-from gorgo.core.fleet import FleetError, FleetSpec, host_port, load_fleet, parse_fleet, read_fleet
+from gorgo.core.discovery import dns_sources, parse_discovered, refuse_clusters_file
+from gorgo.core.fleet import (
+    FleetError,
+    FleetSpec,
+    host_port,
+    load_fleet,
+    parse_fleet,
+    parse_yaml,
+    read_fleet,
+)
 from gorgo.core.membership import FleetDiff
 from gorgo.core.router import Router
 from gorgo.envoy_config import stage_cds, write_cds
@@ -97,9 +106,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     # worker 0 started again: its first write waits for the fleet its peers run (the file alone
     # would drop, for a moment or for good, the clusters of the replicas added through the API)
     p.add_argument("--cds-defer", action="store_true", help=argparse.SUPPRESS)
-    # a worker of `--workers N`: the default cluster of the fleet the supervisor started with,
-    # which Envoy was rendered from (a restarted worker's file may name another by then)
-    p.add_argument("--cds-default", default=None, help=argparse.SUPPRESS)
+    # a worker of `--workers N`: the fleet document the supervisor started with, which Envoy
+    # was rendered from, on stdin (a restarted worker's file may say otherwise by then)
+    p.add_argument("--rendered-fleet-stdin", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--drain-s", type=at_least(0.0, float), default=DRAIN_S,
                    help="on SIGTERM/SIGINT, keep serving the streams Envoy has open (and new "
                         "ones, until its health check sees the drain) for at most this long "
@@ -115,13 +124,14 @@ class ExtProcServer:
         self, router: Router, admin_token: str | None = None, otlp: str | None = None,
         envoy_admin: str | None = None, fleet_path: str | None = None,
         cds_file: str | None = None, discovery: DnsDiscovery | None = None,
-        cds_write: bool = True, rendered_default: str | None = None,
+        cds_write: bool = True, rendered: FleetSpec | None = None,
     ) -> None:
         """``fleet_path``: the fleet file, reloaded on SIGHUP, on change and through the admin
         API; ``cds_file``: the clusters file Envoy watches, rewritten on every reload (by this
         process unless ``cds_write`` is off: with ``--workers``, worker 0 writes it and every
-        worker keeps its rules); ``rendered_default``: the cluster Envoy's routes fail open to
-        (default: the start fleet's `default_cluster`), which the clusters file keeps;
+        worker keeps its rules); ``rendered``: the fleet Envoy was rendered from (default: the
+        router's start fleet), whose fail-open cluster the clusters file keeps, whose static
+        clusters are all there is without one, and whose ext_proc mode Envoy runs;
         ``discovery``: the file's DNS names as resolved for ``router`` (default: resolved here),
         whose changed answers are applied as reloads."""
         self.router = router
@@ -137,10 +147,11 @@ class ExtProcServer:
         self.cds_write = cds_write
         self._cds_behind = False  # the last write failed: the file is tried again each poll
         # Envoy's routes send the requests that fail open to the default cluster its bootstrap
-        # was rendered with: the start fleet's, whatever a reload names later.
-        self.rendered_default = rendered_default or router.spec.default_cluster
-        # Without a clusters file, cluster mode's clusters are static in that bootstrap.
-        self.rendered_clusters = {r.cluster: r.address for r in router.spec.replicas}
+        # was rendered with, whatever a reload names later; without a clusters file, cluster
+        # mode's clusters are static in that bootstrap.
+        rendered = rendered or router.spec
+        self.rendered_default = rendered.default_cluster
+        self.rendered_clusters = {r.cluster: r.address for r in rendered.replicas}
         if discovery is None and fleet_path is not None:
             discovery = DnsDiscovery(fleet_path)
         self.discovery = discovery
@@ -264,11 +275,13 @@ class ExtProcServer:
             if staged is not None:
                 staged.unlink(missing_ok=True)
             raise
-        self.service.reloaded()
-        self.signals.reloaded()
-        self.metrics.rebind(self.router.state, list(diff.removed))
-        if staged is not None:
-            self._replace_cds(staged)
+        try:
+            self.service.reloaded()
+            self.signals.reloaded()
+            self.metrics.rebind(self.router.state, list(diff.removed))
+        finally:  # the router runs the new fleet: Envoy's clusters follow it whatever else fails
+            if staged is not None:
+                self._replace_cds(staged)
         return diff
 
     def _replace_cds(self, staged: Path | None = None) -> None:
@@ -367,7 +380,8 @@ class ExtProcServer:
 
 
 async def serve(args: argparse.Namespace, spec: FleetSpec, token: str | None,
-                discovery: DnsDiscovery | None = None) -> int:
+                discovery: DnsDiscovery | None = None,
+                rendered: FleetSpec | None = None) -> int:
     stop, again = asyncio.Event(), asyncio.Event()
 
     def on_stop() -> None:  # the first signal drains, a second one cuts the drain short
@@ -379,7 +393,7 @@ async def serve(args: argparse.Namespace, spec: FleetSpec, token: str | None,
     server = ExtProcServer(router, admin_token=token, otlp=args.otlp,
                            envoy_admin=args.envoy_admin, fleet_path=args.fleet,
                            cds_file=args.cds_file, discovery=discovery,
-                           cds_write=not args.cds_read_only, rendered_default=args.cds_default)
+                           cds_write=not args.cds_read_only, rendered=rendered)
     if args.cds_file and not (args.cds_read_only or args.cds_defer):
         write_cds(spec, args.cds_file)
     loop = asyncio.get_running_loop()
@@ -427,6 +441,9 @@ def main(args: argparse.Namespace) -> int:
     # Everything but the DNS answers is checked before a wait for them (a bad flag waited with
     # the router until the pods came up, then crash-looped): the file in its unresolved form.
     unresolved = load_fleet(args.fleet)
+    rendered = None
+    if args.rendered_fleet_stdin:  # from the supervisor, which parsed it already
+        rendered = parse_discovered(parse_yaml(sys.stdin.read()), None, "rendered fleet")
     if args.cds_file:
         source = Path(args.fleet).name
         refuse_clusters_file(dns_sources(read_fleet(args.fleet), source), source)
@@ -446,4 +463,4 @@ def main(args: argparse.Namespace) -> int:
     discovery = DnsDiscovery(args.fleet, wait=time.sleep)
     if workers > 1:
         return asyncio.run(supervise(args, workers, token))
-    return asyncio.run(serve(args, discovery.spec, token, discovery))
+    return asyncio.run(serve(args, discovery.spec, token, discovery, rendered))

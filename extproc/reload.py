@@ -168,8 +168,9 @@ class FleetReloader:
             raise FleetError(f"document: {exc}") from None
         diff = self.apply_doc(doc, "admin document")
         if file_stamp is not None:
+            if file_stamp != self._stamp:  # the other read another file: what it held, unknown
+                self._file_doc = None
             self._stamp = file_stamp
-            self._file_doc = None  # what the other read of the file is not known here
         return diff
 
     def poll(self) -> None:

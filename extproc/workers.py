@@ -46,6 +46,7 @@ import sys
 import time
 from collections import Counter as Tally
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -64,7 +65,8 @@ from extproc.admin import DOCUMENT_MAX_BYTES, WEIGHTS_MAX_BYTES, Invalid, author
 from extproc.telemetry import log_event
 from gorgo import shutdown
 from gorgo.core.contract import WEIGHT_BOUNDS, WORKER_READ_TIMEOUT_S, WORKER_WRITE_TIMEOUT_S
-from gorgo.core.fleet import FleetError, Limits, load_fleet
+from gorgo.core.discovery import parse_discovered
+from gorgo.core.fleet import Limits, parse_yaml
 from gorgo.errors import UserError, bind_error, check_port
 
 log = logging.getLogger("gorgo.workers")
@@ -135,14 +137,16 @@ class Supervisor:
         self.args = args
         self.token = token  # the operator's: None, and the admin API answers 403
         # The largest explained request a worker takes (twice the body limit, and 64 KiB): the
-        # start's fleet sets it, as a reload cannot raise `limits.max_body_bytes`.
-        # So does the cluster Envoy's routes fail open to, which every worker's clusters-file
-        # rule keeps (a restarted worker's file may name another default by then).
+        # start's fleet sets it, as a reload cannot raise `limits.max_body_bytes`. Its document
+        # is what Envoy was rendered from (its fail-open cluster, its static clusters, its
+        # ext_proc mode): every worker is told it, a restarted one too, whose file may say
+        # otherwise by then (`--rendered-fleet-stdin`).
         try:
-            start = load_fleet(args.fleet)
-            body_limit, self.rendered_default = start.limits.max_body_bytes, start.default_cluster
-        except FleetError:  # the workers say why, as they start
-            body_limit, self.rendered_default = Limits().max_body_bytes, None
+            self.rendered: str | None = Path(args.fleet).read_text()
+            start = parse_discovered(parse_yaml(self.rendered), None, Path(args.fleet).name)
+            body_limit = start.limits.max_body_bytes
+        except (OSError, UnicodeDecodeError, ValueError):  # the workers say why, as they start
+            self.rendered, body_limit = None, Limits().max_body_bytes
         self.explain_max_bytes = 2 * body_limit + 65536
         self._token = token.encode() if token else None
         # What the supervisor and the workers share: the operator's, else one of their own, so a
@@ -199,8 +203,8 @@ class Supervisor:
         if a.cds_file:  # every worker keeps its rules; one writer, as all read one fleet file
             cmd += ["--cds-file", a.cds_file] + (
                 ["--cds-read-only"] if w.index else ["--cds-defer"] if self._adopts(w) else [])
-            if self.rendered_default:
-                cmd += ["--cds-default", self.rendered_default]
+        if self.rendered is not None:
+            cmd += ["--rendered-fleet-stdin"]
         if a.otlp:
             cmd += ["--otlp", a.otlp]
         if a.envoy_admin:
@@ -215,8 +219,14 @@ class Supervisor:
         # Its own session: a stop signal to the supervisor's group (Ctrl-C, killpg, systemd)
         # reaches the workers once, from the supervisor, not twice (a second one cuts a drain).
         w.proc = await asyncio.create_subprocess_exec(
-            *self._command(w), stdout=asyncio.subprocess.PIPE, env=env,
-            preexec_fn=shutdown.die_with_parent(), start_new_session=True)
+            *self._command(w), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+            env=env, preexec_fn=shutdown.die_with_parent(), start_new_session=True)
+        assert w.proc.stdin is not None
+        with contextlib.suppress(ConnectionError):  # it exited at once: its output says why
+            if self.rendered is not None:
+                w.proc.stdin.write(self.rendered.encode())
+                await w.proc.stdin.drain()
+            w.proc.stdin.close()
         w.started_at = time.monotonic()
         lines: list[str] = []
         ready: dict[str, str] | None = None

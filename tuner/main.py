@@ -734,12 +734,17 @@ async def serve(cfg: TunerConfig) -> int:
         raise
     print(f"READY otlp={service.otlp_port} status={service.status_port}", flush=True)
     last_log = loop.time()
+    exhausted = False  # said once: nothing changes it but an operator
     try:
         while not stop.is_set():
             now = loop.time()
             try:
                 await service.tick(now)
-            except (OSError, StateError, VersionsExhausted) as exc:  # tried again next tick
+            except VersionsExhausted as exc:
+                if not exhausted:
+                    log.error("tuning stopped: %s", exc)
+                exhausted = True
+            except (OSError, StateError) as exc:  # published nothing: tried again next tick
                 log.error("tick failed: %s", exc)
             if now - last_log >= cfg.log_every_s:
                 service.log_status()

@@ -752,7 +752,10 @@ class Tuner:
             w.routed_by[version] = max(w.routed_by.get(version, 0), int(decisions))
 
     def next_weights(self, now: float) -> Proposal | None:
-        """New weights to publish now, or None while the live ones stand."""
+        """New weights to publish now, or None while the live ones stand; VersionsExhausted,
+        with nothing changed, once no version is left to issue."""
+        if self.next_version >= VERSION_MAX:
+            raise _exhausted(self.next_version - 1)
         if self.active is None:
             if self.phase == CONVERGED:
                 return self._start_monitor(now)
@@ -797,8 +800,10 @@ class Tuner:
         old, v = self.active.weights.version, self._take_version()
         # the window its samples land in: an evaluation's, or the warm-up's (a bridge's; lost
         # here once, and the first evaluation went without its noise estimate)
-        window = self._open if self._open is not None else self._windows.get(old)
-        if window is not None and window is (self._open or self._warmup):
+        window = self._open
+        if window is None and self._warmup is not None and self._warmup.version == old:
+            window = self._warmup
+        if window is not None:
             self._windows[v] = window
             window.version = v
         self.active = Proposal(self.active.weights.replace(version=v), self.active.prefill_rate,

@@ -64,6 +64,9 @@ TERM_SLACK = 10.0
 # Envoy times the first byte and the span's end on one clock: a first byte after the end (beyond
 # rounding) is no request's.
 TTFT_SLACK = 0.01
+# How far past the request timeout a stream Envoy cut may end: its route timer starts once the
+# request is in and routed (the ext_proc round trips before it are bounded by their own timeout).
+CUT_SLACK_MS = 30_000.0
 _MISSING = ("", "-")
 # What one export may hold before it is refused unread (`Oversized`): Envoy exports one resource
 # and one scope per batch, a Collector one of each per sender. Counting an 8 MB export of 4M empty
@@ -256,7 +259,7 @@ def parse_attributes(attrs: dict[str, Any], start: int, end: int | None, max_ms:
     waited_ms = min(total_ms, max_ms)
     # So does a stream Envoy cut after its first byte (its route timeout, UT): dropped as out of
     # range, it left its window waiting for it and then scored without it, an error unseen.
-    cut = first_byte and end is not None and _cut(attrs)
+    cut = first_byte and end is not None and _cut(attrs) and total_ms <= max_ms + CUT_SLACK_MS
     s = Sample(
         ttft_ms=max(_number(attrs, TTFT_ATTR) / 1000.0 - upload_ms, 0.0) if first_byte
         else waited_ms,

@@ -283,12 +283,26 @@ def test_a_peers_document_without_the_fail_open_cluster_is_refused(tmp_path: Pat
         server.reloader.adopt(yaml.safe_dump(doc), None)
     assert server.router.state.names == ["a1", "b1"]
     assert "a1" in (tmp_path / "cds.yaml").read_text()
-    # a worker started again is told the cluster Envoy was rendered with by its supervisor
+
+
+
+def test_a_restarted_worker_keeps_what_envoy_was_rendered_from(tmp_path: Path) -> None:
+    """A worker of --workers started again read its file, edited since: it guarded the file's
+    default cluster, not Envoy's, and refused its peers' fleet for a replica Envoy's static
+    clusters hold but its file no longer listed."""
+    rendered = parse_fleet(DOC)  # what the supervisor started with, and Envoy was rendered from
     path = tmp_path / "fleet.yaml"
     _write(path, {**DOC, "default_cluster": "b1"})
     worker = ExtProcServer(Router(load_fleet(path)), admin_token=TOKEN, fleet_path=str(path),
-                           cds_file=str(tmp_path / "cds.yaml"), rendered_default="a1")
-    assert worker.rendered_default == "a1"
+                           cds_file=str(tmp_path / "cds.yaml"), rendered=rendered)
+    with pytest.raises(FleetError, match="'a1' is the cluster Envoy's routes send"):
+        worker.reloader.apply_doc({**DOC, "default_cluster": "b1",
+                                   "replicas": DOC["replicas"][1:]}, "test")
+    _write(path, {**DOC, "replicas": DOC["replicas"][:1]})  # b1 left the file
+    worker = ExtProcServer(Router(load_fleet(path)), admin_token=TOKEN, fleet_path=str(path),
+                           rendered=rendered)
+    worker.reloader.adopt(yaml.safe_dump(DOC), None)  # the peers' fleet, b1 added back
+    assert worker.router.state.names == ["a1", "b1"]
 
 
 def test_a_clusters_file_that_cannot_be_written_refuses_the_change(

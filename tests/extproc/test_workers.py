@@ -35,7 +35,7 @@ def test_the_supervisor_takes_explained_requests_as_large_as_its_workers_do(
     assert Supervisor(args, 2, "token").explain_max_bytes == 2 * (100 << 20) + 65536
 
 
-def test_every_worker_is_told_the_cluster_envoy_fails_open_to(tmp_path: Path) -> None:
+def test_every_worker_is_told_the_fleet_envoy_was_rendered_from(tmp_path: Path) -> None:
     # A restarted worker took its file's default as Envoy's: edited since, it let the clusters
     # file drop the cluster Envoy's routes still name.
     fleet = tmp_path / "fleet.yaml"
@@ -46,9 +46,10 @@ def test_every_worker_is_told_the_cluster_envoy_fails_open_to(tmp_path: Path) ->
     args = argparse.Namespace(fleet=str(fleet), port=0, metrics_port=0, host="127.0.0.1",
                               log_level="INFO", drain_s=1.0, cds_file=str(tmp_path / "cds.yaml"),
                               otlp=None, envoy_admin=None)
+    start = fleet.read_text()
     sup = Supervisor(args, 2, "token")
-    fleet.write_text(fleet.read_text().replace("default_cluster: r1", "default_cluster: r0"))
+    fleet.write_text(start.replace("default_cluster: r1", "default_cluster: r0"))
     for w in sup.workers:
-        w.runs = 2  # started again, after the edit
-        cmd = sup._command(w)
-        assert cmd[cmd.index("--cds-default") + 1] == "r1", cmd
+        w.runs = 2  # started again, after the edit: told the document of the start on stdin
+        assert "--rendered-fleet-stdin" in sup._command(w)
+    assert sup.rendered == start

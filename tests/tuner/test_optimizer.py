@@ -308,6 +308,10 @@ def test_no_version_is_issued_past_int64() -> None:
     check_state(json.loads(json.dumps(t.snapshot())), 60_000.0)  # what it saves, it reads back
     with pytest.raises(VersionsExhausted):
         t.renumber(0)  # the next version it would take
+    before = (t.phase, t.revision, t.active)
+    with pytest.raises(VersionsExhausted):
+        t.next_weights(100.0)
+    assert (t.phase, t.revision, t.active) == before  # raised before changing anything
 
 
 def test_weights_stay_in_bounds_and_the_bound_is_not_an_attractor() -> None:

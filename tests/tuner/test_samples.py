@@ -184,6 +184,9 @@ def test_a_stream_cut_at_the_route_timeout_after_its_first_byte_is_a_cut_sample(
     assert (s.status, s.cut, s.ttft_ms, s.e2e_ms) == (200, True, 800.0, MAX_MS)
     with pytest.raises(SpanDropped, match=OUT_OF_RANGE):
         parse(span(attrs(**{TTFT_ATTR: "800000"}), duration_ms=MAX_MS + 6.0))
+    with pytest.raises(SpanDropped, match=OUT_OF_RANGE):  # far past it: no request's
+        parse(span(attrs(**{TTFT_ATTR: "800000", RESPONSE_FLAGS_ATTR: "UT"}),
+                   duration_ms=100 * MAX_MS))
 
 
 def test_a_first_byte_after_the_span_ended_is_malformed(span_builders) -> None:
