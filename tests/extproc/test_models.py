@@ -182,6 +182,21 @@ def test_a_file_touched_or_copied_over_unchanged_keeps_the_admin_changes(tmp_pat
     assert not server.router.state.draining.any()
 
 
+def test_a_worker_that_took_on_its_peers_fleet_keeps_it_through_a_touch(tmp_path: Path) -> None:
+    # It forgot what the file held, so a touch reloaded the file on it alone: its peer kept
+    # the drain, it lost it.
+    peer = _server(tmp_path)
+    peer.reloader.drain("a1", True)
+    path = peer.reloader.path
+    worker = ExtProcServer(Router(load_fleet(path)), admin_token=TOKEN, fleet_path=str(path))
+    shared = peer.reloader.document()
+    worker.reloader.adopt(shared["document"], tuple(shared["file_stamp"]))
+    os.utime(path, ns=(5, 5))
+    for server in (peer, worker):
+        server.reloader.poll()
+        assert list(server.router.state.draining) == [True, False]
+
+
 def test_an_edit_made_while_the_router_starts_is_taken_on(tmp_path: Path) -> None:
     # The file was read again after the router's fleet had been parsed and stamped then: the
     # edit was reported as the running document and never applied.
