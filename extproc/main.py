@@ -150,6 +150,7 @@ class ExtProcServer:
         # was rendered with, whatever a reload names later; without a clusters file, cluster
         # mode's clusters are static in that bootstrap.
         rendered = rendered or router.spec
+        router.envoy_spec = rendered
         self.rendered_default = rendered.default_cluster
         self.rendered_clusters = {r.cluster: r.address for r in rendered.replicas}
         if discovery is None and fleet_path is not None:

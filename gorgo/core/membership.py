@@ -42,22 +42,27 @@ def diff_fleets(old: FleetSpec, new: FleetSpec) -> FleetDiff:
                      removed=tuple(n for n in before if n not in same))
 
 
-def check_reloadable(old: FleetSpec, new: FleetSpec) -> None:
-    """What a running router cannot take on without a restart is a config error on reload."""
+def check_reloadable(old: FleetSpec, new: FleetSpec, envoy: FleetSpec | None = None,
+                     cached: bool = True) -> None:
+    """What a running router cannot take on without a restart is a config error on reload.
+    ``envoy``: the fleet Envoy was rendered from (default ``old``), whose modes a reload must
+    keep; ``cached``: the prefix index holds entries (new block cuts would strand them). A
+    worker started again from an edited file takes its peers' fleet back to both."""
+    envoy = old if envoy is None else envoy
     if any(r.precise for r in (*old.replicas, *new.replicas)):
         raise FleetError("replicas: a fleet with cache: precise replicas is not reloaded (its KV "
                          "event subscriptions are set up at start); restart the router")
     if new.sharing != old.sharing:
         raise FleetError("sharing: cannot change on reload (the NATS connection is set up at "
                          "start); restart the router")
-    if new.extproc != old.extproc:
+    if new.extproc != envoy.extproc:
         # Envoy's processing mode is rendered from it: a router that took on `response_headers:
         # skip` alone ended its bookings at the request's end while Envoy still sent the response
         # headers, and read no replica's errors (no --envoy-admin, checked only at start).
         raise FleetError("extproc: cannot change on reload (Envoy's ext_proc processing mode is "
                          "rendered from it by `gorgo envoy-config`); render Envoy again and "
                          "restart it and the router")
-    if new.endpoint_picker != old.endpoint_picker:
+    if new.endpoint_picker != envoy.endpoint_picker:
         # Envoy's routes and clusters are rendered for one mode: turned off, the router named
         # a replica added in picker mode by a cluster the bootstrap does not have (every request
         # routed there a 503), and turned on it named addresses Envoy's routes do not read.
@@ -65,7 +70,7 @@ def check_reloadable(old: FleetSpec, new: FleetSpec) -> None:
                          "are rendered for one mode by `gorgo envoy-config`); render Envoy again "
                          "and restart it and the router")
     for field in ("block_tokens", "chars_per_token", "media_tokens"):
-        if getattr(new, field) != getattr(old, field):
+        if cached and getattr(new, field) != getattr(old, field):
             # Prompts are cut into blocks by these: every prefix entry (and every peer's
             # bookings) in the old blocks would never match again, silently.
             raise FleetError(f"{field}: cannot change on reload (the prefix index holds every "

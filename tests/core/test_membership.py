@@ -200,10 +200,29 @@ def test_a_reload_that_changes_the_envoy_mode_or_the_blocks_is_refused(
     cluster Envoy's bootstrap does not have; new block cuts left every prefix entry unmatched
     (cache affinity lost on every replica, silently)."""
     router = Router(parse_fleet(_doc(_replica("a", 1), _replica("b", 2))))
+    _warm(router)  # prompts indexed in the present blocks
     spec = router.spec
     with pytest.raises(FleetError, match=f"{field}: cannot change on reload"):
         router.reload(parse_fleet(_doc(_replica("a", 1), _replica("b", 2), **extra)))
     assert router.spec is spec and router.generation == 0
+
+
+def test_a_worker_started_from_an_edited_file_takes_its_peers_fleet_back() -> None:
+    """Its file said another block size and Envoy mode than its peers run (they refused the
+    edit): the refusals kept it apart from them. Nothing is cached yet, and Envoy's mode is the
+    rendered fleet's, so both are taken; once prompts are indexed, new block cuts are not."""
+    rendered = parse_fleet(_doc(_replica("a", 1), _replica("b", 2)))
+    router = Router(parse_fleet(_doc(_replica("a", 1), _replica("b", 2), block_tokens=16,
+                                     endpoint_picker=True)))
+    router.envoy_spec = rendered
+    router.reload(rendered)
+    assert router.spec.block_tokens == 64 and not router.spec.endpoint_picker
+    with pytest.raises(FleetError, match="endpoint_picker: cannot change"):
+        router.reload(parse_fleet(_doc(_replica("a", 1), _replica("b", 2),
+                                       endpoint_picker=True)))
+    _warm(router)
+    with pytest.raises(FleetError, match="block_tokens: cannot change"):
+        router.reload(parse_fleet(_doc(_replica("a", 1), _replica("b", 2), block_tokens=16)))
 
 
 def test_reload_takes_on_the_new_models_and_drains() -> None:
