@@ -315,10 +315,22 @@ class FleetState:
             tokens = float(self._arrival_tokens_on[self.candidates].sum())
             if arrivals <= 0.0:
                 return 0.0, 0.0
+        return arrivals * self._per_second(), tokens / arrivals
+
+    def arrival_rates(self) -> np.ndarray:
+        """Requests/s booked on each replica (routed here, or a peer's), as of ``self.now``:
+        `demand` per replica, over the same window."""
+        if self._first_arrival is None:
+            return np.zeros(self.n)
+        return self._arrivals_on * self._per_second()
+
+    def _per_second(self) -> float:
+        """What turns the decayed arrival counts into rates now: their decay since the last
+        arrival over the window they have actually covered (at least 1 s)."""
+        assert self._first_arrival is not None
         decay = math.exp(-max(self.now - self._arrivals_at, 0.0) / DEMAND_TAU_S)
         elapsed = max(self.now - self._first_arrival, 1.0)
-        window = -DEMAND_TAU_S * math.expm1(-elapsed / DEMAND_TAU_S)
-        return arrivals * decay / window, tokens / arrivals
+        return decay / (-DEMAND_TAU_S * math.expm1(-elapsed / DEMAND_TAU_S))
 
     # --- writers ------------------------------------------------------------------------------
 

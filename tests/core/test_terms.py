@@ -25,7 +25,7 @@ from gorgo.core.terms import (
     reuse,
     weight_keys,
 )
-from gorgo.core.terms.decode import slowdown
+from gorgo.core.terms.decode import PREFILL_SHARE_MAX, prefill_share, slowdown
 
 
 def _spec(**extra):
@@ -140,6 +140,29 @@ def test_slower_replicas_decode_slower() -> None:
     s.set_weights(s.weights, {"b": 5000.0})  # b prefills at half a's rate
     d = cost_terms(_req(s), s)["decode"]
     assert d[1] == pytest.approx(2 * d[0])
+
+
+def test_decode_stretches_with_the_prefill_booked_on_the_replica() -> None:
+    """Under chunked prefill the prompts a replica takes in while a request decodes ride in its
+    steps: its decode lasts longer by the share of the replica's time their prefill takes
+    (gorgo@e2e sent long-output requests where the long prompts went, docs/results.md)."""
+    s = FleetState(_spec())
+    s.now = 0.0
+    f = _req(s)
+    idle = cost_terms(f, s)["decode"]
+    for _ in range(4):  # 4 requests of 1,000 uncached tokens, booked on a, then ended
+        s.add_inflight(0, 1000, 1000)
+        s.release_inflight(0, 1000, 1000)
+    s.now = 2.0
+    share = prefill_share(s)
+    assert share[1] == 0 and share[0] == pytest.approx(
+        s.arrival_rates()[0] * 1000 / 10000) and 0 < share[0] < PREFILL_SHARE_MAX
+    d = cost_terms(f, s)["decode"]
+    assert d[0] == pytest.approx(idle[0] * (1 + share[0])) and d[1] == pytest.approx(idle[1])
+    for _ in range(200):  # far more than a can prefill: priced at the cap, not without bound
+        s.add_inflight(0, 1000, 1000)
+        s.release_inflight(0, 1000, 1000)
+    assert cost_terms(f, s)["decode"][0] == pytest.approx(idle[0] * (1 + PREFILL_SHARE_MAX))
 
 
 def test_the_objective_chooses_which_terms_count() -> None:

@@ -12,8 +12,14 @@ prompt), ``context`` every sequence's prompt tokens plus half its expected outpu
 the expected output length: the request's ``max_tokens`` (a completion's default is the API's
 16) read as the bound it is, against the output the engines report (`gorgo.core.outputs`);
 without either, the ``output_tokens`` parameter. A replica whose prefill rate is below the
-fleet's fastest is assumed to decode as much slower. The constants are per replica
-(``FleetState.params["decode"]``); their defaults are an H100 running an 8B model. (Calibrating
+fleet's fastest is assumed to decode as much slower. While the request decodes, the replica takes
+in the prompts that keep arriving, and under chunked prefill their chunks ride in its decode
+steps: the term is stretched by ``1 + share_i``, the share of i's time its prefill takes
+(`prefill_share`: the requests booked there per second, times their typical uncached tokens, over
+its prefill rate, at most 0.9). First order on purpose: the queueing factor ``1 / (1 - share)``
+herds requests onto whichever replica looked idle and was measured worse (docs/results.md).
+The constants are per replica (``FleetState.params["decode"]``); their defaults are an H100
+running an 8B model. (Calibrating
 them from the engines' inter-token latency histograms was tried and measured worse: under chunked
 prefill most decode steps carry prefill chunks, so the engines' gaps mostly price prefill, which
 the `interference` term already counts; docs/results.md.) What this request costs the requests
@@ -37,6 +43,7 @@ if TYPE_CHECKING:
 
 PARAMS = {"itl_base_ms": 6.0, "itl_per_seq_ms": 0.03, "itl_per_kctx_ms": 0.04,
           "output_tokens": 256.0}
+PREFILL_SHARE_MAX = 0.9  # the booked load is an estimate: a replica is never priced past 1.9x
 
 
 def expected_output(f: RequestFeatures, s: FleetState) -> np.ndarray | float:
@@ -110,8 +117,21 @@ def predicted_itl(f: RequestFeatures, s: FleetState) -> np.ndarray:
     return itl * slowdown(s)
 
 
+def prefill_share(s: FleetState) -> np.ndarray:
+    """The share of each replica's time its prefill takes, from what is booked there: requests
+    per second (`FleetState.arrival_rates`) times their typical uncached tokens over its prefill
+    rate, at most PREFILL_SHARE_MAX."""
+    return s.derived("decode.prefill_share", _prefill_share)
+
+
+def _prefill_share(s: FleetState) -> np.ndarray:
+    return np.minimum(s.arrival_rates() * s.mean_uncached / s.prefill_rate, PREFILL_SHARE_MAX)
+
+
 def _decode(f: RequestFeatures, s: FleetState) -> np.ndarray:
-    return expected_output(f, s) * predicted_itl(f, s)
+    # While it decodes, the replica takes in the prefill of the requests that arrive: under
+    # chunked prefill their chunks ride in its steps, which stretch by that share of the time.
+    return expected_output(f, s) * predicted_itl(f, s) * (1.0 + prefill_share(s))
 
 
 TERM = CostTerm(
