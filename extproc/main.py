@@ -146,13 +146,9 @@ class ExtProcServer:
         self.cds_file = cds_file
         self.cds_write = cds_write
         self._cds_behind = False  # the last write failed: the file is tried again each poll
-        # Envoy's routes send the requests that fail open to the default cluster its bootstrap
-        # was rendered with, whatever a reload names later; without a clusters file, cluster
-        # mode's clusters are static in that bootstrap.
-        rendered = rendered or router.spec
-        router.envoy_spec = rendered
-        self.rendered_default = rendered.default_cluster
-        self.rendered_clusters = {r.cluster: r.address for r in rendered.replicas}
+        # What a reload is checked against (`apply_fleet`, `check_reloadable`): Envoy's fail-open
+        # cluster, its static clusters and its modes stay what its bootstrap was rendered with.
+        router.envoy_spec = rendered or router.spec
         if discovery is None and fleet_path is not None:
             discovery = DnsDiscovery(fleet_path)
         self.discovery = discovery
@@ -236,7 +232,8 @@ class ExtProcServer:
         """Take on a new fleet (FleetError: nothing changed): the router first, then what reads
         its state, then the CDS file, so Envoy learns an added cluster while the new replica
         still waits for its first probe, and drops a removed one once nothing routes there."""
-        kept = self.rendered_default
+        envoy = self.router.envoy_spec
+        kept = envoy.default_cluster  # whatever a reload names later
         if self.cds_file is not None and kept not in {r.cluster for r in spec.replicas}:
             # The clusters file would no longer hold that cluster: every request failing open
             # a 503. The router's own default does not help: a reload that named another one
@@ -249,8 +246,9 @@ class ExtProcServer:
                 "rendered again and restarted, and this router after it: remove that replica "
                 "then")
         if self.cds_file is None and not spec.endpoint_picker:
+            static = {r.cluster: r.address for r in envoy.replicas}  # the bootstrap's clusters
             for r in spec.replicas:
-                if self.rendered_clusters.get(r.cluster) != r.address:
+                if static.get(r.cluster) != r.address:
                     # Taken on, the router sent requests to a cluster Envoy does not have (or
                     # probed an address Envoy does not send to): every one a 503.
                     raise FleetError(
