@@ -43,7 +43,7 @@ from gorgo.core.fleet import (
     parse_yaml,
     read_fleet,
 )
-from gorgo.core.membership import FleetDiff
+from gorgo.core.membership import EnvoyView, FleetDiff
 from gorgo.core.router import Router
 from gorgo.envoy_config import stage_cds, write_cds
 from gorgo.errors import (
@@ -146,9 +146,9 @@ class ExtProcServer:
         self.cds_file = cds_file
         self.cds_write = cds_write
         self._cds_behind = False  # the last write failed: the file is tried again each poll
-        # What a reload is checked against (`apply_fleet`, `check_reloadable`): Envoy's fail-open
-        # cluster, its static clusters and its modes stay what its bootstrap was rendered with.
-        router.envoy_spec = rendered or router.spec
+        # What a reload is checked against (`check_reloadable`): Envoy's fail-open cluster, its
+        # static clusters and its modes stay what its bootstrap was rendered with.
+        router.envoy = EnvoyView(rendered or router.spec, clusters_file=cds_file is not None)
         if discovery is None and fleet_path is not None:
             discovery = DnsDiscovery(fleet_path)
         self.discovery = discovery
@@ -232,32 +232,6 @@ class ExtProcServer:
         """Take on a new fleet (FleetError: nothing changed): the router first, then what reads
         its state, then the CDS file, so Envoy learns an added cluster while the new replica
         still waits for its first probe, and drops a removed one once nothing routes there."""
-        envoy = self.router.envoy_spec
-        kept = envoy.default_cluster  # whatever a reload names later
-        if self.cds_file is not None and kept not in {r.cluster for r in spec.replicas}:
-            # The clusters file would no longer hold that cluster: every request failing open
-            # a 503. The router's own default does not help: a reload that named another one
-            # (taken on, as Envoy's bootstrap is not) and then removed this replica got there.
-            # A peer's document (`PUT /admin/fleet/document`) is checked too: it got past this.
-            raise FleetError(
-                f"replicas: {kept!r} is the cluster Envoy's routes send the requests that fail "
-                "open to (the default_cluster of the fleet this router started with; unnamed, "
-                "its first replica's), and the clusters file must keep it until Envoy is "
-                "rendered again and restarted, and this router after it: remove that replica "
-                "then")
-        if self.cds_file is None and not spec.endpoint_picker:
-            static = {r.cluster: r.address for r in envoy.replicas}  # the bootstrap's clusters
-            for r in spec.replicas:
-                if static.get(r.cluster) != r.address:
-                    # Taken on, the router sent requests to a cluster Envoy does not have (or
-                    # probed an address Envoy does not send to): every one a 503.
-                    raise FleetError(
-                        f"replicas: {r.name!r} ({r.cluster}, {r.address}) is not a cluster of "
-                        "Envoy's bootstrap, which is static without a clusters file and was "
-                        "rendered from the fleet this router started with: start the router "
-                        "with --cds-file (`gorgo envoy-config --cds-file`) or use "
-                        "endpoint_picker: true to add replicas, or render Envoy again and "
-                        "restart it and the router")
         staged = None
         if self.cds_file is not None and self.cds_write:
             # Written before the router takes the fleet on, renamed over the file after: a file

@@ -42,27 +42,39 @@ def diff_fleets(old: FleetSpec, new: FleetSpec) -> FleetDiff:
                      removed=tuple(n for n in before if n not in same))
 
 
-def check_reloadable(old: FleetSpec, new: FleetSpec, envoy: FleetSpec | None = None,
+@dataclass(frozen=True, slots=True)
+class EnvoyView:
+    """The Envoy in front of a router, as far as a reload must keep to it: the fleet its
+    bootstrap was rendered from (its modes, its fail-open cluster, its static clusters), and
+    whether it learns clusters from a file the router rewrites (``clusters_file``) or has only
+    the bootstrap's."""
+
+    fleet: FleetSpec
+    clusters_file: bool
+
+
+def check_reloadable(old: FleetSpec, new: FleetSpec, envoy: EnvoyView | None = None,
                      cached: bool = True) -> None:
     """What a running router cannot take on without a restart is a config error on reload.
-    ``envoy``: the fleet Envoy was rendered from (default ``old``), whose modes a reload must
-    keep; ``cached``: the prefix index holds entries (new block cuts would strand them). A
-    worker started again from an edited file takes its peers' fleet back to both."""
-    envoy = old if envoy is None else envoy
+    ``envoy``: the Envoy in front of it (None: none, as offline; the modes are ``old``'s),
+    whose modes and clusters a reload must keep; ``cached``: the prefix index holds entries
+    (new block cuts would strand them). A worker started again from an edited file takes its
+    peers' fleet back to both."""
+    rendered = old if envoy is None else envoy.fleet
     if any(r.precise for r in (*old.replicas, *new.replicas)):
         raise FleetError("replicas: a fleet with cache: precise replicas is not reloaded (its KV "
                          "event subscriptions are set up at start); restart the router")
     if new.sharing != old.sharing:
         raise FleetError("sharing: cannot change on reload (the NATS connection is set up at "
                          "start); restart the router")
-    if new.extproc != envoy.extproc:
+    if new.extproc != rendered.extproc:
         # Envoy's processing mode is rendered from it: a router that took on `response_headers:
         # skip` alone ended its bookings at the request's end while Envoy still sent the response
         # headers, and read no replica's errors (no --envoy-admin, checked only at start).
         raise FleetError("extproc: cannot change on reload (Envoy's ext_proc processing mode is "
                          "rendered from it by `gorgo envoy-config`); render Envoy again and "
                          "restart it and the router")
-    if new.endpoint_picker != envoy.endpoint_picker:
+    if new.endpoint_picker != rendered.endpoint_picker:
         # Envoy's routes and clusters are rendered for one mode: turned off, the router named
         # a replica added in picker mode by a cluster the bootstrap does not have (every request
         # routed there a 503), and turned on it named addresses Envoy's routes do not read.
@@ -78,3 +90,34 @@ def check_reloadable(old: FleetSpec, new: FleetSpec, envoy: FleetSpec | None = N
     if new.limits.max_body_bytes > old.limits.max_body_bytes:
         raise FleetError("limits.max_body_bytes: cannot grow on reload (the gRPC message limit "
                          "is set at start); restart the router")
+    if envoy is not None:
+        _check_clusters(new, envoy)
+
+
+def _check_clusters(new: FleetSpec, envoy: EnvoyView) -> None:
+    """Every cluster the new fleet routes to, and the one Envoy fails open to, is one Envoy has
+    or will be given by the clusters file."""
+    kept = envoy.fleet.default_cluster  # whatever a reload names later
+    if envoy.clusters_file and kept not in {r.cluster for r in new.replicas}:
+        # The clusters file would no longer hold that cluster: every request failing open a
+        # 503. The router's own default does not help: a reload that named another one (taken
+        # on, as Envoy's bootstrap is not) and then removed this replica got there.
+        raise FleetError(
+            f"replicas: {kept!r} is the cluster Envoy's routes send the requests that fail "
+            "open to (the default_cluster of the fleet this router started with; unnamed, "
+            "its first replica's), and the clusters file must keep it until Envoy is "
+            "rendered again and restarted, and this router after it: remove that replica "
+            "then")
+    if not envoy.clusters_file and not new.endpoint_picker:
+        static = {r.cluster: r.address for r in envoy.fleet.replicas}  # the bootstrap's
+        for r in new.replicas:
+            if static.get(r.cluster) != r.address:
+                # Taken on, the router sent requests to a cluster Envoy does not have (or
+                # probed an address Envoy does not send to): every one a 503.
+                raise FleetError(
+                    f"replicas: {r.name!r} ({r.cluster}, {r.address}) is not a cluster of "
+                    "Envoy's bootstrap, which is static without a clusters file and was "
+                    "rendered from the fleet this router started with: start the router "
+                    "with --cds-file (`gorgo envoy-config --cds-file`) or use "
+                    "endpoint_picker: true to add replicas, or render Envoy again and "
+                    "restart it and the router")

@@ -28,7 +28,7 @@ from gorgo.core.decision import (
 )
 from gorgo.core.features import RequestFeatures
 from gorgo.core.fleet import FleetError, FleetSpec, ModelSettings
-from gorgo.core.membership import FleetDiff, check_reloadable, diff_fleets
+from gorgo.core.membership import EnvoyView, FleetDiff, check_reloadable, diff_fleets
 from gorgo.core.peers import CLOSED, OPENED, Booking, Echoes, PeerBookings
 from gorgo.core.policies import REGISTRY, make_policy
 from gorgo.core.policies.base import Policy, PolicyBase
@@ -64,9 +64,9 @@ class Router:
                 f"policy: unknown policy {spec.policy!r} (known: {', '.join(REGISTRY)})"
             )
         self.spec = spec
-        # The fleet Envoy was rendered from, whose modes a reload keeps: this start fleet, unless
-        # the shell knows better (a worker started again from an edited file, `ExtProcServer`).
-        self.envoy_spec = spec
+        # The Envoy in front, whose modes and clusters a reload keeps: set by the shell
+        # (`ExtProcServer`; None offline, where a reload keeps this router's own modes).
+        self.envoy: EnvoyView | None = None
         # A default policy that models an unbounded cache (gorgo-paper) gets an unbounded index
         # unless the driver says (False: the live router, whose memory it would fill);
         # per-request overrides share whatever index the default chose.
@@ -124,7 +124,7 @@ class Router:
         if spec.policy not in self.policies:
             raise FleetError(
                 f"policy: unknown policy {spec.policy!r} (known: {', '.join(REGISTRY)})")
-        check_reloadable(self.spec, spec, self.envoy_spec, bool(self.state.prefix.sizes().any()))
+        check_reloadable(self.spec, spec, self.envoy, bool(self.state.prefix.sizes().any()))
         diff = diff_fleets(self.spec, spec)
         self.echoes.clear(self.state)
         kept = set(diff.kept)  # a tuple's `in` made a reload open requests x replicas

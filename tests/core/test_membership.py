@@ -12,7 +12,7 @@ import pytest
 from gorgo.core.decision import UNKNOWN_MODEL, Decision, Rejection
 from gorgo.core.features import extract_features
 from gorgo.core.fleet import FleetError, parse_fleet
-from gorgo.core.membership import diff_fleets
+from gorgo.core.membership import EnvoyView, diff_fleets
 from gorgo.core.router import Router
 
 
@@ -214,7 +214,7 @@ def test_a_worker_started_from_an_edited_file_takes_its_peers_fleet_back() -> No
     rendered = parse_fleet(_doc(_replica("a", 1), _replica("b", 2)))
     router = Router(parse_fleet(_doc(_replica("a", 1), _replica("b", 2), block_tokens=16,
                                      endpoint_picker=True)))
-    router.envoy_spec = rendered
+    router.envoy = EnvoyView(rendered, clusters_file=True)
     router.reload(rendered)
     assert router.spec.block_tokens == 64 and not router.spec.endpoint_picker
     with pytest.raises(FleetError, match="endpoint_picker: cannot change"):
@@ -223,6 +223,47 @@ def test_a_worker_started_from_an_edited_file_takes_its_peers_fleet_back() -> No
     _warm(router)
     with pytest.raises(FleetError, match="block_tokens: cannot change"):
         router.reload(parse_fleet(_doc(_replica("a", 1), _replica("b", 2), block_tokens=16)))
+
+
+_AB = (_replica("a", 1), _replica("b", 2))
+
+
+@pytest.mark.parametrize(("clusters_file", "replicas", "extra", "refused"), [
+    # Envoy fails open to the rendered fleet's default cluster (a's): the file must keep it,
+    # whatever default a reload names.
+    (True, (_replica("b", 2),), {}, "'a' is the cluster Envoy's routes send"),
+    (True, (_replica("b", 2),), {"default_cluster": "b"}, "'a' is the cluster"),
+    (True, (*_AB, _replica("c", 3)), {}, None),  # the file gives Envoy c's cluster
+    (True, (_replica("a", 1),), {}, None),
+    # Without a clusters file Envoy has the bootstrap's clusters and no other.
+    (False, (*_AB, _replica("c", 3)), {}, r"'c' \(c, 10.0.0.1:3\) is not a cluster"),
+    (False, (_replica("a", 1), _replica("b", 9)), {}, "'b' .* is not a cluster of Envoy's"),
+    (False, (_replica("a", 1),), {}, None),  # a removed replica: nothing routes there
+])
+def test_a_reload_keeps_to_the_clusters_envoy_has(
+        clusters_file: bool, replicas: tuple[dict, ...], extra: dict[str, Any],
+        refused: str | None) -> None:
+    router = Router(parse_fleet(_doc(*_AB)))
+    router.envoy = EnvoyView(router.spec, clusters_file=clusters_file)
+    new = parse_fleet(_doc(*replicas, **extra))
+    if refused is None:
+        router.reload(new)
+        assert router.spec is new
+    else:
+        with pytest.raises(FleetError, match=refused):
+            router.reload(new)
+        assert router.generation == 0
+
+
+def test_offline_and_in_picker_mode_a_reload_adds_replicas_envoy_was_not_rendered_with() -> None:
+    """No Envoy in front (the simulator), or Envoy's picker routes to whatever address the
+    router names: an added replica is taken on."""
+    offline = Router(parse_fleet(_doc(*_AB)))
+    offline.reload(parse_fleet(_doc(*_AB, _replica("c", 3))))
+    picker = Router(parse_fleet(_doc(*_AB, endpoint_picker=True)))
+    picker.envoy = EnvoyView(picker.spec, clusters_file=False)
+    picker.reload(parse_fleet(_doc(*_AB, _replica("c", 3), endpoint_picker=True)))
+    assert offline.state.names == picker.state.names == ["a", "b", "c"]
 
 
 def test_reload_takes_on_the_new_models_and_drains() -> None:
