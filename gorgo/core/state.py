@@ -133,9 +133,11 @@ class FleetState:
         # time constant DEMAND_TAU_S, as of the last arrival (see demand()).
         self._arrivals = 0.0
         self._arrival_tokens = 0.0
-        # The same per replica booked, so a model's demand is its replicas' sum (`demand`).
+        # The same per replica booked, so a model's demand is its replicas' sum (`demand`), and
+        # the uncached tokens booked there: the prefill work each takes in (`prefill_booked`).
         self._arrivals_on = np.zeros(n)
         self._arrival_tokens_on = np.zeros(n)
+        self._uncached_on = np.zeros(n)
         self._arrivals_at = 0.0
         self._first_arrival: float | None = None
         self._match_for: tuple | None = None
@@ -317,12 +319,15 @@ class FleetState:
                 return 0.0, 0.0
         return arrivals * self._per_second(), tokens / arrivals
 
-    def arrival_rates(self) -> np.ndarray:
-        """Requests/s booked on each replica (routed here, or a peer's), as of ``self.now``:
-        `demand` per replica, over the same window."""
+    def prefill_booked(self) -> np.ndarray:
+        """Uncached prompt tokens/s booked on each replica (routed here, or a peer's), as of
+        ``self.now``, over `demand`'s window: the prefill work each is taking in. Counted per
+        request as booked, so a replica whose requests hit its cache is charged what it
+        actually prefills (requests/s x a typical uncached size priced the cache hits of a
+        shared system prompt as full prompts, and herded Azure's one-region fleet)."""
         if self._first_arrival is None:
             return np.zeros(self.n)
-        return self._arrivals_on * self._per_second()
+        return self._uncached_on * self._per_second()
 
     def _per_second(self) -> float:
         """What turns the decayed arrival counts into rates now: their decay since the last
@@ -383,7 +388,7 @@ class FleetState:
         self.inflight_context[i] += prompt_tokens if context is None else context
         self.inflight_uncached[i] += uncached
         if arrival:
-            self._note_arrival(i, prompt_tokens)
+            self._note_arrival(i, prompt_tokens, uncached)
 
     def echo(self, i: int, prompt_tokens: int, uncached: int, copies: int) -> None:
         """``copies`` more requests like one just routed to replica i counted in flight and in
@@ -401,7 +406,7 @@ class FleetState:
         self.eng_backlog_at[i] = self.now
         self.sent_since_scrape[i] = max(self.sent_since_scrape[i] + copies * uncached, 0)
 
-    def _note_arrival(self, i: int, prompt_tokens: int) -> None:
+    def _note_arrival(self, i: int, prompt_tokens: int, uncached: int) -> None:
         if self._first_arrival is None:
             self._first_arrival = self.now
         decay = math.exp(-max(self.now - self._arrivals_at, 0.0) / DEMAND_TAU_S)
@@ -410,8 +415,10 @@ class FleetState:
         if decay != 1.0:
             self._arrivals_on *= decay
             self._arrival_tokens_on *= decay
+            self._uncached_on *= decay
         self._arrivals_on[i] += 1.0
         self._arrival_tokens_on[i] += prompt_tokens
+        self._uncached_on[i] += uncached
         self._arrivals_at = max(self.now, self._arrivals_at)
 
     def release_inflight(self, i: int, prompt_tokens: int, uncached: int = 0,

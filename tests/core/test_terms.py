@@ -25,7 +25,7 @@ from gorgo.core.terms import (
     reuse,
     weight_keys,
 )
-from gorgo.core.terms.decode import PREFILL_SHARE_MAX, prefill_share, slowdown
+from gorgo.core.terms.decode import PREFILL_SHARE_MAX, predicted_itl, prefill_share, slowdown
 
 
 def _spec(**extra):
@@ -149,20 +149,37 @@ def test_decode_stretches_with_the_prefill_booked_on_the_replica() -> None:
     s = FleetState(_spec())
     s.now = 0.0
     f = _req(s)
-    idle = cost_terms(f, s)["decode"]
+    idle, idle_itl = cost_terms(f, s)["decode"], predicted_itl(f, s)
     for _ in range(4):  # 4 requests of 1,000 uncached tokens, booked on a, then ended
         s.add_inflight(0, 1000, 1000)
         s.release_inflight(0, 1000, 1000)
     s.now = 2.0
     share = prefill_share(s)
     assert share[1] == 0 and share[0] == pytest.approx(
-        s.arrival_rates()[0] * 1000 / 10000) and 0 < share[0] < PREFILL_SHARE_MAX
+        s.prefill_booked()[0] / 10000) and 0 < share[0] < PREFILL_SHARE_MAX
     d = cost_terms(f, s)["decode"]
     assert d[0] == pytest.approx(idle[0] * (1 + share[0])) and d[1] == pytest.approx(idle[1])
+    # The TPOT the slo objective compares with its target, and admission's slot wait, see the
+    # same stretched steps (the TPOT was predicted unstretched).
+    assert predicted_itl(f, s) == pytest.approx(idle_itl * (1 + share))
     for _ in range(200):  # far more than a can prefill: priced at the cap, not without bound
         s.add_inflight(0, 1000, 1000)
         s.release_inflight(0, 1000, 1000)
     assert cost_terms(f, s)["decode"][0] == pytest.approx(idle[0] * (1 + PREFILL_SHARE_MAX))
+
+
+def test_the_prefill_share_counts_what_the_bookings_leave_uncached() -> None:
+    """A replica whose requests hit its cache takes in little prefill, however many it gets:
+    counted as requests x a typical uncached size, a shared system prompt's hits were priced
+    as full prompts (Azure's one-region fleet herded, docs/results.md)."""
+    s = FleetState(_spec())
+    s.now = 0.0
+    for _ in range(4):  # the same 4 requests of 1,000 tokens each: all cached on b
+        s.add_inflight(0, 1000, 1000)
+        s.add_inflight(1, 1000, 0)
+    s.now = 2.0
+    share = prefill_share(s)
+    assert share[1] == 0 and share[0] == pytest.approx(4 * 1000 / 2.0 / 10000, rel=0.2)
 
 
 def test_the_objective_chooses_which_terms_count() -> None:

@@ -15,8 +15,8 @@ without either, the ``output_tokens`` parameter. A replica whose prefill rate is
 fleet's fastest is assumed to decode as much slower. While the request decodes, the replica takes
 in the prompts that keep arriving, and under chunked prefill their chunks ride in its decode
 steps: the term is stretched by ``1 + share_i``, the share of i's time its prefill takes
-(`prefill_share`: the requests booked there per second, times their typical uncached tokens, over
-its prefill rate, at most 0.9). First order on purpose: the queueing factor ``1 / (1 - share)``
+(`prefill_share`: the uncached tokens booked there per second over its prefill rate, at most
+0.9). First order on purpose: the queueing factor ``1 / (1 - share)``
 herds requests onto whichever replica looked idle and was measured worse (docs/results.md).
 The constants are per replica (``FleetState.params["decode"]``); their defaults are an H100
 running an 8B model. (Calibrating
@@ -26,7 +26,8 @@ the `interference` term already counts; docs/results.md.) What this request cost
 already decoding there is the `interference` term.
 
 The `e2e` and `slo` objectives count this term (TTFT does not include decoding); `slo` also
-compares ``predicted_itl`` with the request's time-per-output-token target.
+compares ``predicted_itl`` (stretched the same) with the request's time-per-output-token
+target, and `admission` prices the wait for a batch slot with it.
 """
 
 from __future__ import annotations
@@ -107,31 +108,31 @@ def _slowdown(s: FleetState) -> np.ndarray:
 
 def predicted_itl(f: RequestFeatures, s: FleetState) -> np.ndarray:
     """Milliseconds per output token this request would see on each replica (its TPOT); its
-    ``choices`` sequences decode side by side, all in the batch."""
+    ``choices`` sequences decode side by side, all in the batch, in steps stretched by the
+    prefill the replica takes in meanwhile (`prefill_share`): the SLO objective's TPOT and
+    the admission term's wait for a slot see the same steps as this term."""
     p = s.params["decode"]
     out = expected_output(f, s)
     n = batch(s)
     context = s.inflight_context + n * out / 2 + own_context(f, out)
     itl = (p["itl_base_ms"] + p["itl_per_seq_ms"] * (n + f.choices)
            + p["itl_per_kctx_ms"] * context / 1000)
-    return itl * slowdown(s)
+    return itl * slowdown(s) * (1.0 + prefill_share(s))
 
 
 def prefill_share(s: FleetState) -> np.ndarray:
-    """The share of each replica's time its prefill takes, from what is booked there: requests
-    per second (`FleetState.arrival_rates`) times their typical uncached tokens over its prefill
-    rate, at most PREFILL_SHARE_MAX."""
+    """The share of each replica's time its prefill takes, from what is booked there: the
+    uncached tokens per second (`FleetState.prefill_booked`) over its prefill rate, at most
+    PREFILL_SHARE_MAX."""
     return s.derived("decode.prefill_share", _prefill_share)
 
 
 def _prefill_share(s: FleetState) -> np.ndarray:
-    return np.minimum(s.arrival_rates() * s.mean_uncached / s.prefill_rate, PREFILL_SHARE_MAX)
+    return np.minimum(s.prefill_booked() / s.prefill_rate, PREFILL_SHARE_MAX)
 
 
 def _decode(f: RequestFeatures, s: FleetState) -> np.ndarray:
-    # While it decodes, the replica takes in the prefill of the requests that arrive: under
-    # chunked prefill their chunks ride in its steps, which stretch by that share of the time.
-    return expected_output(f, s) * predicted_itl(f, s) * (1.0 + prefill_share(s))
+    return expected_output(f, s) * predicted_itl(f, s)
 
 
 TERM = CostTerm(
