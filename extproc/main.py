@@ -232,6 +232,7 @@ class ExtProcServer:
         """Take on a new fleet (FleetError: nothing changed): the router first, then what reads
         its state, then the CDS file, so Envoy learns an added cluster while the new replica
         still waits for its first probe, and drops a removed one once nothing routes there."""
+        self.router.check_reload(spec)  # refused before the clusters file is touched
         staged = None
         if self.cds_file is not None and self.cds_write:
             # Written before the router takes the fleet on, renamed over the file after: a file

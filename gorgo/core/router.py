@@ -114,6 +114,14 @@ class Router:
         self._fits_all = int(self.capacity.min())
         self._refresh_due: dict[str, float] = {}
 
+    def check_reload(self, spec: FleetSpec) -> None:
+        """FleetError for a fleet `reload` would refuse; nothing changes either way (the shell
+        asks before it writes what Envoy reads)."""
+        if spec.policy not in self.policies:
+            raise FleetError(
+                f"policy: unknown policy {spec.policy!r} (known: {', '.join(REGISTRY)})")
+        check_reloadable(self.spec, spec, self.envoy, bool(self.state.prefix.sizes().any()))
+
     def reload(self, spec: FleetSpec) -> FleetDiff:
         """Take on a new fleet: unchanged replicas keep their state (`FleetState.reindexed`) and
         their open requests, which are re-indexed; a removed replica's open requests are
@@ -121,10 +129,7 @@ class Router:
         closed for the peers (a peer whose fleet kept the replica held them until the request
         timeout). Raises FleetError, changing nothing, for what a running router cannot take
         on."""
-        if spec.policy not in self.policies:
-            raise FleetError(
-                f"policy: unknown policy {spec.policy!r} (known: {', '.join(REGISTRY)})")
-        check_reloadable(self.spec, spec, self.envoy, bool(self.state.prefix.sizes().any()))
+        self.check_reload(spec)
         diff = diff_fleets(self.spec, spec)
         self.echoes.clear(self.state)
         kept = set(diff.kept)  # a tuple's `in` made a reload open requests x replicas

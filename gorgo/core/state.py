@@ -324,7 +324,9 @@ class FleetState:
         ``self.now``, over `demand`'s window: the prefill work each is taking in. Counted per
         request as booked, so a replica whose requests hit its cache is charged what it
         actually prefills (requests/s x a typical uncached size priced the cache hits of a
-        shared system prompt as full prompts, and herded Azure's one-region fleet)."""
+        shared system prompt as full prompts, and herded Azure's one-region fleet). A booking
+        a retry moves stays counted where it was first booked: moves are rare, and the prefill
+        share is an estimate over seconds."""
         if self._first_arrival is None:
             return np.zeros(self.n)
         return self._uncached_on * self._per_second()

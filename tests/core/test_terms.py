@@ -174,7 +174,8 @@ def test_the_prefill_share_counts_what_the_bookings_leave_uncached() -> None:
     as full prompts (Azure's one-region fleet herded, docs/results.md)."""
     s = FleetState(_spec())
     s.now = 0.0
-    for _ in range(4):  # the same 4 requests of 1,000 tokens each: all cached on b
+    for _ in range(4):  # 4 requests of 1,000 prompt tokens on each: a prefills them, b has
+        # them cached
         s.add_inflight(0, 1000, 1000)
         s.add_inflight(1, 1000, 0)
     s.now = 2.0

@@ -301,6 +301,24 @@ def test_a_peers_document_without_the_fail_open_cluster_is_refused(tmp_path: Pat
 
 
 
+def test_a_refused_reload_says_why_and_never_touches_the_clusters_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Refused for the fail-open cluster while the clusters file cannot be written: the refusal
+    named the write (the file was staged before the fleet was checked), and every refusal
+    wrote and removed a file beside Envoy's."""
+    server = _server(tmp_path)
+    server.cds_file = str(tmp_path / "gone" / "cds.yaml")
+    doc = json.loads(json.dumps(DOC))
+    doc["replicas"] = doc["replicas"][1:]
+    with pytest.raises(FleetError, match="'a1' is the cluster Envoy's routes send"):
+        server.reloader.apply_doc(doc, "test")
+    staged: list[object] = []
+    monkeypatch.setattr("extproc.main.stage_cds", lambda *a: staged.append(a))
+    with pytest.raises(FleetError, match="'a1' is the cluster Envoy's routes send"):
+        server.reloader.apply_doc(doc, "test")
+    assert staged == [] and server.router.generation == 0
+
+
 def test_a_restarted_worker_keeps_what_envoy_was_rendered_from(tmp_path: Path) -> None:
     """A worker of --workers started again read its file, edited since: it guarded the file's
     default cluster, not Envoy's, and refused its peers' fleet for a replica Envoy's static
