@@ -322,9 +322,9 @@ class FleetState:
     def prefill_booked(self) -> np.ndarray:
         """Uncached prompt tokens/s booked on each replica (routed here, or a peer's), as of
         ``self.now``, over `demand`'s window: the prefill work each is taking in. Counted per
-        request as booked, so a replica whose requests hit its cache is charged what it
-        actually prefills (requests/s x a typical uncached size priced the cache hits of a
-        shared system prompt as full prompts, and herded Azure's one-region fleet). A booking
+        request as booked, so each is charged what it was predicted to prefill (requests/s x a
+        running average of the last ~10 requests' uncached size mixed two windows, and lost
+        p95 TTFT on Azure's one-region fleet: docs/results.md). A booking
         a retry moves stays counted where it was first booked: moves are rare, and the prefill
         share is an estimate over seconds."""
         if self._first_arrival is None:

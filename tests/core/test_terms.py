@@ -170,8 +170,8 @@ def test_decode_stretches_with_the_prefill_booked_on_the_replica() -> None:
 
 def test_the_prefill_share_counts_what_the_bookings_leave_uncached() -> None:
     """A replica whose requests hit its cache takes in little prefill, however many it gets:
-    counted as requests x a typical uncached size, a shared system prompt's hits were priced
-    as full prompts (Azure's one-region fleet herded, docs/results.md)."""
+    counted as requests x a running average of their uncached size (starting at 1,000
+    tokens), its first cache hits were priced near full prompts (docs/results.md)."""
     s = FleetState(_spec())
     s.now = 0.0
     for _ in range(4):  # 4 requests of 1,000 prompt tokens on each: a prefills them, b has
