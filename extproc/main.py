@@ -29,18 +29,17 @@ from extproc.reload import POLL_INTERVAL_S, FleetReloader
 from extproc.service import ExtProcService, register
 from extproc.signals import Signals
 from extproc.telemetry import RouterMetrics, log_event
-from extproc.workers import supervise
+from extproc.workers import parse_rendered, supervise
 from gorgo import shutdown
 from gorgo._xds.envoy.service.ext_proc.v3 import external_processor_pb2
 from gorgo.core.contract import LIVE_SERVICE
-from gorgo.core.discovery import dns_sources, parse_discovered, refuse_clusters_file
+from gorgo.core.discovery import dns_sources, refuse_clusters_file
 from gorgo.core.fleet import (
     FleetError,
     FleetSpec,
     host_port,
     load_fleet,
     parse_fleet,
-    parse_yaml,
     read_fleet,
 )
 from gorgo.core.membership import EnvoyView, FleetDiff
@@ -417,7 +416,7 @@ def main(args: argparse.Namespace) -> int:
     unresolved = load_fleet(args.fleet)
     rendered = None
     if args.rendered_fleet_stdin:  # from the supervisor, which parsed it already
-        rendered = parse_discovered(parse_yaml(sys.stdin.read()), None, "rendered fleet")
+        rendered = parse_rendered(sys.stdin.read(), "rendered fleet")
     if args.cds_file:
         source = Path(args.fleet).name
         refuse_clusters_file(dns_sources(read_fleet(args.fleet), source), source)

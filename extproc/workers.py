@@ -66,7 +66,7 @@ from extproc.telemetry import log_event
 from gorgo import shutdown
 from gorgo.core.contract import WEIGHT_BOUNDS, WORKER_READ_TIMEOUT_S, WORKER_WRITE_TIMEOUT_S
 from gorgo.core.discovery import parse_discovered
-from gorgo.core.fleet import Limits, parse_yaml
+from gorgo.core.fleet import FleetSpec, Limits, parse_yaml
 from gorgo.errors import UserError, bind_error, check_port
 
 log = logging.getLogger("gorgo.workers")
@@ -117,6 +117,13 @@ class _Merged:
         return [*families.values(), *self.own.collect()]
 
 
+def parse_rendered(text: str, source: str) -> FleetSpec:
+    """The fleet document the supervisor started with (Envoy was rendered from it), as it and
+    every worker reading it from stdin (`--rendered-fleet-stdin`) parse it: validated, its
+    `discover:` entries unresolved, as `load_fleet` leaves them."""
+    return parse_discovered(parse_yaml(text), None, source)
+
+
 def worker_ports(base: int, n: int, metrics_port: int) -> list[int]:
     """The workers' gRPC ports: ``base`` and up, past the supervisor's metrics port (the
     defaults, 50051 and 50052, made worker 1 take the metrics port and the start fail); all 0
@@ -143,7 +150,7 @@ class Supervisor:
         # otherwise by then (`--rendered-fleet-stdin`).
         try:
             self.rendered: str | None = Path(args.fleet).read_text()
-            start = parse_discovered(parse_yaml(self.rendered), None, Path(args.fleet).name)
+            start = parse_rendered(self.rendered, Path(args.fleet).name)
             body_limit = start.limits.max_body_bytes
         except (OSError, UnicodeDecodeError, ValueError):  # the workers say why, as they start
             self.rendered, body_limit = None, Limits().max_body_bytes
