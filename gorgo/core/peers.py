@@ -313,7 +313,8 @@ class Echoes:
     only, never blocks in the prefix views (the peers' prompts are not this one)."""
 
     def __init__(self) -> None:
-        self._due: deque[tuple[float, int, int, int, int]] = deque()  # until, i, prompt, unc, n
+        # until, i, prompt, uncached, copies, and replica i's scrape time when echoed
+        self._due: deque[tuple[float, int, int, int, int, float]] = deque()
 
     def __len__(self) -> int:
         return len(self._due)
@@ -323,13 +324,17 @@ class Echoes:
         """Echo a choice made at ``now`` (the router expired the echoes due by then first)."""
         if copies > 0:
             s.echo(i, prompt_tokens, uncached, copies)
-            self._due.append((now + ECHO_S, i, prompt_tokens, uncached, copies))
+            self._due.append((now + ECHO_S, i, prompt_tokens, uncached, copies,
+                              float(s.eng_scraped_at[i])))
 
     def expire(self, s: FleetState, now: float) -> None:
+        """Take back the echoes due by ``now``; what a scrape since has already counted afresh
+        (the engine view of what was sent since it) is not taken back again."""
         due = self._due
         while due and due[0][0] <= now:
-            _, i, prompt_tokens, uncached, copies = due.popleft()
-            s.echo(i, prompt_tokens, uncached, -copies)
+            _, i, prompt_tokens, uncached, copies, scraped_at = due.popleft()
+            s.echo(i, prompt_tokens, uncached, -copies,
+                   engine_view=float(s.eng_scraped_at[i]) == scraped_at)
 
     def clear(self, s: FleetState) -> None:
         """Undo every echo (a reload re-indexes the fleet)."""

@@ -392,10 +392,13 @@ class FleetState:
         if arrival:
             self._note_arrival(i, prompt_tokens, uncached)
 
-    def echo(self, i: int, prompt_tokens: int, uncached: int, copies: int) -> None:
+    def echo(self, i: int, prompt_tokens: int, uncached: int, copies: int,
+             engine_view: bool = True) -> None:
         """``copies`` more requests like one just routed to replica i counted in flight and in
         its backlog (negative: the same taken back), for `gorgo.core.peers.Echoes`; not counted
-        as arrivals."""
+        as arrivals. ``engine_view`` False leaves out what this router sent since the last
+        scrape: an echo taken back after a scrape, which already started that count afresh
+        (taking it back there took a request routed since instead)."""
         self.version += 1
         self.inflight_reqs[i] += copies
         self.inflight_prompt_tokens[i] += copies * prompt_tokens
@@ -404,9 +407,10 @@ class FleetState:
         self.inflight_uncached[i] += copies * uncached
         self.backlog_tokens[i] = max(float(self.own_backlog(i)) + copies * uncached, 0.0)
         self.backlog_at[i] = self.now
-        self.eng_backlog_tokens[i] = max(float(self._sent_left(i)) + copies * uncached, 0.0)
-        self.eng_backlog_at[i] = self.now
-        self.sent_since_scrape[i] = max(self.sent_since_scrape[i] + copies * uncached, 0)
+        if engine_view:
+            self.eng_backlog_tokens[i] = max(float(self._sent_left(i)) + copies * uncached, 0.0)
+            self.eng_backlog_at[i] = self.now
+            self.sent_since_scrape[i] = max(self.sent_since_scrape[i] + copies * uncached, 0)
 
     def _note_arrival(self, i: int, prompt_tokens: int, uncached: int) -> None:
         if self._first_arrival is None:

@@ -87,6 +87,26 @@ def test_own_choices_echo_once_per_live_peer_until_their_bookings_can_come() -> 
     assert s.inflight_reqs.sum() == 0 and s.inflight_uncached.sum() == 0
 
 
+def test_an_echo_taken_back_after_a_scrape_leaves_what_was_sent_since() -> None:
+    # The scrape starts the engine view (what this router sent since it) afresh, echo and all:
+    # taking the echo back there too took away the next request's tokens instead.
+    def sent_since_scrape(live_peer: bool) -> tuple[float, float]:
+        a = Router(parse_fleet({**DOC, "replicas": DOC["replicas"][:1]}), id_prefix="a")
+        a.share()
+        if live_peer:
+            heard_from(a, "b", 0.0)
+        s = a.state
+        d = a.route(features(a, "first " * 400), 0.0)
+        assert isinstance(d, Decision)
+        s.observe_engine(d.replica, 0.001, queue_reqs=3.0, running_reqs=1.0, kv_usage=0.1)
+        a.route(features(a, "other " * 400), 0.002)
+        a.tick(0.002 + ECHO_S)
+        return float(s.sent_since_scrape.sum()), float(s._sent_left().sum())
+
+    assert sent_since_scrape(True) == pytest.approx(sent_since_scrape(False))
+    assert sent_since_scrape(False)[0] > 0
+
+
 def test_no_echo_without_live_peers_or_sharing() -> None:
     a, _ = pair()
     f = features(a, "alone " * 400)
