@@ -604,7 +604,7 @@ class FleetState:
         every one while none is routable: backoff spares the healthy ones a flapping replica's
         traffic, and with none healthy there is no traffic to spare, so the first replica back
         is re-admitted within one probe interval."""
-        if not self.healthy.any():
+        if not (self.healthy & ~self.draining).any():  # a draining replica takes no traffic
             return np.ones(self.n, dtype=bool)
         return self.healthy | (now >= self.retry_at)
 

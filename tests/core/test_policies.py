@@ -260,6 +260,15 @@ def test_retry_after_is_at_least_one_second() -> None:
     assert retry_after(s) == pytest.approx(s.spec.signals.probe_interval_s)  # all probed
     s.now = 3.9
     assert retry_after(s) == 1.0
+
+
+def test_retry_after_one_probe_interval_while_the_only_healthy_replicas_drain() -> None:
+    s = FleetState(spec())
+    s.draining[:] = [True, True, False]
+    for _ in range(3):
+        eject(s, 2, now=0.0)  # a long backoff: the fleet probes it each interval all the same
+    s.now = 0.5
+    assert retry_after(s) == pytest.approx(s.spec.signals.probe_interval_s)
     s.now = 50.0  # backoff over, not yet re-probed
     assert retry_after(s) == 1.0
     with pytest.raises(NoReplicaAvailable) as info:

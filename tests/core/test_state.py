@@ -244,6 +244,18 @@ def test_probe_due() -> None:
     assert not s.healthy[2]  # due for a probe, but not routable until one succeeds
 
 
+def test_every_replica_is_probed_while_the_only_healthy_ones_drain() -> None:
+    # Draining replicas take no traffic, so an ejected one's backoff spares them nothing: the
+    # first replica back is re-admitted within one probe interval, as with none healthy.
+    s = FleetState(spec())
+    s.draining[:] = [True, True, False]
+    for _ in range(FAILURES_TO_EJECT):
+        s.record_failure(2, now=50.0)
+    np.testing.assert_array_equal(s.probe_due(50.5), [True, True, True])
+    s.draining[1] = False  # one routable again: backoff as usual
+    np.testing.assert_array_equal(s.probe_due(50.5), [True, True, False])
+
+
 def test_set_weights_and_rates() -> None:
     s = FleetState(spec())
     v = s.version

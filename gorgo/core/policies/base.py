@@ -99,14 +99,15 @@ def routable_or_raise(s: FleetState) -> np.ndarray:
 
 def retry_after(s: FleetState) -> float:
     """Seconds until a replica the request could use may be back (at least 1): the first probe
-    of its ejected candidates, within one probe interval while none in the fleet is healthy
-    (then every replica is probed each interval, `FleetState.probe_due`)."""
+    of its ejected candidates, within one probe interval while none in the fleet is routable
+    (healthy and not draining: then every replica is probed each interval,
+    `FleetState.probe_due`)."""
     back = ~s.healthy & ~s.draining
     if s.candidates is not None:  # another model's healthy replica is no reason to come back
         back &= s.candidates
     if not back.any():
         return 1.0
     wait = float(np.min(s.retry_at[back])) - s.now
-    if not s.healthy.any():
+    if not (s.healthy & ~s.draining).any():
         wait = min(wait, s.spec.signals.probe_interval_s)
     return max(1.0, wait)
