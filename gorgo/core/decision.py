@@ -3,6 +3,7 @@ terms, in ms) or a rejection (no routable replica, or shed by admission control)
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -33,6 +34,9 @@ class Decision:
     id: str = ""
     # Per-replica costs the policy ranked by (lower is better), for explain and fallbacks.
     scores: np.ndarray | None = field(default=None, repr=False)
+    # The replicas it could have chosen (healthy, not draining, serving the request's model):
+    # a fallback among them where the policy scored every other one infinite ("not preferred").
+    routable: np.ndarray | None = field(default=None, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,10 +60,19 @@ RouteResult = Decision | Rejection
 
 def next_best(d: Decision) -> int | None:
     """The routable replica ranked right after the chosen one (lowest other score), or None:
-    where Envoy retries a failed attempt, live (`extproc.service`) and offline (`sim.offline`)."""
+    where Envoy retries a failed attempt, live (`extproc.service`) and offline (`sim.offline`).
+    Policies score a replica they do not prefer infinite (prefix-cache's uncached ones, irb's
+    unweighted ones, `slo`'s that miss the targets); when every other routable one is, the
+    fallback is one of those, spread by the decision's id, rather than no retry at all."""
     if d.scores is None:
         return None
     others = np.asarray(d.scores, dtype=float).copy()
     others[d.replica] = np.inf
     j = int(np.argmin(others))
-    return j if np.isfinite(others[j]) else None
+    if np.isfinite(others[j]):
+        return j
+    if d.routable is None:
+        return None
+    rest = np.flatnonzero(d.routable)
+    rest = rest[rest != d.replica]
+    return int(rest[zlib.crc32(d.id.encode()) % len(rest)]) if len(rest) else None

@@ -8,7 +8,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from gorgo.core.decision import NoReplicaAvailable
+from gorgo.core.decision import NoReplicaAvailable, next_best
 from gorgo.core.features import RequestFeatures, extract_features
 from gorgo.core.fleet import FleetSpec, parse_fleet
 from gorgo.core.policies import REGISTRY, make_policy
@@ -260,6 +260,26 @@ def test_retry_after_is_at_least_one_second() -> None:
     assert retry_after(s) == pytest.approx(s.spec.signals.probe_interval_s)  # all probed
     s.now = 3.9
     assert retry_after(s) == 1.0
+
+
+@pytest.mark.parametrize(("name", "fleet"), [
+    *((name, {}) for name in sorted(REGISTRY)),
+    ("gorgo", {"objective": "slo", "slo": {"ttft_ms": 500}}),
+])
+def test_every_policy_leaves_a_retry_replica_while_another_is_routable(
+        name: str, fleet: dict) -> None:
+    # Envoy retries a failed attempt on `next_best`: no fallback sent the 503 to the client.
+    doc = {"regions": {"local": {}}, "block_tokens": 4, "chars_per_token": 1.0, **fleet,
+           "replicas": [{"name": f"r{i}", "engine": "sim", "region": "local",
+                         "address": f"h:{i + 1}", "prefill_rate": 1000 if i == 0 else 100}
+                        for i in range(3)]}  # slow ones: irb weights them 0, an SLO misses
+    s = FleetState(parse_fleet(doc))
+    policy = make_policy(name, s.spec)
+    s.prefix.insert(0, prompt("a" * 400, s).block_hashes)  # cached on r0 only
+    d = policy.choose(prompt("a" * 400 + "b" * 40, s), s)
+    d.id = "d-1"
+    j = next_best(d)
+    assert j is not None and j != d.replica
 
 
 def test_retry_after_one_probe_interval_while_the_only_healthy_replicas_drain() -> None:

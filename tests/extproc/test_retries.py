@@ -59,6 +59,17 @@ def test_next_best_is_the_lowest_other_routable_score() -> None:
     assert next_best(Decision(replica=0, policy="p")) is None
 
 
+def test_next_best_falls_back_to_a_routable_replica_the_policy_scored_infinite() -> None:
+    # Policies score a replica they do not prefer infinite; a retry there beats none.
+    scores = np.array([np.inf, 10.0, np.inf, np.inf])
+    routable = np.array([True, True, False, True])
+    picks = {next_best(Decision(replica=1, policy="p", id=f"d-{k}", scores=scores,
+                                routable=routable)) for k in range(40)}
+    assert picks == {0, 3}  # spread over them, never the chosen or an unroutable one
+    alone = np.array([False, True, False, False])
+    assert next_best(Decision(replica=1, policy="p", scores=scores, routable=alone)) is None
+
+
 def _headers(pairs: dict[str, str], end: bool = False) -> pb.HttpHeaders:
     return pb.HttpHeaders(end_of_stream=end, headers=HeaderMap(headers=[
         HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs.items()]))

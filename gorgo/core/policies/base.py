@@ -70,7 +70,8 @@ class PolicyBase:
         ``tiebreak`` (evaluated only when there is a tie) narrows the tied replicas to those with
         its lowest value before the rotation.
         """
-        masked = np.where(s.routable(), scores, np.inf).astype(float, copy=False)
+        ok = s.routable()
+        masked = np.where(ok, scores, np.inf).astype(float, copy=False)
         best = float(np.fmin.reduce(masked))  # a NaN score never wins, nor hides the others
         if not math.isfinite(best):
             raise NoReplicaAvailable(retry_after(s))
@@ -86,7 +87,7 @@ class PolicyBase:
                 self._turns.clear()
             turn = self._turns[key] = self._turns.get(key, 0) + 1
             i = int(ties[turn % len(ties)])
-        return Decision(replica=i, policy=self.name, scores=masked)
+        return Decision(replica=i, policy=self.name, scores=masked, routable=ok)
 
 
 def routable_or_raise(s: FleetState) -> np.ndarray:
