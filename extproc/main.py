@@ -89,9 +89,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="OTLP/gRPC collector HOST:PORT for the router's decision spans "
                         "(default: none exported)")
     p.add_argument("--envoy-admin", type=address_arg, default=None,
-                   help="Envoy admin HOST:PORT, read for each replica's errors and ejections; "
-                        "required when the fleet skips the response-headers round trip "
-                        "(extproc.response_headers: skip)")
+                   help="Envoy admin HOST:PORT, read for each replica's errors and ejections "
+                        "when the fleet skips the response-headers round trip "
+                        "(extproc.response_headers: skip): required then, refused otherwise")
     p.add_argument("--workers", type=int, default=1,
                    help="router processes, each on its own gRPC port (PORT..PORT+N-1; list them "
                         "all in `gorgo envoy-config --extproc`), under one supervisor that owns "
@@ -425,6 +425,12 @@ def main(args: argparse.Namespace) -> int:
         raise UserError("the fleet skips the response-headers round trip "
                         "(extproc.response_headers: skip): pass --envoy-admin HOST:PORT so the "
                         "router still learns each replica's errors")
+    if args.envoy_admin and not unresolved.extproc.skip_response_headers:
+        # The router reads every answer's status itself: Envoy's counters of the same answers
+        # counted each failure twice (a replica ejected after two 503s, not three).
+        raise UserError("--envoy-admin is for a fleet that skips the response-headers round "
+                        "trip (extproc.response_headers: skip); this one sends them, and the "
+                        "router reads each answer's status from them: drop --envoy-admin")
     workers = args.workers if args.workers > 0 else (os.cpu_count() or 1)
     most = MAX_WORKERS_PER_CORE * (os.cpu_count() or 1)
     if not 0 <= args.workers <= most:

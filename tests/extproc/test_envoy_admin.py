@@ -191,3 +191,16 @@ def test_skip_without_envoy_admin_is_a_user_error(tmp_path: Path) -> None:
     fleet = tmp_path / "fleet.yaml"
     fleet.write_text(yaml.safe_dump(FLEET))
     assert main(["extproc", "--fleet", str(fleet), "--port", "0", "--metrics-port", "-1"]) == 2
+
+
+def test_envoy_admin_without_skip_is_a_user_error(tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    # Without the skip the router reads each answer's status: the poller counted them again.
+    import yaml
+
+    from gorgo.cli import main
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text(yaml.safe_dump({k: v for k, v in FLEET.items() if k != "extproc"}))
+    assert main(["extproc", "--fleet", str(fleet), "--port", "0", "--metrics-port", "-1",
+                 "--envoy-admin", "127.0.0.1:9901"]) == 2
+    assert "drop --envoy-admin" in capsys.readouterr().err
