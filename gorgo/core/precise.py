@@ -270,7 +270,9 @@ class PreciseCache:
 
         Tokens are the router's estimate (characters / chars_per_token, what ``prompt_tokens``
         counts), converted from the engine's tokens at the characters-per-token ratio of the part
-        of the prompt tokenized, so cached and uncached add up to the prompt."""
+        of the prompt tokenized (characters of the prompt, not of its chat template's markup:
+        `PromptTokenizer.token_chunks`), at most the prompt, so cached and uncached add up to
+        it."""
         tokens = np.zeros(self.n, dtype=np.int64)
         groups: dict[tuple, tuple[_Replica, int]] = {}
         for i, r in self.replicas.items():
@@ -291,14 +293,16 @@ class PreciseCache:
             live |= mask
             if walk.cut:
                 cut = [i for i in range(self.n) if mask >> i & 1 and blocks[i] == walk.blocks]
-                # The prompt's blocks beyond the walk, at the tokens per character tokenized.
-                total = f.prompt_chars * walk.tokens // max(walk.chars, 1) // r.hasher.block_size
+                # The prompt's blocks beyond the walk, at the tokens per character tokenized
+                # (token ids: the prompt's tokens are its ids).
+                total = (f.prompt_chars * walk.tokens // walk.chars if walk.chars
+                         else f.prompt_tokens) // r.hasher.block_size
                 cap = max(total - walk.blocks, 0)
                 for i in cut:
                     more = self._chain(walk.last, i, cap) * r.hasher.block_size * scale
                     tokens[i] += int(more)
                     short |= 1 << i
-        return live, tokens, short
+        return live, np.minimum(tokens, f.prompt_tokens), short
 
     def warm(self, f: RequestFeatures) -> None:
         """Tokenize and hash the whole prompt for every live replica's tokenizer, filling the

@@ -129,7 +129,7 @@ class PrefixIndex:
                     del holders[h]
 
     def clear(self, replica: int) -> None:
-        """Forget a replica's cache (it restarted, or was ejected)."""
+        """Forget a replica's cache (its engine restarted: `FleetState._count_outputs`)."""
         bit = 1 << replica
         holders = self._holders
         for h in self._lru[replica]:

@@ -56,7 +56,8 @@ class PromptTokenizer(Protocol):
 
     def token_chunks(self, f: RequestFeatures) -> Iterator[Chunk]:
         """The prompt's token ids in order, a chunk at a time, each with the number of prompt
-        characters it covers (0: unknown) and of ids tokenized afresh (what the precise lookup's
+        characters it covers as the router counts them (``prompt_chars``: a chat template's
+        markup scaled out; 0: unknown) and of ids tokenized afresh (what the precise lookup's
         budget counts); nothing for a non-inference request or one the template cannot
         render."""
         ...
@@ -83,7 +84,9 @@ class SimTokenizer:
             return np.empty(0, dtype=np.int64)
         cpt = self.chars_per_token
         starts = np.minimum(np.round(np.arange(start, stop) * cpt).astype(np.int64), size - 1)
-        lo, hi = int(starts[0]), min(size, round(stop * cpt))
+        # below one character per token the last tokens may start where the range would end
+        # (round(k * cpt) == round((k + 1) * cpt)): every token keeps its character
+        lo, hi = int(starts[0]), min(size, max(round(stop * cpt), int(starts[-1]) + 1))
         codes = np.frombuffer(text[lo:hi].encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
         starts -= lo
         pos = np.arange(codes.size)
@@ -271,13 +274,21 @@ class HFTokenizer:
             text = self.render(body, f.endpoint)
             if text is None:
                 return
+        # Characters counted as the router counts the prompt (``prompt_chars``): a chat
+        # template's markup is no part of it, and counted in, a conversation of short turns
+        # looked cached beyond its end.
+        scale = f.prompt_chars / len(text) if text else 1.0
         if not self.chunked:
             ids = self._encode(text, special)
-            yield ids, len(text), len(ids)
+            yield ids, round(len(text) * scale), len(ids)
             return
         if special:
             yield self._prefix, 0, 0
-        yield from self._chunks(text)
+        if scale == 1.0:
+            yield from self._chunks(text)
+            return
+        for ids, chars, fresh in self._chunks(text):
+            yield ids, round(chars * scale), fresh
 
 
 def load_tokenizer(name: str, chars_per_token: float) -> PromptTokenizer:

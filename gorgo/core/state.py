@@ -162,10 +162,14 @@ class FleetState:
 
     def uncached_tokens(self, features: RequestFeatures) -> np.ndarray:
         """Prompt tokens each replica would prefill for this request (memoised like the match;
-        several terms read it)."""
+        several terms read it). An engine computes at least the prompt's last token, so a
+        prompt cached whole is prefilled from its last full block on (vLLM and SGLang match
+        the prompt less its last token; the simulated engine does the same)."""
         key = (features, self.version)
         if self._uncached_for != key:
-            cached = self.matched_blocks(features) * self.spec.block_tokens
+            bt = self.spec.block_tokens
+            most = max(features.prompt_tokens - 1, 0) // bt
+            cached = np.minimum(self.matched_blocks(features), most) * bt
             self._uncached = np.maximum(features.prompt_tokens - cached, 0)
             self._uncached_for = key
         return self._uncached
@@ -487,7 +491,8 @@ class FleetState:
 
     def _count_outputs(self, i: int, generated: float, finished: float, active: float) -> None:
         """Teach ``outputs`` the increments of replica i's counters since its last scrape. A
-        counter that went down is an engine restart: the new values are only a baseline. An
+        counter that went down is an engine restart: the new values are only a baseline, and
+        the approximate view forgets what it believed the engine cached. An
         increment no engine could generate (`gorgo.core.outputs`) is skipped the same way."""
         g = scraped(generated, MAX_COUNTER, math.nan)
         d = scraped(finished, MAX_COUNTER, math.nan)
@@ -495,7 +500,10 @@ class FleetState:
             return
         old_g, old_d = float(self.eng_generated[i]), float(self.eng_finished[i])
         self.eng_generated[i], self.eng_finished[i] = g, d
-        if not (old_g == old_g and g >= old_g and d >= old_d):
+        if old_g != old_g:  # the first scrape: a baseline
+            return
+        if g < old_g or d < old_d:  # the engine restarted, its prefix cache empty
+            self.prefix.clear(i)
             return
         # every request that could have generated them (finished since, or ``active``: running or
         # waiting at either scrape), each at most the largest output a request may ask for, nor

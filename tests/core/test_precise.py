@@ -255,3 +255,60 @@ def test_demo_fleet_can_be_precise() -> None:
 
     spec = parse_fleet(fleet_document({"us-east": 2}, cache="precise"))
     assert all(r.cache == PRECISE and r.sim.flavor == "vllm" for r in spec.replicas)
+
+
+def hf_router(model_dir, block: int = 16) -> Router:
+    """One live precise replica with the served model's tokenizer (`model_dir`)."""
+    router = Router(parse_fleet({"regions": {"a": None}, "block_tokens": block, "replicas": [
+        {"name": "r0", "region": "a", "address": "127.0.0.1:9000", "engine": "vllm",
+         "cache": "precise", "tokenizer": str(model_dir)}]}))
+    router.state.observe_cache_config(0, block, 100_000, "sha256_cbor")
+    router.state.set_kv_synced(0, True)
+    return router
+
+
+def test_a_conversation_of_short_turns_is_not_cached_past_its_end(model_dir) -> None:
+    """The engine caches turn N's blocks; turn N+1 adds a message it must prefill. Engine
+    tokens converted at the rendered text's characters (markup included) made the cached part
+    larger than the prompt, and the new message looked cached."""
+    from gorgo.core.block_hashes import BlockHasher
+    from tests.support.tokenizer import words
+
+    router = hf_router(model_dir)
+    s = router.state
+    hf = s.precise.replicas[0].tokenizer
+
+    def chat(turns: list[dict]):
+        body = {"model": "m", "messages": turns, "max_tokens": 4}
+        return extract_features("/v1/chat/completions", {}, json.dumps(body).encode(), s.tok)
+
+    turns = [{"role": "user" if k % 2 == 0 else "assistant", "content": "route the cache"}
+             for k in range(40)]
+    before = [t for chunk, _, _ in hf.token_chunks(chat(turns)) for t in chunk]
+    s.apply_kv_events(0, [KVEvent(STORED, tuple(BlockHasher("sha256_cbor", 16).hashes(before)),
+                                  None, (), 16)])
+    f = chat([*turns, {"role": "user", "content": words(60, 7)}])
+    after = [t for chunk, _, _ in hf.token_chunks(f) for t in chunk]
+    new_share = (len(after) - len(before) // 16 * 16) / len(after)  # what the engine prefills
+    assert s.matched_blocks(f)[0] <= f.n_blocks
+    # (at the rendered text's characters: 16 of 224 tokens, the new message about 27; now 48,
+    # as the markup is spread evenly over the prompt, where the early short turns hold most)
+    assert s.uncached_tokens(f)[0] >= 0.8 * new_share * f.prompt_tokens
+
+
+def test_a_prompt_of_token_ids_is_cached_at_most_its_length(model_dir) -> None:
+    """The engine's chain of blocks runs on past the prompt (a longer conversation that begins
+    with it): followed past the walk's budget, the match stops at the prompt's end."""
+    from gorgo.core.block_hashes import BlockHasher
+
+    router = hf_router(model_dir)
+    s = router.state
+    ids = list(range(10, 4010))
+    hashes = BlockHasher("sha256_cbor", 16).hashes(ids)
+    s.apply_kv_events(0, [KVEvent(STORED, tuple(hashes[:10]), None, (), 16),
+                          KVEvent(STORED, tuple(hashes[10:]), hashes[9], (), 16)])
+    body = {"model": "m", "prompt": ids[:800], "max_tokens": 4}
+    f = extract_features("/v1/completions", {}, json.dumps(body).encode(), s.tok)
+    _, tokens, short = s.precise.cached_tokens(f, 256)
+    assert short == 1 and tokens[0] == 800  # followed on, up to the prompt's 800 tokens
+    assert s.matched_blocks(f)[0] == f.n_blocks

@@ -1,10 +1,9 @@
 """Prompt token ids as the engine runs them: the simulated tokenizer, and a served model's
-tokenizer and chat template (built here: a small byte-level BPE, no download)."""
+tokenizer and chat template (`tests.support.tokenizer`: a small byte-level BPE, no download)."""
 
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 
 import numpy as np
@@ -14,36 +13,9 @@ from gorgo.core.features import extract_features
 from gorgo.core.fleet import FleetError
 from gorgo.core.prompt_tokens import HFTokenizer, SimTokenizer, load_tokenizer
 from gorgo.core.tokens import Tokenization
+from tests.support.tokenizer import words
 
-TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}</s>\n"
-            "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 TOK = Tokenization()
-
-
-def words(n: int, seed: int = 0) -> str:
-    rng = random.Random(seed)
-    vocab = ["route", "the", "cache", "  ", "\n", "Prefix", "42,", "blocks.", "héllo", "\t",
-             "x=y", "don't", "(KV)", "--", "tokens"]
-    return " ".join(rng.choice(vocab) for _ in range(n))
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    tokenizers = pytest.importorskip("tokenizers")
-    transformers = pytest.importorskip("transformers")
-    tok = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = tokenizers.decoders.ByteLevel()
-    trainer = tokenizers.trainers.BpeTrainer(
-        vocab_size=400, special_tokens=["<unk>", "<s>", "</s>"],
-        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator([words(3000, s) for s in range(3)], trainer)
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>",
-                                                eos_token="</s>", unk_token="<unk>")
-    fast.chat_template = TEMPLATE
-    out = tmp_path_factory.mktemp("tok")
-    fast.save_pretrained(out)
-    return out
 
 
 def features(body: dict, path: str = "/v1/chat/completions"):
@@ -63,6 +35,29 @@ def test_sim_tokenizer_counts_as_the_router_and_shares_prefixes() -> None:
     assert len(ia) == fa.prompt_tokens and len(ib) == fb.prompt_tokens
     assert ib[: len(ia) - 1] == ia[:-1]  # all but a partial last token
     assert max(ia) < 2**17 and ia == sim.ids(a).tolist()
+
+
+@pytest.mark.parametrize("cpt", [0.5, 0.7, 1.0, 2.5])
+def test_sim_tokenizer_ids_in_chunks_equal_whole_text(cpt: float) -> None:
+    # Below one character per token a chunk's last tokens may share one character: every
+    # chunk still has as many ids as tokens (a chunk of them raised IndexError).
+    sim, text = SimTokenizer(cpt), "漢字" * 1500
+    n = sim.count(len(text))
+    whole = sim.ids(text)
+    chunks = np.concatenate([sim.ids(text, k, k + 1024) for k in range(0, n, 1024)])
+    assert len(whole) == n and chunks.tolist() == whole.tolist()
+
+
+def test_hf_chunks_count_the_prompts_characters_not_the_templates(model_dir: Path) -> None:
+    # The precise view converts engine tokens to the router's at these characters: counted
+    # with the template's markup, a conversation of short turns looked cached past its end.
+    hf = HFTokenizer(str(model_dir))
+    turns = [{"role": "user" if k % 2 == 0 else "assistant", "content": "route the cache"}
+             for k in range(40)]
+    f = features({"messages": turns})
+    chunks = list(hf.token_chunks(f))
+    assert len(hf.render(f.body, "chat") or "") > 1.5 * f.prompt_chars  # mostly markup
+    assert abs(sum(chars for _, chars, _ in chunks) - f.prompt_chars) <= len(chunks)
 
 
 def test_hf_chunks_equal_whole_text(model_dir: Path) -> None:

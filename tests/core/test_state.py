@@ -297,6 +297,27 @@ def test_matched_and_uncached_tokens() -> None:
     np.testing.assert_array_equal(s.uncached_tokens(g), [12, 8, 12])
 
 
+@pytest.mark.parametrize(("chars", "uncached"), [(16, 4), (15, 3), (17, 1), (4, 4), (1, 1)])
+def test_a_prompt_cached_whole_still_prefills_its_last_block(chars: int, uncached: int) -> None:
+    # Engines compute at least the last token: of a prompt cached whole they reuse the full
+    # blocks before it (16 tokens in blocks of 4: 12 reused, 4 computed, as the engine does).
+    s = FleetState(spec())
+    f = prompt("a" * chars, s)
+    s.record_sent(0, f, chars)
+    assert s.uncached_tokens(f)[0] == uncached
+
+
+def test_an_engine_restart_empties_the_approximate_view_of_its_cache() -> None:
+    s = FleetState(spec())
+    f = prompt("a" * 40, s)
+    s.record_sent(0, f, 40)
+    s.observe_engine(0, 0.0, 0, 1, 0.1, generated=5000.0, finished=10.0)
+    s.observe_engine(0, 1.0, 0, 1, 0.1, generated=6000.0, finished=12.0)
+    assert s.matched_blocks(f)[0] == 10  # counters going up: the same engine
+    s.observe_engine(0, 2.0, 0, 0, 0.0, generated=30.0, finished=1.0)  # back near 0: restarted
+    assert s.matched_blocks(f)[0] == 0 and s.uncached_tokens(f)[0] == 40
+
+
 def test_record_sent_caches_prefix_and_counts_inflight() -> None:
     s = FleetState(spec())
     f = prompt("a" * 16, s)
