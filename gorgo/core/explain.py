@@ -61,6 +61,8 @@ def explain(router: Router, f: RequestFeatures, now: float) -> Explanation:
         terms = cost_terms(f, s)
         weights, _ = s.scoring()
         total = terms.total(weights, latency_only=True)  # as the decision predicts it
+        if refused is None:
+            refused = router.shed_check(f, total)  # as `route` sheds it
         winner: int | None = None
         scores = np.full(s.n, np.inf)
         if refused is None:

@@ -254,8 +254,9 @@ class Router:
             # Predicted TTFT, what the span reports and admission compares with the SLO: the
             # TTFT terms that are latencies of this request (not the penalty or congestion).
             predicted = terms.total(weights, latency_only=True)
-            shed = self._admit(f, predicted)
+            shed = self.shed_check(f, predicted)
             if shed is not None:
+                self.shed_count += 1
                 return shed
             d = self.policy_for(f).choose(f, s)
             i = d.replica
@@ -328,8 +329,9 @@ class Router:
                 del self.routed[min(self.routed)]
         by_policy[policy] = by_policy.get(policy, 0) + 1
 
-    def _admit(self, f: RequestFeatures, latency: np.ndarray) -> Rejection | None:
-        """Shed when even the best routable replica is predicted past this request's limit.
+    def shed_check(self, f: RequestFeatures, latency: np.ndarray) -> Rejection | None:
+        """The 429 shedding this request (counted by `route`, not here: `explain` asks too):
+        when even the best routable replica is predicted past its limit.
 
         The limit is the SLO stretched by priority, so higher priorities are shed later and no
         request whose best replica meets the SLO is ever shed. ``latency`` leaves out penalties:
@@ -346,7 +348,6 @@ class Router:
         limit = shed.slo_ms * (1.0 + shed.priority_step * priority)
         if best <= limit:
             return None
-        self.shed_count += 1
         return Rejection(
             429, SHED, max(1.0, (best - shed.slo_ms) / 1000.0),
             f"The fleet is overloaded: best predicted TTFT {best:.0f} ms exceeds the limit "

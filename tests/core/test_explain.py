@@ -51,6 +51,19 @@ def test_explain_when_nothing_is_routable() -> None:
     assert exp.winner is None and "no replica" in exp.reason
 
 
+def test_explain_says_when_routing_sheds_the_request() -> None:
+    spec = parse_fleet({"regions": {"a": {}}, "chars_per_token": 1.0, "shedding": {"slo_ms": 10},
+                        "replicas": [{"name": "r0", "engine": "sim", "region": "a",
+                                      "address": "127.0.0.1:1", "prefill_rate": 1000}]})
+    r = Router(spec)
+    body = json.dumps({"prompt": "x" * 400}).encode()  # 400 ms of prefill, past the 10 ms SLO
+    f = extract_features("/v1/completions", {}, body, r.state.tok)
+    exp = explain(r, f, 1.0)
+    assert exp.winner is None and "refuses it (429)" in exp.reason
+    assert r.shed_count == 0  # explaining sheds nothing
+    assert r.route(f, 1.0).status == 429 and r.shed_count == 1
+
+
 def test_explain_considers_only_the_replicas_routing_would() -> None:
     """A replica too small for the request, or not serving its model, never wins the
     explanation: it skipped the model and KV checks, so it named replicas routing never chose,
