@@ -33,8 +33,8 @@ from gorgo.harness.multiproxy import ProxyPerRegion
 from gorgo.harness.nats_proc import NatsProcess
 from gorgo.harness.stack import LiveStack, StackOptions, with_free_ports
 from gorgo.progress import StatusLine
-from gorgo.sim import routers
-from gorgo.sim.stats import percentile, summarize
+from gorgo.sim import bench, routers
+from gorgo.sim.stats import summarize
 from gorgo.sim.workload import tokenization, workload_from_requests
 
 SINGLE = "single proxy"
@@ -244,14 +244,15 @@ def client_felt(spec: FleetSpec, runs: list[LiveRun], shared: list[LiveRun],
     the client's region and its proxy's is added (`gorgo.sim.routers.link_from`, as the offline
     simulation's client figures)."""
     def p95s(pairs: list[tuple[LiveRun, str]]) -> tuple[float, float]:
-        ttft, e2e = [], []  # of the served requests, as the table's figures
+        ttft, e2e = [], []  # as the table counts them: a failed request infinitely slow
         for run, proxy in pairs:
-            for r in run.ok():
+            for r in run.answered():
                 leg = routers.link_from(spec, client_of[r.index], proxy)[0]
                 first = r.first_answer_ms
-                ttft.append(None if first is None else first + leg)
-                e2e.append(None if r.e2e_ms is None else r.e2e_ms + leg)
-        return percentile(ttft, 95) or math.nan, percentile(e2e, 95) or math.nan
+                ttft.append(math.inf if first is None else first + leg)
+                e2e.append(r.e2e_ms + leg if r.outcome == "ok" and r.e2e_ms is not None
+                           else math.inf)
+        return bench.pct(np.array(ttft), 95), bench.pct(np.array(e2e), 95)
 
     if single is None or not runs:
         return []
@@ -263,10 +264,18 @@ def client_felt(spec: FleetSpec, runs: list[LiveRun], shared: list[LiveRun],
         if not arm:
             continue
         mine = p95s(list(zip(arm, REGIONS, strict=True)))
-        out.append(f"  {label}: p95 TTFT {mine[0]:.0f} ms ({mine[0] / one[0]:.2f}x one "
-                   f"proxy's {one[0]:.0f}), E2E p95 {mine[1]:.0f} ms ({mine[1] / one[1]:.2f}x "
-                   f"one proxy's {one[1]:.0f}).")
+        out.append(f"  {label}: p95 TTFT {_vs(mine[0], one[0])}, E2E p95 "
+                   f"{_vs(mine[1], one[1])}.")
     return out
+
+
+def _vs(mine: float, one: float) -> str:
+    """``mine`` ms against one proxy's ``one`` ms; ∞ where more requests failed than the
+    percentile leaves out."""
+    def ms(v: float) -> str:
+        return f"{v:.0f} ms" if math.isfinite(v) else "∞"
+    ratio = f"{mine / one:.2f}x" if math.isfinite(mine) and math.isfinite(one) and one else "-"
+    return f"{ms(mine)} ({ratio} one proxy's {ms(one)})"
 
 
 def main(args: argparse.Namespace, requests, doc: dict, out: Path,

@@ -215,6 +215,8 @@ def ci95(values: Sequence[float]) -> Stat:
     n = int(arr.size)
     if n == 0:
         return Stat(math.nan, math.nan, 0, math.nan)
+    if np.isposinf(arr).all():  # unbounded in every run: unbounded beyond any noise
+        return Stat(math.inf, math.nan, n, 0.0)
     if not np.isfinite(arr).all():
         return Stat(math.inf, math.nan, n, math.inf)
     mean = float(arr.mean())
@@ -394,7 +396,10 @@ def losses(t: Table) -> list[str]:
     out = []
     for cs in goal_check(t).values():
         for c in cs:
-            if is_bound(c.other) or not c.mine.mean > c.theirs.mean:
+            # worse by the paired ratio the table and the goal read (the plain means can
+            # disagree with it either way)
+            worse = c.ratio.mean > 1.0 if c.ratio.n else c.mine.mean > c.theirs.mean
+            if is_bound(c.other) or not worse:
                 continue
             head, unit = TABLE_METRICS[c.metric]
             out.append(
@@ -869,11 +874,11 @@ def _kept_runs(args: argparse.Namespace, workloads: list[Workload], policies: li
 
 def load_runs(doc: dict[str, Any]) -> list[dict[str, Any]]:
     """The runs of a results.json document, JSON's nulls back to non-finite numbers: +inf for
-    latencies (failed requests), else NaN."""
+    latencies (failed requests; the routers' and the clients' TTFT and E2E), else NaN."""
     runs = []
     for r in doc["runs"]:
         r = dict(r)
-        r["metrics"] = {k: (math.inf if k.startswith(("ttft_", "e2e_")) else math.nan)
+        r["metrics"] = {k: (math.inf if "ttft_" in k or "e2e_" in k else math.nan)
                         if v is None else v for k, v in r["metrics"].items()}
         runs.append(r)
     return runs

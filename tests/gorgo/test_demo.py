@@ -187,3 +187,20 @@ def test_a_hung_up_terminal_is_left_so_the_demo_can_finish() -> None:
             "print('the stop line'); print('the report', file=sys.stderr)\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=120)
     assert done.returncode == 0
+
+
+def test_a_policy_named_twice_in_the_baselines_is_refused() -> None:
+    for baselines in ("round-robin,round-robin", "gorgo,round-robin"):
+        with pytest.raises(ValueError, match="named twice"):
+            demo.live_policies(argparse.Namespace(baselines=baselines))
+
+
+def test_the_live_cdf_counts_failed_requests_in_its_total() -> None:
+    # 40 % failed: the curve stops at 0.6 of the requests, as the offline chart's does.
+    class Axes:
+        def step(self, x, y, where: str, label: str) -> None:
+            self.top, self.points = float(y[-1]), len(x)
+
+    ax = Axes()
+    demo._cdf(ax, [100.0, 200.0, 300.0, np.inf, np.inf], "p")
+    assert ax.top == pytest.approx(0.6) and ax.points == 3

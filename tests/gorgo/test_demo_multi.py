@@ -60,7 +60,22 @@ def test_the_clients_way_to_their_proxy_is_added() -> None:
     lines = client_felt(spec, runs, [], single, client_of)
     assert len(lines) == 2  # the heading, then the proxies' own bookings (no shared run)
     per_region = float(lines[1].split("p95 TTFT ")[1].split(" ms")[0])
-    one = float(lines[1].split("one proxy's ")[1].split(")")[0])
+    one = float(lines[1].split("one proxy's ")[1].split(" ms)")[0])
     assert per_region == pytest.approx(137.0, abs=1)  # the report gives whole milliseconds
     assert one == pytest.approx(float(np.percentile([137.0, 379.0, 556.0], 95)), abs=1)
     assert client_felt(spec, runs, [], None, client_of) == []
+
+
+def test_the_clients_figures_count_a_failed_request_as_the_table_does() -> None:
+    # A fifth of one proxy's requests failed: its p95 is unbounded in the table, and was read
+    # here off the served ones alone (0.58x the one proxy's).
+    spec = parse_fleet(fleet_document({r: 2 for r in REGIONS}, profile="h100-llama3-8b"))
+    client_of = {k: "us-east" for k in range(100)}
+    failed = [RequestRecord(k, None, 10, 10, 0.0, outcome="http_error", status=503)
+              for k in range(0, 100, 5)]
+    served = [_served(k, 100.0) for k in range(100) if k % 5]
+    runs = [LiveRun("proxy us-east", failed + served),
+            *(LiveRun(f"proxy {g}", []) for g in REGIONS[1:])]
+    single = LiveRun("single proxy", [_served(k, 200.0) for k in range(100)])
+    line = client_felt(spec, runs, [], single, client_of)[1]
+    assert "p95 TTFT ∞ (- one proxy's" in line and "E2E p95 ∞" in line

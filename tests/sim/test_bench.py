@@ -15,6 +15,7 @@ from gorgo.core.fleet import parse_fleet
 from gorgo.sim.bench import (
     ci95,
     goal_check,
+    load_runs,
     losses,
     nested_ci,
     parse_policies,
@@ -283,3 +284,37 @@ def test_the_capacity_key_covers_what_changes_the_probe() -> None:
     shed = replace(spec, shedding=replace(spec.shedding, slo_ms=500.0))
     assert fleet_digest(shed) != fleet_digest(spec)
     assert fleet_digest(replace(spec, name="other")) == fleet_digest(spec)
+
+
+def _run(policy: str, seed: int, ttft: float, e2e: float) -> dict:
+    return {"policy": policy, "seed": seed, "load": 0.5,
+            "metrics": {"ttft_p95_ms": ttft, "e2e_p95_ms": e2e}}
+
+
+def test_a_ratio_unbounded_in_every_run_is_a_loss_beyond_the_noise() -> None:
+    runs = [_run("gorgo", k, math.inf, 9000.0) for k in (1, 2, 3)]
+    runs += [_run("round-robin", k, 800.0 + k, 9500.0 + k) for k in (1, 2, 3)]
+    t = next(iter(tables(runs).values()))
+    assert ci95([math.inf] * 3).lo == math.inf
+    (said,) = [x for x in losses(t) if "TTFT" in x]
+    assert "beyond the noise" in said
+
+
+def test_where_gorgo_loses_is_read_off_the_paired_ratio() -> None:
+    # Worse by 25 % in two of three runs, lower on the plain mean (the third run's level): the
+    # table's ratio is 1.13x, so it loses there; it said "nowhere".
+    runs = []
+    for k, (mine, theirs) in enumerate([(1000, 800), (1000, 800), (9000, 10000)], 1):
+        runs += [_run("gorgo", k, 100.0, mine), _run("round-robin", k, 200.0, theirs)]
+    t = next(iter(tables(runs).values()))
+    (said,) = losses(t)
+    assert "E2E" in said and "1.13" in said
+
+
+def test_unbounded_client_figures_come_back_unbounded() -> None:
+    doc = json.loads(json.dumps({"runs": [{"policy": "p", "seed": 0, "load": 1.0, "metrics": {
+        "ttft_p95_ms": None, "client_ttft_p95_ms": None, "client_e2e_p95_ms": None,
+        "cache_hit": None}}]}))
+    m = load_runs(doc)[0]["metrics"]
+    assert m["client_ttft_p95_ms"] == m["client_e2e_p95_ms"] == m["ttft_p95_ms"] == math.inf
+    assert math.isnan(m["cache_hit"])
