@@ -369,6 +369,12 @@ class Engine:
                     self._log_stored(r, stored)
                 if len(stored) < full - r.held:  # shared another's copy: its own space is freed
                     self._head_blocked = False
+                elif stored and self._head_blocked and self._waiting:
+                    # the waiting head's cached prefix grew (a request of the same prompt):
+                    # it needs less, so it is tried again, as the engines try it every step
+                    head = self._waiting[0].hashes
+                    if len(head) > stored[0] and head[stored[0]] == r.hashes[stored[0]]:
+                        self._head_blocked = False
                 r.private -= (full - r.held) * bt
                 r.held = full
             if r.prefilled == r.prompt_tokens:
@@ -494,8 +500,10 @@ class Engine:
             num_waiting=len(self._waiting),
             num_running=len(self._prefilling) + len(self._decoding),
             num_decoding=len(self._decoding),
-            kv_usage=(cache.pinned_tokens - self._unused_reserved) / cap,
-            cache_usage=(cache.used_tokens - self._unused_reserved) / cap,
+            # what the engines' gauges count: blocks allocated a chunk at a time, so neither the
+            # output not generated yet nor the prompt not prefilled yet
+            kv_usage=(cache.pinned_tokens - self._unused_reserved - self._pending_prefill) / cap,
+            cache_usage=(cache.used_tokens - self._unused_reserved - self._pending_prefill) / cap,
             waiting_prompt_tokens=self._waiting_tokens,
             pending_prefill_tokens=self._pending_prefill,
             prompt_tokens_total=self._prompt_total,

@@ -419,3 +419,35 @@ def test_clone_evolves_alone_and_exactly_as_the_original():
 def astuple_step(r: StepResult) -> tuple:
     return (r.start, r.end, r.first_end, r.steps, r.prefill_tokens, r.first_tokens, r.decoded,
             r.finished)
+
+
+def test_a_waiting_head_whose_prompt_gets_cached_is_admitted_at_once() -> None:
+    # B waits for KV space behind A, which prefills the same prompt: once A's blocks are cached
+    # B needs its last block and its output only, which fit; it waited for A's end (243 ms).
+    tok = Tokenization(chars_per_token=4.0, block_tokens=16)
+    profile = replace(PROFILES["tiny-test"], kv_capacity_tokens=1024, prefill_chunk_tokens=512)
+    hashes = np.arange(40, dtype=np.uint64) + np.uint64(7)  # a 640-token prompt
+    eng = Engine(profile, tok)
+    eng.submit(EngineRequest("A", 640, hashes, 200, 0.0), 0.0)
+    eng.submit(EngineRequest("B", 640, hashes, 100, 0.0), 0.0)
+    first: dict[str, float] = {}
+    t = 0.0
+    while eng.has_work():
+        res = eng.step(t)
+        first.update((f.rid, res.first_end) for f in res.first_tokens)
+        t = res.end
+    assert first["B"] < 0.05 < first["A"] + 0.1 < t
+
+
+def test_kv_usage_counts_the_prompt_as_it_is_prefilled() -> None:
+    # The engines allocate KV a chunk at a time: a 32k prompt after one 8k chunk holds 8k.
+    profile, tok = PROFILES["h100-llama3-8b"], Tokenization()
+    n = 32768
+    eng = Engine(profile, tok)
+    eng.submit(EngineRequest("a", n, np.arange(1, n // tok.block_tokens + 1, dtype=np.uint64),
+                             100, 0.0), 0.0)
+    eng.step(0.0)
+    m = eng.metrics()
+    computed = n - m.pending_prefill_tokens
+    assert 0 < computed < n
+    assert m.kv_usage * profile.kv_capacity_tokens == pytest.approx(computed)
