@@ -903,8 +903,8 @@ class Tuner:
         well they route (on the Azure trace, fitted queue weights of 0.1-0.4 predict better than
         1 and route 1.15-1.3x worse), so sane weights are left to the evaluations."""
         if not (self.cfg.model_start and self.evaluations == 0 and self.model_tried is None
-                and self.fit is not None):
-            return None
+                and self.fit is not None and not self._pending and self._eval is None):
+            return None  # (an evaluation still open measured the incumbent this would replace)
         if self.fit.dominated(self.cfg.max_source_share):
             return None  # no single export decides: the evaluations will
         fitted = self._model_candidate()  # far from the incumbent, or None

@@ -1241,3 +1241,34 @@ def test_slo_monitoring_takes_binomial_noise_for_no_drift() -> None:
     assert all(h["event"] != "restart" for h in steady.history)
     moved = _slo_monitor([12, 12, 40, 40, 40])  # 6 % -> 20 %
     assert [h["reason"] for h in moved.history if h["event"] == "restart"] == ["drift"]
+
+
+def test_the_start_is_not_replaced_while_the_first_evaluation_is_open() -> None:
+    """A warm-up with no fit rows (its requests failed): the first evaluation measures the start
+    against a step. Adopting fitted weights while it waited for its last request replaced the
+    incumbent its verdict then applied to (a step of the old start became the incumbent,
+    never compared with the adopted weights)."""
+    rng = np.random.default_rng(1)
+    count = iter(range(10_000))
+
+    def sample(version: int, queue: float, status: int = 200) -> Sample:
+        ttft = 350.0 + 2.0 * queue + float(rng.normal(0.0, 5.0))
+        return Sample(ttft, ttft + 400.0, status, "r0", "near", "gorgo", version, 0.0,
+                      {"rtt": 50.0, "queue": queue, "admission": 0.0, "prefill": 300.0,
+                       "penalty": 0.0}, 0, 100, decision_id=f"d{next(count)}")
+
+    t = Tuner(START, W(20.0, 0.05), seed=0)
+    warm = t.next_weights(0.0)
+    for _ in range(4 * START.model_start_samples):  # the warm-up ends on its sample cap
+        t.observe(sample(warm.weights.version, 0.0, status=503))
+    first = t.next_weights(1.0)
+    assert first.arm == INCUMBENT
+    for _ in range(10):
+        t.observe(sample(first.weights.version, 1000.0))
+    cand = t.next_weights(2.0)
+    t.routed(cand.weights.version, 11)
+    for _ in range(10):  # queues vary now (a fit is possible); one request still out
+        t.observe(sample(cand.weights.version, float(rng.uniform(0, 300))))
+    t.next_weights(3.0)
+    assert t._pending and t.incumbent == W(20.0, 0.05)
+    assert all(h.get("event") != "adopted" for h in t.history)
