@@ -540,7 +540,11 @@ def render_bootstrap(
                              "timeout": _duration(t.connect_ms / 1000)},
             "message_timeout": _duration(t.message_ms / 1000),
             "failure_mode_allow": True,
-            "metadata_options": {"receiving_namespaces": {"untyped": [METADATA_NAMESPACE]}},
+            # The picker's endpoint travels in its own namespace; with the request headers
+            # skipped Envoy sets it from the body answer's metadata, which it keeps only from the
+            # namespaces named here (without it the picker route never matched).
+            "metadata_options": {"receiving_namespaces": {"untyped": [
+                METADATA_NAMESPACE, *([PICKER_NAMESPACE] if picker and skip_request else [])]}},
             # Only what the router reads: never a client's authorization or cookies.
             "forward_rules": {"allowed_headers": {"patterns": [
                 {"exact": h} for h in ROUTER_READS]}},
@@ -689,6 +693,11 @@ def render_bootstrap(
             "lb_policy": "CLUSTER_PROVIDED",
             "connect_timeout": _duration(t.connect_ms / 1000),
             "original_dst_lb_config": {"use_http_header": True, "http_header_name": PICKER_HEADER},
+            # Envoy's defaults (1,024 requests) held the 1,025th concurrent stream of the whole
+            # fleet behind another: the same thresholds as every replica cluster.
+            "circuit_breakers": {"thresholds": [{
+                "max_connections": 100000, "max_pending_requests": 100000,
+                "max_requests": 100000}]},
         })
     return {
         "admin": {"address": {"socket_address": {"address": ahost, "port_value": aport}}},

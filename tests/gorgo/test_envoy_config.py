@@ -317,6 +317,29 @@ def test_skipped_request_headers_with_picker_and_retries_pass_envoy_validate(
     _validate(tmp_path, render_yaml(spec, picker=True, otlp="127.0.0.1:4317"))
 
 
+@pytest.mark.parametrize("request_headers", ["send", "skip"])
+def test_the_picker_endpoint_reaches_envoy_in_every_mode(request_headers: str) -> None:
+    # With the request headers skipped Envoy sets the picker header from the body answer's
+    # metadata, kept only from the namespaces it receives: it served the cluster's choice.
+    from gorgo.core.contract import PICKER_NAMESPACE
+
+    doc = yaml.safe_load(EXAMPLE.read_text())
+    spec = parse_fleet({**doc, "extproc": {"request_headers": request_headers,
+                                           "response_headers": "skip"}})
+    hcm = _hcm(render_bootstrap(spec, picker=True))
+    ext = hcm["http_filters"][0]["typed_config"]
+    received = ext["metadata_options"]["receiving_namespaces"]["untyped"]
+    assert (PICKER_NAMESPACE in received) is (request_headers == "skip")
+
+
+def test_the_picker_cluster_has_the_replica_clusters_thresholds() -> None:
+    # Envoy's defaults (1,024 requests) queued the 1,025th concurrent stream of the fleet.
+    boot = render_bootstrap(load_fleet(EXAMPLE), picker=True)
+    clusters = {c["name"]: c for c in boot["static_resources"]["clusters"]}
+    (limits,) = clusters[PICKER_CLUSTER]["circuit_breakers"]["thresholds"]
+    assert limits["max_requests"] == limits["max_pending_requests"] == 100000
+
+
 # Runs `envoy --mode validate`.
 @pytest.mark.envoy
 def test_the_ttft_log_goes_to_the_tuner_with_the_token(tmp_path: Path) -> None:
