@@ -281,7 +281,7 @@ class Window:
     def add(self, s: Sample) -> None:
         """A decision's first sample: its TTFT (an early one: the stream is still open), and its
         E2E too unless early (`end` adds it then)."""
-        if s.source is not None:
+        if s.source is not None and not (self.needs_end and s.ok):  # (else counted at `end`)
             self.sources[s.source] += 1
         if s.ok:
             self.ttft.append(s.ttft_ms)
@@ -298,13 +298,20 @@ class Window:
         that failed after its first byte is an error where the objective scores the whole
         request (else it would be neither scored nor an error: missing, then left out), as is
         one cut with a 2xx status (`Sample.cut`)."""
+        scored = False
         if s.ok and not s.cut:
             self.e2e.append(s.e2e_ms)
             if s.arrival_s > 0:
                 self.e2e_arrival.append(s.arrival_s)
+            scored = True
         elif self.needs_end and s.decision_id not in self.failed:  # once per request
             self.errors += 1
             self.failed.add(s.decision_id)
+            scored = True
+        # Where the E2E is scored, the export that carried it is the one whose word counts
+        # (`dominated`), not that of the request's early TTFT record.
+        if self.needs_end and scored and s.source is not None:
+            self.sources[s.source] += 1
 
     @property
     def n(self) -> int:

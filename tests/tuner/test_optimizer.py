@@ -1272,3 +1272,28 @@ def test_the_start_is_not_replaced_while_the_first_evaluation_is_open() -> None:
     t.next_weights(3.0)
     assert t._pending and t.incumbent == W(20.0, 0.05)
     assert all(h.get("event") != "adopted" for h in t.history)
+
+
+@pytest.mark.parametrize(("early", "spans", "event"), [
+    ("one", "each", "evaluation"),  # the scored E2Es came in ten exports: scored
+    ("each", "one", "discarded"),  # one export carried every scored E2E: its word alone
+])
+def test_under_e2e_the_export_that_carried_the_score_is_counted(
+        early: str, spans: str, event: str) -> None:
+    """The one-export rule counted each request's early TTFT record's export, which carries no
+    scored value under `e2e`, and never its span's."""
+    terms = {"rtt": 1.0, "queue": 0.0, "admission": 0.0, "prefill": 0.0, "penalty": 0.0}
+    t = Tuner(OptimizerConfig(objective="e2e", model_step=False, calibrate=False,
+                              window_samples=10, pairs=1), seed=0)
+    p = t.next_weights(0.0)
+    for k in range(2):
+        v = p.weights.version
+        t.routed(v, 10)
+        for i in range(10):
+            s = Sample(300.0, 900.0 - 200 * k, 200, "r0", "near", "gorgo", v, 300.0,
+                       dict(terms), 0, 100, decision_id=f"{k}-{i}", start_unix_s=1e9 + i)
+            t.observe(replace(s, e2e_ms=math.nan,
+                              source=100 + k if early == "one" else 10 * k + i))
+            t.observe_end(replace(s, source=100 + k if spans == "one" else 10 * k + i))
+        p = t.next_weights(k + 1.0) or p
+    assert t.history[-1]["event"] == event
