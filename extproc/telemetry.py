@@ -65,7 +65,11 @@ def log_event(logger: logging.Logger, event: str, level: int = logging.INFO, **f
     message."""
     def text(v: Any) -> str:
         v = f"{v:g}" if isinstance(v, float) else str(v)
-        return f'"{v}"' if not v or any(c in v for c in ' ="') else v
+        if v and not any(c in v for c in ' ="\\\n\r'):
+            return v
+        # escaped, so a value (a peer's bad message, say) cannot add a field or a line
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") \
+            .replace("\r", "\\r") + '"'
     logger.log(level, " ".join(f"{k}={text(v)}" for k, v in {"event": event, **fields}.items()))
 
 
@@ -314,24 +318,38 @@ class DecisionSpans:
     async def flush(self) -> None:
         while self._queue and self._stub is not None:
             batch = [self._queue.popleft() for _ in range(min(len(self._queue), MAX_BATCH))]
-            spans: list[Span] = []
-            for lo in range(0, len(batch), BUILD_CHUNK):
-                spans += [Span(
-                    trace_id=trace_id, span_id=os.urandom(8), parent_span_id=parent_id,
-                    name=ROUTER_SPAN, kind=Span.SPAN_KIND_INTERNAL, start_time_unix_nano=start,
-                    end_time_unix_nano=end,
-                    attributes=[KeyValue(key=k, value=_any(v)) for k, v in attrs.items()],
-                    status=_ERROR if error else _UNSET,
-                ) for (trace_id, parent_id), start, end, attrs, error in batch[lo:lo + BUILD_CHUNK]]
-                await asyncio.sleep(0)  # decisions run between chunks, not after the batch
-            request = ExportTraceServiceRequest(resource_spans=[ResourceSpans(
-                resource=self._resource,
-                scope_spans=[ScopeSpans(scope=InstrumentationScope(name="gorgo.extproc"),
-                                        spans=spans)])])
             try:
-                await self._stub.Export(request, timeout=EXPORT_TIMEOUT_S)
-            except grpc.aio.AioRpcError as exc:
-                self.counter.labels("failed").inc(len(spans))
-                log.debug("span export to %s failed: %s", self.target, exc.code())
-                return
-            self.counter.labels("exported").inc(len(spans))
+                if not await self._export(batch):
+                    return  # the collector failed it: the rest waits for the next interval
+            except asyncio.CancelledError:
+                # `stop` cancelled the loop mid-export: the batch goes back for stop's own flush
+                # (it was lost, counted nowhere; a span the cancelled call delivered may come
+                # twice)
+                self._queue.extendleft(reversed(batch))
+                raise
+
+    async def _export(self, batch: list) -> bool:
+        """One batch to the collector; False (counted as failed) when it refused it."""
+        assert self._stub is not None
+        spans: list[Span] = []
+        for lo in range(0, len(batch), BUILD_CHUNK):
+            spans += [Span(
+                trace_id=trace_id, span_id=os.urandom(8), parent_span_id=parent_id,
+                name=ROUTER_SPAN, kind=Span.SPAN_KIND_INTERNAL, start_time_unix_nano=start,
+                end_time_unix_nano=end,
+                attributes=[KeyValue(key=k, value=_any(v)) for k, v in attrs.items()],
+                status=_ERROR if error else _UNSET,
+            ) for (trace_id, parent_id), start, end, attrs, error in batch[lo:lo + BUILD_CHUNK]]
+            await asyncio.sleep(0)  # decisions run between chunks, not after the batch
+        request = ExportTraceServiceRequest(resource_spans=[ResourceSpans(
+            resource=self._resource,
+            scope_spans=[ScopeSpans(scope=InstrumentationScope(name="gorgo.extproc"),
+                                    spans=spans)])])
+        try:
+            await self._stub.Export(request, timeout=EXPORT_TIMEOUT_S)
+        except grpc.aio.AioRpcError as exc:
+            self.counter.labels("failed").inc(len(spans))
+            log.debug("span export to %s failed: %s", self.target, exc.code())
+            return False
+        self.counter.labels("exported").inc(len(spans))
+        return True

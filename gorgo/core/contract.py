@@ -60,7 +60,9 @@ GENAI_TTFC_ATTR = "gen_ai.response.time_to_first_chunk"  # double, seconds, stre
 # ext_proc stream, which lasts the whole request and which Envoy always closes as "canceled".
 ROUTER_SERVICE = "gorgo-router"
 ROUTER_SPAN = "gorgo.route"
-OUTCOME_ATTR = "gorgo.outcome"  # routed, invalid_request, shed, no_healthy_replica, fail_open
+# routed, invalid_request, model_not_found, context_length_exceeded, shed, no_healthy_replica,
+# fail_open (a refusal's `Rejection.reason`)
+OUTCOME_ATTR = "gorgo.outcome"
 ROUTER_STATUS_ATTR = "http.response.status_code"  # of an answer the router gave itself
 EXTPROC_SPAN = "async envoy.service.ext_proc.v3.ExternalProcessor.Process egress"
 
@@ -147,7 +149,9 @@ MODEL_MAX_CHARS = 256  # a client's model name, cut to this length in metadata a
 
 WEIGHT_BOUNDS: dict[str, tuple[float, float]] = {k: t.bounds for k, t in WEIGHTED.items()}
 PREFILL_RATE_BOUNDS = (1.0, 1e9)  # tokens/s
-VERSION_MAX = 2**63 - 1  # versions are int64 everywhere (Prometheus, JSON, Envoy metadata)
+# Versions travel as doubles (Envoy's metadata and its access log, Prometheus' gauge): exact up to
+# 2^53. Above it the tuner read a version it never issued (2^53 + 1 came back as 2^53).
+VERSION_MAX = 2**53 - 1
 # A decision's prompt and uncached tokens as spans carry them: far above any context window, low
 # enough that a forged count cannot dwarf every real one in the tuner's fits.
 TOKENS_MAX = 1 << 30

@@ -95,6 +95,16 @@ def test_every_exported_metric_name_follows_prometheus_naming(tmp_path: Path) ->
     assert naming_problems("gorgo_decision", "histogram")
 
 
+def test_every_router_family_is_in_the_docs_metrics_table() -> None:
+    import re
+
+    doc = (REPO / "docs" / "observability.md").read_text()
+    table = doc.split("## Metrics")[1].split("**Renamed**")[0]
+    documented = {n.removesuffix("_total") for n in re.findall(r"`(gorgo_[a-z_]+)`", table)}
+    exported = {f.name.removesuffix("_total") for f in router_families()}
+    assert exported <= documented, sorted(exported - documented)
+
+
 def test_exposition_has_no_created_series_and_consistent_labels() -> None:
     router = _router()
     metrics = RouterMetrics(router.state, lambda: router.open_requests)
@@ -140,6 +150,45 @@ def test_log_event_is_one_logfmt_line(caplog: pytest.LogCaptureFixture) -> None:
         log_event(logger, "weights_applied", version=3, rtt=1.5, note="two words", empty="")
     assert caplog.messages == ['event=weights_applied version=3 rtt=1.5 note="two words" '
                                'empty=""']
+
+
+def test_a_logged_value_cannot_add_a_field_or_a_line(caplog: pytest.LogCaptureFixture) -> None:
+    # A peer's bad message is logged as given: its quote ended the value and forged an event.
+    logger = logging.getLogger("gorgo.test")
+    with caplog.at_level(logging.INFO, logger="gorgo.test"):
+        log_event(logger, "peers_bad_message", error='bad [\'x" event=replica_ejected r="a\nb\\\']')
+    (line,) = caplog.messages
+    assert line == ('event=peers_bad_message error="bad [\'x\\" event=replica_ejected '
+                    'r=\\"a\\nb\\\\\']"')
+    assert "\n" not in line and line.count("event=") == 2  # the second inside the quoted value
+
+
+def test_stopping_mid_export_loses_no_span() -> None:
+    """stop() cancelled the export loop while a batch was in flight: those spans were neither
+    exported nor counted."""
+    from prometheus_client import CollectorRegistry, Counter
+
+    class SlowCollector:
+        got = 0
+
+        async def Export(self, request, timeout: float) -> None:  # noqa: N802 (gRPC's name)
+            await asyncio.sleep(0.5)
+            self.got += sum(len(ss.spans) for rs in request.resource_spans
+                            for ss in rs.scope_spans)
+
+    async def main() -> tuple[int, float]:
+        counter = Counter("gorgo_trace_spans", "", ["result"], registry=CollectorRegistry())
+        spans = DecisionSpans("127.0.0.1:1", counter, interval_s=0.01)
+        for _ in range(100):
+            spans.record((b"\1" * 16, b"\2" * 8), 1, 2, {"gorgo.outcome": "routed"})
+        await spans.start()
+        spans._stub = stub = SlowCollector()
+        await asyncio.sleep(0.1)  # the loop's export of the 100 spans is in flight
+        await spans.stop()
+        return stub.got, counter.labels("exported")._value.get()
+
+    got, exported = asyncio.run(main())
+    assert got >= 100 and exported == 100
 
 
 def test_ejection_and_readmission_are_logged_once_each(caplog: pytest.LogCaptureFixture) -> None:

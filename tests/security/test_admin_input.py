@@ -145,3 +145,10 @@ def test_a_non_ascii_token_file_is_refused_at_start(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match="printable ASCII"):
         GorgoProcess(["extproc", "--fleet", str(fleet), "--port", "0", "--metrics-port", "0",
                       "--admin-token-file", str(token)])
+
+
+def test_every_version_the_contract_allows_travels_exactly_as_a_double() -> None:
+    # Envoy's metadata, its access log and Prometheus carry the version as a double: 2^53 + 1
+    # came back to the tuner as 2^53, a version it never issued.
+    assert int(float(VERSION_MAX)) == VERSION_MAX
+    assert int(float(VERSION_MAX + 2)) != VERSION_MAX + 2
