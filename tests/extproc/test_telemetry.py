@@ -171,7 +171,7 @@ def test_stopping_mid_export_loses_no_span() -> None:
     class SlowCollector:
         got = 0
 
-        async def Export(self, request, timeout: float) -> None:  # noqa: N802 (gRPC's name)
+        async def Export(self, request, timeout: float) -> None:  # gRPC's name
             await asyncio.sleep(0.5)
             self.got += sum(len(ss.spans) for rs in request.resource_spans
                             for ss in rs.scope_spans)
