@@ -280,6 +280,8 @@ class ExtProcService(ExternalProcessorServicer):
                 and headers.get(":path", "/").split("?", 1)[0] == MODELS_PATH)
 
     def _on_request_headers(self, st: _Stream, msg: pb.HttpHeaders) -> pb.ProcessingResponse:
+        if st.decision is not None:  # a second request on a stream: decided once (Envoy sends
+            return messages.CONTINUE_REQUEST_HEADERS  # none; booking again leaked the first)
         answer = self._open(st, messages.header_dict(msg))
         if answer is not None:
             return answer
@@ -354,6 +356,8 @@ class ExtProcService(ExternalProcessorServicer):
         d = st.decision
         if d is None:
             return messages.CONTINUE_RESPONSE_HEADERS
+        if st.status:  # counted once: a second message (Envoy sends none) charged failures again
+            return messages.tag_response(st.served, d.id)
         headers = messages.header_dict(msg)
         status = st.status = headers.get(":status", "")
         s = self.router.state

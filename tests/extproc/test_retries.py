@@ -168,3 +168,45 @@ def test_a_replica_replaced_mid_stream_is_credited_with_nothing_of_the_old_ones(
     assert s.failures.tolist() == [0, 0, 0] and s.penalty_ms.tolist() == [0, 0, 0]
     assert s.inflight_reqs.tolist() == [0, 0, 0]
     assert [s.prefix.blocks_held(i) for i in range(s.n)] == [0, 0, 0]
+
+
+def _stream(router: Router, reqs: list[pb.ProcessingRequest]) -> list:
+    service = ExtProcService(router, RouterMetrics(router.state, lambda: 0))
+
+    async def run() -> list:
+        async def it():
+            for r in reqs:
+                yield r
+        return [a async for a in service.Process(it(), None)]
+
+    return asyncio.run(run())
+
+
+def _request() -> list[pb.ProcessingRequest]:
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    return [pb.ProcessingRequest(request_headers=_headers({
+                ":path": "/v1/chat/completions", "x-gorgo-policy": "round-robin"})),
+            pb.ProcessingRequest(request_body=pb.HttpBody(body=json.dumps(body).encode(),
+                                                          end_of_stream=True))]
+
+
+def _response(status: str, attempts: int = 1) -> pb.ProcessingRequest:
+    return pb.ProcessingRequest(response_headers=_headers(
+        {":status": status, "x-envoy-attempt-count": str(attempts)}))
+
+
+def test_a_second_request_on_a_stream_books_nothing_more() -> None:
+    # Envoy opens a stream per request; a client of the gRPC API sending a second one booked it
+    # again and leaked the first booking.
+    router = Router(parse_fleet(_doc(["10.0.0.1", "10.0.0.2", "10.0.0.3"])))
+    again = pb.ProcessingRequest(request_headers=_headers({":path": "/health"}, end=True))
+    _stream(router, [*_request(), again, _response("200")])
+    assert router.open_requests == 0 and router.state.inflight_reqs.sum() == 0
+
+
+def test_a_second_response_headers_message_charges_nothing_more() -> None:
+    # One failed attempt, one failure: a repeated message charged the chosen replica again,
+    # then the fallback that served a 200.
+    router = Router(parse_fleet(_doc(["10.0.0.1", "10.0.0.2", "10.0.0.3"])))
+    _stream(router, [*_request(), _response("503"), _response("200", 2), _response("200", 2)])
+    assert router.state.failures.sum() == 1
