@@ -238,10 +238,7 @@ def _cluster(name: str, addresses: list[tuple[str, int]], connect_ms: int,
                 "socket_address": {"address": host, "port_value": port}}}}
                 for host, port in addresses]}],
         },
-        "circuit_breakers": {"thresholds": [{
-            "max_connections": 100000, "max_pending_requests": 100000,
-            "max_requests": 100000, "max_retries": 100,
-        }]},
+        "circuit_breakers": _circuit_breakers(max_retries=100),
     }
     if http2:
         c["typed_extension_protocol_options"] = {
@@ -251,6 +248,13 @@ def _cluster(name: str, addresses: list[tuple[str, int]], connect_ms: int,
             }
         }
     return c
+
+
+def _circuit_breakers(**extra: Any) -> dict:
+    """Every cluster's thresholds, far above Envoy's defaults (1,024 connections, pending and
+    active requests: LLM streams last seconds to minutes), plus ``extra``."""
+    return {"thresholds": [{"max_connections": 100000, "max_pending_requests": 100000,
+                            "max_requests": 100000, **extra}]}
 
 
 def _cidr(cidr: str) -> dict:
@@ -286,11 +290,9 @@ def _fleet_cluster(spec: FleetSpec) -> dict:
             override_host_sources=[{"header": ENDPOINTS_HEADER}],
             fallback_policy=_lb_policy("round_robin", "round_robin.v3.RoundRobin"),
         ),
-        "circuit_breakers": {"thresholds": [{
-            "max_connections": 100000, "max_pending_requests": 100000, "max_requests": 100000,
-            "retry_budget": {"budget_percent": {"value": r.budget_percent},
-                             "min_retry_concurrency": r.min_retry_concurrency},
-        }]},
+        "circuit_breakers": _circuit_breakers(
+            retry_budget={"budget_percent": {"value": r.budget_percent},
+                          "min_retry_concurrency": r.min_retry_concurrency}),
     }
 
 
@@ -695,9 +697,7 @@ def render_bootstrap(
             "original_dst_lb_config": {"use_http_header": True, "http_header_name": PICKER_HEADER},
             # Envoy's defaults (1,024 requests) held the 1,025th concurrent stream of the whole
             # fleet behind another: the same thresholds as every replica cluster.
-            "circuit_breakers": {"thresholds": [{
-                "max_connections": 100000, "max_pending_requests": 100000,
-                "max_requests": 100000}]},
+            "circuit_breakers": _circuit_breakers(),
         })
     return {
         "admin": {"address": {"socket_address": {"address": ahost, "port_value": aport}}},

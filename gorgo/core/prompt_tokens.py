@@ -284,9 +284,6 @@ class HFTokenizer:
             return
         if special:
             yield self._prefix, 0, 0
-        if scale == 1.0:
-            yield from self._chunks(text)
-            return
         for ids, chars, fresh in self._chunks(text):
             yield ids, round(chars * scale), fresh
 

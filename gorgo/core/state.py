@@ -250,8 +250,12 @@ class FleetState:
 
     def routable(self) -> np.ndarray:
         """Healthy, not draining and, while a request is scored, serving its model."""
-        ok = self.healthy & ~self.draining
+        ok = self.serving()
         return ok if self.candidates is None else ok & self.candidates
+
+    def serving(self) -> np.ndarray:
+        """Healthy and not draining, whatever request is scored: the replicas that take traffic."""
+        return self.healthy & ~self.draining
 
     # --- membership ----------------------------------------------------------------------------
 
@@ -612,7 +616,7 @@ class FleetState:
         every one while none is routable: backoff spares the healthy ones a flapping replica's
         traffic, and with none healthy there is no traffic to spare, so the first replica back
         is re-admitted within one probe interval."""
-        if not (self.healthy & ~self.draining).any():  # a draining replica takes no traffic
+        if not self.serving().any():  # a draining replica takes no traffic
             return np.ones(self.n, dtype=bool)
         return self.healthy | (now >= self.retry_at)
 

@@ -109,6 +109,6 @@ def retry_after(s: FleetState) -> float:
     if not back.any():
         return 1.0
     wait = float(np.min(s.retry_at[back])) - s.now
-    if not (s.healthy & ~s.draining).any():
+    if not s.serving().any():
         wait = min(wait, s.spec.signals.probe_interval_s)
     return max(1.0, wait)
