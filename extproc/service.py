@@ -275,8 +275,10 @@ class ExtProcService(ExternalProcessorServicer):
 
     def _lists_models(self, headers: dict[str, str]) -> bool:
         """Whether the router answers this request itself, with the fleet's model list."""
-        # Envoy forwards no :method (ROUTER_READS): any method of /v1/models gets the list.
-        return (self._models is not None and headers.get(":method", "GET") == "GET"
+        # Only a GET or HEAD: another method (a browser's CORS preflight) is routed on its
+        # headers, for the engine to answer as it does alone (the list came without the engine's
+        # access-control-allow-* headers). A config forwarding no :method reads as a GET.
+        return (self._models is not None and headers.get(":method", "GET") in ("GET", "HEAD")
                 and headers.get(":path", "/").split("?", 1)[0] == MODELS_PATH)
 
     def _on_request_headers(self, st: _Stream, msg: pb.HttpHeaders) -> pb.ProcessingResponse:

@@ -114,7 +114,7 @@ SIM_OUTPUT_KEY = "gorgo_sim_output_tokens"
 # Envoy -> router, on the response (include_attempt_count_in_response): 2 means the retry served it.
 ATTEMPT_COUNT_HEADER = "x-envoy-attempt-count"
 # Every header the router reads, request and response: the only ones Envoy forwards to it.
-ROUTER_READS = (":path", "content-length", SESSION_HEADER, *CONTROL_HEADERS, ":status",
+ROUTER_READS = (":path", ":method", "content-length", SESSION_HEADER, *CONTROL_HEADERS, ":status",
                 ATTEMPT_COUNT_HEADER)
 # With the request-headers message skipped (fleet extproc.request_headers: skip), the body message
 # carries the request headers the router reads as ext_proc request attributes (CEL expressions,

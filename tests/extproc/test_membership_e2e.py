@@ -76,6 +76,10 @@ def served_by(stack: LiveStack, model: str, n: int) -> set[str]:
 def test_each_model_reaches_only_its_replicas_and_an_unknown_one_is_404(stack: LiveStack) -> None:
     status, _, listing = call(stack.url + "/v1/models")
     assert status == 200 and [m["id"] for m in listing["data"]] == ["alpha", "beta"]
+    # A browser's CORS preflight is the engine's to answer (the simulated one: 405), not the
+    # router's list without the engine's access-control-allow-* headers.
+    status, headers, raw = http_call(stack.url + "/v1/models", "OPTIONS", None)
+    assert status == 405 and b"alpha" not in raw, (status, raw[:200])
     assert served_by(stack, "alpha", 6) == {"near-0", "near-1"}
     assert served_by(stack, "beta", 3) == {"near-2"}
     status, headers, err = call(stack.url + "/v1/chat/completions", chat("gamma"))

@@ -80,6 +80,16 @@ def test_models_list_is_answered_from_the_fleet() -> None:
         ("alpha", "model", "two-models"), ("beta", "model", "two-models")]
 
 
+def test_a_cors_preflight_of_models_is_routed_for_an_engine_to_answer() -> None:
+    # It got the router's list, without the access-control-allow-* headers a browser needs.
+    answers = _process(Router(parse_fleet(DOC)), "/v1/models", "OPTIONS", None)
+    assert not answers[-1].HasField("immediate_response")
+    assert _routed_to(answers)
+    status, _, listing = _immediate(_process(Router(parse_fleet(DOC)), "/v1/models", "HEAD",
+                                             None))
+    assert status == 200 and listing["object"] == "list"
+
+
 def test_a_fleet_without_models_passes_models_through_to_an_engine() -> None:
     doc = json.loads(json.dumps(DOC))
     for r in doc["replicas"]:
