@@ -362,7 +362,8 @@ async def serve(args: argparse.Namespace, spec: FleetSpec, token: str | None,
 
     shutdown.on_stop(on_stop)  # first: a signal during the start still stops in order
     # bounded whatever the policy models: an unbounded prefix index grows with every prompt
-    router = Router(spec, id_prefix=os.urandom(3).hex(), unbounded_prefix=False)
+    router_id = os.urandom(3).hex()  # also this process's random draws (`random`, `irb`)
+    router = Router(spec, id_prefix=router_id, salt=router_id, unbounded_prefix=False)
     server = ExtProcServer(router, admin_token=token, otlp=args.otlp,
                            envoy_admin=args.envoy_admin, fleet_path=args.fleet,
                            cds_file=args.cds_file, discovery=discovery,

@@ -56,6 +56,7 @@ class Router:
         spec: FleetSpec,
         *,
         id_prefix: str = "d",
+        salt: str = "",
         unbounded_prefix: bool | None = None,
         extra_policies: dict[str, Policy] | None = None,
     ) -> None:
@@ -75,6 +76,9 @@ class Router:
             unbounded_prefix = bool(getattr(default_cls, "unbounded_prefix", False))
         self.state = FleetState(spec, unbounded_prefix=unbounded_prefix)
         self._extra_policies = dict(extra_policies or {})
+        # Mixed into the policies' random generators (`PolicyBase.reseed`): a live router's own
+        # id. Offline routers go without: each has a fleet name of its own, and a run replays.
+        self._salt = salt
         self._use(spec)
         self._ids = itertools.count(1)
         self._id_prefix = id_prefix
@@ -99,8 +103,12 @@ class Router:
         before = getattr(self, "policies", {})
         self.policies: dict[str, Policy] = {n: make_policy(n, spec) for n in REGISTRY}
         for name, policy in self.policies.items():
+            if not isinstance(policy, PolicyBase):
+                continue
+            if self._salt:
+                policy.reseed(self._salt)
             old = before.get(name)
-            if isinstance(policy, PolicyBase) and type(old) is type(policy):
+            if type(old) is type(policy):
                 policy.carry(old)
         self.policies.update(self._extra_policies)
         self.default_policy = spec.policy

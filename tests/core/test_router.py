@@ -522,3 +522,29 @@ def test_each_models_requests_are_priced_at_that_models_output() -> None:
     assert beta.terms["decode"] == pytest.approx(100.0 * itl, rel=0.05)
     # each model learns the bounds of its own requests only
     assert s.outputs.of(2).bound_n + s.outputs.of(2).unbounded_n == pytest.approx(1.0)
+
+
+def _draws(r: Router, n: int = 40) -> list[int]:
+    out = []
+    for _ in range(n):
+        d = r.route(req("x"), now=0.0)
+        out.append(d.replica)
+        r.complete(d.id)
+    return out
+
+
+def test_live_routers_of_one_fleet_draw_apart_and_a_simulation_replays() -> None:
+    # Seeded from the fleet name alone, every live router (processes, --workers) drew one
+    # sequence in step; each now mixes in its own id. Unsalted (offline) runs replay.
+    fleet = spec(policy="random")
+    assert _draws(Router(fleet)) == _draws(Router(fleet))
+    assert _draws(Router(fleet, salt="ab12cd")) == _draws(Router(fleet, salt="ab12cd"))
+    assert _draws(Router(fleet, salt="ab12cd")) != _draws(Router(fleet, salt="ef34ab"))
+    irb = [Router(spec(policy="irb"), salt=s).policies["irb"] for s in ("ab12cd", "ef34ab")]
+    assert irb[0].rng.random() != irb[1].rng.random()
+    # A reload goes on with the router's own sequence, not back to the fleet's.
+    r, same = Router(fleet, salt="ab12cd"), Router(fleet, salt="ab12cd")
+    first = _draws(r, 20)
+    assert first == _draws(same, 20)
+    r.reload(fleet)
+    assert _draws(r, 20) == _draws(same, 20)

@@ -59,6 +59,11 @@ class PolicyBase:
         for name in self.carried:
             setattr(self, name, getattr(old, name))
 
+    def reseed(self, salt: str) -> None:
+        """Give this router its own random sequence (a policy that draws none has nothing to
+        do): routers of one fleet seed alike, so live routers (several processes, `--workers`)
+        all drew one sequence, in step, and herded where each should draw apart."""
+
     def pick_lowest(
         self,
         scores: np.ndarray,

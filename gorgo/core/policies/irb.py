@@ -108,6 +108,9 @@ class Irb(PolicyBase):
         self.plans: dict[str, Plan] = {}  # each model's, over its replicas and its own demand
         self.rng = np.random.default_rng(stable_hash(f"irb:{spec.name}"))
 
+    def reseed(self, salt: str) -> None:
+        self.rng = np.random.default_rng(stable_hash(f"irb:{self.spec.name}:{salt}"))
+
     def refresh(self, s: FleetState) -> None:
         """Solve the fleet's plan and, in a fleet of several models, one per model: a model's
         requests may only go to its replicas, so one fleet-wide plan put all of a model's weight

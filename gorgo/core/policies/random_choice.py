@@ -2,7 +2,7 @@
 
 Source: the `random` policy every peer router ships (sgl-router src/policies/random.rs, AIBrix
 `random`, Envoy RANDOM). The generator is seeded from the fleet name, so an offline simulation of
-the same fleet draws the same sequence every run.
+the same fleet draws the same sequence every run; a live router mixes in its own id (`reseed`).
 """
 
 from __future__ import annotations
@@ -23,6 +23,9 @@ class RandomChoice(PolicyBase):
     def __init__(self, spec: FleetSpec) -> None:
         super().__init__(spec)
         self.rng = np.random.default_rng(stable_hash(spec.name))
+
+    def reseed(self, salt: str) -> None:
+        self.rng = np.random.default_rng(stable_hash(f"{self.spec.name}:{salt}"))
 
     def choose(self, f: RequestFeatures, s: FleetState) -> Decision:
         # One draw per replica, lowest wins: uniform over whichever replicas are routable.
