@@ -354,8 +354,14 @@ def _routes(spec: FleetSpec, picker: bool) -> list[dict]:
             "route": {"cluster": spec.default_cluster, **limits},
             "typed_per_filter_config": _extproc_per_route({"overrides": {"processing_mode": mode}}),
         })
-    # The route every forwarded request first matches: the router is asked here.
-    routes.append({"match": on(None), "route": {"cluster": spec.default_cluster, **limits},
+    # The route every forwarded request first matches: the router is asked here. A request
+    # still on it after the router failed it open (down, past its message timeout) may be a
+    # non-streamed answer, which sends no byte until it is whole: only the request timeout
+    # bounds it (with idle_s, such an answer was cut by a 504; a stalled stream on this route
+    # now waits as long).
+    routes.append({"match": on(None),
+                   "route": {"cluster": spec.default_cluster, **limits,
+                             "idle_timeout": _duration(t.request_s)},
                    "typed_per_filter_config": ROUTER_ON})
     # Everything else is Envoy's own 404, decided before the router is asked (ext_proc off).
     routes.append({

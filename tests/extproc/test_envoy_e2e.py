@@ -198,6 +198,12 @@ def test_a_non_streamed_answer_may_take_longer_than_the_idle_timeout(tmp_path: P
             assert status == 504 and json.loads(body)["error"]["code"] == "timeout"
         assert wait_for(lambda: sum(GorgoMetrics(st).values("gorgo_inflight_requests").values())
                         == 0, 10)
+        # With the router down the request fails open, and its answer is still waited for
+        # whole (the fail-open route's idle timeout cut it: a 504).
+        st.extproc.kill()
+        status, headers, body, _ = st.post(chat("answer whole, router down", stream=False))
+        assert status == 200 and headers["x-served-by"] == "r0"
+        assert body.count(b"data: ") == CHUNKS + 1
     finally:
         stop_stack(st)
 
