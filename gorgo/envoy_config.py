@@ -21,6 +21,7 @@ open only once a health check has marked the router down (see EXTPROC_HEALTH_INT
 from __future__ import annotations
 
 import argparse
+import copy
 import ipaddress
 import os
 import re
@@ -585,14 +586,11 @@ def render_bootstrap(
                                         STREAM_HEADER)],
             },
         }],
-        # Control headers (priority, policy) come only from the fleet's trusted peers: with
-        # use_remote_address, every other client is external and loses them before any filter.
-        # (Without internal_address_config no peer is internal; with an empty one, loopback and
-        # RFC 1918 peers would be.)
+        # Control headers (priority, policy) come only from the fleet's trusted peers, which have
+        # a filter chain of their own (`_filter_chains`): on this one every client is external
+        # (use_remote_address, no internal_address_config: with an empty one, loopback and RFC
+        # 1918 peers would be internal) and loses them before any filter.
         "use_remote_address": True,
-        **({"internal_address_config": {"cidr_ranges": [
-            _cidr(c) for c in spec.control_headers.trusted_peers]}}
-           if spec.control_headers.trusted_peers else {}),
         "route_config": {
             "name": "gorgo_routes",
             "internal_only_headers": list(CONTROL_HEADERS),
@@ -726,14 +724,30 @@ def render_bootstrap(
                 # the router's gRPC message limit (max_body_bytes + 64 KiB).
                 "per_connection_buffer_limit_bytes":
                     spec.limits.max_body_bytes + (0 if duplex else 65536),
-                "filter_chains": [{"filters": [{
-                    "name": "envoy.filters.network.http_connection_manager",
-                    "typed_config": hcm,
-                }]}],
+                "filter_chains": _filter_chains(spec, hcm),
             }],
             "clusters": clusters,
         },
     }
+
+
+def _filter_chains(spec: FleetSpec, hcm: dict) -> list[dict]:
+    """The listener's filter chains: every client's, and with `control_headers.trusted_peers` a
+    second one chosen by the connection's source address, whose requests keep their control
+    headers. Envoy's own internal-request rule could not serve: it counts a request carrying
+    X-Forwarded-For as external, and a trusted gateway in front sends one (its control headers
+    were stripped)."""
+    def chain(config: dict) -> list[dict]:
+        return [{"name": "envoy.filters.network.http_connection_manager",
+                 "typed_config": config}]
+
+    chains = [{"filters": chain(hcm)}]
+    if spec.control_headers.trusted_peers:
+        trusted = copy.deepcopy(hcm)
+        del trusted["route_config"]["internal_only_headers"]
+        chains.append({"filter_chain_match": {"source_prefix_ranges": [
+            _cidr(c) for c in spec.control_headers.trusted_peers]}, "filters": chain(trusted)})
+    return chains
 
 
 def replica_clusters(spec: FleetSpec) -> list[dict]:

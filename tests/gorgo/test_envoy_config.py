@@ -199,12 +199,25 @@ def test_trusted_peers_keep_control_headers_and_never_routing_headers() -> None:
     spec = load_fleet(EXAMPLE)
     spec = replace(spec, control_headers=replace(
         spec.control_headers, trusted_peers=("10.1.0.0/16", "fd00::/8")))
-    hcm = _hcm(render_bootstrap(spec))
-    assert hcm["internal_address_config"] == {"cidr_ranges": [
+    boot = render_bootstrap(spec)
+    hcm = _hcm(boot)
+    # Every client's chain strips them; the trusted peers' own chain (by source address, not
+    # Envoy's internal rule, which counts a request with X-Forwarded-For as external) keeps them.
+    assert "internal_address_config" not in hcm
+    assert hcm["route_config"]["internal_only_headers"] == list(CONTROL_HEADERS)
+    every, trusted = boot["static_resources"]["listeners"][0]["filter_chains"]
+    assert "filter_chain_match" not in every
+    assert trusted["filter_chain_match"] == {"source_prefix_ranges": [
         {"address_prefix": "10.1.0.0", "prefix_len": 16},
         {"address_prefix": "fd00::", "prefix_len": 8}]}
-    assert hcm["route_config"]["internal_only_headers"] == list(CONTROL_HEADERS)
-    assert len(hcm["early_header_mutation_extensions"][0]["typed_config"]["mutations"]) == 4
+    peer = trusted["filters"][0]["typed_config"]
+    assert "internal_only_headers" not in peer["route_config"]
+    assert {**peer, "route_config": {}} == {**hcm, "route_config": {}}
+    assert {**peer["route_config"], "internal_only_headers": list(CONTROL_HEADERS)} == hcm[
+        "route_config"]
+    for config in (hcm, peer):  # routing headers from no one
+        assert len(config["early_header_mutation_extensions"][0]["typed_config"][
+            "mutations"]) == 4
 
 
 # Runs `envoy --mode validate`.

@@ -10,6 +10,7 @@ count and time; every process is the stack's or the test's own, stopped by it.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import socket
 import subprocess
@@ -174,8 +175,10 @@ def test_a_trusted_peer_sets_bounded_control_headers(
     try:
         url = f"http://127.0.0.1:{listen}/v1/chat/completions"
         want = {"no-such-policy": "unknown_policy"}
-        for headers in FORGED:
-            status, got, body = call(url, "POST", chat(), headers)
+        # A trusted gateway sends X-Forwarded-For: Envoy counts such a request as external, and
+        # its control headers were stripped as a client's.
+        for headers, forwarded in itertools.product(FORGED, ({}, {"x-forwarded-for": "10.9.8.7"})):
+            status, got, body = call(url, "POST", chat(), {**headers, **forwarded})
             value = next(iter(headers.values()))
             if not trusted or value in ("session-affinity", "100"):
                 assert status == 200 and "x-gorgo-decision-id" in got, (headers, body[:300])
