@@ -530,10 +530,14 @@ class Simulation:
     # Each carries (router, replica, ...): router j's own probe, scrape and subscription.
 
     def _probe(self, payload: tuple[int, int]) -> None:
+        """Router j's probe of replica i, when due (`FleetState.probe_due`) as the live shell
+        probes: an ejected replica was probed every interval and came back before its backoff
+        ended (ejections lasted 0-2 s offline, 1-3 s live)."""
         j, i = payload
-        net = self.sides[j].net
-        rtt = net.one_way(i) + net.one_way(i)
-        self._push(self.now + rtt, PROBE_DONE, (j, i, rtt * 1000.0))
+        if self.sides[j].router.state.probe_due(self.now)[i]:
+            net = self.sides[j].net
+            rtt = net.one_way(i) + net.one_way(i)
+            self._push(self.now + rtt, PROBE_DONE, (j, i, rtt * 1000.0))
         self._push(self.now + self.spec.signals.probe_interval_s, PROBE, payload)
 
     def _probe_done(self, payload: tuple[int, int, float]) -> None:

@@ -14,6 +14,7 @@ import json
 
 from gorgo.core.features import extract_features
 from gorgo.core.fleet import parse_fleet
+from gorgo.core.state import BACKOFF_BASE_S, FAILURES_TO_EJECT
 from gorgo.sim.offline import Simulation
 from gorgo.sim.presets import fleet_document
 from gorgo.sim.profiles import get_profile
@@ -90,5 +91,30 @@ def test_a_retry_holds_its_budget_slot_until_its_attempt_answers_not_until_its_e
     w = workload_from_requests("one-session", reqs, tokenization(spec))
     sim = Simulation(spec, "session-affinity", seed=1)
     res = sim.run(w.arrivals.tolist(), w.features, w.output_tokens)
-    assert len(sim._retried) == 12  # 6 when the slot was held to the end
+    # 6 when the slot was held to the end; 12 while an ejected replica came back at its first
+    # probe, before its backoff ended (it took 3 more 503s)
+    assert len(sim._retried) == 9
     assert res.leaked_inflight == 0
+
+
+def test_an_ejected_replica_is_probed_only_once_its_backoff_is_over_as_live() -> None:
+    # Offline probed it every interval, and the first answer re-admitted it before its backoff
+    # ended (ejections lasted 0-2 s offline, 1-3 s live).
+    from gorgo.sim.offline import PROBE_DONE
+
+    doc = fleet_document({"near": 2}, profile="tiny-test", links={"near": {"rtt_ms": 10.0}})
+    sim = Simulation(parse_fleet(doc), "round-robin")
+    s = sim.router.state
+    for _ in range(FAILURES_TO_EJECT):
+        s.record_failure(0, 0.0)
+    assert not s.healthy[0] and s.retry_at[0] == BACKOFF_BASE_S
+
+    def probes_sent(now: float) -> list[int]:
+        sim._heap.clear()
+        sim.now = now
+        for i in (0, 1):
+            sim._probe((0, i))
+        return sorted(p[1] for _, kind, _, p in sim._heap if kind == PROBE_DONE)
+
+    assert probes_sent(0.5) == [1]  # still backing off: the healthy one only
+    assert probes_sent(BACKOFF_BASE_S) == [0, 1]
