@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 from scipy import stats as sstats
 
+from gorgo.core.features import RequestError
 from gorgo.core.fleet import FleetSpec
 from gorgo.core.policies import REGISTRY
 from gorgo.core.terms import OBJECTIVES
@@ -691,11 +692,17 @@ def trace_windows(trace: str, requests: int | None, windows: int
         for k in range(windows):
             seeded = {**opts, "seed": opts.get("seed", 0) + k}
             spec = "chat:" + ",".join(f"{key}={v}" for key, v in seeded.items())
-            reqs = load_trace(spec)[:requests]
+            reqs = load_trace(spec)
+            if requests is not None and requests > len(reqs):  # windows of unequal sizes
+                raise ValueError(f"{spec} makes {len(reqs)} requests, fewer than {requests}: "
+                                 "raise its users or lower --requests")
+            reqs = reqs[:requests]
             out.append((f"{spec}[0:{len(reqs)}]", reqs))
         return out
     reqs = load_trace(trace)
-    n = len(reqs) if requests is None else min(requests, len(reqs))
+    if requests is not None and requests > len(reqs):  # it was cut down silently
+        raise ValueError(f"{requests} requests asked, the trace has {len(reqs)}")
+    n = len(reqs) if requests is None else requests
     if windows * n > len(reqs):
         raise ValueError(f"{windows} disjoint windows of {n} requests need {windows * n}, the "
                          f"trace has {len(reqs)}")
@@ -722,7 +729,7 @@ def load_windows(cmd: str, trace: str, spec: FleetSpec, requests: int | None, wi
             workload = workload_from_requests(label, reqs, tokenization(spec), bound)
             _ = workload.mean_rate_rps
             out.append(workload)
-    except (ValueError, OSError) as exc:
+    except (ValueError, OSError, RequestError) as exc:  # RequestError: a prompt no router reads
         raise UserError(f"cannot load {trace!r}: {exc}") from None
     return out
 

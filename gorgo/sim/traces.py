@@ -283,7 +283,23 @@ def mooncake_trace(
                     parts=tuple(parts),
                 )
             )
-    return out
+    return _checked(out, file)
+
+
+def _checked(rows: list[TraceRequest], file: Path) -> list[TraceRequest]:
+    """A trace file's requests, refused where a bench would go wrong silently or late: out of
+    time order (negative arrivals, and a mean rate, so a load, off by the disorder: 3x in one
+    case) or without a prompt or output token (the bench died with a traceback)."""
+    for k, r in enumerate(rows):
+        if r.input_tokens < 1 or r.output_tokens < 1:
+            raise TraceError(f"{file}: record {k + 1} has {r.input_tokens} prompt and "
+                             f"{r.output_tokens} output tokens; a request needs at least one "
+                             "of each")
+        if k and r.arrival_s < rows[k - 1].arrival_s:
+            early = rows[k - 1].arrival_s - r.arrival_s
+            raise TraceError(f"{file}: record {k + 1} arrives {early:g} s before record {k}; "
+                             "sort the file by its timestamps")
+    return rows
 
 
 def azure_trace(
@@ -320,7 +336,7 @@ def azure_trace(
                     parts=tuple(p for p in parts if p[1] > 0),
                 )
             )
-    return out
+    return _checked(out, file)
 
 
 def chat_trace(

@@ -162,6 +162,12 @@ def test_trace_windows_are_disjoint_and_spread() -> None:
     assert chat[0][1][0].parts != chat[1][1][0].parts
     with pytest.raises(ValueError, match="disjoint windows"):
         trace_windows("azure", len(full) // 2 + 1, 2)
+    # More requests than a window holds were cut down silently (chat: windows of 2922, 2723
+    # and 2571 requests for 5,000 asked; a file: 4 given for 100)
+    with pytest.raises(ValueError, match=f"the trace has {len(full)}"):
+        trace_windows("azure", len(full) + 1, 1)
+    with pytest.raises(ValueError, match="fewer than 400: raise its users"):
+        trace_windows("chat:seed=4,users=20", 400, 2)
 
 
 @pytest.mark.slow

@@ -146,6 +146,30 @@ def test_azure_slice_has_times_lengths_and_only_the_system_prefix_shared() -> No
     assert "ASSUMPTION" in DESCRIPTION["azure"]
 
 
+@pytest.mark.parametrize(("kind", "rows", "error"), [
+    ("azure", ["2023-11-16 18:15:46.0,374,44", "2023-11-16 18:15:36.0,300,9"],
+     "record 2 arrives 10 s before record 1; sort the file"),
+    ("azure", ["2023-11-16 18:15:46.0,0,44"], "record 1 has 0 prompt and 44 output tokens"),
+    ("azure", ["2023-11-16 18:15:46.0,374,0"], "record 1 has 374 prompt and 0 output tokens"),
+    ("mooncake", [{"timestamp": 5000, "input_length": 10, "output_length": 5, "hash_ids": [0]},
+                  {"timestamp": 0, "input_length": 10, "output_length": 5, "hash_ids": [1]}],
+     "record 2 arrives 5 s before record 1"),
+    ("mooncake", [{"timestamp": 0, "input_length": 0, "output_length": 5, "hash_ids": []}],
+     "record 1 has 0 prompt"),
+])
+def test_a_trace_out_of_time_order_or_with_an_empty_request_is_refused(
+        tmp_path: Path, kind: str, rows: list, error: str) -> None:
+    # Out of order, arrivals went negative and the mean rate (so the load) was off 3x; an empty
+    # prompt or output died later with a traceback.
+    path = tmp_path / "t"
+    if kind == "azure":
+        path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + "\n".join(rows) + "\n")
+    else:
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(traces.TraceError, match=error):
+        load_trace(f"{kind}:{path}")
+
+
 def test_azure_parses_csv_and_system_size_option(tmp_path: Path) -> None:
     path = tmp_path / "a.csv"
     path.write_text(
