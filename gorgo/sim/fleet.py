@@ -159,8 +159,9 @@ class SimFleet:
             server.slowdown = _number(body.get("factor", 1.0), "factor")
         elif action == "fail":
             server.fail_mode = body.get("mode")
-        elif action == "partition":
-            link.set_partition(body.get("mode"))
+        elif action == "partition":  # cut off from every proxy, the views' too (only the
+            for each in self._links_of(name):  # main proxy's link was: the others still served)
+                each.set_partition(body.get("mode"))
         elif action == "rtt":
             rtt = _number(body["rtt_ms"], "rtt_ms", 0.0)
             link.set_rtt(rtt, _number(body.get("jitter_ms", 0.0), "jitter_ms", 0.0))
@@ -168,6 +169,10 @@ class SimFleet:
             raise ValueError("unknown action (known: kill, revive, slowdown, fail, partition, "
                              "rtt)")
         return None
+
+    def _links_of(self, name: str) -> list[Link]:
+        """Every link to replica ``name``: the main proxy's, then each view's."""
+        return [self.links[name], *(link for n, link in self.view_links if n == name)]
 
     async def kill(self, name: str) -> None:
         """Stop an engine (connections reset, port closed) until `revive`."""

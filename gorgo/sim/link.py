@@ -8,8 +8,13 @@ Timing model:
 
 - one-way delay = RTT/2 + jitter, with the jitter's sd set to ``jitter_sd_ms / sqrt(2)`` so that a
   round trip (two independent one-way delays) has the configured RTT mean and sd;
-- a chunk is never delivered before an earlier one of the same direction (delivery time is
-  ``max(due, previous delivery)``), so byte order holds even with heavy jitter;
+- a direction draws its delay when it is idle; chunks sent while one is still in flight share
+  that delay, so a stream keeps its spacing (each chunk drawing its own, a chunk waited for the
+  latest of several draws: a far region's streamed TTFT came out 13 % over its RTT, and a
+  stream's tokens arrived bunched), and a chunk is never delivered before an earlier one;
+- an end travels like a byte, one delay after the last: a close or a half-close as a FIN, a
+  reset as a reset, and a backend that refuses the connection as a reset after the handshake's
+  round trip (it was passed on at once: a far dead replica was seen dead in 5 ms);
 - a new connection pays one sampled RTT for the handshake before its first byte leaves, so a new
   connection plus a request costs about 2 RTT and a keep-alive request about 1 RTT.
 
@@ -20,8 +25,11 @@ many links with long-lived SSE streams cheap in one process.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import random
+import socket
+import struct
 from collections import deque
 from typing import cast
 
@@ -61,6 +69,7 @@ class Link:
         self._server: asyncio.Server | None = None
         self._conns: set[_Conn] = set()
         self._port = 0
+        self._epoch = 0  # bumped by set_rtt: a burst in flight then draws afresh
         self.set_rtt(rtt_ms, jitter_sd_ms)
 
     @classmethod
@@ -109,6 +118,7 @@ class Link:
             raise ValueError("RTT mean and sd must be >= 0")
         self._rtt_ms = float(mean_ms)
         self._sd_ms = float(sd_ms)
+        self._epoch += 1
         self._ow_mean = mean_ms / 2000.0
         self._ow_sd = sd_ms / 1000.0 / math.sqrt(2.0)
         if self.dist == "lognormal" and self._ow_mean > 0 and self._ow_sd > 0:
@@ -174,8 +184,8 @@ class Link:
 class _Pipe:
     """One direction of a proxied connection: a delay line feeding ``dst``."""
 
-    __slots__ = ("_close_dst", "_conn", "_dst", "_ending", "_last_due", "_link", "_loop",
-                 "_not_before", "_queue", "_timer", "done")
+    __slots__ = ("_abort_dst", "_close_dst", "_conn", "_delay", "_dst", "_ending", "_epoch",
+                 "_last_due", "_link", "_loop", "_not_before", "_queue", "_timer", "done")
 
     def __init__(self, conn: _Conn, not_before: float) -> None:
         self._conn = conn
@@ -188,6 +198,9 @@ class _Pipe:
         self._dst: asyncio.Transport | None = None
         self._ending = False
         self._close_dst = False
+        self._abort_dst = False
+        self._delay = 0.0
+        self._epoch = -1
         self.done = False
 
     def attach(self, dst: asyncio.Transport) -> None:
@@ -197,21 +210,29 @@ class _Pipe:
     def push(self, data: bytes) -> None:
         if self._ending or self.done:
             return
-        now = self._loop.time()
-        due = max(now, self._not_before) + self._link.one_way_s()
-        if due < self._last_due:
-            due = self._last_due
+        self._enqueue(data)
+
+    def _enqueue(self, data: bytes) -> None:
+        link = self._link
+        if not self._queue or self._epoch != link._epoch:  # idle (or re-timed): a fresh draw
+            self._delay = link.one_way_s()
+            self._epoch = link._epoch
+        due = max(max(self._loop.time(), self._not_before) + self._delay, self._last_due)
         self._last_due = due
         self._queue.append((due, data))
         if self._timer is None:
             self.kick()
 
-    def finish(self, close: bool) -> None:
-        """The source ended: after the queued bytes, half-close (or close) the destination."""
-        self._ending = True
+    def finish(self, close: bool, abort: bool = False) -> None:
+        """The source ended: one delay after the queued bytes, half-close (or close, or reset)
+        the destination."""
+        if self.done:
+            return
         self._close_dst = self._close_dst or close
-        if self._timer is None:
-            self.kick()
+        self._abort_dst = self._abort_dst or abort
+        if not self._ending:
+            self._ending = True
+            self._enqueue(b"")  # the end's own place in the line
 
     def cancel(self) -> None:
         if self._timer is not None:
@@ -251,7 +272,9 @@ class _Pipe:
         dst = self._dst
         if dst is not None and not dst.is_closing():
             try:
-                if not self._close_dst and dst.can_write_eof():
+                if self._abort_dst:
+                    _reset(dst)
+                elif not self._close_dst and dst.can_write_eof():
                     dst.write_eof()
                 else:
                     dst.close()
@@ -280,8 +303,8 @@ class _Conn:
             transport, _ = await self.loop.create_connection(
                 lambda: _BackendSide(self), self.link.backend_host, self.link.backend_port
             )
-        except OSError:
-            self.close(abort=True)
+        except OSError:  # refused: the client learns it after the handshake's round trip
+            self.loop.call_at(self.up._not_before, self.close, True)
             return
         if self.closed:
             transport.abort()
@@ -306,7 +329,7 @@ class _Conn:
             if transport is None:
                 continue
             if abort:
-                transport.abort()
+                _reset(transport)
             elif not transport.is_closing():
                 transport.close()
 
@@ -318,7 +341,7 @@ class _Conn:
     def eof(self, from_client: bool) -> None:
         (self.up if from_client else self.down).finish(close=False)
 
-    def lost(self, from_client: bool) -> None:
+    def lost(self, from_client: bool, exc: Exception | None) -> None:
         if self.closed:
             return
         out, back = (self.up, self.down) if from_client else (self.down, self.up)
@@ -326,7 +349,8 @@ class _Conn:
         if from_client and self.backend is None:
             self.close(abort=True)
             return
-        out.finish(close=True)
+        # A reset goes on as a reset (it reached the other side as a clean close)
+        out.finish(close=True, abort=isinstance(exc, ConnectionResetError))
         self.pipe_done()
 
     def pause(self, client_full: bool) -> None:
@@ -340,6 +364,15 @@ class _Conn:
             other.resume_reading()
 
 
+def _reset(transport: asyncio.Transport) -> None:
+    """Close ``transport`` with a TCP reset, not a FIN: ``abort`` alone sends a FIN."""
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    transport.abort()
+
+
 class _ClientSide(asyncio.Protocol):
     def __init__(self, link: Link) -> None:
         self.link = link
@@ -347,7 +380,7 @@ class _ClientSide(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         if self.link.partition == "drop" or self.link._server is None:
-            transport.abort()
+            _reset(cast(asyncio.Transport, transport))
             return
         self.conn = _Conn(self.link, cast(asyncio.Transport, transport))
         self.link._conns.add(self.conn)
@@ -363,7 +396,7 @@ class _ClientSide(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self.conn is not None:
-            self.conn.lost(True)
+            self.conn.lost(True, exc)
 
     def pause_writing(self) -> None:
         if self.conn is not None:
@@ -386,7 +419,7 @@ class _BackendSide(asyncio.Protocol):
         return True
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.conn.lost(False)
+        self.conn.lost(False, exc)
 
     def pause_writing(self) -> None:
         self.conn.pause(client_full=False)

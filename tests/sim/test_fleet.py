@@ -191,6 +191,14 @@ def test_fleet_view_adds_a_link_per_replica_to_the_same_engine() -> None:
                         assert r.status == 200
                         await r.read()
             assert fleet.status()["r0"]["finished"] == 2
+            # A partition cuts the replica off from every proxy (the views' links still served)
+            assert fleet._act("r0", "partition", {"mode": "drop"}) is None
+            async with aiohttp.ClientSession() as s:
+                for port in (ports[0], view_ports[0]):
+                    with pytest.raises(aiohttp.ClientError):
+                        async with s.post(f"http://127.0.0.1:{port}/v1/chat/completions",
+                                          json=body) as r:
+                            await r.read()
         finally:
             await fleet.stop()
 

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import random
+import socket
 import statistics
+import struct
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -246,3 +249,93 @@ def test_stop_closes_listener_and_live_connections() -> None:
                 await asyncio.open_connection(HOST, front)
 
     asyncio.run(run())
+
+
+def test_a_stream_keeps_its_spacing_through_jitter() -> None:
+    """Chunks sent while one is in flight share its delay: each drawing its own, a chunk waited
+    for the latest of several draws (FIFO), so a stream's later chunks came later and later and
+    bunched, and a far region's streamed first token came 13 % over its RTT."""
+    async def run() -> list[float]:
+        async with echo_link(100.0, 0.0) as link:
+            # Draws alternating 50 and 150 ms: a chunk behind a 150 ms one waited for it.
+            draws = itertools.cycle((0.05, 0.15))
+            link.one_way_s = lambda: next(draws)  # type: ignore[method-assign]
+            reader, writer = await asyncio.open_connection(HOST, link.port)
+            await _echo_roundtrip(reader, writer)  # the handshake paid
+            await asyncio.sleep(0.3)  # idle: the next chunk draws afresh
+            sent: list[float] = []
+            lags: list[float] = []
+
+            async def receive() -> None:
+                got = b""
+                while len(got) < 40:
+                    got += await reader.read(2)
+                    now = time.perf_counter()
+                    lags.extend(now - sent[k] for k in range(len(lags), len(got) // 2))
+
+            receiving = asyncio.create_task(receive())
+            for k in range(20):
+                sent.append(time.perf_counter())
+                writer.write(b"%02d" % k)
+                await writer.drain()
+                await asyncio.sleep(0.005)
+            await asyncio.wait_for(receiving, 5)
+            writer.close()
+            return lags
+
+    lags = asyncio.run(run())
+    # Each chunk's own draw: lags of 200 and 300 ms, later chunks waiting for the earlier ones.
+    assert max(lags) - min(lags) < 0.075, lags
+
+
+async def _raw_backend(on_accept: str) -> tuple[asyncio.Server, int]:
+    """A backend that closes ("close") or resets ("reset") each connection once it has read."""
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read(1)
+        if on_accept == "reset":  # SO_LINGER 0: a reset (abort alone sends a FIN)
+            sock = writer.get_extra_info("socket")
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            writer.transport.abort()
+        else:
+            writer.close()
+
+    server = await asyncio.start_server(handle, HOST, 0)
+    return server, server.sockets[0].getsockname()[1]
+
+
+@pytest.mark.parametrize("end", ["close", "reset", "refused"])
+def test_an_end_crosses_the_link_as_it_happened_one_delay_later(end: str) -> None:
+    """A backend's close came through at once, its reset as a clean close, and a refused
+    connection was seen in milliseconds however far the replica."""
+    async def run() -> tuple[float, BaseException | bytes]:
+        if end == "refused":
+            server, port = await _raw_backend("close")
+            server.close()
+            await server.wait_closed()  # nothing listens there now
+        else:
+            server, port = await _raw_backend(end)
+        link = Link(HOST, 0, HOST, port, rtt_ms=200.0, jitter_sd_ms=0.0)
+        await link.start()
+        try:
+            reader, writer = await asyncio.open_connection(HOST, link.port)
+            t0 = time.perf_counter()
+            writer.write(b"x")
+            try:
+                result: BaseException | bytes = await asyncio.wait_for(reader.read(10), 5)
+            except ConnectionError as exc:
+                result = exc
+            elapsed = time.perf_counter() - t0
+            writer.close()
+            return elapsed, result
+        finally:
+            await link.stop()
+            server.close()
+
+    elapsed, result = asyncio.run(run())
+    if end == "close":
+        assert result == b""  # a FIN ...
+    else:
+        assert isinstance(result, ConnectionResetError), result  # ... or a reset, as sent
+    # The byte went up after the handshake (200 ms) and 100 ms; the end came back 100 ms later.
+    want = 0.2 if end == "refused" else 0.4
+    assert elapsed > want - 0.02, elapsed
