@@ -93,9 +93,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "when the fleet skips the response-headers round trip "
                         "(extproc.response_headers: skip): required then, refused otherwise")
     p.add_argument("--workers", type=int, default=1,
-                   help="router processes, each on its own gRPC port (PORT..PORT+N-1; list them "
-                        "all in `gorgo envoy-config --extproc`), under one supervisor that owns "
-                        "the metrics/admin port (default 1; 0 = one per core)")
+                   help="router processes, each on its own gRPC port (PORT and up, skipping "
+                        "the metrics port; the start prints them all: list them in `gorgo "
+                        "envoy-config --extproc`), under one supervisor that owns the "
+                        "metrics/admin port (default 1; 0 = one per core)")
     p.add_argument("--cds-file", default=None,
                    help="cluster mode with membership changes: the clusters file Envoy watches "
                         "(`gorgo envoy-config --cds-file`), rewritten atomically on each reload")
@@ -311,8 +312,11 @@ class ExtProcServer:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + limit_s
         svc = self.service
+        # Quiet counts from the drain's start at the earliest: an idle router closed its port
+        # 30 ms after the signal, before Envoy's health check could see NOT_SERVING.
+        began = time.monotonic()
         while loop.time() < deadline and not (cut is not None and cut.is_set()):
-            quiet = time.monotonic() - svc.last_opened
+            quiet = time.monotonic() - max(svc.last_opened, began)
             if svc.pending_streams == 0 and quiet >= DRAIN_QUIET_S:
                 return
             await asyncio.sleep(min(0.05, max(deadline - loop.time(), 0.0)))

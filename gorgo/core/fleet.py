@@ -127,6 +127,7 @@ POSITIVE = {"strict": True}  # 0 would time out at once, or spin a loop
 # Envoy's longest timeout (INT64_MAX nanoseconds): a timeout past it was refused by Envoy naming
 # its own field, not the fleet's.
 ENVOY_MAX_S = 9_223_372_035
+ENVOY_LEAST_FLUSH_S = 0.001  # access_log_flush_interval's least value (HcmAccessLogOptions)
 SECONDS = {"strict": True, "maximum": ENVOY_MAX_S}
 MILLISECONDS = {"strict": True, "maximum": ENVOY_MAX_S * 1000}
 
@@ -843,10 +844,15 @@ def _control_headers(raw: Mapping[str, Any], path: str) -> ControlHeaders:
 def _observability(raw: Mapping[str, Any], path: str) -> Observability:
     oraw = _mapping(raw.get("observability") or {}, path)
     _check_keys(oraw, set(Observability.__dataclass_fields__), path)
+    interval = _num(oraw, "ttft_log_interval_s", path, Observability().ttft_log_interval_s,
+                    maximum=ENVOY_MAX_S)
+    if 0 < interval < ENVOY_LEAST_FLUSH_S:  # Envoy refused the rendered config, not the fleet
+        raise FleetError(f"{path}.ttft_log_interval_s: must be 0 (off) or >= "
+                         f"{ENVOY_LEAST_FLUSH_S:g} (Envoy's least flush interval), "
+                         f"got {interval!r}")
     return Observability(access_log=_bool(oraw, "access_log", path),
                          access_log_path=_str(oraw, "access_log_path", path, "/dev/stdout"),
-                         ttft_log_interval_s=_num(oraw, "ttft_log_interval_s", path,
-                                                  Observability().ttft_log_interval_s))
+                         ttft_log_interval_s=interval)
 
 
 def _sharing(raw: Mapping[str, Any], path: str, fleet: str) -> Sharing | None:

@@ -336,6 +336,9 @@ def _del(path: list) -> Any:
          "fleet.control_headers.trusted_peers[0]: expected a CIDR range"),
         (_set(["control_headers"], {"trusted_peers": "10.0.0.0/8"}),
          "fleet.control_headers.trusted_peers: expected a list"),
+        # rendered as Envoy's access_log_flush_interval, which Envoy refused below 1 ms
+        (_set(["observability"], {"ttft_log_interval_s": 0.0001}),
+         "fleet.observability.ttft_log_interval_s: must be 0 (off) or >= 0.001"),
     ],
 )
 def test_errors_name_the_field(mutate: Any, prefix: str) -> None:
