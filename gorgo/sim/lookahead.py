@@ -45,7 +45,7 @@ from gorgo.core.state import FleetState
 from gorgo.core.terms.base import E2E, TTFT
 from gorgo.sim.engine import Engine, EngineRejected, StepResult
 from gorgo.sim.offline import STEP_END, SUBMIT, Simulation, arrival_order
-from gorgo.sim.oracle import greedy_costs, prefill_ms_per_token
+from gorgo.sim.oracle import greedy_costs, prefill_ms_per_token, uncached_tokens
 
 LOOKAHEAD = "oracle-lookahead"
 DEFAULT_HORIZON = 16
@@ -94,7 +94,7 @@ class OracleLookahead(PolicyBase):
                    for t, j in sim.pending(SUBMIT)]
         transit = [0] * len(sim.engines)
         for _, j, i in submits:
-            transit[i] += self._uncached(sim.engines[i], sim.features[j])
+            transit[i] += uncached_tokens(sim, sim.engines[i], i, sim.features[j])
         greedy = self._base_costs(sim.engines, transit, f, sim.records[k].output_tokens)
         masked = np.where(s.routable(), greedy, np.inf)
         order = [int(i) for i in np.argsort(masked, kind="stable") if np.isfinite(masked[i])]
@@ -128,7 +128,8 @@ class OracleLookahead(PolicyBase):
         at the engine's step time with one more request running, and what this request's
         prefill and decoding add to the requests decoding there (`EngineProfile.step_time_s`
         terms, on the true state)."""
-        cost = greedy_costs(engines, self.rtt_ms, self.ms_per_token, transit, f)
+        uncached = [uncached_tokens(self.sim, e, i, f) for i, e in enumerate(engines)]
+        cost = greedy_costs(engines, self.rtt_ms, self.ms_per_token, transit, uncached)
         if self.objective != E2E:
             return cost
         for i, e in enumerate(engines):
@@ -139,13 +140,9 @@ class OracleLookahead(PolicyBase):
             per_step_ms = (p.c_decode_ms_per_seq + p.c_attn_ms_per_ktoken * (
                 f.prompt_tokens + output_tokens / 2) / 1000.0) / e.speed
             others = m.num_decoding * (output_tokens * per_step_ms
-                                       + self._uncached(e, f) * self.ms_per_token[i])
+                                       + uncached[i] * self.ms_per_token[i])
             cost[i] += output_tokens * itl_ms + others
         return cost
-
-    @staticmethod
-    def _uncached(e: Engine, f: RequestFeatures) -> int:
-        return f.prompt_tokens - e.cached_prefix_tokens(f.block_hashes)
 
     # -- one rollout ------------------------------------------------------------------------
     def _rollout(self, k: int, choice: int, step_end: list[float | None],
@@ -185,7 +182,7 @@ class OracleLookahead(PolicyBase):
             the intake is next free."""
             base, per_token = sim.intake
             sent = max(at, free) + base + per_token * feats[j].prompt_tokens
-            tokens = self._uncached(engines[i], feats[j])
+            tokens = uncached_tokens(sim, engines[i], i, feats[j])
             transit[i] += tokens
             back[j] = self.half_s[i]
             push(sent + self.half_s[i], _SUBMIT, (j, i, tokens))
@@ -230,7 +227,7 @@ class OracleLookahead(PolicyBase):
                 busy[i] = True
                 push(t, _STEP_END, (i, None))
         for t, j, i in submits:
-            tokens = self._uncached(engines[i], feats[j])
+            tokens = uncached_tokens(sim, engines[i], i, feats[j])
             transit[i] += tokens
             push(t, _SUBMIT, (j, i, tokens))
         free = sim.sides[0].free_at  # one router: a bound sees the whole fleet

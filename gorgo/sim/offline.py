@@ -247,6 +247,9 @@ class Simulation:
         # `cache: precise` replicas: the simulated vLLM's hashing; each KV-event batch reaches
         # every router one way-delay later (in order as over TCP; no draw from the RNG).
         tok = self.router.state.tok
+        # (features, token ids, hashes) by (id of the features, replica): hashed once each
+        self._engine_blocks_of: dict[tuple[int, int], tuple[RequestFeatures, np.ndarray,
+                                                            np.ndarray]] = {}
         self._hashing = {i: SimHashing(tok, r.precise.hash_seed)
                          for i, r in enumerate(spec.replicas) if r.precise is not None}
         for side in self.sides:
@@ -436,12 +439,27 @@ class Simulation:
         """Request ``k`` as engine ``i`` receives it at ``now`` (a `cache: precise` replica hashes
         the prompt its own way)."""
         f = self.features[k]
-        out = self.records[k].output_tokens
+        ids, hashes = self._engine_blocks(f, i)
+        return EngineRequest(k, f.prompt_tokens, hashes, self.records[k].output_tokens, now,
+                             ids)
+
+    def engine_hashes(self, f: RequestFeatures, i: int) -> np.ndarray:
+        """The block hashes engine ``i`` keys its cache on for ``f``: for a bound that reads
+        the engines' caches (`sim.oracle`, `sim.lookahead`), which found nothing cached on a
+        `cache: precise` replica with the router's hashes."""
+        return self._engine_blocks(f, i)[1]
+
+    def _engine_blocks(self, f: RequestFeatures, i: int) -> tuple[np.ndarray | None, np.ndarray]:
+        """(token ids or None, block hashes) of ``f``'s prompt as engine ``i`` reads it."""
         hashing = self._hashing.get(i)
         if hashing is None or f.endpoint is None or f.body is None:
-            return EngineRequest(k, f.prompt_tokens, f.block_hashes, out, now)
-        ids, hashes = hashing.blocks(prompt_text(f.endpoint, f.body))
-        return EngineRequest(k, f.prompt_tokens, hashes, out, now, ids)
+            return None, f.block_hashes
+        key = (id(f), i)
+        hit = self._engine_blocks_of.get(key)
+        if hit is None or hit[0] is not f:
+            hit = self._engine_blocks_of[key] = (
+                f, *hashing.blocks(prompt_text(f.endpoint, f.body)))
+        return hit[1], hit[2]
 
     def pending(self, kind: int) -> list[tuple[float, object]]:
         """The queued events of one kind, as (time, payload), in no order: for a bound that sees

@@ -10,29 +10,37 @@ arrived. Greedy is not optimal over time, so it is a strong reference, not a str
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from gorgo.core.decision import Decision
 from gorgo.core.features import RequestFeatures
-from gorgo.core.fleet import FleetSpec
 from gorgo.core.policies.base import PolicyBase
 from gorgo.core.state import FleetState
 from gorgo.sim.engine import Engine
 
+if TYPE_CHECKING:
+    from gorgo.sim.offline import Simulation
+
 
 def greedy_costs(engines: Sequence[Engine], rtt_ms: np.ndarray, ms_per_token: np.ndarray,
-                 transit_tokens: Sequence[int], f: RequestFeatures) -> np.ndarray:
-    """Each engine's TTFT (ms) for ``f`` if nothing else arrived: the link's mean RTT plus the
-    true prefill backlog (``transit_tokens``: uncached prompt tokens still on the link to it)
-    and the request's own uncached tokens at that engine's prefill rate."""
+                 transit_tokens: Sequence[int], uncached: Sequence[int]) -> np.ndarray:
+    """Each engine's TTFT (ms) for a request if nothing else arrived: the link's mean RTT plus
+    the true prefill backlog (``transit_tokens``: uncached prompt tokens still on the link to
+    it) and the request's own ``uncached`` tokens there at that engine's prefill rate."""
     cost = np.empty(len(engines))
     for i, e in enumerate(engines):
         m = e.metrics()
         backlog = m.pending_prefill_tokens + m.waiting_prompt_tokens + transit_tokens[i]
-        uncached = f.prompt_tokens - e.cached_prefix_tokens(f.block_hashes)
-        cost[i] = rtt_ms[i] + (backlog + uncached) * ms_per_token[i]
+        cost[i] = rtt_ms[i] + (backlog + uncached[i]) * ms_per_token[i]
     return cost
+
+
+def uncached_tokens(sim: Simulation, e: Engine, i: int, f: RequestFeatures) -> int:
+    """``f``'s prompt tokens engine ``e`` (replica ``i``, or its rollout clone) has not cached,
+    looked up with the hashes it keys its cache on (`Simulation.engine_hashes`)."""
+    return f.prompt_tokens - e.cached_prefix_tokens(sim.engine_hashes(f, i))
 
 
 def prefill_ms_per_token(engines: Sequence[Engine]) -> np.ndarray:
@@ -42,25 +50,26 @@ def prefill_ms_per_token(engines: Sequence[Engine]) -> np.ndarray:
 class Oracle(PolicyBase):
     name = "oracle"
 
-    def __init__(self, spec: FleetSpec, engines: list[Engine], rtt_ms: np.ndarray) -> None:
-        super().__init__(spec)
-        self.engines = engines
-        self.rtt_ms = rtt_ms
+    def __init__(self, sim: Simulation) -> None:
+        super().__init__(sim.spec)
+        self.sim = sim
+        self.engines = engines = sim.engines
+        self.rtt_ms = sim.net.rtt_ms()
         self.ms_per_token = prefill_ms_per_token(engines)
         # Requests still on the link to each engine: (arrival time there, prompt tokens).
         self.transit: list[list[tuple[float, int]]] = [[] for _ in engines]
 
     def choose(self, f: RequestFeatures, s: FleetState) -> Decision:
         self.transit = [[(t, n) for t, n in tr if t > s.now] for tr in self.transit]
+        uncached = [uncached_tokens(self.sim, e, i, f) for i, e in enumerate(self.engines)]
         cost = greedy_costs(self.engines, self.rtt_ms, self.ms_per_token,
-                            [sum(n for _, n in tr) for tr in self.transit], f)
+                            [sum(n for _, n in tr) for tr in self.transit], uncached)
         d = self.pick_lowest(cost, s)
         i = d.replica
-        self.transit[i].append((s.now + self.rtt_ms[i] / 2000.0, int(
-            f.prompt_tokens - self.engines[i].cached_prefix_tokens(f.block_hashes))))
+        self.transit[i].append((s.now + self.rtt_ms[i] / 2000.0, int(uncached[i])))
         return d
 
 
-def oracle_factory(sim) -> Oracle:
+def oracle_factory(sim: Simulation) -> Oracle:
     """For `Simulation(policy_factory=...)`: an oracle bound to that run's engines and links."""
-    return Oracle(sim.spec, sim.engines, sim.net.rtt_ms())
+    return Oracle(sim)
