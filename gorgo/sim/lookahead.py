@@ -44,8 +44,8 @@ from gorgo.core.policies.base import PolicyBase
 from gorgo.core.state import FleetState
 from gorgo.core.terms.base import E2E, TTFT
 from gorgo.sim.engine import Engine, EngineRejected, StepResult
-from gorgo.sim.offline import STEP_END, SUBMIT, Simulation, arrival_order
-from gorgo.sim.oracle import greedy_costs, prefill_ms_per_token, uncached_tokens
+from gorgo.sim.offline import STEP_END, Simulation, arrival_order
+from gorgo.sim.oracle import greedy_costs, in_transit, prefill_ms_per_token, uncached_tokens
 
 LOOKAHEAD = "oracle-lookahead"
 DEFAULT_HORIZON = 16
@@ -90,11 +90,7 @@ class OracleLookahead(PolicyBase):
         step_end: list[float | None] = [None] * len(sim.engines)
         for t, (i, _) in sim.pending(STEP_END):  # type: ignore[misc]
             step_end[i] = t
-        submits = [(t, int(j), sim.records[int(j)].replica)  # type: ignore[call-overload]
-                   for t, j in sim.pending(SUBMIT)]
-        transit = [0] * len(sim.engines)
-        for _, j, i in submits:
-            transit[i] += uncached_tokens(sim, sim.engines[i], i, sim.features[j])
+        submits, transit = in_transit(sim)
         greedy = self._base_costs(sim.engines, transit, f, sim.records[k].output_tokens)
         masked = np.where(s.routable(), greedy, np.inf)
         order = [int(i) for i in np.argsort(masked, kind="stable") if np.isfinite(masked[i])]
