@@ -119,6 +119,7 @@ class EngineMetrics:
     cached_tokens_total: int  # of those, tokens served from the prefix cache
     generated_tokens_total: int
     requests_finished: int
+    finished_generated_total: int  # tokens the finished requests generated (vLLM's histogram sum)
     requests_cancelled: int
     requests_rejected: int
     steps_total: int
@@ -191,6 +192,7 @@ class Engine:
         self._cached_total = 0
         self._generated_total = 0
         self._finished = 0
+        self._finished_generated = 0
         self._cancelled = 0
         self._rejected = 0
         self._steps = 0
@@ -453,6 +455,7 @@ class Engine:
             self._release(r)
             del self._reqs[r.rid]
             self._finished += 1
+            self._finished_generated += r.generated
             out.append(Finished(r.rid, r.generated, "length"))
         return out
 
@@ -510,6 +513,7 @@ class Engine:
             cached_tokens_total=self._cached_total,
             generated_tokens_total=self._generated_total,
             requests_finished=self._finished,
+            finished_generated_total=self._finished_generated,
             requests_cancelled=self._cancelled,
             requests_rejected=self._rejected,
             steps_total=self._steps,
