@@ -320,8 +320,9 @@ class ExtProcServer:
             if svc.pending_streams == 0 and quiet >= DRAIN_QUIET_S:
                 return
             await asyncio.sleep(min(0.05, max(deadline - loop.time(), 0.0)))
-        log_event(log, "drain_cut", logging.WARNING, pending_streams=svc.pending_streams,
-                  after_s=round(limit_s - max(deadline - loop.time(), 0.0), 3))
+        if svc.pending_streams:  # a limit under DRAIN_QUIET_S with none open cuts nothing
+            log_event(log, "drain_cut", logging.WARNING, pending_streams=svc.pending_streams,
+                      after_s=round(limit_s - max(deadline - loop.time(), 0.0), 3))
 
     async def stop(self, grace: float = 1.0) -> None:
         if self.discovery is not None:

@@ -222,8 +222,9 @@ def without_ext_proc(bootstrap: dict[str, Any]) -> dict[str, Any]:
     """The same bootstrap minus the ext_proc filter and its cluster: plain Envoy routing."""
     boot = copy.deepcopy(bootstrap)
     res = boot["static_resources"]
-    hcm = res["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
-    hcm["http_filters"] = [f for f in hcm["http_filters"] if f["name"] != EXT_PROC_FILTER]
+    for chain in res["listeners"][0]["filter_chains"]:  # trusted peers' chain too
+        hcm = chain["filters"][0]["typed_config"]
+        hcm["http_filters"] = [f for f in hcm["http_filters"] if f["name"] != EXT_PROC_FILTER]
     res["clusters"] = [c for c in res["clusters"] if c["name"] != EXTPROC_CLUSTER]
     return boot
 

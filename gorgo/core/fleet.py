@@ -838,7 +838,8 @@ def _control_headers(raw: Mapping[str, Any], path: str) -> ControlHeaders:
         except ValueError:
             raise FleetError(f"{path}.trusted_peers[{i}]: expected a CIDR range like "
                              f"10.0.0.0/8 (host bits zero), got {cidr!r}") from None
-    return ControlHeaders(trusted_peers=tuple(peers))
+    # one each: a range named twice (192.0.2.7 and 192.0.2.7/32) made Envoy refuse the listener
+    return ControlHeaders(trusted_peers=tuple(dict.fromkeys(peers)))
 
 
 def _observability(raw: Mapping[str, Any], path: str) -> Observability:

@@ -55,6 +55,9 @@ from gorgo.sim.routers import (
     view_from,
 )
 
+# `Simulation.engine_hashes` keeps this many (request, replica) lookups: held whole, a trace's
+# token ids and hashes per replica grew with the run (22 MiB for 300 requests on 3 replicas).
+HASHES_KEPT = 4096
 # Event kinds, in tie-break order at equal times (completions before new arrivals, an answer's
 # headers before its end; hooks last; a held decision after the peers' bookings of its moment).
 (STEP_END, FIRST_TOKEN, HEADERS, CLOSE, PROBE_DONE, SCRAPE_DONE, KV_EVENTS, SCRAPE_AT, SUBMIT,
@@ -247,9 +250,8 @@ class Simulation:
         # `cache: precise` replicas: the simulated vLLM's hashing; each KV-event batch reaches
         # every router one way-delay later (in order as over TCP; no draw from the RNG).
         tok = self.router.state.tok
-        # (features, token ids, hashes) by (id of the features, replica): hashed once each
-        self._engine_blocks_of: dict[tuple[int, int], tuple[RequestFeatures, np.ndarray,
-                                                            np.ndarray]] = {}
+        # (features, hashes) by (id of the features, replica), the latest HASHES_KEPT
+        self._engine_hashes_of: dict[tuple[int, int], tuple[RequestFeatures, np.ndarray]] = {}
         self._vllm = [r.metrics_flavor == "vllm" for r in spec.replicas]
         self._hashing = {i: SimHashing(tok, r.precise.hash_seed)
                          for i, r in enumerate(spec.replicas) if r.precise is not None}
@@ -440,27 +442,30 @@ class Simulation:
         """Request ``k`` as engine ``i`` receives it at ``now`` (a `cache: precise` replica hashes
         the prompt its own way)."""
         f = self.features[k]
-        ids, hashes = self._engine_blocks(f, i)
+        hashing = self._hashing.get(i)
+        if hashing is None or f.endpoint is None or f.body is None:
+            return EngineRequest(k, f.prompt_tokens, f.block_hashes, self.records[k].output_tokens,
+                                 now)
+        ids, hashes = hashing.blocks(prompt_text(f.endpoint, f.body))
         return EngineRequest(k, f.prompt_tokens, hashes, self.records[k].output_tokens, now,
                              ids)
 
     def engine_hashes(self, f: RequestFeatures, i: int) -> np.ndarray:
         """The block hashes engine ``i`` keys its cache on for ``f``: for a bound that reads
         the engines' caches (`sim.oracle`, `sim.lookahead`), which found nothing cached on a
-        `cache: precise` replica with the router's hashes."""
-        return self._engine_blocks(f, i)[1]
-
-    def _engine_blocks(self, f: RequestFeatures, i: int) -> tuple[np.ndarray | None, np.ndarray]:
-        """(token ids or None, block hashes) of ``f``'s prompt as engine ``i`` reads it."""
+        `cache: precise` replica with the router's hashes. The bounds ask again for the same
+        requests (those in transit, a rollout's horizon): the latest few are kept."""
         hashing = self._hashing.get(i)
         if hashing is None or f.endpoint is None or f.body is None:
-            return None, f.block_hashes
+            return f.block_hashes
         key = (id(f), i)
-        hit = self._engine_blocks_of.get(key)
+        hit = self._engine_hashes_of.get(key)
         if hit is None or hit[0] is not f:
-            hit = self._engine_blocks_of[key] = (
-                f, *hashing.blocks(prompt_text(f.endpoint, f.body)))
-        return hit[1], hit[2]
+            hit = (f, hashing.blocks(prompt_text(f.endpoint, f.body))[1])
+            self._engine_hashes_of[key] = hit
+            if len(self._engine_hashes_of) > HASHES_KEPT:
+                del self._engine_hashes_of[next(iter(self._engine_hashes_of))]
+        return hit[1]
 
     def pending(self, kind: int) -> list[tuple[float, object]]:
         """The queued events of one kind, as (time, payload), in no order: for a bound that sees

@@ -105,7 +105,9 @@ def test_routes_and_control_headers() -> None:
     assert spec.routes.extra_paths == () and spec.control_headers.trusted_peers == ()
     raw = doc()
     raw["routes"] = {"extra_paths": ["/v1/embeddings", "/v1/rerank"]}
-    raw["control_headers"] = {"trusted_peers": ["10.20.0.0/24", "fd00::/8", "192.0.2.7"]}
+    # a range named twice is one (Envoy refused its filter chain's repeated source range)
+    raw["control_headers"] = {"trusted_peers": ["10.20.0.0/24", "fd00::/8", "192.0.2.7",
+                                                "192.0.2.7/32"]}
     spec = parse_fleet(raw)
     assert spec.routes.extra_paths == ("/v1/embeddings", "/v1/rerank")
     assert spec.control_headers.trusted_peers == ("10.20.0.0/24", "fd00::/8", "192.0.2.7/32")

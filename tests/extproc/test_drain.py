@@ -69,6 +69,18 @@ def test_an_idle_router_stays_up_long_enough_for_envoy_to_see_it_draining() -> N
     assert asyncio.run(run()) >= DRAIN_QUIET_S
 
 
+def test_a_drain_limit_under_the_quiet_time_cuts_nothing_and_says_nothing(
+        caplog: pytest.LogCaptureFixture) -> None:
+    # It warned drain_cut with no stream open (--drain-s 1: the quiet time never came).
+    async def run() -> None:
+        server = _server()
+        server.service.last_opened = time.monotonic() - 60.0
+        await server.drain(0.2)
+
+    asyncio.run(run())
+    assert "drain_cut" not in caplog.text
+
+
 @pytest.mark.parametrize("cut_by", ["limit", "second signal"])
 def test_a_drain_ends_at_its_limit_or_a_second_signal(cut_by: str,
                                                       caplog: pytest.LogCaptureFixture) -> None:

@@ -225,7 +225,9 @@ def test_trusted_peers_keep_control_headers_and_never_routing_headers() -> None:
 def test_routes_and_trusted_peers_pass_envoy_validate(tmp_path: Path) -> None:
     doc = yaml.safe_load(EXAMPLE.read_text())
     doc["routes"] = {"extra_paths": ["/v1/embeddings", "/v1/rerank"]}
-    doc["control_headers"] = {"trusted_peers": ["10.1.0.0/16", "::1/128"]}
+    # overlapping ranges, and one named twice (Envoy refused the repeat)
+    doc["control_headers"] = {"trusted_peers": ["10.1.0.0/16", "10.0.0.0/8", "::1/128",
+                                                "::1"]}
     _validate(tmp_path, render_yaml(parse_fleet(doc), picker=True))
 
 

@@ -10,7 +10,7 @@ import pytest
 from gorgo.core.decision import Decision
 from gorgo.core.fleet import parse_fleet
 from gorgo.core.precise import CLOSED_HOLD_S
-from gorgo.sim.offline import RequestRecord, Simulation
+from gorgo.sim.offline import HASHES_KEPT, RequestRecord, Simulation
 from gorgo.sim.workload import build_workload, tokenization
 
 KV = 12_000
@@ -73,6 +73,7 @@ def test_the_bounds_see_the_caches_of_precise_engines(bound: str) -> None:
         sim = Simulation(spec, bound, seed=1, policy_factory=BOUNDS[bound])
         res = sim.run(wl.arrivals.tolist(), wl.features, wl.output_tokens)
         assert all(r.status == 200 for r in res.records)
+        assert len(sim._engine_hashes_of) <= HASHES_KEPT  # not the whole trace's, per replica
         hits.append(sum(r.cached_tokens for r in res.records)
                     / sum(r.prompt_tokens for r in res.records))
     assert hits[0] >= 0.9 * hits[1], hits
