@@ -442,30 +442,37 @@ class Simulation:
         """Request ``k`` as engine ``i`` receives it at ``now`` (a `cache: precise` replica hashes
         the prompt its own way)."""
         f = self.features[k]
-        hashing = self._hashing.get(i)
-        if hashing is None or f.endpoint is None or f.body is None:
-            return EngineRequest(k, f.prompt_tokens, f.block_hashes, self.records[k].output_tokens,
-                                 now)
-        ids, hashes = hashing.blocks(prompt_text(f.endpoint, f.body))
-        return EngineRequest(k, f.prompt_tokens, hashes, self.records[k].output_tokens, now,
-                             ids)
+        out = self.records[k].output_tokens
+        own = self._own_blocks(f, i)
+        if own is None:
+            return EngineRequest(k, f.prompt_tokens, f.block_hashes, out, now)
+        ids, hashes = own
+        return EngineRequest(k, f.prompt_tokens, hashes, out, now, ids)
 
     def engine_hashes(self, f: RequestFeatures, i: int) -> np.ndarray:
         """The block hashes engine ``i`` keys its cache on for ``f``: for a bound that reads
         the engines' caches (`sim.oracle`, `sim.lookahead`), which found nothing cached on a
         `cache: precise` replica with the router's hashes. The bounds ask again for the same
         requests (those in transit, a rollout's horizon): the latest few are kept."""
-        hashing = self._hashing.get(i)
-        if hashing is None or f.endpoint is None or f.body is None:
+        if i not in self._hashing:
             return f.block_hashes
         key = (id(f), i)
         hit = self._engine_hashes_of.get(key)
         if hit is None or hit[0] is not f:
-            hit = (f, hashing.blocks(prompt_text(f.endpoint, f.body))[1])
+            own = self._own_blocks(f, i)
+            hit = (f, f.block_hashes if own is None else own[1])
             self._engine_hashes_of[key] = hit
             if len(self._engine_hashes_of) > HASHES_KEPT:
                 del self._engine_hashes_of[next(iter(self._engine_hashes_of))]
         return hit[1]
+
+    def _own_blocks(self, f: RequestFeatures, i: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """(token ids, block hashes) of ``f``'s prompt as replica ``i``'s engine hashes it, where
+        it hashes its own way (`cache: precise`); else None (the router's hashes are its)."""
+        hashing = self._hashing.get(i)
+        if hashing is None or f.endpoint is None or f.body is None:
+            return None
+        return hashing.blocks(prompt_text(f.endpoint, f.body))
 
     def pending(self, kind: int) -> list[tuple[float, object]]:
         """The queued events of one kind, as (time, payload), in no order: for a bound that sees

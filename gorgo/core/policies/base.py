@@ -9,7 +9,7 @@ from typing import Protocol
 import numpy as np
 
 from gorgo.core.decision import Decision, NoReplicaAvailable
-from gorgo.core.features import RequestFeatures
+from gorgo.core.features import RequestFeatures, stable_hash
 from gorgo.core.fleet import FleetSpec
 from gorgo.core.state import FleetState
 
@@ -39,6 +39,8 @@ class PolicyBase:
     refresh_interval_s = 0.0  # no background refresh
     unbounded_prefix = False  # True: the Router keeps an unbounded prefix index when default
     carried: tuple[str, ...] = ()  # attributes a reload carries over (`carry`)
+    # A policy that draws: its generator ``rng``'s seed, before the fleet name (`generator`)
+    seed_prefix: str | None = None
 
     def __init__(self, spec: FleetSpec) -> None:
         self.spec = spec
@@ -59,10 +61,18 @@ class PolicyBase:
         for name in self.carried:
             setattr(self, name, getattr(old, name))
 
+    def generator(self, salt: str = "") -> np.random.Generator:
+        """A drawing policy's generator, seeded from its ``seed_prefix`` and the fleet name (an
+        offline run replays) and ``salt``, a live router's id (`reseed`)."""
+        seed = f"{self.seed_prefix}{self.spec.name}"
+        return np.random.default_rng(stable_hash(f"{seed}:{salt}" if salt else seed))
+
     def reseed(self, salt: str) -> None:
         """Give this router its own random sequence (a policy that draws none has nothing to
         do): routers of one fleet seed alike, so live routers (several processes, `--workers`)
         all drew one sequence, in step, and herded where each should draw apart."""
+        if self.seed_prefix is not None:
+            self.rng = self.generator(salt)
 
     def pick_lowest(
         self,

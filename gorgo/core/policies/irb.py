@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from gorgo.core.decision import Decision
-from gorgo.core.features import RequestFeatures, stable_hash
+from gorgo.core.features import RequestFeatures
 from gorgo.core.fleet import FleetSpec
 from gorgo.core.policies.base import PolicyBase
 from gorgo.core.policies.rendezvous import rendezvous_scores, replica_salts, request_key
@@ -98,6 +98,7 @@ def solve_weights(
 class Irb(PolicyBase):
     name = "irb"
     carried = ("rng",)
+    seed_prefix = "irb:"
     refresh_interval_s = REFRESH_INTERVAL_S
     utilisation_cap = UTILISATION_CAP
 
@@ -106,10 +107,7 @@ class Irb(PolicyBase):
         self.salts = replica_salts(spec)
         self.plan: Plan | None = None  # the whole fleet's
         self.plans: dict[str, Plan] = {}  # each model's, over its replicas and its own demand
-        self.rng = np.random.default_rng(stable_hash(f"irb:{spec.name}"))
-
-    def reseed(self, salt: str) -> None:
-        self.rng = np.random.default_rng(stable_hash(f"irb:{self.spec.name}:{salt}"))
+        self.rng = self.generator()
 
     def refresh(self, s: FleetState) -> None:
         """Solve the fleet's plan and, in a fleet of several models, one per model: a model's

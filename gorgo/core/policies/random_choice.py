@@ -7,10 +7,8 @@ the same fleet draws the same sequence every run; a live router mixes in its own
 
 from __future__ import annotations
 
-import numpy as np
-
 from gorgo.core.decision import Decision
-from gorgo.core.features import RequestFeatures, stable_hash
+from gorgo.core.features import RequestFeatures
 from gorgo.core.fleet import FleetSpec
 from gorgo.core.policies.base import PolicyBase
 from gorgo.core.state import FleetState
@@ -19,13 +17,11 @@ from gorgo.core.state import FleetState
 class RandomChoice(PolicyBase):
     name = "random"
     carried = ("rng",)
+    seed_prefix = ""
 
     def __init__(self, spec: FleetSpec) -> None:
         super().__init__(spec)
-        self.rng = np.random.default_rng(stable_hash(spec.name))
-
-    def reseed(self, salt: str) -> None:
-        self.rng = np.random.default_rng(stable_hash(f"{self.spec.name}:{salt}"))
+        self.rng = self.generator()
 
     def choose(self, f: RequestFeatures, s: FleetState) -> Decision:
         # One draw per replica, lowest wins: uniform over whichever replicas are routable.
