@@ -140,6 +140,7 @@ def _sidecar_envoy() -> str:
     return _find("ConfigMap", "gorgo-gateway")["data"]["envoy.yaml"]
 
 
+@pytest.mark.slow  # a second or more: out of test-fast
 def test_sidecar_envoy_config_is_a_fresh_typed_render() -> None:
     spec = parse_discovered(_fleet("gorgo-gateway"))
     fresh = render_bootstrap(spec, **SIDECAR_RENDER)

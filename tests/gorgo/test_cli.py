@@ -347,6 +347,7 @@ def _fleet_on(tmp_path: Path, port: int) -> Path:
     return path
 
 
+@pytest.mark.slow  # a second or more: out of test-fast
 @pytest.mark.parametrize(("argv", "command", "says"), [
     (["extproc", "--fleet", str(EXAMPLE), "--port", "0", "--metrics-port", "{port}"],
      "extproc", "--metrics-port"),
@@ -373,6 +374,7 @@ def _wait_for(path: Path, text: str, proc: subprocess.Popen[bytes], timeout: flo
         time.sleep(0.05)
 
 
+@pytest.mark.slow  # a second or more: out of test-fast
 @pytest.mark.parametrize(("argv", "ready", "sig", "rc"), [
     (["extproc", "--fleet", str(EXAMPLE), "--port", "0", "--metrics-port", "0"], "READY",
      signal.SIGTERM, 0),

@@ -67,6 +67,7 @@ def test_rendered_bootstrap_passes_envoy_validate(tmp_path: Path, kwargs: dict) 
     _validate(tmp_path, render_yaml(load_fleet(EXAMPLE), **kwargs))
 
 
+@pytest.mark.slow  # a second or more: out of test-fast
 def test_committed_example_is_fresh() -> None:
     committed = (REPO / "envoy" / "envoy.example.yaml").read_text()
     assert committed == render_yaml(load_fleet(EXAMPLE), otlp="127.0.0.1:4317")

@@ -149,6 +149,7 @@ def test_goal_check_pairs_runs_and_names_the_losses() -> None:
     assert ttft.ratio.mean < 0.85 and not ttft.disjoint and not ttft.met
 
 
+@pytest.mark.slow  # a second or more: out of test-fast
 def test_trace_windows_are_disjoint_and_spread() -> None:
     full = trace_windows("azure", None, 1)[0][1]
     wins = trace_windows("azure", 1000, 3)

@@ -251,6 +251,7 @@ def test_stop_closes_listener_and_live_connections() -> None:
     asyncio.run(run())
 
 
+@pytest.mark.slow  # a second or more: out of test-fast
 def test_a_stream_keeps_its_spacing_through_jitter() -> None:
     """Chunks sent while one is in flight share its delay: each drawing its own, a chunk waited
     for the latest of several draws (FIFO), so a stream's later chunks came later and later and
