@@ -60,7 +60,13 @@ from gorgo.core.fleet import Timeouts, finite_number, http_url, load_fleet, spli
 from gorgo.errors import LOG_LEVELS, UserError, check_port, header_token
 from tuner.calibration import CalibrationConfig
 from tuner.join import DUPLICATE, END, FIRST, Join
-from tuner.optimizer import OptimizerConfig, Tuner, VersionsExhausted, config_from_mapping
+from tuner.optimizer import (
+    OptimizerConfig,
+    Tuner,
+    VersionsExhausted,
+    config_from_mapping,
+    hints_moved,
+)
 from tuner.publisher import Publisher, RouterTarget
 from tuner.receiver import LOG_PREFIX, REFUSED_REASONS, REJECTED, ExportLimits, TraceReceiver
 from tuner.samples import DROP_REASONS, Sample
@@ -434,6 +440,7 @@ class TunerService:
         self.max_version_seen = -1
         self._routed: dict[str, dict[int, int]] = {t.url: {} for t in cfg.routers}
         self._docs: dict[str, dict[str, Any]] = {}  # each router's last GET /admin/weights
+        self._hinted: dict[str, dict[str, float]] = {}  # each router's hints at the last follow
         self.ticks = 0
         self._saved = -1
         self._loaded = False  # never overwrite a state file this process could not read
@@ -652,6 +659,9 @@ class TunerService:
                 self._docs[t.url] = doc
 
     def _follow(self) -> None:
+        """`Tuner.follow` with what the routers said; a hint that moved on any router counts
+        (the merged hints are the first router's: a reload that reached another router first
+        went unseen, and its windows routed under two rates)."""
         known = self.publisher.replicas()
         if known is None:
             return
@@ -659,7 +669,10 @@ class TunerService:
         if gone:
             log.warning("forgetting the calibrated rates of %s: no router knows them",
                         ", ".join(gone))
-        self.tuner.follow(known, _hints(list(self._docs.values())))
+        hinted = {url: _hints([doc]) for url, doc in self._docs.items()}
+        moved = any(hints_moved(self._hinted.get(url, {}), h) for url, h in hinted.items())
+        self._hinted = hinted
+        self.tuner.follow(known, _hints(list(self._docs.values())), moved=moved)
 
     async def tick(self, now: float) -> None:
         self.ticks += 1

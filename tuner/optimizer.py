@@ -362,6 +362,7 @@ class Evaluation:
     candidate: Point | None = None  # drawn when its first window opens
     kind: str = STEP
     looked_at: tuple[int, int, bool] | None = None  # (received, routed, final) at the last look
+    epoch: int = 0  # the rate hints it routes under (`Tuner.follow`)
 
     def arm(self, arm: str) -> list[Window]:
         return [w for w in self.windows if w.arm == arm]
@@ -639,6 +640,11 @@ def decide(ev: Evaluation, cfg: OptimizerConfig, rng: np.random.Generator,
     return worst
 
 
+def hints_moved(old: Mapping[str, float], new: Mapping[str, float]) -> bool:
+    """A replica's fleet-file rate changed (one that appears or goes is membership, not this)."""
+    return any(k in old and old[k] != v for k, v in new.items())
+
+
 def _quantile_or_nan(v: np.ndarray, q: float) -> float:
     """An arm's E2E p95; NaN while none of its streams has ended (early TTFT samples only)."""
     return float(np.quantile(v, q)) if v.size else math.nan
@@ -696,6 +702,10 @@ class Tuner:
         self.rng = np.random.default_rng(seed)
         # hints: the fleet file's prefill rates (GET /admin/weights "prefill_rate_hint")
         self.calibrator = PrefillCalibrator(calibration, hints) if config.calibrate else None
+        self.hints = dict(hints or {})
+        # Bumped when a hint moves (`follow`); an evaluation or monitor window of an older one
+        # routed under another cost model.
+        self._hint_epoch = self._monitor_epoch = 0
         self.bounds = config.search_bounds()
         self.keys = config.keys
         # initial: weight key -> factor; a weight it does not name starts at the term's default
@@ -761,11 +771,19 @@ class Tuner:
         if w is not None:
             w.end(s)
 
-    def follow(self, replicas: Collection[str], hints: Mapping[str, float]) -> None:
+    def follow(self, replicas: Collection[str], hints: Mapping[str, float], *,
+               moved: bool = False) -> None:
         """The replicas the routers know and their fleet-file rates: a calibrated rate, and the
         calibration rows, of a replica no router knows any more are forgotten, and so is its
-        rate in the live proposal (what /status shows and a restarted router is sent)."""
+        rate in the live proposal (what /status shows and a restarted router is sent).
+
+        A hint that moved (a fleet reload; ``moved``: the caller saw one move on some router) is
+        a new cost model from the next `next_weights` on: the evaluation routing now is run
+        again (`_rerun`), converged the monitor's baseline starts over."""
+        moved = moved or hints_moved(self.hints, hints)
+        self.hints = dict(hints)
         kept = {k: v for k, v in self.rates.items() if k in replicas}
+        before = dict(kept)
         if self.calibrator is not None:
             self.calibrator.follow(replicas, hints)
             # A rate calibrated under an old hint is held to the new one's bounds: kept as it
@@ -774,6 +792,8 @@ class Tuner:
             for k, v in kept.items():
                 lo, hi = self.calibrator.rate_bounds(k)
                 kept[k] = min(max(v, lo), hi)
+        if moved or kept != before:
+            self._hint_epoch += 1
         if kept != self.rates:
             self.rates = kept
             self.revision += 1
@@ -802,7 +822,11 @@ class Tuner:
                 return self._start_monitor(now)
             return self._start_warmup(now) if self._warming_up() else self._start_eval(now)
         if self.phase == CONVERGED:
+            if self._monitor_epoch != self._hint_epoch:
+                return self._start_monitor(now)
             return self._monitor(now)
+        if self._eval is not None and self._eval.epoch != self._hint_epoch:
+            return self._rerun(now)
         proposal = self._decide_pending(now)
         if proposal is not None:
             return proposal
@@ -930,9 +954,31 @@ class Tuner:
         self.phase = EVALUATING
         self._refresh_rates()
         start = self._adopt_fit(now)
-        self._eval = Evaluation(self.incumbent, window_plan(self.cfg.pairs))
+        self._eval = Evaluation(self.incumbent, window_plan(self.cfg.pairs),
+                                epoch=self._hint_epoch)
         if start is not None:
             self._eval.candidate, self._eval.kind = start, START
+        return self._open_window(self._eval.plan[0], now)
+
+    def _rerun(self, now: float) -> Proposal:
+        """The evaluation routing now, again from its first window under the rates of a hint
+        that moved (`follow`), with the same candidate; its windows so far are dropped unscored.
+        Voided, not deferred: a router prices a replica it was sent no rate for at its file's
+        new hint from the reload on, before the tuner hears of it, so holding the hint back here
+        could not keep one rate across the windows (in a reproduction the incumbent's window
+        priced a replica at 2000 tokens/s, the candidate's at 5000). The evaluations already
+        waiting for their stragglers had routed before the tuner heard of it: scored as they
+        are, but not extended across it (`_promising`)."""
+        ev = self._eval
+        assert ev is not None
+        for version in self._versions_of(ev):
+            del self._windows[version]
+        self._record({"event": "discarded", "reason": "rate_hint",
+                      "versions": [w.version for w in ev.windows]}, now)
+        self._open = None
+        self._refresh_rates()
+        self._eval = Evaluation(ev.incumbent, window_plan(self.cfg.pairs), candidate=ev.candidate,
+                                kind=ev.kind, epoch=self._hint_epoch)
         return self._open_window(self._eval.plan[0], now)
 
     def _adopt_fit(self, now: float) -> Point | None:
@@ -1084,7 +1130,8 @@ class Tuner:
         """A fitted candidate that measured better but not beyond the noise gets more windows
         instead of a rejection: it is proposed rarely and, from bad weights, it is the way out."""
         return (ev.kind == MODEL and v.reason == "not_better" and v.p95_candidate < v.p95_incumbent
-                and len(ev.plan) < 2 * self._looks() * self.cfg.pairs)
+                and len(ev.plan) < 2 * self._looks() * self.cfg.pairs
+                and ev.epoch == self._hint_epoch)  # (more windows under another hint: no)
 
     def _extend(self, ev: Evaluation, v: Verdict, now: float) -> Proposal:
         """Route ``pairs`` more ABBA pairs for ``ev``; the evaluation routing meanwhile (it
@@ -1211,6 +1258,7 @@ class Tuner:
         read as a drift: a search restarted 45 s after it converged, in 3 of 3 seeds)."""
         self.phase = CONVERGED
         self.baseline_p95 = None
+        self._monitor_epoch = self._hint_epoch  # a hint that moves starts it over (`follow`)
         self._monitor_since, self._longest_ms, self._baseline_age_ms = now, 0.0, math.inf
         self._drift_run = 0
         self._abandon()

@@ -727,6 +727,67 @@ def test_converged_rates_follow_a_new_hint_and_recalibration() -> None:
     assert published[-1] == pytest.approx(50_000.0, rel=0.05)
     assert t.phase == CONVERGED
 
+
+@pytest.mark.parametrize(("reloaded", "rates"), [
+    ({"r1": 50_000.0, "r2": 50_000.0}, {"r1": 5000.0}),  # r1's calibrated rate clamped
+    ({"r1": 10_000.0, "r2": 50_000.0}, {"r1": 2000.0}),  # r2, on its hint, moves on the router
+])
+def test_a_rate_hint_that_moves_mid_evaluation_runs_the_evaluation_again_under_it(
+        reloaded: dict[str, float], rates: dict[str, float]) -> None:
+    """A fleet reload's hint took effect between two windows of one evaluation: the incumbent's
+    window priced r1 at 2000 tokens/s, the candidate's at 5000 (the new hint's bound), and the
+    verdict compared the two. Now the windows routed so far are dropped and the same candidate
+    is evaluated again, every window under the new hint."""
+    t = Tuner(es_config(window_samples=10, pairs=1), W(1.0, 1.0), seed=0,
+              hints={"r1": 10_000.0, "r2": 10_000.0})
+    t.rates = {"r1": 2000.0}  # calibrated; r2 is priced at its hint by the routers
+    sent: dict[int, dict[str, float]] = {}
+
+    def run(p: Proposal, ttft: float) -> None:
+        sent[p.weights.version] = dict(p.prefill_rate)
+        t.routed(p.weights.version, 10)
+        for _ in range(10):
+            t.observe(mk(ttft, p.weights.version))
+
+    inc = t.next_weights(0.0)
+    run(inc, 200.0)
+    cand = t.next_weights(1.0)
+    assert cand.arm == CANDIDATE and sent[inc.weights.version] == {"r1": 2000.0}
+    t.follow({"r1", "r2"}, {"r1": 10_000.0, "r2": 10_000.0})  # heard again, unchanged
+    assert t.next_weights(1.5) is None
+    t.follow({"r1", "r2"}, reloaded)  # the fleet file reloaded while the candidate routes
+    run(cand, 100.0)
+    again = t.next_weights(2.0)
+    assert t.history[-1]["event"] == "discarded" and t.history[-1]["reason"] == "rate_hint"
+    assert t.history[-1]["versions"] == [inc.weights.version, cand.weights.version]
+    assert t.evaluations == 0 and t.window_for(cand.weights.version) is None
+    assert again.arm == INCUMBENT and again.prefill_rate == rates  # the hint is not lost
+    run(again, 200.0)
+    cand2 = t.next_weights(3.0)
+    assert cand2.arm == CANDIDATE and cand2.point == cand.point  # the same candidate
+    run(cand2, 100.0)
+    t.next_weights(4.0)
+    ev = t.history[-1]
+    assert ev["event"] == "evaluation" and ev["accepted"]
+    assert ev["versions"] == [again.weights.version, cand2.weights.version]
+    assert all(sent[v] == rates for v in ev["versions"])
+
+
+def test_a_rate_hint_that_moves_while_converged_starts_the_drift_baseline_over() -> None:
+    """A replica on its hint is priced at the new one by the routers themselves: a baseline
+    measured under the old one is another cost model's."""
+    t = Tuner(es_config(window_samples=10, pairs=1), W(1.0, 1.0), hints={"r2": 10_000.0})
+    t.phase = CONVERGED
+    p = t.next_weights(0.0)
+    assert p.arm == MONITOR
+    t.baseline_p95 = 100.0
+    t.follow({"r2"}, {"r2": 10_000.0})
+    assert t.next_weights(1.0) is None
+    t.follow({"r2"}, {"r2": 50_000.0})
+    q = t.next_weights(2.0)
+    assert q.arm == MONITOR and q.weights.version > p.weights.version and t.baseline_p95 is None
+
+
 def test_winners_curse_alone_does_not_roll_back() -> None:
     """Re-measured, a winner regresses from its lucky window by chance; that is no reason to
     undo it as long as it is not worse than the weights it replaced."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import re
@@ -550,6 +551,34 @@ def test_counts_what_every_router_routed_under_the_scored_versions(tmp_path: Pat
             route(a, 2)
             await svc.follow_routers()
             assert svc.tuner.window_for(v).routed == 9
+
+    run(body)
+
+
+
+def test_a_rate_hint_that_moves_on_any_router_runs_the_evaluation_again(tmp_path: Path) -> None:
+    """The tuner took each hint from the first router that reported it: a fleet reload that
+    reached the second router first moved the rate it prices r1 at (10,000 to 50,000 tokens/s)
+    under the evaluation's open window unseen. A hint that moves on any router voids it."""
+    async def body() -> None:
+        async with two_routers(tmp_path) as (svc, a, b):
+            try:
+                await svc.tick(0.0)
+                v = svc.tuner.active.weights.version
+                spec = b.router.spec
+                b.router.reload(dataclasses.replace(spec, replicas=tuple(
+                    dataclasses.replace(r, prefill_rate=50_000.0) if r.name == "r1" else r
+                    for r in spec.replicas)))
+                await svc.tick(1.0)
+                last = svc.tuner.history[-1] if svc.tuner.history else {}
+                assert last.get("reason") == "rate_hint" and last["versions"] == [v]
+                assert svc.tuner.window_for(v) is None
+                assert a.weights.version == b.weights.version == svc.tuner.active.weights.version
+                assert svc.tuner.active.weights.version > v
+                await svc.tick(2.0)  # heard again, unchanged: nothing more
+                assert svc.tuner.history[-1] is last
+            finally:
+                await b.stop()
 
     run(body)
 
