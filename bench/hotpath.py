@@ -89,10 +89,8 @@ def make_bodies(n: int, seed: int = 11) -> tuple[list[bytes], list[bytes]]:
 
 
 def _headers(body: bytes) -> bytes:
-    hdrs = {":method": "POST", ":path": "/v1/chat/completions", ":authority": "gorgo",
-            ":scheme": "http", "content-type": "application/json",
-            "content-length": str(len(body)), "x-request-id": "4b1f0c1e-hotpath",
-            "user-agent": "openai-python/1.50", "accept": "application/json"}
+    # What Envoy forwards to the router: only the headers it reads (contract.ROUTER_READS).
+    hdrs = {":path": "/v1/chat/completions", ":method": "POST", "content-length": str(len(body))}
     return pb.ProcessingRequest(request_headers=pb.HttpHeaders(
         headers=HeaderMap(headers=[HeaderValue(key=k, raw_value=v.encode())
                                    for k, v in hdrs.items()]))).SerializeToString()
@@ -100,7 +98,7 @@ def _headers(body: bytes) -> bytes:
 
 RESPONSE_HEADERS = pb.ProcessingRequest(response_headers=pb.HttpHeaders(headers=HeaderMap(
     headers=[HeaderValue(key=":status", raw_value=b"200"),
-             HeaderValue(key="content-type", raw_value=b"text/event-stream")]))).SerializeToString()
+             HeaderValue(key="x-envoy-attempt-count", raw_value=b"1")]))).SerializeToString()
 
 
 class _Feed:
