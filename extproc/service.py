@@ -217,7 +217,8 @@ class ExtProcService(ExternalProcessorServicer):
                     self.router.complete(st.decision.id)
                 served = self._replica(st.served, st.served_id)
                 if served is not None:  # else removed: its label sets are gone
-                    self.metrics.request_seconds.labels(*self.metrics.replica(served)).observe(
+                    m = self.metrics
+                    m.labelled(m.request_seconds, *m.replica(served)).observe(
                         time.perf_counter() - st.decided_at)
 
     def _held_past_close(self, st: _Stream) -> float:
@@ -376,8 +377,8 @@ class ExtProcService(ExternalProcessorServicer):
                 self.router.reassign(d.id, fallback)
         served = self._replica(st.served, st.served_id)
         if served is not None:
-            self.metrics.upstream_status.labels(*self.metrics.replica(served),
-                                                f"{status[:1]}xx").inc()
+            m = self.metrics
+            m.labelled(m.upstream_status, *m.replica(served), f"{status[:1]}xx").inc()
             if status in ("500", "502", "503", "504"):
                 s.record_failed_response(served, self.clock())
             elif status[:1] in ("2", "4"):
@@ -447,9 +448,10 @@ class ExtProcService(ExternalProcessorServicer):
             s.spec.replicas[d.replica].address, s.spec.replicas[fallback].address]
         answer = (messages.route_on_headers if on_headers else messages.route_on_body)(
             s.clusters[d.replica], fields, endpoint, endpoints)
-        self.metrics.decisions.labels(d.policy, replica, region, self.metrics.model(f.model)).inc()
+        m = self.metrics
+        m.labelled(m.decisions, d.policy, replica, region, m.model(f.model)).inc()
         st.decided_at = time.perf_counter()
-        self.metrics.decision_seconds.labels(d.policy).observe(st.decided_at - t0)
+        m.labelled(m.decision_seconds, d.policy).observe(st.decided_at - t0)
         # The decision id stays on Envoy's span of the same trace: the tuner reads a span with
         # one as a request.
         if st.trace is not None:

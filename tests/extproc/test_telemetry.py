@@ -141,6 +141,30 @@ def test_the_model_label_is_bounded() -> None:
     assert metrics.model("x" * 500) == "other"
 
 
+def _per_replica(metrics: RouterMetrics, sample: str) -> dict[str, float]:
+    return {s.labels["replica"]: s.value for fam in metrics.registry.collect()
+            for s in fam.samples if s.name == sample}
+
+
+def test_a_reload_that_removes_a_replica_drops_the_series_the_request_path_keeps() -> None:
+    """The request path keeps its series (`RouterMetrics.labelled`); a reload that removes a
+    replica removes its series, so a replica of that name back later counts afresh in an
+    exported series, never in the removed one's kept child (lost, or counting on from before)."""
+    router = _router()
+    metrics = RouterMetrics(router.state, lambda: router.open_requests)
+    service = ExtProcService(router, metrics)
+    for _ in range(3):  # round robin: one request to each replica
+        _request(service, "m")
+    series = ("gorgo_decisions_total", "gorgo_upstream_responses_total",
+              "gorgo_request_duration_seconds_count")
+    assert all(_per_replica(metrics, name) == {"r0": 1, "r1": 1, "r2": 1} for name in series)
+    metrics.rebind(router.state, ["r0", "r1"])
+    assert all(_per_replica(metrics, name) == {"r2": 1} for name in series)
+    for _ in range(3):
+        _request(service, "m")
+    assert all(_per_replica(metrics, name) == {"r0": 1, "r1": 1, "r2": 2} for name in series)
+
+
 # --- logs ---------------------------------------------------------------------------------------
 
 
