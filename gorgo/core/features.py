@@ -293,13 +293,14 @@ def _messages_text(messages: Any, param: str, limits: Limits,
         if not isinstance(msg, dict):
             raise RequestError(400, f"'{param}[{i}]' must be an object.", param=f"{param}[{i}]")
         text = _content_text(msg.get("content"), f"{param}[{i}].content", parts, media)
-        calls = msg.get("tool_calls") or []
-        if not isinstance(calls, list):
-            raise RequestError(400, f"'{param}[{i}].tool_calls' must be a list.",
-                               param=f"{param}[{i}].tool_calls")
-        for call in _bounded(calls, parts, f"{param}[{i}].tool_calls"):
-            if isinstance(call, dict):
-                text += json.dumps(call.get("function", call), sort_keys=True)
+        calls = msg.get("tool_calls")
+        if calls:  # most messages have none (an empty or null list is none)
+            if not isinstance(calls, list):
+                raise RequestError(400, f"'{param}[{i}].tool_calls' must be a list.",
+                                   param=f"{param}[{i}].tool_calls")
+            for call in _bounded(calls, parts, f"{param}[{i}].tool_calls"):
+                if isinstance(call, dict):
+                    text += json.dumps(call.get("function", call), sort_keys=True)
         # Responses items: a (custom) tool call's arguments or input, and its output
         for key in ("arguments", "input"):
             if isinstance(msg.get(key), str):

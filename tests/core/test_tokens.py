@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gorgo.core import hashing
 from gorgo.core.hashing import chain_hashes, chain_hashes_of
 from gorgo.core.tokens import (
     DEFAULT_BLOCK_TOKENS,
@@ -160,3 +161,33 @@ def test_chain_property(prefix: str, a_tail: str, b_tail: str) -> None:
     n = min(len(ha), len(hb))
     assert all(ha[k] == hb[k] for k in range(min(shared, n)))
     assert all(ha[k] != hb[k] for k in range(shared, n))
+
+
+def _digests_by_definition(blocks: np.ndarray, lengths: list[int]) -> list[int]:
+    """`block_digests` spelt out in Python integers: each block's little-endian 64-bit words
+    times the fixed multipliers (cyclic past the table), summed, plus its length, mod 2**64,
+    then splitmix64."""
+    mask = (1 << 64) - 1
+    mult = [int(m) for m in hashing._MULT]
+    out = []
+    for row, length in zip(blocks, lengths, strict=True):
+        words = [int(w) for w in row.view("<u8")]
+        z = (sum(w * mult[k % len(mult)] for k, w in enumerate(words)) + length) & mask
+        z = (z + 0x9E3779B97F4A7C15) & mask
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+        out.append(z ^ (z >> 31))
+    return out
+
+
+@pytest.mark.parametrize("width", [8, 256, 8 * hashing._WORDS + 64])
+def test_block_digests_are_the_multiply_add_hash_they_were_defined_as(width: int) -> None:
+    """The digests stay what the routers, the simulated engines and the peers' bookings
+    agree on, whatever numpy calls compute them (one length for all rows, or one per row)."""
+    rng = np.random.default_rng(width)
+    blocks = rng.integers(0, 256, size=(5, width), dtype=np.uint8)
+    one = hashing.block_digests(blocks, width)
+    assert one.tolist() == _digests_by_definition(blocks, [width] * 5)
+    lengths = [width - k for k in range(5)]
+    each = hashing.block_digests(blocks, np.array(lengths))
+    assert each.tolist() == _digests_by_definition(blocks, lengths)
