@@ -11,11 +11,13 @@ headers), each decoded from its wire bytes with `read_request` and each answer e
 (its Cython stream code) is not here: the no-op ext_proc of bench.dataplane measures that.
 
 Fleet: `envoy/fleet.example.yaml` (3 regions x 2 replicas, policy gorgo); RTTs from the link
-presets, engine scrapes every simulated second. Bodies: OpenAI chat completions of 2-8k
-characters, multi-turn chats over shared system prompts, each the next turn of a conversation
-whose previous turn was routed during warm-up. The clock is simulated (3 ms per request, as at
-concurrency 1), so a run is deterministic: ``--digest`` prints a hash of every answer's bytes,
-for checking that a change leaves every decision, header and metadata field as it was.
+presets, engine scrapes every simulated second (`bench.dataplane.run.primed_service`). Bodies:
+the data-plane bench's 8 KB multi-turn chats over shared system prompts
+(`bench.dataplane.workload`), each the next turn of a conversation whose previous turn was routed
+during warm-up; the headers are those Envoy forwards to the router. The clock is simulated (3 ms
+per request, as at concurrency 1), so a run is deterministic: ``--digest`` prints a hash of every
+answer's bytes, for checking that a change leaves every decision, header and metadata field as it
+was.
 
 Reported: thread CPU time per request in microseconds, median and p90 over the requests, split
 by phase (headers, body, response headers, the stream's close), with all three messages and with
@@ -24,7 +26,7 @@ the response headers skipped (fleet ``extproc: {response_headers: skip}``).
 Usage:
     python -m bench.hotpath                       # both modes, 4000 requests each
     python -m bench.hotpath --requests 10000 --repeats 3
-    python -m bench.hotpath --profile body        # cProfile of 4000 requests, top functions
+    python -m bench.hotpath --profile             # cProfile of 4000 requests per mode
     python -m bench.hotpath --digest              # answers' sha256 per mode (no timing)
 """
 
@@ -34,9 +36,7 @@ import argparse
 import asyncio
 import cProfile
 import hashlib
-import json
 import pstats
-import random
 import time
 from pathlib import Path
 from typing import Any
@@ -44,61 +44,31 @@ from typing import Any
 import numpy as np
 import yaml
 
-from extproc.service import ExtProcService, read_request
-from extproc.telemetry import RouterMetrics
-from gorgo._xds.envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue
+from bench.dataplane.run import primed_service, scrape
+from bench.dataplane.workload import (
+    E2E_SIZE,
+    RESPONSE_HEADERS,
+    body_msg,
+    headers_msg,
+    make_workload,
+)
+from extproc.service import read_request
 from gorgo._xds.envoy.service.ext_proc.v3 import external_processor_pb2 as pb
-from gorgo.core.fleet import LINK_PRESETS, parse_fleet
-from gorgo.core.router import Router
+from gorgo.core.fleet import parse_fleet
 
 FLEET = Path(__file__).resolve().parent.parent / "envoy" / "fleet.example.yaml"
 STEP_S = 0.003  # simulated time between requests (concurrency 1: Envoy and the client run)
 SCRAPE_S = 1.0  # simulated engine scrape interval (the example fleet's)
 PHASES = ("headers", "body", "response_headers", "close")
 MODES = {"send": {}, "skip": {"response_headers": "skip"}}
-_PROSE = ("the router sends each request to the replica with the lowest predicted time to first "
-          "token which adds network round trip queue wait and prefill of the uncached prompt "
-          "prefix a long conversation keeps its earlier turns cached")
-_WORDS = _PROSE.split()
 
 
-def _text(rng: random.Random, n: int) -> str:
-    return " ".join(rng.choice(_WORDS) for _ in range(n // 6 + 1))[:n]
+def _request(body: bytes) -> tuple[bytes, bytes]:
+    """A request's two messages as gRPC receives them: headers, then the buffered body."""
+    return headers_msg(body).SerializeToString(), body_msg(body).SerializeToString()
 
 
-def _body(messages: list[dict[str, str]], model: str) -> bytes:
-    return json.dumps({"model": model, "messages": messages, "max_tokens": 256,
-                       "temperature": 0.7, "stream": True}).encode()
-
-
-def make_bodies(n: int, seed: int = 11) -> tuple[list[bytes], list[bytes]]:
-    """(previous turns, measured bodies): ``n`` chats of 2-8k characters over 8 system prompts."""
-    rng = random.Random(seed)
-    systems = [_text(rng, rng.randint(800, 2500)) for _ in range(8)]
-    previous, measured = [], []
-    for _ in range(n):
-        target = rng.randint(2000, 8000)
-        msgs = [{"role": "system", "content": rng.choice(systems)}]
-        while len(_body(msgs, "m")) < target - 600:
-            msgs += [{"role": "user", "content": _text(rng, rng.randint(150, 600))},
-                     {"role": "assistant", "content": _text(rng, rng.randint(150, 600))}]
-        previous.append(_body(msgs[:-1], "m"))
-        room = max(50, target - len(_body(msgs, "m")) - 40)
-        measured.append(_body([*msgs, {"role": "user", "content": _text(rng, room)}], "m"))
-    return previous, measured
-
-
-def _headers(body: bytes) -> bytes:
-    # What Envoy forwards to the router: only the headers it reads (contract.ROUTER_READS).
-    hdrs = {":path": "/v1/chat/completions", ":method": "POST", "content-length": str(len(body))}
-    return pb.ProcessingRequest(request_headers=pb.HttpHeaders(
-        headers=HeaderMap(headers=[HeaderValue(key=k, raw_value=v.encode())
-                                   for k, v in hdrs.items()]))).SerializeToString()
-
-
-RESPONSE_HEADERS = pb.ProcessingRequest(response_headers=pb.HttpHeaders(headers=HeaderMap(
-    headers=[HeaderValue(key=":status", raw_value=b"200"),
-             HeaderValue(key="x-envoy-attempt-count", raw_value=b"1")]))).SerializeToString()
+RESPONSE = RESPONSE_HEADERS.SerializeToString()
 
 
 class _Feed:
@@ -134,41 +104,30 @@ class Bench:
             doc["extproc"] = MODES[mode]
         spec = parse_fleet(doc, str(FLEET))
         self.clock = Clock()
-        self.router = Router(spec, id_prefix="hot", salt="hot", unbounded_prefix=False)
-        s = self.router.state
-        for i in range(s.n):
-            s.observe_rtt(i, LINK_PRESETS[spec.replicas[i].region][0])
-        self._scrape()
-        self.svc = ExtProcService(self.router, RouterMetrics(s, lambda: self.router.open_requests),
-                                  clock=self.clock)
+        self.svc = primed_service(spec, self.clock, id_prefix="hot", salt="hot",
+                                  unbounded_prefix=False)
+        self.router = self.svc.router
+        self._scraped = self.clock.now
         self.send_response = not spec.extproc.skip_response_headers
-        previous, bodies = make_bodies(n_bodies)
-        self.requests = [(_headers(b), pb.ProcessingRequest(request_body=pb.HttpBody(
-            body=b, end_of_stream=True)).SerializeToString()) for b in bodies]
+        wl = make_workload(0, per_size=n_bodies, sizes=(E2E_SIZE,))
+        self.requests = [_request(b) for b in wl.measured[E2E_SIZE]]
         self.answers: list[bytes] = []
         self.keep = False
-        asyncio.run(self._warm(previous))
-
-    def _scrape(self) -> None:
-        s = self.router.state
-        now = self.clock.now
-        for i in range(s.n):
-            s.observe_engine(i, now, queue_reqs=float(i % 3), running_reqs=4.0, kv_usage=0.3)
-        self._scraped = now
+        asyncio.run(self._warm(wl.warm))  # the previous turn of every measured conversation
 
     async def _warm(self, previous: list[bytes]) -> None:
         for b in previous:
-            await self.one((_headers(b), pb.ProcessingRequest(request_body=pb.HttpBody(
-                body=b, end_of_stream=True)).SerializeToString()))
+            await self.one(_request(b))
 
     async def one(self, req: tuple[bytes, bytes], cpu: list[list[int]] | None = None) -> None:
         """One request's stream, as gRPC runs it; ``cpu``: append each phase's thread CPU ns."""
         self.clock.now += STEP_S
         if self.clock.now - self._scraped >= SCRAPE_S:
-            self._scrape()
+            scrape(self.router.state, self.clock.now)
+            self._scraped = self.clock.now
         feed = _Feed()
         stream = self.svc.Process(feed, None)
-        raws = [req[0], req[1], *([RESPONSE_HEADERS] if self.send_response else [])]
+        raws = [*req, *([RESPONSE] if self.send_response else [])]
         for k, raw in enumerate(raws):
             t0 = time.thread_time_ns()
             feed.next = read_request(raw)

@@ -13,7 +13,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,6 +34,7 @@ from gorgo._xds.envoy.service.ext_proc.v3.external_processor_pb2_grpc import (
 from gorgo.core.contract import REPLICA_HEADER
 from gorgo.core.fleet import LINK_PRESETS, FleetSpec, load_fleet
 from gorgo.core.router import Router
+from gorgo.core.state import FleetState
 from gorgo.envoy_config import EXTPROC_CLUSTER, render_bootstrap
 from gorgo.harness.envoy_proc import EnvoyProcess
 from gorgo.harness.procs import (
@@ -115,15 +116,28 @@ def _route_and_release(svc: ExtProcService, body: bytes) -> pb.ProcessingRespons
     return answer
 
 
-def run_in_process(spec: FleetSpec, wl: Workload, iterations: int) -> InProcess:
-    """Time `ExtProcService`'s body handler with a prebuilt request, releasing each decision."""
-    router = Router(spec, id_prefix="bench")
+def scrape(s: FleetState, now: float) -> None:
+    """Every engine's scrape as of ``now``: a few requests queued on some, four running on each."""
+    for i in range(s.n):
+        s.observe_engine(i, now, queue_reqs=float(i % 3), running_reqs=4.0, kv_usage=0.3)
+
+
+def primed_service(spec: FleetSpec, clock: Callable[[], float] = time.monotonic,
+                   **router_kw: Any) -> ExtProcService:
+    """A servicer over a new router on ``spec`` whose replicas are all probed (their regions'
+    link RTTs) and scraped, so every one is routable and scored from the first request."""
+    router = Router(spec, **router_kw)
     s = router.state
-    now = time.monotonic()
     for i in range(s.n):
         s.observe_rtt(i, LINK_PRESETS[spec.replicas[i].region][0])
-        s.observe_engine(i, now, queue_reqs=float(i % 3), running_reqs=4.0, kv_usage=0.3)
-    svc = ExtProcService(router, RouterMetrics(s, lambda: router.open_requests))
+    scrape(s, clock())
+    return ExtProcService(router, RouterMetrics(s, lambda: router.open_requests), clock=clock)
+
+
+def run_in_process(spec: FleetSpec, wl: Workload, iterations: int) -> InProcess:
+    """Time `ExtProcService`'s body handler with a prebuilt request, releasing each decision."""
+    svc = primed_service(spec, id_prefix="bench")
+    router = svc.router
     for body in wl.warm:
         _route_and_release(svc, body)
     out = InProcess({}, {}, {}, {}, {})

@@ -9,7 +9,7 @@ from typing import Any
 
 from gorgo._xds.envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue
 from gorgo._xds.envoy.service.ext_proc.v3 import external_processor_pb2 as pb
-from gorgo.core.contract import METADATA_NAMESPACE
+from gorgo.core.contract import ATTEMPT_COUNT_HEADER, METADATA_NAMESPACE, ROUTER_READS
 
 KB = 1024
 SIZES = (8 * KB, 32 * KB, 256 * KB)
@@ -76,8 +76,10 @@ class Workload:
     measured: dict[int, list[bytes]]
 
 
-def make_workload(n_warm: int, per_size: int = 12, seed: int = 7) -> Workload:
-    """Multi-turn chats over shared system prompts, as agent and chat traffic looks.
+def make_workload(n_warm: int, per_size: int = 12, seed: int = 7,
+                  sizes: tuple[int, ...] = SIZES) -> Workload:
+    """Multi-turn chats over shared system prompts, as agent and chat traffic looks: ``per_size``
+    measured bodies of each of ``sizes`` bytes.
 
     Each measured body is the next turn of a conversation whose previous turn is in the warm
     traffic, so prefix matching walks most of the body's blocks instead of finding nothing.
@@ -94,7 +96,7 @@ def make_workload(n_warm: int, per_size: int = 12, seed: int = 7) -> Workload:
         warm.append(_body(msgs))
     previous: list[bytes] = []
     measured: dict[int, list[bytes]] = {}
-    for size in SIZES:
+    for size in sizes:
         bodies = []
         for _ in range(per_size):
             history = [{"role": "system", "content": rng.choice(systems)}]
@@ -111,14 +113,19 @@ def make_workload(n_warm: int, per_size: int = 12, seed: int = 7) -> Workload:
     return Workload(warm + previous, measured)
 
 
+def _forwarded(hdrs: dict[str, str]) -> HeaderMap:
+    """The headers of ``hdrs`` Envoy forwards to the router: those it reads (the rendered
+    bootstrap's allowed headers, `contract.ROUTER_READS`)."""
+    return HeaderMap(headers=[HeaderValue(key=k, raw_value=v.encode())
+                              for k, v in hdrs.items() if k in ROUTER_READS])
+
+
 def headers_msg(body: bytes) -> pb.ProcessingRequest:
     hdrs = {":method": "POST", ":path": CHAT_PATH, ":authority": "bench", ":scheme": "http",
             "content-type": "application/json", "content-length": str(len(body)),
             "x-request-id": "bench", "user-agent": "dataplane-bench"}
-    return pb.ProcessingRequest(request_headers=pb.HttpHeaders(
-        headers=HeaderMap(headers=[HeaderValue(key=k, raw_value=v.encode())
-                                   for k, v in hdrs.items()]),
-        end_of_stream=False))
+    return pb.ProcessingRequest(request_headers=pb.HttpHeaders(headers=_forwarded(hdrs),
+                                                               end_of_stream=False))
 
 
 def body_msg(body: bytes) -> pb.ProcessingRequest:
@@ -126,9 +133,10 @@ def body_msg(body: bytes) -> pb.ProcessingRequest:
 
 
 
+# A first attempt's answer (the rendered route counts attempts in the response).
 RESPONSE_HEADERS = pb.ProcessingRequest(response_headers=pb.HttpHeaders(
-    headers=HeaderMap(headers=[HeaderValue(key=":status", raw_value=b"200"),
-                               HeaderValue(key="content-type", raw_value=b"application/json")]),
+    headers=_forwarded({":status": "200", "content-type": "application/json",
+                        ATTEMPT_COUNT_HEADER: "1"}),
     end_of_stream=False))
 
 
