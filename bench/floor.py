@@ -50,35 +50,38 @@ def run_floor(trace: str, args: argparse.Namespace) -> Path:
     return out
 
 
-def p95(runs: list[dict[str, Any]], policy: str, window: int, metric: str) -> float:
-    """The mean over seeds of one policy's p95 on one window."""
-    return statistics.mean(r["metrics"][metric] for r in runs
-                           if r["policy"] == policy and r["window"] == window)
+def window_means(values: dict[tuple[int, int], float]) -> dict[int, float]:
+    """A policy's values of one metric (run key (window, seed) -> value): the mean per window."""
+    per: dict[int, list[float]] = {}
+    for (window, _), v in values.items():
+        per.setdefault(window, []).append(v)
+    return {w: statistics.mean(v) for w, v in sorted(per.items())}
 
 
 def row(trace: str, floor_runs: list[dict[str, Any]], matrix_runs: list[dict[str, Any]],
         variant: str) -> str:
-    """One trace's line of the table."""
-    windows = sorted({r["window"] for r in floor_runs})
-    floor = {m: {w: min(r["metrics"][m] for r in floor_runs if r["window"] == w)
-                 for w in windows} for m in ("ttft_p95_ms", "e2e_p95_ms")}
+    """One trace's line of the table, from the floor's runs (one load) and the matrix's."""
+    (low,) = bench.tables(floor_runs).values()
+    floor: dict[str, dict[int, float]] = {}
+    for m in ("ttft_p95_ms", "e2e_p95_ms"):
+        means = [window_means(metrics[m]) for metrics in low.values.values()]
+        floor[m] = {w: min(x[w] for x in means) for w in means[0]}
+    windows = list(floor["ttft_p95_ms"])
+    by_load = bench.tables(matrix_runs)
     cells: dict[str, list[float]] = {"ttft": [], "e2e": [], "variant": []}
     for load in LOADS:
-        runs = [r for r in matrix_runs if abs(r["load"] - load) < 1e-9]
-        peers = {r["policy"] for r in runs
-                 if not bench.is_gorgo(r["policy"]) and not r["policy"].startswith("oracle")}
+        t = by_load[f"{load:g}"]
 
-        def best(metric: str, runs: list[dict[str, Any]] = runs, peers: set[str] = peers) -> str:
-            return min(peers, key=lambda p: statistics.mean(p95(runs, p, w, metric)
-                                                           for w in windows))
+        def ratios(policy: str, metric: str, t: bench.Table = t) -> list[float]:
+            """The floor over ``policy``'s mean per window."""
+            mine = window_means(t.values[policy][metric])
+            return [floor[metric][w] / mine[w] for w in windows]
 
-        bt, be = best("ttft_p95_ms"), best("e2e_p95_ms")
-        cells["ttft"].append(statistics.mean(
-            floor["ttft_p95_ms"][w] / p95(runs, bt, w, "ttft_p95_ms") for w in windows))
-        cells["e2e"].append(statistics.mean(
-            floor["e2e_p95_ms"][w] / p95(runs, be, w, "e2e_p95_ms") for w in windows))
-        cells["variant"].append(statistics.mean(
-            p95(runs, variant, w, "ttft_p95_ms") / floor["ttft_p95_ms"][w] for w in windows))
+        for metric, key in (("ttft_p95_ms", "ttft"), ("e2e_p95_ms", "e2e")):
+            peer = t.best_peer(metric)
+            assert peer is not None, f"{trace} at {load:g}: no peer ran"
+            cells[key].append(statistics.mean(ratios(peer, metric)))
+        cells["variant"].append(statistics.mean(1 / x for x in ratios(variant, "ttft_p95_ms")))
 
     def fmt(xs: list[float], mark: bool = False) -> str:
         return " / ".join(f"**{x:.2f}**" if mark and x > GOAL else f"{x:.2f}" for x in xs)
@@ -112,8 +115,9 @@ def main(argv: list[str] | None = None) -> int:
         if not matrix_file.exists():
             print(f"bench.floor: no matrix results in {matrix_file}", file=sys.stderr)
             return 2
-        floor_runs = json.loads((run_floor(trace, args) / "results.json").read_text())["runs"]
-        matrix_runs = json.loads(matrix_file.read_text())["runs"]
+        floor_runs = bench.load_runs(
+            json.loads((run_floor(trace, args) / "results.json").read_text()))
+        matrix_runs = bench.load_runs(json.loads(matrix_file.read_text()))
         lines.append(row(trace, floor_runs, matrix_runs, args.variant))
     print("\n".join(lines))
     return 0

@@ -5,7 +5,7 @@ from bench.matrix import LOADS
 
 
 def _run(policy: str, window: int, ttft: float, e2e: float, load: float = 0.05) -> dict:
-    return {"policy": policy, "window": window, "load": load,
+    return {"policy": policy, "window": window, "seed": 0, "load": load,
             "metrics": {"ttft_p95_ms": ttft, "e2e_p95_ms": e2e}}
 
 
