@@ -9,11 +9,11 @@ policies is a floor no policy reaches at a load ten times higher. The goal asks 
 best peer's p95 TTFT; where that is below the floor, the TTFT part of a cell cannot be met by any
 router, and where it is a few percent above, only a router with no queue at that load would.
 
-For each project trace (`bench.matrix.TRACES`) this runs `gorgo bench sim` on `one-region` at
-the floor load (same windows and request count as the matrix, one seed: nothing but the link
-jitter is drawn there) and prints, per window averaged over the three windows, the floor over
-the best peer's p95 TTFT and E2E p95 at each of the matrix's loads, read from a matrix output
-folder, and the gorgo variant's p95 over the floor.
+For each project trace (`bench.matrix.TRACES`) this runs `gorgo bench sim` on `one-region`
+(`bench.matrix.run_pair`) at the floor load (same windows and request count as the matrix, one
+seed: nothing but the link jitter is drawn there) and prints, per window averaged over the three
+windows, the floor over the best peer's p95 TTFT and E2E p95 at each of the matrix's loads, read
+from a matrix output folder, and the gorgo variant's p95 over the floor.
 
     .venv/bin/python -m bench.floor --matrix results/matrix [--out results/floor] [--jobs 2]
 """
@@ -27,8 +27,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bench.matrix import LOADS, TRACES, trace_spec
+from bench.matrix import LOADS, TRACES, run_pair
 from gorgo.sim import bench
+from gorgo.sim.workload import EXACT
 
 FLEET = "one-region"
 POLICIES = ("cache-aware-tree", "gorgo@ttft", "kv-cost")  # the lowest p95 TTFT at load 0.05
@@ -36,18 +37,12 @@ GOAL = bench.GOALS["ttft_p95_ms"]
 
 
 def run_floor(trace: str, args: argparse.Namespace) -> Path:
-    """`gorgo bench sim` of ``trace`` on `one-region` at the floor load; its results folder."""
-    out = args.out / trace
-    if not args.report_only:
-        parser = argparse.ArgumentParser()
-        bench.add_arguments(parser)
-        bench.main(parser.parse_args([
-            "--trace", trace_spec(trace, "exact"), "--fleet", FLEET,
-            "--policies", ",".join(POLICIES), "--windows", str(args.windows), "--seeds", "1",
-            "--requests", str(args.requests), "--load", str(args.floor_load),
-            "--capacity-cache", str(args.matrix / "capacity.json"), "--out", str(out),
-            "--jobs", str(args.jobs)]))
-    return out
+    """`gorgo bench sim` of ``trace`` on `one-region` at the floor load, each window's capacity
+    the matrix's; its results folder."""
+    at = argparse.Namespace(out=args.out, bound=EXACT, windows=args.windows, seeds=1,
+                            requests=args.requests, loads=(args.floor_load,), jobs=args.jobs,
+                            rerun=None, report_only=args.report_only)
+    return run_pair(trace, FLEET, list(POLICIES), at, capacity=args.matrix / "capacity.json")
 
 
 def window_means(values: dict[tuple[int, int], float]) -> dict[int, float]:

@@ -70,8 +70,10 @@ def trace_spec(trace: str, bound: str) -> str:
     return f"{spec}{',' if ':' in spec else ':'}{BOUND_OPTION}={bound}"
 
 
-def run_pair(trace: str, fleet: str, pols: list[str], args: argparse.Namespace) -> Path:
-    """One `gorgo bench sim` over every load; returns its results folder."""
+def run_pair(trace: str, fleet: str, pols: list[str], args: argparse.Namespace,
+             capacity: Path | None = None) -> Path:
+    """One `gorgo bench sim` over every load; returns its results folder. Each window's capacity
+    is cached in ``capacity`` (default: ``capacity.json`` in the output folder)."""
     out = args.out / f"{trace}-{fleet}"
     if not args.report_only:
         parser = argparse.ArgumentParser()
@@ -81,7 +83,7 @@ def run_pair(trace: str, fleet: str, pols: list[str], args: argparse.Namespace) 
             "--policies", ",".join(pols),
             "--windows", str(args.windows), "--seeds", str(args.seeds),
             "--requests", str(args.requests), "--load", ",".join(map(str, args.loads)),
-            "--capacity-cache", str(args.out / "capacity.json"), "--out", str(out),
+            "--capacity-cache", str(capacity or args.out / "capacity.json"), "--out", str(out),
             "--jobs", str(args.jobs), *(["--rerun", args.rerun] if args.rerun else [])]))
     return out
 
