@@ -43,6 +43,7 @@ def test_the_exact_run_is_unchanged(tmp_path: Path, benches: list[argparse.Names
     assert matrix.main(["--out", str(tmp_path / "m")]) == 0
     assert {a.trace for a in benches} == set(matrix.TRACES.values())
     assert {a.load for a in benches} == {"0.5,0.8,0.95"}
+    assert {(a.windows, a.seeds) for a in benches} == {(5, 2)}  # t over 5 windows, not 3
 
 
 def test_a_bound_without_out_gets_its_own_folder(benches: list[argparse.Namespace],
