@@ -10,10 +10,10 @@ best peer's p95 TTFT; where that is below the floor, the TTFT part of a cell can
 router, and where it is a few percent above, only a router with no queue at that load would.
 
 For each project trace (`bench.matrix.TRACES`) this runs `gorgo bench sim` on `one-region`
-(`bench.matrix.run_pair`) at the floor load (same windows and request count as the matrix, one
-seed: nothing but the link jitter is drawn there) and prints, per window averaged over the three
-windows, the floor over the best peer's p95 TTFT and E2E p95 at each of the matrix's loads, read
-from a matrix output folder, and the gorgo variant's p95 over the floor.
+(`bench.matrix.run_pair`) at the floor load (the windows and request count the matrix ran, read
+from its results; one seed: nothing but the link jitter is drawn there) and prints, per window
+averaged over the windows, the floor over the best peer's p95 TTFT and E2E p95 at each of the
+matrix's loads, read from a matrix output folder, and the gorgo variant's p95 over the floor.
 
     .venv/bin/python -m bench.floor --matrix results/matrix [--out results/floor] [--jobs 2]
 """
@@ -36,11 +36,11 @@ POLICIES = ("cache-aware-tree", "gorgo@ttft", "kv-cost")  # the lowest p95 TTFT 
 GOAL = bench.GOALS["ttft_p95_ms"]
 
 
-def run_floor(trace: str, args: argparse.Namespace) -> Path:
-    """`gorgo bench sim` of ``trace`` on `one-region` at the floor load, each window's capacity
-    the matrix's; its results folder."""
-    at = argparse.Namespace(out=args.out, bound=EXACT, windows=args.windows, seeds=1,
-                            requests=args.requests, loads=(args.floor_load,), jobs=args.jobs,
+def run_floor(trace: str, args: argparse.Namespace, windows: int, requests: int) -> Path:
+    """`gorgo bench sim` of ``trace`` on `one-region` at the floor load over the matrix's
+    ``windows`` windows of ``requests``, each window's capacity the matrix's; its results folder."""
+    at = argparse.Namespace(out=args.out, bound=EXACT, windows=windows, seeds=1,
+                            requests=requests, loads=(args.floor_load,), jobs=args.jobs,
                             rerun=None, report_only=args.report_only)
     return run_pair(trace, FLEET, list(POLICIES), at, capacity=args.matrix / "capacity.json")
 
@@ -92,8 +92,6 @@ def main(argv: list[str] | None = None) -> int:
                     help="a bench/matrix.py output folder (its runs and capacities)")
     ap.add_argument("--out", type=Path, default=Path("results/floor"))
     ap.add_argument("--floor-load", type=float, default=0.05)
-    ap.add_argument("--requests", type=int, default=1500)
-    ap.add_argument("--windows", type=int, default=3)
     ap.add_argument("--jobs", type=int, default=1)
     ap.add_argument("--variant", default="gorgo@e2e")
     ap.add_argument("--report-only", action="store_true", help="read earlier floor runs")
@@ -110,9 +108,17 @@ def main(argv: list[str] | None = None) -> int:
         if not matrix_file.exists():
             print(f"bench.floor: no matrix results in {matrix_file}", file=sys.stderr)
             return 2
-        floor_runs = bench.load_runs(
-            json.loads((run_floor(trace, args) / "results.json").read_text()))
-        matrix_runs = bench.load_runs(json.loads(matrix_file.read_text()))
+        matrix_doc = json.loads(matrix_file.read_text())
+        labels = [w["label"] for w in matrix_doc["windows"]]
+        floor_doc = json.loads((run_floor(trace, args, len(labels),
+                                          matrix_doc["windows"][0]["requests"])
+                                / "results.json").read_text())
+        if [w["label"] for w in floor_doc["windows"]] != labels:  # runs pair by window index
+            print(f"bench.floor: {args.out} ran other windows of {trace} than {matrix_file}",
+                  file=sys.stderr)
+            return 2
+        matrix_runs = bench.load_runs(matrix_doc)
+        floor_runs = bench.load_runs(floor_doc)
         lines.append(row(trace, floor_runs, matrix_runs, args.variant))
     print("\n".join(lines))
     return 0

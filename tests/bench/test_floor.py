@@ -1,7 +1,13 @@
 from __future__ import annotations
 
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
 from bench import floor
-from bench.matrix import LOADS
+from bench.matrix import LOADS, TRACES
 
 
 def _run(policy: str, window: int, ttft: float, e2e: float, load: float = 0.05) -> dict:
@@ -29,3 +35,37 @@ def test_a_row_is_the_floor_over_the_best_peer_per_window_and_marks_an_unreachab
     assert cells[3] == " / ".join(["1.50"] * len(LOADS))  # 150/100, 300/200
     # E2E: the best peer by E2E is round-robin (4000): 900/4000, 2000/4000
     assert cells[4] == " / ".join([f"{(900 / 4000 + 2000 / 4000) / 2:.2f}"] * len(LOADS))
+
+
+def _results(path: Path, windows: int, requests: int, loads: tuple[float, ...], policies: list[str]
+             ) -> None:
+    """A results.json of ``windows`` windows (runs pair with the floor's by window index)."""
+    path.mkdir(parents=True, exist_ok=True)
+    runs = [_run(p, w, 100 + w, 1000, load) for load in loads for w in range(windows)
+            for p in policies]
+    doc = {"windows": [{"label": f"t[{w * requests}:{(w + 1) * requests}]", "requests": requests}
+                       for w in range(windows)], "runs": runs}
+    (path / "results.json").write_text(json.dumps(doc))
+
+
+@pytest.mark.parametrize(("floor_windows", "code"), [(5, 0), (3, 2)])
+def test_the_floor_runs_the_matrix_windows_and_refuses_others(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, floor_windows: int, code: int) -> None:
+    """The floor pairs its runs with the matrix's by window index: it had its own --windows 3,
+    so on a five-window matrix its window 1 was another slice of the trace than the matrix's."""
+    matrix = tmp_path / "matrix"
+    for trace in TRACES:
+        _results(matrix / f"{trace}-{floor.FLEET}", 5, 1500, LOADS,
+                 ["cache-aware", "gorgo@e2e"])
+    asked: list[tuple[int, int]] = []
+
+    def fake_pair(trace: str, fleet: str, pols: list[str], at: argparse.Namespace,
+                  capacity: Path | None = None) -> Path:
+        asked.append((at.windows, at.requests))
+        out = at.out / f"{trace}-{fleet}"
+        _results(out, floor_windows, 1500, at.loads, pols)
+        return out
+
+    monkeypatch.setattr(floor, "run_pair", fake_pair)
+    assert floor.main(["--matrix", str(matrix), "--out", str(tmp_path / "floor")]) == code
+    assert asked[0] == (5, 1500)
