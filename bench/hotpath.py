@@ -11,8 +11,8 @@ headers), each decoded from its wire bytes with `read_request` and each answer e
 (its Cython stream code) is not here: the no-op ext_proc of bench.dataplane measures that.
 
 Fleet: `envoy/fleet.example.yaml` (3 regions x 2 replicas, policy gorgo); RTTs from the link
-presets, engine scrapes every simulated second (`bench.dataplane.run.primed_service`). Bodies:
-the data-plane bench's 8 KB multi-turn chats over shared system prompts
+presets, engines scraped at the fleet's interval, 1 s (`bench.dataplane.run.primed_service`).
+Bodies: the data-plane bench's 8 KB multi-turn chats over shared system prompts
 (`bench.dataplane.workload`), each the next turn of a conversation whose previous turn was routed
 during warm-up; the headers are those Envoy forwards to the router. The clock is simulated (3 ms
 per request, as at concurrency 1), so a run is deterministic: ``--digest`` prints a hash of every
@@ -58,7 +58,6 @@ from gorgo.core.fleet import parse_fleet
 
 FLEET = Path(__file__).resolve().parent.parent / "envoy" / "fleet.example.yaml"
 STEP_S = 0.003  # simulated time between requests (concurrency 1: Envoy and the client run)
-SCRAPE_S = 1.0  # simulated engine scrape interval (the example fleet's)
 PHASES = ("headers", "body", "response_headers", "close")
 MODES = {"send": {}, "skip": {"response_headers": "skip"}}
 
@@ -108,6 +107,7 @@ class Bench:
                                   unbounded_prefix=False)
         self.router = self.svc.router
         self._scraped = self.clock.now
+        self.scrape_s = spec.signals.scrape_interval_s  # the engines scraped as the fleet says
         self.send_response = not spec.extproc.skip_response_headers
         wl = make_workload(0, per_size=n_bodies, sizes=(E2E_SIZE,))
         self.requests = [_request(b) for b in wl.measured[E2E_SIZE]]
@@ -122,7 +122,7 @@ class Bench:
     async def one(self, req: tuple[bytes, bytes], cpu: list[list[int]] | None = None) -> None:
         """One request's stream, as gRPC runs it; ``cpu``: append each phase's thread CPU ns."""
         self.clock.now += STEP_S
-        if self.clock.now - self._scraped >= SCRAPE_S:
+        if self.clock.now - self._scraped >= self.scrape_s:
             scrape(self.router.state, self.clock.now)
             self._scraped = self.clock.now
         feed = _Feed()
