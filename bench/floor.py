@@ -12,8 +12,8 @@ router, and where it is a few percent above, only a router with no queue at that
 For each project trace (`bench.matrix.TRACES`) this runs `gorgo bench sim` on `one-region`
 (`bench.matrix.run_pair`) at the floor load (the windows and request count the matrix ran, read
 from its results; one seed: nothing but the link jitter is drawn there) and prints, per window
-averaged over the windows, the floor over the best peer's p95 TTFT and E2E p95 at each of the
-matrix's loads, read from a matrix output folder, and the gorgo variant's p95 over the floor.
+averaged over the windows, the floor over the best peer's p95 TTFT and E2E p95 at each load the
+matrix ran, read from a matrix output folder, and the gorgo variant's p95 over the floor.
 
     .venv/bin/python -m bench.floor --matrix results/matrix [--out results/floor] [--jobs 2]
 """
@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bench.matrix import LOADS, TRACES, run_pair
+from bench.matrix import TRACES, run_pair
 from gorgo.sim import bench
 from gorgo.sim.workload import EXACT
 
@@ -53,6 +53,11 @@ def window_means(values: dict[tuple[int, int], float]) -> dict[int, float]:
     return {w: statistics.mean(v) for w, v in sorted(per.items())}
 
 
+def matrix_loads(runs: list[dict[str, Any]]) -> list[float]:
+    """The loads the matrix ran, in order."""
+    return sorted({float(r["load"]) for r in runs})
+
+
 def row(trace: str, floor_runs: list[dict[str, Any]], matrix_runs: list[dict[str, Any]],
         variant: str) -> str:
     """One trace's line of the table, from the floor's runs (one load) and the matrix's."""
@@ -64,7 +69,7 @@ def row(trace: str, floor_runs: list[dict[str, Any]], matrix_runs: list[dict[str
     windows = list(floor["ttft_p95_ms"])
     by_load = bench.tables(matrix_runs)
     cells: dict[str, list[float]] = {"ttft": [], "e2e": [], "variant": []}
-    for load in LOADS:
+    for load in matrix_loads(matrix_runs):
         t = by_load[f"{load:g}"]
 
         def ratios(policy: str, metric: str, t: bench.Table = t) -> list[float]:
@@ -96,19 +101,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variant", default="gorgo@e2e")
     ap.add_argument("--report-only", action="store_true", help="read earlier floor runs")
     args = ap.parse_args(argv)
-    loads = " / ".join(f"{x:g}" for x in LOADS)
-    lines = [
-        f"| trace (`{FLEET}`) | floor p95 TTFT per window, ms (load {args.floor_load:g}) "
-        f"| floor / best peer's p95 TTFT at {loads} (bold: above the goal's {GOAL:g}) "
-        f"| {args.variant} p95 TTFT / floor | floor E2E p95 / best peer's |",
-        "|---|---:|---:|---:|---:|",
-    ]
+    rows: list[str] = []
+    loads: list[float] | None = None
     for trace in TRACES:
         matrix_file = args.matrix / f"{trace}-{FLEET}" / "results.json"
         if not matrix_file.exists():
             print(f"bench.floor: no matrix results in {matrix_file}", file=sys.stderr)
             return 2
         matrix_doc = json.loads(matrix_file.read_text())
+        matrix_runs = bench.load_runs(matrix_doc)
+        if loads is None:
+            loads = matrix_loads(matrix_runs)
+        elif matrix_loads(matrix_runs) != loads:  # one header for every row
+            print(f"bench.floor: {matrix_file} ran other loads than the other traces",
+                  file=sys.stderr)
+            return 2
         labels = [w["label"] for w in matrix_doc["windows"]]
         floor_doc = json.loads((run_floor(trace, args, len(labels),
                                           matrix_doc["windows"][0]["requests"])
@@ -117,9 +124,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"bench.floor: {args.out} ran other windows of {trace} than {matrix_file}",
                   file=sys.stderr)
             return 2
-        matrix_runs = bench.load_runs(matrix_doc)
-        floor_runs = bench.load_runs(floor_doc)
-        lines.append(row(trace, floor_runs, matrix_runs, args.variant))
+        rows.append(row(trace, bench.load_runs(floor_doc), matrix_runs, args.variant))
+    at = " / ".join(f"{x:g}" for x in loads or [])
+    lines = [
+        f"| trace (`{FLEET}`) | floor p95 TTFT per window, ms (load {args.floor_load:g}) "
+        f"| floor / best peer's p95 TTFT at {at} (bold: above the goal's {GOAL:g}) "
+        f"| {args.variant} p95 TTFT / floor | floor E2E p95 / best peer's |",
+        "|---|---:|---:|---:|---:|",
+        *rows,
+    ]
     print("\n".join(lines))
     return 0
 

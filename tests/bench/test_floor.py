@@ -69,3 +69,33 @@ def test_the_floor_runs_the_matrix_windows_and_refuses_others(
     monkeypatch.setattr(floor, "run_pair", fake_pair)
     assert floor.main(["--matrix", str(matrix), "--out", str(tmp_path / "floor")]) == code
     assert asked[0] == (5, 1500)
+
+
+@pytest.mark.parametrize(("loads", "code"), [((0.8,), 0), ((0.5, 0.8), 0), (None, 2)])
+def test_the_floor_reads_the_loads_the_matrix_ran(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        loads: tuple[float, ...] | None, code: int) -> None:
+    """A matrix run with `--loads 0.8` alone failed with a KeyError on the missing loads; traces
+    that ran other loads than each other are refused (one header for the table)."""
+    matrix = tmp_path / "matrix"
+    for i, trace in enumerate(TRACES):
+        ran = loads if loads is not None else ((0.8,) if i == 0 else (0.5, 0.8))
+        _results(matrix / f"{trace}-{floor.FLEET}", 2, 1500, ran, ["cache-aware", "gorgo@e2e"])
+
+    def fake_pair(trace: str, fleet: str, pols: list[str], at: argparse.Namespace,
+                  capacity: Path | None = None) -> Path:
+        out = at.out / f"{trace}-{fleet}"
+        _results(out, 2, 1500, at.loads, pols)
+        return out
+
+    monkeypatch.setattr(floor, "run_pair", fake_pair)
+    assert floor.main(["--matrix", str(matrix), "--out", str(tmp_path / "floor")]) == code
+    out, err = capsys.readouterr()
+    if code:
+        assert "ran other loads than the other traces" in err
+        return
+    lines = out.splitlines()
+    assert f"at {' / '.join(f'{x:g}' for x in loads)} (bold" in lines[0]
+    for line in lines[2:]:
+        cells = [c.strip() for c in line.strip("| \n").split("|")]
+        assert len(cells[2].split(" / ")) == len(loads)
