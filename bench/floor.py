@@ -10,10 +10,10 @@ best peer's p95 TTFT; where that is below the floor, the TTFT part of a cell can
 router, and where it is a few percent above, only a router with no queue at that load would.
 
 For each project trace (`bench.matrix.TRACES`) this runs `gorgo bench sim` on `one-region`
-(`bench.matrix.run_pair`) at the floor load (the windows and request count the matrix ran, read
-from its results; one seed: nothing but the link jitter is drawn there) and prints, per window
-averaged over the windows, the floor over the best peer's p95 TTFT and E2E p95 at each load the
-matrix ran, read from a matrix output folder, and the gorgo variant's p95 over the floor.
+(`bench.matrix.run_pair`) at the floor load (the windows, request count and loads the matrix
+ran, read from its results; one seed: nothing but the link jitter is drawn there) and prints,
+per window averaged over the windows, the floor over the best peer's p95 TTFT and E2E p95 at
+each of the matrix's loads, and the gorgo variant's p95 over the floor.
 
     .venv/bin/python -m bench.floor --matrix results/matrix [--out results/floor] [--jobs 2]
 """
@@ -53,14 +53,10 @@ def window_means(values: dict[tuple[int, int], float]) -> dict[int, float]:
     return {w: statistics.mean(v) for w, v in sorted(per.items())}
 
 
-def matrix_loads(runs: list[dict[str, Any]]) -> list[float]:
-    """The loads the matrix ran, in order."""
-    return sorted({float(r["load"]) for r in runs})
-
-
 def row(trace: str, floor_runs: list[dict[str, Any]], matrix_runs: list[dict[str, Any]],
-        variant: str) -> str:
-    """One trace's line of the table, from the floor's runs (one load) and the matrix's."""
+        loads: list[float], variant: str) -> str:
+    """One trace's line of the table, from the floor's runs (one load) and the matrix's at each
+    of its ``loads``."""
     (low,) = bench.tables(floor_runs).values()
     floor: dict[str, dict[int, float]] = {}
     for m in ("ttft_p95_ms", "e2e_p95_ms"):
@@ -69,7 +65,7 @@ def row(trace: str, floor_runs: list[dict[str, Any]], matrix_runs: list[dict[str
     windows = list(floor["ttft_p95_ms"])
     by_load = bench.tables(matrix_runs)
     cells: dict[str, list[float]] = {"ttft": [], "e2e": [], "variant": []}
-    for load in matrix_loads(matrix_runs):
+    for load in loads:
         t = by_load[f"{load:g}"]
 
         def ratios(policy: str, metric: str, t: bench.Table = t) -> list[float]:
@@ -109,10 +105,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"bench.floor: no matrix results in {matrix_file}", file=sys.stderr)
             return 2
         matrix_doc = json.loads(matrix_file.read_text())
-        matrix_runs = bench.load_runs(matrix_doc)
         if loads is None:
-            loads = matrix_loads(matrix_runs)
-        elif matrix_loads(matrix_runs) != loads:  # one header for every row
+            loads = matrix_doc["loads"]
+        elif matrix_doc["loads"] != loads:  # one header for every row
             print(f"bench.floor: {matrix_file} ran other loads than the other traces",
                   file=sys.stderr)
             return 2
@@ -124,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"bench.floor: {args.out} ran other windows of {trace} than {matrix_file}",
                   file=sys.stderr)
             return 2
-        rows.append(row(trace, bench.load_runs(floor_doc), matrix_runs, args.variant))
+        rows.append(row(trace, bench.load_runs(floor_doc), bench.load_runs(matrix_doc), loads,
+                        args.variant))
     at = " / ".join(f"{x:g}" for x in loads or [])
     lines = [
         f"| trace (`{FLEET}`) | floor p95 TTFT per window, ms (load {args.floor_load:g}) "

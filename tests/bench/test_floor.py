@@ -26,7 +26,7 @@ def test_a_row_is_the_floor_over_the_best_peer_per_window_and_marks_an_unreachab
                             _run("round-robin", w, 10 * peer_ttft, 4000, load),
                             _run("gorgo@e2e", w, variant_ttft, 3000, load),
                             _run("oracle", w, 1, 1, load)]  # a bound is no peer
-    line = floor.row("chat", floor_runs, matrix_runs, "gorgo@e2e")
+    line = floor.row("chat", floor_runs, matrix_runs, list(LOADS), "gorgo@e2e")
     cells = [c.strip() for c in line.strip("| \n").split("|")]
     assert cells[0] == "chat"
     assert cells[1] == "100 / 200"
@@ -44,8 +44,24 @@ def _results(path: Path, windows: int, requests: int, loads: tuple[float, ...], 
     runs = [_run(p, w, 100 + w, 1000, load) for load in loads for w in range(windows)
             for p in policies]
     doc = {"windows": [{"label": f"t[{w * requests}:{(w + 1) * requests}]", "requests": requests}
-                       for w in range(windows)], "runs": runs}
+                       for w in range(windows)], "loads": list(loads), "runs": runs}
     (path / "results.json").write_text(json.dumps(doc))
+
+
+def _fake_floor_runs(monkeypatch: pytest.MonkeyPatch, windows: int) -> list[tuple[int, int]]:
+    """`run_pair` replaced by one writing a floor of ``windows`` windows; the (windows, requests)
+    each call was asked for."""
+    asked: list[tuple[int, int]] = []
+
+    def fake_pair(trace: str, fleet: str, pols: list[str], at: argparse.Namespace,
+                  capacity: Path | None = None) -> Path:
+        asked.append((at.windows, at.requests))
+        out = at.out / f"{trace}-{fleet}"
+        _results(out, windows, 1500, at.loads, pols)
+        return out
+
+    monkeypatch.setattr(floor, "run_pair", fake_pair)
+    return asked
 
 
 @pytest.mark.parametrize(("floor_windows", "code"), [(5, 0), (3, 2)])
@@ -57,16 +73,7 @@ def test_the_floor_runs_the_matrix_windows_and_refuses_others(
     for trace in TRACES:
         _results(matrix / f"{trace}-{floor.FLEET}", 5, 1500, LOADS,
                  ["cache-aware", "gorgo@e2e"])
-    asked: list[tuple[int, int]] = []
-
-    def fake_pair(trace: str, fleet: str, pols: list[str], at: argparse.Namespace,
-                  capacity: Path | None = None) -> Path:
-        asked.append((at.windows, at.requests))
-        out = at.out / f"{trace}-{fleet}"
-        _results(out, floor_windows, 1500, at.loads, pols)
-        return out
-
-    monkeypatch.setattr(floor, "run_pair", fake_pair)
+    asked = _fake_floor_runs(monkeypatch, floor_windows)
     assert floor.main(["--matrix", str(matrix), "--out", str(tmp_path / "floor")]) == code
     assert asked[0] == (5, 1500)
 
@@ -81,14 +88,7 @@ def test_the_floor_reads_the_loads_the_matrix_ran(
     for i, trace in enumerate(TRACES):
         ran = loads if loads is not None else ((0.8,) if i == 0 else (0.5, 0.8))
         _results(matrix / f"{trace}-{floor.FLEET}", 2, 1500, ran, ["cache-aware", "gorgo@e2e"])
-
-    def fake_pair(trace: str, fleet: str, pols: list[str], at: argparse.Namespace,
-                  capacity: Path | None = None) -> Path:
-        out = at.out / f"{trace}-{fleet}"
-        _results(out, 2, 1500, at.loads, pols)
-        return out
-
-    monkeypatch.setattr(floor, "run_pair", fake_pair)
+    _fake_floor_runs(monkeypatch, 2)
     assert floor.main(["--matrix", str(matrix), "--out", str(tmp_path / "floor")]) == code
     out, err = capsys.readouterr()
     if code:
