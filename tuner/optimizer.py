@@ -16,16 +16,18 @@ How one evaluation runs, and why (docs/tuner.md has the full story):
 * Every window publishes its own weights version and routes ``window_samples`` requests (the
   routers count them), and it is scored on every one of them, attributed by the version that
   routed it: a window closed on its first completions would be scored on its fastest requests.
-* Incumbent and candidate run in alternating windows (ABBA order, so a linear trend in load
-  cancels), so the incumbent is re-measured under the same conditions instead of keeping the score
-  of one lucky window forever. While an evaluation waits for its slowest requests, the next one
-  already routes; a verdict that changes the incumbent drops it.
+* Incumbent and candidate take turns in windows, in an order drawn at random per evaluation
+  (`window_plan`), so the incumbent is re-measured under the same conditions instead of keeping
+  the score of one lucky window forever, and no pattern of the load can side with one arm
+  beyond what the spread of each arm's windows shows. While an evaluation waits for its slowest
+  requests, the next one already routes; a verdict that changes the incumbent drops it.
 * Lower p95 is better and the test is on the log ratio of the arms' p95s, each arm scored by the
   mean of its windows' log p95s: the candidate is accepted only if the upper (1 - fpr) bound of
   that ratio is below ``log(1 - margin)``. Its variance is what
   a seeded, window-stratified block bootstrap sees inside the windows plus a between-window term
-  the tuner learns from how far its past windows of one arm fell apart (a burst that fills a
-  window is one draw, which no resampling inside it sees). No score is negated and no
+  the tuner learns from how far its past windows of one arm fell apart, per lag (a burst that
+  fills a window is one draw, which no resampling inside it sees; a trend parts windows the
+  more, the further apart they ran), weighed by this evaluation's order. No score is negated and no
   multiplicative tolerance is applied to one. Before every request has reported back, only an
   acceptance that no outcome of the missing ones could undo is taken.
 * A candidate must also not worsen E2E p95 by more than ``e2e_margin`` nor the error rate by more
@@ -45,9 +47,10 @@ How one evaluation runs, and why (docs/tuner.md has the full story):
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import Counter
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
@@ -354,7 +357,7 @@ class Window:
 
 @dataclass(slots=True)
 class Evaluation:
-    """One incumbent-vs-candidate comparison: its windows in ABBA order."""
+    """One incumbent-vs-candidate comparison: its windows in the order of ``plan``."""
 
     incumbent: Point
     plan: list[str]
@@ -384,12 +387,25 @@ class Verdict:
     n_candidate: int
 
 
-def window_plan(pairs: int) -> list[str]:
-    """ABBA ordering: I C C I I C ..., so a linear trend hits both arms alike."""
-    plan: list[str] = []
-    for k in range(pairs):
-        plan += [INCUMBENT, CANDIDATE] if k % 2 == 0 else [CANDIDATE, INCUMBENT]
-    return plan
+def window_plan(pairs: int, rng: np.random.Generator | None, after: int = 0) -> list[str]:
+    """``pairs`` incumbent and ``pairs`` candidate windows in an order drawn uniformly from all
+    such orders. The test learns its between-window noise from how far each arm's windows fall
+    apart, per lag, and only an order drawn at random makes that the noise of the arms'
+    difference whatever the load does. A fixed ABBA order cancels a linear trend but not load
+    that swings over 3-4 windows, where its arms' difference varies more than their windows do
+    (A/A accepts of 8-16 %), and traffic whose period is one evaluation put the candidate on the
+    light phase every time (78 % accepted; docs/tuner.md, "A plan drawn at random").
+
+    ``rng`` None: the ABBA order (I C, C I, ... from pair ``after`` on), for an evaluation that
+    has no noise learnt from evaluations to weigh its order by: its test is then the
+    bootstrap's (and the warm-up's), which sees no trend, and ABBA is the order a trend cannot
+    side with (a fleet filling up from empty lit the first windows: drawn, the first evaluation
+    of Azure A/A runs under `e2e` was accepted in 8 of 12)."""
+    if rng is None:
+        return [arm for k in range(after, after + pairs)
+                for arm in ((INCUMBENT, CANDIDATE) if k % 2 == 0 else (CANDIDATE, INCUMBENT))]
+    plan = [CANDIDATE] * pairs + [INCUMBENT] * pairs
+    return [plan[i] for i in rng.permutation(len(plan))]
 
 
 def _error_rate(windows: Sequence[Window], missing: bool | None = None) -> float:
@@ -444,52 +460,82 @@ def _row_quantile(a: np.ndarray, q: float) -> np.ndarray:
     return s[:, lo] + (s[:, hi] - s[:, lo]) * (h - lo)
 
 
-Spread = tuple[float, float, int]  # (between, within, df) of one evaluation: `evaluation_spread`
+# (between, within, df, lag) of the windows of one arm ``lag`` windows apart, summed over the
+# arms of one evaluation (`evaluation_spread`); lag 0: any (a state written before lags were kept)
+Spread = tuple[float, float, float, int]
+Positioned = Sequence[tuple[int, np.ndarray]]  # an arm's windows: (place in the evaluation, values)
 
 
-def evaluation_spread(arms: Sequence[Sequence[np.ndarray]], cfg: OptimizerConfig,
-                      rng: np.random.Generator) -> Spread:
-    """How far an arm's window scores fell from the arm's mean (``between``: the sum of squared
-    deviations), how far the within-window bootstrap says they should (``within``: ``(m - 1)``
-    times its mean variance of a window's score; equal to ``between`` on average if the bootstrap
-    saw all the noise), and the degrees of freedom (``m - 1`` per arm of ``m`` windows), summed
-    over the arms of one evaluation. A latency on log scores, so calm and loaded stretches of
-    the trace pool on one scale (an arm with a score of 0 says nothing); the SLO's miss rate on
-    its own linear scale, where a window that missed nothing is a score like any other (on the
-    log scale one such resample, nearly always there at a 5-10 % miss rate, left the noise
-    unlearnt: A/A accepts of 12.6 % on bursty traffic)."""
+def evaluation_spread(arms: Sequence[Positioned], cfg: OptimizerConfig,
+                      rng: np.random.Generator) -> tuple[Spread, ...]:
+    """How far apart the scores of an arm's windows fell, per lag (how many windows apart they
+    ran): ``between``, half their squared difference; ``within``, what the within-window
+    bootstrap says it should be (the mean of the two windows' bootstrap variances; equal to
+    ``between`` on average if the bootstrap saw all the noise); and the degrees of freedom. The
+    pairs of an arm of ``m`` windows count 2 / m each, so that summed over the lags an arm gives
+    its deviations from its mean, ``(m - 1)`` bootstrap variances and ``m - 1`` degrees of
+    freedom. Per lag because load that trends or swings moves windows further apart the further
+    apart they ran, and the arms' difference weighs each lag by its plan (`compare`). A latency
+    on log scores, so calm and loaded stretches of the trace pool on one scale (an arm with a
+    score of 0 says nothing); the SLO's miss rate on its own linear scale, where a window that
+    missed nothing is a score like any other (on the log scale one such resample, nearly always
+    there at a 5-10 % miss rate, left the noise unlearnt: A/A accepts of 12.6 % on bursty
+    traffic)."""
     slo = cfg.objective == SLO
     bq = None if slo else cfg.quantile
-    between = within = 0.0
-    df = 0
-    for parts in arms:
-        parts = [v for v in parts if v.size >= 2]
-        if len(parts) < 2:
+    by_lag: dict[int, list[float]] = {}
+    for arm in arms:
+        arm = [(pos, v) for pos, v in arm if v.size >= 2]
+        if len(arm) < 2:
             continue
-        x = np.array([statistic(v, cfg) for v in parts])
-        reps = [_bootstrap_quantile([v], bq, cfg.bootstrap, cfg.block, rng) for v in parts]
+        x = np.array([statistic(v, cfg) for _, v in arm])
+        reps = [_bootstrap_quantile([v], bq, cfg.bootstrap, cfg.block, rng) for _, v in arm]
         if not slo:
             if not (x > 0).all() or not all((r > 0).all() for r in reps):
                 continue
             x, reps = np.log(x), [np.log(r) for r in reps]
-        between += float(np.sum((x - x.mean()) ** 2))
-        within += (len(parts) - 1) * float(np.mean([np.var(r) for r in reps]))
-        df += len(parts) - 1
-    return between, within, df
+        var = [float(np.var(r)) for r in reps]
+        weight = 2.0 / len(arm)
+        for j in range(len(arm)):
+            for k in range(j + 1, len(arm)):
+                acc = by_lag.setdefault(abs(arm[k][0] - arm[j][0]), [0.0, 0.0, 0.0])
+                acc[0] += weight * (x[j] - x[k]) ** 2 / 2.0
+                acc[1] += weight * (var[j] + var[k]) / 2.0
+                acc[2] += weight
+    return tuple((b, w, d, lag) for lag, (b, w, d) in sorted(by_lag.items()))
 
 
-Noise = tuple[float, int]  # (variance of a window's score between windows, its df; a latency's
-# on the log scale, a miss rate's on its own)
+# Lag -> (variance a window's score adds between windows that far apart, its df), and 0 -> the
+# same pooled over every lag; a latency's on the log scale, a miss rate's on its own
+Noise = Mapping[int, tuple[float, float]]
 
 
-def window_noise(spreads: Sequence[Spread]) -> Noise:
-    """The variance of a window's log score that the bootstrap inside the windows does not
-    see (a burst, a calm stretch), pooled over past evaluations: their windows' observed spread
-    less what the bootstrap predicted, per degree of freedom, never below 0."""
-    df = sum(d for _, _, d in spreads)
-    if not df:
-        return 0.0, 0
-    return max(sum(b - w for b, w, _ in spreads) / df, 0.0), df
+LAG_PRIOR_DF = 2.0  # a lag's noise starts as the pooled noise, worth this many df (`window_noise`)
+
+
+def window_noise(spreads: Iterable[Spread]) -> Noise:
+    """The variance of a window's score that the bootstrap inside the windows does not see (a
+    burst, a calm stretch, a trend), learnt from past evaluations: their windows' observed
+    spread less what the bootstrap predicted, per degree of freedom, never below 0; pooled over
+    every lag (key 0), and per lag, where a lag seen in few pairs leans on the pooled figure (as
+    if it had LAG_PRIOR_DF degrees of freedom of it: a lag learnt from one pair would otherwise
+    carry a t quantile in the thousands), its df at most the pooled df."""
+    sums: dict[int, list[float]] = {}
+    for b, w, d, lag in spreads:
+        for key in {0, lag}:
+            acc = sums.setdefault(key, [0.0, 0.0])
+            acc[0] += b - w
+            acc[1] += d
+    pooled = sums.get(0)
+    if pooled is None or not pooled[1] > 0:
+        return {}
+    g0 = max(pooled[0] / pooled[1], 0.0)
+    noise: dict[int, tuple[float, float]] = {0: (g0, pooled[1])}
+    for lag, (excess, df) in sums.items():
+        if lag:
+            noise[lag] = (max((excess + LAG_PRIOR_DF * g0) / (df + LAG_PRIOR_DF), 0.0),
+                          min(df + LAG_PRIOR_DF, pooled[1]))
+    return noise
 
 
 _TINY_MS = 1e-3  # the floor of a window's p95 on the log scale (a window of stand-ins of 0 ms)
@@ -519,8 +565,9 @@ def compare(
     rng: np.random.Generator,
     *,
     fill: tuple[float | None, float | None] | None = None,
-    noise: Noise = (0.0, 0),
+    noise: Noise | None = None,
     missing_failed: bool = False,
+    positions: tuple[Sequence[int], Sequence[int]] | None = None,
 ) -> Verdict:
     """Accept the candidate only if it is better beyond the noise and breaks no guard.
 
@@ -529,15 +576,22 @@ def compare(
     candidate's as errors and the incumbent's as successes (the early look's worst case). Each
     arm is scored as `_arm_replicates` says (for a latency, the mean of its windows' log p95s).
     The difference's variance is the bootstrap's (inside the
-    windows, read off its upper quantile) plus ``noise`` (`window_noise`: a window's variance
-    between windows, on the log scale, and its degrees of freedom) divided among each arm's
-    windows; the bound is Student's t quantile on the sum's effective degrees of freedom
-    (Satterthwaite's: the noise term is an estimate). The verdict reports that bound in ms, as
-    a difference from the incumbent's p95.
+    windows, read off its upper quantile) plus what ``noise`` (`window_noise`, on the test's
+    scale) adds to the difference of the arms' means: for windows at ``positions`` (each arm's
+    places in the evaluation), each pair's share at the noise of its lag (`between_windows`);
+    without them, a window's pooled noise divided among each arm's windows. The bound is
+    Student's t quantile on the sum's effective degrees of freedom (Satterthwaite's: the noise
+    is an estimate). The verdict reports that bound in ms, as a difference from the incumbent's
+    p95.
     """
     fi, fc = fill if fill is not None else (None, None)
-    ti_parts = [v for v in (score_values(w, cfg, fi) for w in incumbent) if v.size]
-    tc_parts = [v for v in (score_values(w, cfg, fc) for w in candidate) if v.size]
+    pi, pc = positions if positions is not None else (range(len(incumbent)),
+                                                       range(len(candidate)))
+    ti_pos = [(p, v) for p, v in zip(pi, (score_values(w, cfg, fi) for w in incumbent),
+                                     strict=True) if v.size]
+    tc_pos = [(p, v) for p, v in zip(pc, (score_values(w, cfg, fc) for w in candidate),
+                                     strict=True) if v.size]
+    ti_parts, tc_parts = [v for _, v in ti_pos], [v for _, v in tc_pos]
     ti, tc = _concat(ti_parts), _concat(tc_parts)
     ei = _concat([w.values("e2e", fi) for w in incumbent])
     ec = _concat([w.values("e2e", fc) for w in candidate])
@@ -569,13 +623,14 @@ def compare(
         floor = sum(r * (1.0 - r) / v.size for r, v in (
             ((float(v.sum()) + 1.0) / (v.size + 2.0), v) for v in (ti, tc)))
         inside = max(inside, math.sqrt(floor))
-    between, df = noise
-    # Learnt on the test's own scale (`evaluation_spread`): a window's, divided among each arm's.
-    outside = between * (1.0 / len(ti_parts) + 1.0 / len(tc_parts))
+    outside, spread = between_windows(
+        [p for p, _ in ti_pos] if positions is not None else None,
+        [p for p, _ in tc_pos] if positions is not None else None,
+        len(ti_parts), len(tc_parts), noise or {})
     var = inside**2 + outside
-    # Only the noise term is an estimate on ``df`` degrees of freedom: Satterthwaite's effective
-    # df for the sum (the bootstrap's part counts as known), so no noise learnt means normal.
-    eff = df * (var / outside) ** 2 if outside > 0 else math.inf
+    # Only the noise term is an estimate: Satterthwaite's effective df for the sum (the
+    # bootstrap's part counts as known), so no noise learnt means normal.
+    eff = max(var**2 / spread, 1.0) if spread > 0 else math.inf
     upper = center + _t_quantile(1.0 - cfg.fpr, eff) * math.sqrt(var)
     if cfg.objective != SLO:  # a bound on the log ratio, in ms off the incumbent's p95
         upper = scale * math.expm1(upper) if scale > 0 else math.inf
@@ -591,6 +646,37 @@ def compare(
                    erri, errc, int(ti.size), int(tc.size))
 
 
+def between_windows(at_i: Sequence[int] | None, at_c: Sequence[int] | None, n_i: int, n_c: int,
+                    noise: Noise) -> tuple[float, float]:
+    """What the noise between windows adds to the variance of the difference of the arms' mean
+    scores, and the sum of its parts' squares over their degrees of freedom (Satterthwaite's
+    denominator). The difference is a contrast of the windows (+1 / n_c per candidate window,
+    -1 / n_i per incumbent one), so its variance is minus the sum over pairs of windows of
+    twice their weights' product times the noise at their lag (where no lag was learnt, or no
+    places are given: the pooled noise). A plan whose arms alternate against a trend is then
+    charged little, one that runs an arm's windows back to back much (docs/tuner.md, "A plan
+    drawn at random"). Never below 0 (lags learnt with little data can disagree)."""
+    if 0 not in noise:
+        return 0.0, 0.0
+    if at_i is None or at_c is None:
+        places = [(k, -1.0 / n_i) for k in range(n_i)] + [(-1 - k, 1.0 / n_c) for k in range(n_c)]
+        lags_known = {0: noise[0]}
+    else:
+        places = [(p, -1.0 / n_i) for p in at_i] + [(p, 1.0 / n_c) for p in at_c]
+        lags_known = dict(noise)
+    coef: dict[int, float] = {}
+    for j, (pj, cj) in enumerate(places):
+        for pk, ck in places[j + 1:]:
+            lag = abs(pj - pk)
+            key = lag if lag in lags_known else 0
+            coef[key] = coef.get(key, 0.0) - 2.0 * cj * ck
+    parts = [(a * lags_known[key][0], lags_known[key][1]) for key, a in coef.items()]
+    total = sum(v for v, _ in parts)
+    if not total > 0:
+        return 0.0, 0.0
+    return total, sum(v * v / df for v, df in parts)
+
+
 def _t_quantile(q: float, df: float) -> float:
     """Student's t quantile on ``df`` degrees of freedom (inf: the normal one). scipy is
     imported here, not at the top: the tuner needs it for this one number."""
@@ -600,7 +686,7 @@ def _t_quantile(q: float, df: float) -> float:
 
 
 def decide(ev: Evaluation, cfg: OptimizerConfig, rng: np.random.Generator,
-           final: bool, noise: Noise = (0.0, 0)) -> Verdict | None:
+           final: bool, noise: Noise | None = None) -> Verdict | None:
     """The verdict once every routed request reported back, or earlier if it is an acceptance
     that no outcome of the missing requests could undo.
 
@@ -617,6 +703,8 @@ def decide(ev: Evaluation, cfg: OptimizerConfig, rng: np.random.Generator,
     where the missing requests could still raise it.
     """
     inc, cand = ev.arm(INCUMBENT), ev.arm(CANDIDATE)
+    positions = ([k for k, w in enumerate(ev.windows) if w.arm == INCUMBENT],
+                 [k for k, w in enumerate(ev.windows) if w.arm == CANDIDATE])
     if final:
         # Still missing past the census timeout: the slowest requests (each out that long), or
         # samples lost on the way. Left out, the candidate was scored on its survivors (one
@@ -626,9 +714,9 @@ def decide(ev: Evaluation, cfg: OptimizerConfig, rng: np.random.Generator,
         # stand-in, and nothing could be accepted).
         out_ms = cfg.census_timeout_s * 1000.0
         fill = (None, out_ms) if any(w.missing for w in cand) else None
-        return compare(inc, cand, cfg, rng, fill=fill, noise=noise)
+        return compare(inc, cand, cfg, rng, fill=fill, noise=noise, positions=positions)
     worst = compare(inc, cand, cfg, rng, fill=(0.0, UNFINISHED_MS), noise=noise,
-                    missing_failed=True)
+                    missing_failed=True, positions=positions)
     if not worst.accepted:
         return None
     # The incumbent's score with its missing requests at 0 ms understates it: kept as the
@@ -700,6 +788,9 @@ class Tuner:
         config.validate()
         self.cfg = config
         self.rng = np.random.default_rng(seed)
+        # The windows' order (`window_plan`) draws from a stream of its own, so the search's
+        # candidates and bootstraps are the same draws whatever order the windows ran in.
+        self.order_rng = np.random.default_rng([seed, 1])
         # hints: the fleet file's prefill rates (GET /admin/weights "prefill_rate_hint")
         self.calibrator = PrefillCalibrator(calibration, hints) if config.calibrate else None
         self.hints = dict(hints or {})
@@ -737,11 +828,12 @@ class Tuner:
         # Converged (`_start_monitor`): since when the incumbent is live, the longest request its
         # monitor windows saw, and how long it had been live when the baseline's window opened.
         self._monitor_since, self._longest_ms, self._baseline_age_ms = 0.0, 0.0, math.inf
-        self.spreads: list[Spread] = []  # of the last `spread_history` evaluations scored
+        # Per evaluation, of the last `spread_history` scored: its windows' spread per lag
+        self.spreads: list[tuple[Spread, ...]] = []
         # The warm-up's requests, until the first evaluation is scored: its window noise
         # (`_warmup_spread`) is that evaluation's, which has no scored one before it to learn from.
         self._warmup: Window | None = None
-        self._warmup_memo: tuple[int, Spread | None] = (-1, None)
+        self._warmup_memo: tuple[int, tuple[Spread, ...]] = (-1, ())
 
     # --- inputs -------------------------------------------------------------------------------
 
@@ -954,7 +1046,7 @@ class Tuner:
         self.phase = EVALUATING
         self._refresh_rates()
         start = self._adopt_fit(now)
-        self._eval = Evaluation(self.incumbent, window_plan(self.cfg.pairs),
+        self._eval = Evaluation(self.incumbent, window_plan(self.cfg.pairs, self._order()),
                                 epoch=self._hint_epoch)
         if start is not None:
             self._eval.candidate, self._eval.kind = start, START
@@ -977,8 +1069,8 @@ class Tuner:
                       "versions": [w.version for w in ev.windows]}, now)
         self._open = None
         self._refresh_rates()
-        self._eval = Evaluation(ev.incumbent, window_plan(self.cfg.pairs), candidate=ev.candidate,
-                                kind=ev.kind, epoch=self._hint_epoch)
+        self._eval = Evaluation(ev.incumbent, window_plan(self.cfg.pairs, self._order()),
+                                candidate=ev.candidate, kind=ev.kind, epoch=self._hint_epoch)
         return self._open_window(self._eval.plan[0], now)
 
     def _adopt_fit(self, now: float) -> Point | None:
@@ -1047,7 +1139,7 @@ class Tuner:
             self._windows[v] = self._warmup
         return proposal
 
-    def _warmup_spread(self) -> list[Spread]:
+    def _warmup_spread(self) -> tuple[Spread, ...]:
         """The warm-up's window spread (`evaluation_spread` of one arm: its requests in arrival
         order, cut into windows of ``window_samples``), while the first evaluation is undecided:
         its test has no other noise estimate, and without one it is the bootstrap's alone, which
@@ -1055,20 +1147,28 @@ class Tuner:
         when the warm-up's requests changed (under ``e2e`` they end during the evaluation)."""
         w = self._warmup
         if w is None:
-            return []
+            return ()
         values = score_values(w, self.cfg, None)
         if self._warmup_memo[0] != values.size:
             k = self.cfg.window_samples
-            parts = [values[i:i + k] for i in range(0, values.size - k + 1, k)]
-            spread = evaluation_spread([parts], self.cfg, np.random.default_rng(values.size))
-            self._warmup_memo = (values.size, spread if spread[2] else None)
-        spread = self._warmup_memo[1]
-        return [] if spread is None else [spread]
+            parts = [(i // k, values[i:i + k]) for i in range(0, values.size - k + 1, k)]
+            self._warmup_memo = (values.size, evaluation_spread(
+                [parts], self.cfg, np.random.default_rng(values.size)))
+        return self._warmup_memo[1]
+
+    def _order(self) -> np.random.Generator | None:
+        """Where the next windows' order comes from (`window_plan`): drawn once the evaluations
+        have taught the noise per lag, ABBA before."""
+        return self.order_rng if self.spreads else None
 
     def _noise(self) -> Noise:
         """The window noise the next verdict adds: the evaluations', or the warm-up's before
-        the first one is scored."""
-        return window_noise(self.spreads + self._warmup_spread())
+        the first one is scored, pooled over its lags: the warm-up is where the load builds up
+        from nothing, and the lags of a fill-up said the first evaluation's alternating orders
+        were all but free of noise (Azure under `e2e`: 8 of 12 A/A runs accepted at their first
+        evaluation, docs/tuner.md "A plan drawn at random")."""
+        warmup = [(b, w, d, 0) for b, w, d, _ in self._warmup_spread()]
+        return window_noise([*itertools.chain.from_iterable(self.spreads), *warmup])
 
     def _abandon(self) -> None:
         """Drop every evaluation in flight (the incumbent they measured is no longer live)."""
@@ -1134,7 +1234,8 @@ class Tuner:
                 and ev.epoch == self._hint_epoch)  # (more windows under another hint: no)
 
     def _extend(self, ev: Evaluation, v: Verdict, now: float) -> Proposal:
-        """Route ``pairs`` more ABBA pairs for ``ev``; the evaluation routing meanwhile (it
+        """Route ``pairs`` more pairs of windows for ``ev``, in an order of their own
+        (`window_plan`); the evaluation routing meanwhile (it
         measured the same incumbent, but its candidate is not the one being extended) is dropped."""
         self._record({"event": "extended", "candidate": dict(ev.candidate or ev.incumbent),
                       "p95_incumbent": v.p95_incumbent, "p95_candidate": v.p95_candidate,
@@ -1142,7 +1243,7 @@ class Tuner:
         keep = self._versions_of(ev)
         self._abandon()
         self._windows = keep
-        ev.plan = window_plan(len(ev.plan) // 2 + self.cfg.pairs)
+        ev.plan = ev.plan + window_plan(self.cfg.pairs, self._order(), len(ev.plan) // 2)
         self._eval = ev
         return self._open_window(ev.plan[len(ev.windows)], now)
 
@@ -1154,8 +1255,8 @@ class Tuner:
         n = self.cfg.spread_history
         if not n:
             return
-        arms = [[score_values(w, self.cfg, None) for w in ev.arm(arm)]
-                for arm in (INCUMBENT, CANDIDATE)]
+        arms = [[(k, score_values(w, self.cfg, None)) for k, w in enumerate(ev.windows)
+                 if w.arm == arm] for arm in (INCUMBENT, CANDIDATE)]
         rng = np.random.default_rng(self.evaluations)
         self.spreads.append(evaluation_spread(arms, self.cfg, rng))
         del self.spreads[:-n]
@@ -1371,7 +1472,8 @@ class Tuner:
             "other_policy_samples": self.other_policy,
             "baseline_p95_ms": _finite_or_none(self.baseline_p95),
             "prefill_rate": dict(self.rates),
-            "window_noise": dict(zip(("variance", "df"), self._noise(), strict=True)),
+            # pooled ("variance", "df") and per lag (windows apart -> [variance, df])
+            **_noise_status(self._noise()),
             "calibration": None if self.calibrator is None else self.calibrator.report(),
             "last": self.history[-1] if self.history else None,
         }
@@ -1398,7 +1500,7 @@ class Tuner:
             "prefill_rate": dict(self.rates),
             "model_tried": None if self.model_tried is None else dict(self.model_tried),
             "history": list(self.history),
-            "spreads": [list(x) for x in self.spreads],
+            "spreads": [[list(x) for x in ev] for ev in self.spreads],
             "rng": self.rng.bit_generator.state,
         }
 
@@ -1436,9 +1538,7 @@ class Tuner:
             t.rates = {str(k): float(v) for k, v in dict(state.get("prefill_rate") or {}).items()}
             t.history = list(state.get("history") or [])[-config.history:] if config.history else []
             n = config.spread_history
-            # A state written before the df was kept holds (between, within) of two-window arms.
-            spreads = [(float(x[0]), float(x[1]), int(x[2]) if len(x) > 2 else 2)
-                       for x in state.get("spreads") or []]
+            spreads = [_spreads_from_state(x) for x in state.get("spreads") or []]
             t.spreads = spreads[-n:] if n else []
             if state.get("rng") is not None:
                 t.rng.bit_generator.state = state["rng"]
@@ -1462,6 +1562,23 @@ class Tuner:
         self.phase = EVALUATING
         self.sigma = max(self.sigma, self.cfg.restart_sigma)
         self.failures = 0
+
+
+def _noise_status(noise: Noise) -> dict[str, Any]:
+    """The window noise as `Tuner.status` reports it: pooled, and per lag."""
+    variance, df = noise.get(0, (0.0, 0.0))
+    return {"window_noise": {"variance": variance, "df": df,
+                             "by_lag": {str(lag): list(v) for lag, v in sorted(noise.items())
+                                        if lag}}}
+
+
+def _spreads_from_state(x: list[Any]) -> tuple[Spread, ...]:
+    """One evaluation's spreads as a state file holds them: a list of [between, within, df, lag]
+    lists; written before lags were kept, one [between, within, df] list (any lag: 0), or before
+    the df was kept, [between, within] of two-window arms (df 2)."""
+    if not x or isinstance(x[0], list):
+        return tuple((float(b), float(w), float(d), int(lag)) for b, w, d, lag in x)
+    return ((float(x[0]), float(x[1]), float(x[2]) if len(x) > 2 else 2.0, 0),)
 
 
 def point_from_state(v: Any, fmt: int, keys: Sequence[str] = KEYS) -> Point:

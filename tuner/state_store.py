@@ -199,15 +199,23 @@ def check_state(state: Mapping[str, Any], max_ms: float) -> None:
     if not isinstance(history, list) or not all(isinstance(h, dict) for h in history):
         raise ValueError("history: expected a list of objects")
     spreads = state.get("spreads") or []
-    if not isinstance(spreads, list) or not all(
-            isinstance(x, list) and len(x) in (2, 3) for x in spreads):
-        raise ValueError("spreads: expected a list of [between, within, df] (or, written by an "
-                         "older tuner, [between, within])")
-    for i, x in enumerate(spreads):
-        _number(x[0], f"spreads[{i}][0]", 0.0, 1e6)
-        _number(x[1], f"spreads[{i}][1]", 0.0, 1e6)
-        if len(x) == 3:
-            _int(x[2], f"spreads[{i}][2]", 0, 10**6)
+    if not isinstance(spreads, list) or not all(isinstance(x, list) for x in spreads):
+        raise ValueError("spreads: expected a list, per evaluation, of [between, within, df, lag] "
+                         "lists (or, written by an older tuner, one [between, within, df] or "
+                         "[between, within] list)")
+    for i, ev in enumerate(spreads):
+        old = bool(ev) and not isinstance(ev[0], list)  # [] : an evaluation with no pair
+        for j, x in enumerate([ev] if old else ev):
+            where = f"spreads[{i}]" if old else f"spreads[{i}][{j}]"
+            if not isinstance(x, list) or len(x) not in ((2, 3) if old else (4,)):
+                raise ValueError(f"{where}: expected [between, within, df, lag] (or, written by "
+                                 "an older tuner, [between, within, df] or [between, within])")
+            _number(x[0], f"{where}[0]", 0.0, 1e6)
+            _number(x[1], f"{where}[1]", 0.0, 1e6)
+            if len(x) > 2:
+                _number(x[2], f"{where}[2]", 0.0, 1e6)
+            if len(x) > 3:
+                _int(x[3], f"{where}[3]", 1, 10**6)
     rng = state.get("rng")
     if rng is not None:
         try:

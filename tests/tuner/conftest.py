@@ -92,3 +92,22 @@ def ipv6_loopback() -> bool:
 def span_builders() -> tuple[Callable, Callable, Callable]:
     return envoy_attrs, make_span, make_export
 
+
+
+class FixedOrder:
+    """Stands in for `Tuner.order_rng`: every evaluation's windows in one known order, the
+    incumbent's first (I C for one pair, I C C I for two; a block added later, the same), for
+    the tests of what happens inside an evaluation. The drawn order has tests of its own."""
+
+    def permutation(self, n: int) -> list[int]:
+        pairs = n // 2
+        # `window_plan` lays its windows out as pairs candidates, then pairs incumbents
+        cand, inc = iter(range(pairs)), iter(range(pairs, n))
+        return [next(inc) if first == (k % 2 == 0) else next(cand)
+                for k in range(pairs) for first in (True, False)]
+
+
+def fixed_order(tuner: Any) -> Any:
+    """``tuner`` with its windows in the order of `FixedOrder`."""
+    tuner.order_rng = FixedOrder()
+    return tuner

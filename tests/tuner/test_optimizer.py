@@ -3,8 +3,10 @@ convergence, drift restarts, rollback and resume."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -14,6 +16,7 @@ import pytest
 
 from gorgo.core.contract import VERSION_MAX
 from gorgo.core.weights import Weights
+from tests.tuner.conftest import fixed_order
 from tuner.calibration import CalibrationConfig
 from tuner.optimizer import (
     BRIDGE,
@@ -21,6 +24,7 @@ from tuner.optimizer import (
     CONVERGED,
     EVALUATING,
     INCUMBENT,
+    LAG_PRIOR_DF,
     MONITOR,
     WARMUP,
     Evaluation,
@@ -29,6 +33,7 @@ from tuner.optimizer import (
     Tuner,
     VersionsExhausted,
     Window,
+    between_windows,
     compare,
     config_from_mapping,
     decide,
@@ -40,6 +45,7 @@ from tuner.samples import Sample
 from tuner.state_store import check_state
 
 BASE_MS = 300.0
+ABBA = [INCUMBENT, CANDIDATE, CANDIDATE, INCUMBENT]  # an evaluation's windows, built by hand
 
 
 def W(rtt: float, queue: float) -> dict[str, float]:
@@ -188,12 +194,20 @@ def bowl(w: Weights, rng: np.random.Generator) -> float:
     return BASE_MS * (1.0 + 0.3 * d) * rng.lognormal(0.0, 0.4)
 
 
-def test_windows_alternate_abba_and_every_window_has_its_own_version() -> None:
-    assert window_plan(1) == [INCUMBENT, CANDIDATE]
-    assert window_plan(2) == [INCUMBENT, CANDIDATE, CANDIDATE, INCUMBENT]
-    t = Tuner(es_config(window_samples=10, pairs=2), W(1.0, 1.0), seed=3)
-    props, _ = drive(t, flat, 10 * 8 + 5, np.random.default_rng(0))
-    assert [p.arm for p in props[:8]] == [INCUMBENT, CANDIDATE, CANDIDATE, INCUMBENT] * 2
+def test_each_evaluation_draws_its_windows_order_and_every_window_has_its_own_version() -> None:
+    """Any of the six orders of two incumbent and two candidate windows, alike (a fixed ABBA
+    order let load that swings with the period of an evaluation side with one arm); but the
+    first evaluation, with no noise per lag learnt to weigh a drawn order by, runs ABBA."""
+    rng = np.random.default_rng(0)
+    plans = Counter(tuple(window_plan(2, rng)) for _ in range(600))
+    assert all(sorted(p) == [CANDIDATE, CANDIDATE, INCUMBENT, INCUMBENT] for p in plans)
+    assert len(plans) == 6 and min(plans.values()) > 70  # 100 each on average
+    t = Tuner(es_config(window_samples=10, pairs=2, max_failures=100), W(1.0, 1.0), seed=3)
+    props, _ = drive(t, flat, 10 * 4 * 12 + 5, np.random.default_rng(0))
+    orders = [tuple(p.arm for p in props[k:k + 4]) for k in range(0, 48, 4)]
+    assert all(sorted(o) == [CANDIDATE, CANDIDATE, INCUMBENT, INCUMBENT] for o in orders)
+    assert orders[0] == (INCUMBENT, CANDIDATE, CANDIDATE, INCUMBENT) and len(set(orders)) > 2
+    assert window_plan(1, None, 1) == [CANDIDATE, INCUMBENT]  # ABBA goes on from pair 1
     versions = [p.weights.version for p in props]
     assert versions == sorted(set(versions)) and versions[0] == 1
     inc = [p for p in props[:4] if p.arm == INCUMBENT]
@@ -203,9 +217,56 @@ def test_windows_alternate_abba_and_every_window_has_its_own_version() -> None:
     assert list(cand[0].point) == ["rtt", "queue"] and cand[0].point != W(1.0, 1.0)
 
 
+def swinging(period: int, phase: float) -> Env:
+    """Flat, under load that swings by a factor e^(+-0.3) with a period of ``period`` requests."""
+    count = itertools.count()
+
+    def env(w: Weights, rng: np.random.Generator) -> float:
+        swing = math.exp(0.3 * math.sin(2.0 * math.pi * next(count) / period + phase))
+        return BASE_MS * swing * rng.lognormal(0.0, 0.5)
+
+    return env
+
+
+def test_load_that_swings_with_the_evaluations_period_holds_the_rate() -> None:
+    """Weights do not matter, so every acceptance is false. Load swinging with the period of
+    one evaluation (4 windows of 40) at this phase always lit the candidate's windows of a
+    fixed ABBA order: 78 % accepted (docs/tuner.md, "A plan drawn at random")."""
+    accepted = evaluations = 0
+    for seed in (1, 2):
+        t = Tuner(es_config(max_failures=10_000, min_sigma=1e-9), W(1.0, 1.0), seed=seed)
+        drive(t, swinging(160, math.pi / 2), 4000, np.random.default_rng(seed))
+        accepted, evaluations = accepted + t.accepted, evaluations + t.evaluations
+    assert evaluations >= 40 and accepted / evaluations <= 0.05 + 0.05
+
+
+def test_a_plan_is_charged_the_noise_of_its_own_lags() -> None:
+    """Noise that grows with the windows' distance, as a trend makes it (lag h: h squared): the
+    arms' difference varies not at all under I C C I, at 2 under I C I C and at 8 under
+    I I C C. Without places, or where no lag was learnt, the pooled noise, divided among each
+    arm's windows."""
+    noise = {0: (3.0, 12.0), 1: (1.0, 12.0), 2: (4.0, 12.0), 3: (9.0, 12.0)}
+    assert between_windows([0, 3], [1, 2], 2, 2, noise) == (0.0, 0.0)
+    assert between_windows([0, 2], [1, 3], 2, 2, noise)[0] == pytest.approx(2.0)
+    aabb, spread = between_windows([0, 1], [2, 3], 2, 2, noise)
+    assert aabb == pytest.approx(8.0) and spread > 0
+    assert between_windows(None, None, 2, 2, noise)[0] == pytest.approx(3.0)
+    assert between_windows([0, 3], [1, 2], 2, 2, {0: (3.0, 12.0)})[0] == pytest.approx(3.0)
+    assert between_windows([0, 3], [1, 2], 2, 2, {}) == (0.0, 0.0)
+
+
+def test_a_lag_seen_in_few_pairs_leans_on_the_pooled_noise() -> None:
+    noise = window_noise([(8.0, 0.0, 2.0, 3), (0.0, 0.0, 10.0, 1)])
+    g0 = 8.0 / 12.0
+    assert noise[0] == (pytest.approx(g0), 12.0)
+    assert noise[3] == (pytest.approx((8.0 + LAG_PRIOR_DF * g0) / (2.0 + LAG_PRIOR_DF)),
+                        2.0 + LAG_PRIOR_DF)
+    assert noise[1] == (pytest.approx(LAG_PRIOR_DF * g0 / (10.0 + LAG_PRIOR_DF)), 12.0)
+
+
 def test_samples_count_only_for_the_version_that_routed_them() -> None:
     cfg = es_config(window_samples=10, pairs=1, margin=0.0, max_failures=50)
-    t = Tuner(cfg, W(1.0, 1.0), seed=0)
+    t = fixed_order(Tuner(cfg, W(1.0, 1.0), seed=0))
     p_inc = t.next_weights(0.0)
     assert p_inc.arm == INCUMBENT
     for _ in range(10):
@@ -246,7 +307,7 @@ def test_requests_of_other_policies_do_not_score_the_weights() -> None:
 def test_errors_are_routed_requests_but_never_latencies() -> None:
     """A window routes a number of requests, failed ones included (they are its error rate); a
     candidate whose requests all failed has no p95 and is never accepted."""
-    t = Tuner(es_config(window_samples=10, pairs=1), W(1.0, 1.0))
+    t = fixed_order(Tuner(es_config(window_samples=10, pairs=1), W(1.0, 1.0)))
     p = t.next_weights(0.0)
     for _ in range(10):
         t.observe(mk(100.0, p.weights.version))
@@ -333,7 +394,7 @@ def test_weights_stay_in_bounds_and_the_bound_is_not_an_attractor() -> None:
 def test_step_size_follows_the_one_fifth_rule() -> None:
     cfg = es_config(window_samples=10, pairs=1, initial_sigma=0.5, step_up=1.5,
                           max_failures=100)
-    t = Tuner(cfg, W(1.0, 1.0), seed=1)
+    t = fixed_order(Tuner(cfg, W(1.0, 1.0), seed=1))
 
     def evaluation(inc_ms: float, cand_ms: float) -> None:
         for ms in (inc_ms, cand_ms):
@@ -353,7 +414,7 @@ def test_step_size_follows_the_one_fifth_rule() -> None:
 def test_converges_then_monitors_and_restarts_on_drift() -> None:
     cfg = es_config(window_samples=10, pairs=1, max_failures=3, monitor_samples=50,
                           drift=0.2, drift_windows=3, restart_sigma=0.8)
-    t = Tuner(cfg, W(1.0, 1.0), seed=2)
+    t = fixed_order(Tuner(cfg, W(1.0, 1.0), seed=2))
     rng = np.random.default_rng(2)
 
     def const(w: Weights, rng: np.random.Generator) -> float:
@@ -392,7 +453,7 @@ def test_small_step_size_also_means_converged() -> None:
 
 def test_regressing_new_incumbent_is_rolled_back() -> None:
     cfg = es_config(window_samples=10, pairs=1, rollback=0.25, max_failures=100)
-    t = Tuner(cfg, W(1.0, 1.0), seed=7)
+    t = fixed_order(Tuner(cfg, W(1.0, 1.0), seed=7))
     first = t.next_weights(0.0)
     for _ in range(10):
         t.observe(mk(100.0, first.weights.version))
@@ -438,6 +499,11 @@ def test_tuner_fpr_over_many_evaluations_on_a_flat_landscape() -> None:
     assert t.accepted / t.evaluations <= 0.05 + 0.03
 
 
+def placed(parts: list[np.ndarray], start: int = 0) -> list[tuple[int, np.ndarray]]:
+    """An arm's windows with their places in the evaluation: ``start``, ``start + 1``, ..."""
+    return [(start + k, v) for k, v in enumerate(parts)]
+
+
 def loaded(rng: np.random.Generator, sigma: float) -> list[np.ndarray]:
     """Two windows, each under its own load (a shared log-normal factor): noise between
     windows that no resampling inside a window sees."""
@@ -448,18 +514,19 @@ def test_the_window_noise_is_the_spread_between_windows_the_bootstrap_cannot_see
     cfg = es_config(bootstrap=300)
     rng = np.random.default_rng(4)
 
-    def noise(sigma: float) -> tuple[float, int]:
-        return window_noise([evaluation_spread([loaded(rng, sigma), loaded(rng, sigma)], cfg,
-                                               rng) for _ in range(40)])
+    def noise(sigma: float) -> tuple[float, float]:
+        return window_noise(itertools.chain.from_iterable(
+            evaluation_spread([placed(loaded(rng, sigma)), placed(loaded(rng, sigma), 2)], cfg,
+                              rng) for _ in range(40)))[0]
 
     (calm, calm_df), (load, load_df) = noise(0.0), noise(0.3)
     assert calm_df == load_df == 80  # one per arm of two windows, two arms, 40 evaluations
     assert calm < 0.02 and 0.3**2 / 2 < load < 0.3**2 * 2  # the load's variance, on log scale
-    assert window_noise([]) == (0.0, 0)  # nothing learnt yet: the bootstrap alone
-    assert window_noise([(0.0, 1.0, 2)]) == (0.0, 2)  # never below 0
-    assert window_noise([(9.0, 1.0, 2), (1.0, 1.0, 2)]) == (2.0, 4)
-    one = [np.full(40, 100.0)]  # one window per arm: no spread to see
-    assert evaluation_spread([one, one], cfg, rng) == (0.0, 0.0, 0)
+    assert window_noise([]) == {}  # nothing learnt yet: the bootstrap alone
+    assert window_noise([(0.0, 1.0, 2, 1)]) == {0: (0.0, 2), 1: (0.0, 2)}  # never below 0
+    assert window_noise([(9.0, 1.0, 2, 1), (1.0, 1.0, 2, 3)])[0] == (2.0, 4)
+    one = [(0, np.full(40, 100.0))]  # one window per arm: no spread to see
+    assert evaluation_spread([one, one], cfg, rng) == ()
 
 
 def test_compare_adds_the_window_noise_to_the_bootstrap_bound() -> None:
@@ -467,9 +534,9 @@ def test_compare_adds_the_window_noise_to_the_bootstrap_bound() -> None:
     inc = windows(INCUMBENT, noisy(rng, 1.0))
     cand = windows(CANDIDATE, noisy(rng, 0.6))
     plain = compare(inc, cand, es_config(), np.random.default_rng(0))
-    none = compare(inc, cand, es_config(), np.random.default_rng(0), noise=(0.0, 2))
-    wide = compare(inc, cand, es_config(), np.random.default_rng(0), noise=(0.05, 40))
-    few = compare(inc, cand, es_config(), np.random.default_rng(0), noise=(0.05, 2))
+    none = compare(inc, cand, es_config(), np.random.default_rng(0), noise={0: (0.0, 2)})
+    wide = compare(inc, cand, es_config(), np.random.default_rng(0), noise={0: (0.05, 40)})
+    few = compare(inc, cand, es_config(), np.random.default_rng(0), noise={0: (0.05, 2)})
     assert plain.accepted and wide.diff_upper_ms > plain.diff_upper_ms
     assert none.diff_upper_ms == plain.diff_upper_ms  # no noise learnt: the bootstrap's bound
     assert few.diff_upper_ms > wide.diff_upper_ms  # the same noise, less sure of it
@@ -499,8 +566,9 @@ def test_under_window_load_the_test_holds_its_rate_and_finds_a_halved_p95(
     # evaluations before, as the tuner learns it.
     cfg = es_config(bootstrap=300)
     rng = np.random.default_rng(5)
-    noise = window_noise([evaluation_spread([loaded(rng, 0.3), loaded(rng, 0.3)], cfg, rng)
-                          for _ in range(40)])
+    noise = window_noise(itertools.chain.from_iterable(
+        evaluation_spread([placed(loaded(rng, 0.3)), placed(loaded(rng, 0.3), 2)], cfg, rng)
+        for _ in range(40)))
     taken = [compare(windows(INCUMBENT, loaded(rng, 0.3)),
                      windows(CANDIDATE, [scale * v for v in loaded(rng, 0.3)]), cfg, rng,
                      noise=noise).accepted for _ in range(300)]
@@ -539,9 +607,10 @@ def test_the_learnt_spread_survives_a_restart() -> None:
     assert Tuner.restore(cfg, snap).spreads == t.spreads
     assert Tuner.restore(replace(cfg, spread_history=2), snap).spreads == t.spreads[-2:]
     assert Tuner.restore(replace(cfg, spread_history=0), snap).spreads == []
-    # A state an older tuner wrote holds (between, within) of two-window arms: 2 df each.
-    snap["spreads"] = [[0.5, 0.25], [0.1, 0.2]]
-    assert Tuner.restore(cfg, snap).spreads == [(0.5, 0.25, 2), (0.1, 0.2, 2)]
+    # States older tuners wrote: (between, within, df) of any lag, or (between, within) of
+    # two-window arms, 2 df
+    snap["spreads"] = [[0.5, 0.25], [0.1, 0.2, 3]]
+    assert Tuner.restore(cfg, snap).spreads == [((0.5, 0.25, 2.0, 0),), ((0.1, 0.2, 3.0, 0),)]
 
 
 def test_calibrated_rates_ride_with_the_weights_and_change_only_between_evaluations() -> None:
@@ -673,7 +742,8 @@ def test_early_acceptance_does_not_understate_the_replaced_weights() -> None:
     """An early acceptance scored the incumbent's still-missing requests as 0 ms: its p95 was
     recorded (and kept as the probation baseline) at 1000 ms when its 4 stragglers took 30 s,
     so the 24x better winner, re-measured at 1250 ms, was rolled back to the bad weights."""
-    t = Tuner(es_config(window_samples=20, pairs=1, max_failures=100), W(1.0, 1.0), seed=0)
+    t = fixed_order(Tuner(es_config(window_samples=20, pairs=1, max_failures=100), W(1.0, 1.0),
+                          seed=0))
     bad = t.next_weights(0.0).weights.version
     t.routed(bad, 20)
     for _ in range(16):  # 4 of 20 still missing
@@ -701,7 +771,8 @@ def test_converged_rates_follow_a_new_hint_and_recalibration() -> None:
     """Converged, a rate calibrated at 2000 tokens/s was still published after 1000 requests
     of an engine re-hinted (and measured) at 50000: rates were refreshed only when a search
     restarted, and `follow` kept a rate outside the new hint's bounds."""
-    t = Tuner(es_config(window_samples=10, pairs=1), W(1.0, 1.0), hints={"r1": 10_000.0})
+    t = fixed_order(Tuner(es_config(window_samples=10, pairs=1), W(1.0, 1.0),
+                          hints={"r1": 10_000.0}))
     t.follow({"r1"}, {"r1": 10_000.0})
     rng = np.random.default_rng(0)
 
@@ -738,8 +809,8 @@ def test_a_rate_hint_that_moves_mid_evaluation_runs_the_evaluation_again_under_i
     window priced r1 at 2000 tokens/s, the candidate's at 5000 (the new hint's bound), and the
     verdict compared the two. Now the windows routed so far are dropped and the same candidate
     is evaluated again, every window under the new hint."""
-    t = Tuner(es_config(window_samples=10, pairs=1), W(1.0, 1.0), seed=0,
-              hints={"r1": 10_000.0, "r2": 10_000.0})
+    t = fixed_order(Tuner(es_config(window_samples=10, pairs=1), W(1.0, 1.0), seed=0,
+              hints={"r1": 10_000.0, "r2": 10_000.0}))
     t.rates = {"r1": 2000.0}  # calibrated; r2 is priced at its hint by the routers
     sent: dict[int, dict[str, float]] = {}
 
@@ -792,7 +863,7 @@ def test_winners_curse_alone_does_not_roll_back() -> None:
     """Re-measured, a winner regresses from its lucky window by chance; that is no reason to
     undo it as long as it is not worse than the weights it replaced."""
     cfg = es_config(window_samples=10, pairs=1, rollback=0.2, max_failures=100)
-    t = Tuner(cfg, W(1.0, 1.0), seed=7)
+    t = fixed_order(Tuner(cfg, W(1.0, 1.0), seed=7))
     for ms in (100.0, 60.0, 95.0, 95.0):  # incumbent, winner, winner re-measured, candidate
         p = t.active or t.next_weights(0.0)
         for _ in range(10):
@@ -810,7 +881,7 @@ def test_a_window_is_scored_on_every_request_it_routed() -> None:
     """Closed on completions, a window would be scored on its fastest requests. Here it waits for
     every request the routers say it routed, and the next evaluation routes in the meantime."""
     cfg = es_config(window_samples=10, pairs=1, margin=0.0)
-    t = Tuner(cfg, W(1.0, 1.0), seed=0)
+    t = fixed_order(Tuner(cfg, W(1.0, 1.0), seed=0))
     v_inc = t.next_weights(0.0).weights.version
     t.routed(v_inc, 10)
     for _ in range(8):
@@ -836,7 +907,7 @@ def test_a_clear_win_is_taken_before_the_incumbents_stragglers_report() -> None:
     """Early acceptance fills the incumbent's missing requests in as instant and the candidate's
     as never finishing: it is taken only when no outcome of them could undo it."""
     cfg = es_config(window_samples=20, pairs=1)
-    t = Tuner(cfg, W(1.0, 1.0), seed=0)
+    t = fixed_order(Tuner(cfg, W(1.0, 1.0), seed=0))
     rng = np.random.default_rng(0)
     v_inc = t.next_weights(0.0).weights.version
     t.routed(v_inc, 20)
@@ -885,9 +956,11 @@ def test_the_warm_up_tells_the_first_evaluation_its_window_noise() -> None:
     the bootstrap's alone, which let bad starts win their place back on one lucky window)."""
     cfg = OptimizerConfig(window_samples=10, pairs=1, model_min_samples=30, model_start=False)
     rng = np.random.default_rng(1)
-    t = Tuner(cfg, W(1.0, 2.0), seed=0)  # the fit agrees (`physical`): a random step next
+    # the fit agrees (`physical`): a random step next
+    t = fixed_order(Tuner(cfg, W(1.0, 2.0), seed=0))
     warm = t.next_weights(0.0)
-    assert warm.arm == BRIDGE and t.status()["window_noise"] == {"variance": 0.0, "df": 0}
+    assert warm.arm == BRIDGE
+    assert t.status()["window_noise"] == {"variance": 0.0, "df": 0, "by_lag": {}}
     for _ in range(3):  # three windows' worth, each under its own load
         load = rng.lognormal(0.0, 0.5)
         for _ in range(10):
@@ -896,7 +969,8 @@ def test_the_warm_up_tells_the_first_evaluation_its_window_noise() -> None:
     first = t.next_weights(1.0)
     assert first.arm == INCUMBENT
     noise = t.status()["window_noise"]
-    assert noise["df"] == 2 and noise["variance"] > 0.0
+    assert noise["df"] == 2 and noise["variance"] > 0.0  # 3 windows: 2 df
+    assert noise["by_lag"] == {}  # a fill-up's lags are no trend to count on: pooled
     for _ in range(10):
         t.observe(physical(rng, first.weights.version))
     cand = t.next_weights(1.5)
@@ -907,7 +981,7 @@ def test_the_warm_up_tells_the_first_evaluation_its_window_noise() -> None:
     # Scored: from now on the evaluations' own spreads are the evidence. The warm-up's was the
     # first evaluation's only (at bad weights its queues grow through it: a trend, not noise).
     assert t.evaluations == 1 and len(t.spreads) == 1 and t._warmup is None
-    assert t.status()["window_noise"]["df"] == t.spreads[0][2]
+    assert t.status()["window_noise"]["df"] == sum(x[2] for x in t.spreads[0])
 
 
 def physical(rng: np.random.Generator, version: int, b: float = 2.0) -> Sample:
@@ -920,7 +994,7 @@ def physical(rng: np.random.Generator, version: int, b: float = 2.0) -> Sample:
 
 def test_the_fitted_weights_are_the_first_candidate_and_are_not_retried_unchanged() -> None:
     cfg = OptimizerConfig(window_samples=10, pairs=1, model_min_samples=20, model_start=False)
-    t = Tuner(cfg, W(20.0, 0.05), seed=0)
+    t = fixed_order(Tuner(cfg, W(20.0, 0.05), seed=0))
     rng = np.random.default_rng(0)
     warm = t.next_weights(0.0)
     assert warm.arm == BRIDGE  # the first evaluation waits, unscored, for the fit's samples
@@ -954,8 +1028,9 @@ START = OptimizerConfig(window_samples=10, pairs=1, model_min_samples=20, model_
 
 
 def warmed_up(start: dict, seed: int) -> tuple[Tuner, np.random.Generator, Proposal]:
-    """A tuner from ``start`` past its warm-up on `physical` requests: its first window."""
-    t = Tuner(START, start, seed=0)
+    """A tuner from ``start`` past its warm-up on `physical` requests: its first window (the
+    incumbent's: `fixed_order`)."""
+    t = fixed_order(Tuner(START, start, seed=0))
     rng = np.random.default_rng(seed)
     warm = t.next_weights(0.0)
     assert warm.arm == BRIDGE
@@ -965,7 +1040,7 @@ def warmed_up(start: dict, seed: int) -> tuple[Tuner, np.random.Generator, Propo
 
 
 def test_no_single_export_replaces_the_start() -> None:
-    t = Tuner(START, W(20.0, 0.05), seed=0)
+    t = fixed_order(Tuner(START, W(20.0, 0.05), seed=0))
     rng = np.random.default_rng(0)
     warm = t.next_weights(0.0)
     for _ in range(START.model_start_samples):
@@ -997,7 +1072,7 @@ def test_fitted_weights_that_predict_better_replace_the_start_which_must_win_the
 def test_the_start_decision_waits_for_its_own_samples() -> None:
     cfg = OptimizerConfig(window_samples=10, pairs=1, model_min_samples=20,
                           model_start_samples=60)
-    t = Tuner(cfg, W(20.0, 0.05), seed=0)
+    t = fixed_order(Tuner(cfg, W(20.0, 0.05), seed=0))
     rng = np.random.default_rng(0)
     warm = t.next_weights(0.0)
     for _ in range(59):
@@ -1007,7 +1082,7 @@ def test_the_start_decision_waits_for_its_own_samples() -> None:
     p = t.next_weights(1.5)
     assert p.arm == INCUMBENT and p.point["rtt"] == 1.0 and t.history[-1]["event"] == "adopted"
     off = replace(cfg, model_start=False)  # then the fit's own minimum is enough
-    t = Tuner(off, W(20.0, 0.05), seed=0)
+    t = fixed_order(Tuner(off, W(20.0, 0.05), seed=0))
     warm = t.next_weights(0.0)
     for _ in range(20):
         t.observe(physical(rng, warm.weights.version))
@@ -1047,11 +1122,11 @@ def test_block_bootstrap_widens_the_interval_for_bursts() -> None:
 
 
 def test_a_promising_but_inconclusive_fitted_candidate_gets_more_windows() -> None:
-    """Measured better, but not beyond the noise: the fitted candidate runs more ABBA pairs (up
-    to ``model_pairs``), each look at ``fpr`` / looks, instead of being dropped."""
+    """Measured better, but not beyond the noise: the fitted candidate runs more pairs of
+    windows (up to ``model_pairs``), each look at ``fpr`` / looks, instead of being dropped."""
     cfg = OptimizerConfig(window_samples=10, pairs=1, model_min_samples=20, model_pairs=2,
                           model_start=False)
-    t = Tuner(cfg, W(20.0, 0.05), seed=0)
+    t = fixed_order(Tuner(cfg, W(20.0, 0.05), seed=0))
     rng = np.random.default_rng(0)
     warm = t.next_weights(0.0)
     for _ in range(20):
@@ -1120,8 +1195,10 @@ def test_the_slo_learns_its_window_noise_from_windows_that_missed_nothing() -> N
     the configured rate is 5 % (docs/tuner.md, the SLO's A/A rate)."""
     cfg = es_config(objective="slo", slo_ttft_ms=250.0)
     misses = [np.where(np.arange(40) < m, 1.0, 0.0) for m in (0, 6)]
-    between, within, df = evaluation_spread([misses, misses], cfg, np.random.default_rng(3))
-    assert df == 2 and between == pytest.approx(2 * 2 * (0.15 / 2) ** 2)  # on the rate's scale
+    (between, within, df, lag), = evaluation_spread([placed(misses), placed(misses)], cfg,
+                                                    np.random.default_rng(3))
+    assert df == 2 and lag == 1
+    assert between == pytest.approx(2 * 2 * (0.15 / 2) ** 2)  # on the rate's scale
     assert 0 < within < between
 
 
@@ -1132,7 +1209,7 @@ def test_past_the_census_timeout_the_candidates_missing_requests_count_as_that_s
     cfg = es_config(objective="e2e")
     d = np.random.default_rng(2)
     ws = []
-    for k, arm in enumerate(window_plan(2)):
+    for k, arm in enumerate(ABBA):
         w = Window(arm, k, 0.0, needs_end=True)
         # the incumbent's windows lost 3 samples of 43: left out, its score stays a latency
         w.routed_by[k], w.closed_at = (40 if arm == CANDIDATE else 43), 10.0 * k
@@ -1145,7 +1222,7 @@ def test_past_the_census_timeout_the_candidates_missing_requests_count_as_that_s
             w.arrival.append(10.0 * k + i)
             w.e2e_arrival.append(10.0 * k + i)
         ws.append(w)
-    ev = Evaluation(W(1.0, 1.0), window_plan(2), ws)
+    ev = Evaluation(W(1.0, 1.0), ABBA, ws)
     now = 30.0 + cfg.census_timeout_s
     assert all(w.complete(now, cfg.census_timeout_s) for w in ws)
     v = decide(ev, cfg, np.random.default_rng(1), True)
@@ -1162,7 +1239,7 @@ def early_errors_evaluation(objective: str, n: int, failed: int, missing: int,
                     window_samples=n)
     d = np.random.default_rng(0)
     ws = []
-    for k, arm in enumerate(window_plan(2)):
+    for k, arm in enumerate(ABBA):
         w = Window(arm, k, 0.0, routed_by={k: n}, closed_at=0.0)
         errors = failed if k == 1 else 0
         gone = (missing // 2 if k == 1 else missing - missing // 2) if arm == CANDIDATE else 0
@@ -1175,7 +1252,7 @@ def early_errors_evaluation(objective: str, n: int, failed: int, missing: int,
         w.e2e = [x + 500.0 for x in w.ttft]
         w.errors, w.failed = errors, {f"e{k}.{i}" for i in range(errors)}
         ws.append(w)
-    return Evaluation(W(1.0, 1.0), window_plan(2), ws), cfg
+    return Evaluation(W(1.0, 1.0), ABBA, ws), cfg
 
 
 @pytest.mark.parametrize(("objective", "n", "failed", "missing"),
@@ -1225,7 +1302,7 @@ def test_ttft_windows_count_early_samples_and_e2e_windows_wait_for_the_ends() ->
 def test_a_state_of_another_objective_keeps_its_weights_and_drops_its_scores() -> None:
     t = Tuner(es_config(window_samples=5), W(2.0, 0.5), seed=1)
     t.incumbent_p95 = 123.0
-    t.spreads = [(5000.0, 100.0, 4)] * 3  # the old metric's window noise: no noise of this one
+    t.spreads = [((5000.0, 100.0, 4.0, 1),)] * 3  # the old metric's window noise: not this one's
     state = json.loads(json.dumps(t.snapshot()))
     old = {**state, "format": 2}
     del old["objective"]
@@ -1241,7 +1318,7 @@ def test_an_incumbent_with_no_latency_is_no_crash_and_keeps_its_last_score() -> 
     """Every incumbent request failed (or none reported back): the evaluation is a no_samples
     verdict, the search goes on, and nothing measured replaces the incumbent's score (it
     crashed the tuner, taking a quantile of nothing, at every restart)."""
-    t = Tuner(es_config(window_samples=10, pairs=1), W(1.0, 1.0), seed=0)
+    t = fixed_order(Tuner(es_config(window_samples=10, pairs=1), W(1.0, 1.0), seed=0))
     t.incumbent_p95 = 123.0
     for k in range(3):
         p = t.next_weights(3.0 * k)
@@ -1409,7 +1486,7 @@ def test_the_start_is_not_replaced_while_the_first_evaluation_is_open() -> None:
                       {"rtt": 50.0, "queue": queue, "admission": 0.0, "prefill": 300.0,
                        "penalty": 0.0}, 0, 100, decision_id=f"d{next(count)}")
 
-    t = Tuner(START, W(20.0, 0.05), seed=0)
+    t = fixed_order(Tuner(START, W(20.0, 0.05), seed=0))
     warm = t.next_weights(0.0)
     for _ in range(4 * START.model_start_samples):  # the warm-up ends on its sample cap
         t.observe(sample(warm.weights.version, 0.0, status=503))

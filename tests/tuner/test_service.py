@@ -32,7 +32,7 @@ from gorgo.core.router import Router
 from gorgo.core.weights import Weights
 from gorgo.errors import UserError
 from gorgo.harness.procs import free_port
-from tests.tuner.conftest import ipv6_loopback
+from tests.tuner.conftest import fixed_order, ipv6_loopback
 from tuner.main import ConfigError, TunerService, load_config
 from tuner.optimizer import KEYS, OptimizerConfig, Proposal
 from tuner.publisher import Publisher, RouterTarget
@@ -115,6 +115,7 @@ async def two_routers(tmp_path: Path) -> AsyncIterator[tuple[TunerService, Route
     await b.start()
     svc = TunerService(load_config(write_config(tmp_path, [a, b])))
     await svc.start()
+    fixed_order(svc.tuner)  # the incumbent's window first: these tests follow one evaluation
     try:
         yield svc, a, b
     finally:
@@ -149,6 +150,7 @@ def test_publishes_to_every_router_and_resumes_after_restart(tmp_path: Path,
         cfg = load_config(write_config(tmp_path, [a, b]))
         svc = TunerService(cfg)
         await svc.start()
+        fixed_order(svc.tuner)  # the incumbent's window first
         try:
             # Fresh start: begins from the live weights, above the highest live version.
             assert svc.tuner.incumbent == W(1.5, 0.5)
@@ -192,6 +194,7 @@ def test_publishes_to_every_router_and_resumes_after_restart(tmp_path: Path,
         # Restart: resumes the incumbent and the version counter.
         svc2 = TunerService(cfg)
         await svc2.start()
+        fixed_order(svc2.tuner)
         try:
             assert svc2.tuner.incumbent == winner and svc2.tuner.accepted == 1
             await svc2.tick(0.0)

@@ -88,6 +88,10 @@ def test_a_snapshot_and_a_format_1_file_are_accepted() -> None:
     # A replica since removed from the fleet file is no reason to refuse: the tuner forgets it
     # once the routers have said which replicas they know (TunerService._follow).
     check_state(state(prefill_rate={"gone": 1000.0}), MAX_MS)
+    # Spreads per evaluation: per lag (fractional df: a pair of an arm of 3 windows counts 2/3),
+    # none (no arm had two windows), or one of any lag as older tuners wrote them
+    check_state(state(spreads=[[[0.1, 0.05, 0.67, 1], [0.2, 0.1, 1.33, 2]], [],
+                               [0.1, 0.1, 2], [0.3, 0.1]]), MAX_MS)
 
 
 def test_a_nan_where_no_field_check_looks_is_refused_before_a_save_could_fail(
@@ -139,7 +143,9 @@ BIG = int("1" + "0" * 400)  # parses as JSON; once accepted as a version (issue 
     ({"spreads": {"between": 0.1}}, "spreads"),
     ({"spreads": [[-0.1, 0.1]]}, "spreads[0][0]"),
     ({"spreads": [[0.1, 0.1], [0.1, "wide"]]}, "spreads[1][1]"),
-    ({"spreads": [[0.1, 0.1, 2], [0.1, 0.1, 2.5]]}, "spreads[1][2]"),
+    ({"spreads": [[[0.1, 0.1, 2.0, 1]], [[0.1, 0.1, 2.0, 0]]]}, "spreads[1][0][3]"),
+    ({"spreads": [[[0.1, 0.1, 2.0]]]}, "spreads[0][0]"),
+    ({"spreads": [[[0.1, 0.1, -2.0, 1]]]}, "spreads[0][0][2]"),
     ({"spreads": [[0.1, 0.1, -1]]}, "spreads[0][2]"),
     ({"spreads": [[0.1, 0.1, 2, 3]]}, "spreads"),
     ({"rng": {"bit_generator": "MT19937"}}, "rng"),
