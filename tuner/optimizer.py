@@ -1158,8 +1158,10 @@ class Tuner:
 
     def _order(self) -> np.random.Generator | None:
         """Where the next windows' order comes from (`window_plan`): drawn once the evaluations
-        have taught the noise per lag, ABBA before."""
-        return self.order_rng if self.spreads else None
+        have taught the noise per lag, ABBA before (and after a restart from a state file that
+        holds only pooled spreads: a drawn order charged the pooled noise under-charges some)."""
+        learnt = any(lag for spreads in self.spreads for *_, lag in spreads)
+        return self.order_rng if learnt else None
 
     def _noise(self) -> Noise:
         """The window noise the next verdict adds: the evaluations', or the warm-up's before

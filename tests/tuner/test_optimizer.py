@@ -608,9 +608,12 @@ def test_the_learnt_spread_survives_a_restart() -> None:
     assert Tuner.restore(replace(cfg, spread_history=2), snap).spreads == t.spreads[-2:]
     assert Tuner.restore(replace(cfg, spread_history=0), snap).spreads == []
     # States older tuners wrote: (between, within, df) of any lag, or (between, within) of
-    # two-window arms, 2 df
+    # two-window arms, 2 df; pooled, they weigh no drawn order: ABBA until lags are learnt
     snap["spreads"] = [[0.5, 0.25], [0.1, 0.2, 3]]
-    assert Tuner.restore(cfg, snap).spreads == [((0.5, 0.25, 2.0, 0),), ((0.1, 0.2, 3.0, 0),)]
+    old = Tuner.restore(replace(cfg, pairs=2), snap)
+    assert old.spreads == [((0.5, 0.25, 2.0, 0),), ((0.1, 0.2, 3.0, 0),)]
+    props, _ = drive(old, flat, 10 * 4 + 5, np.random.default_rng(0))
+    assert [p.arm for p in props[:4]] == [INCUMBENT, CANDIDATE, CANDIDATE, INCUMBENT]
 
 
 def test_calibrated_rates_ride_with_the_weights_and_change_only_between_evaluations() -> None:
