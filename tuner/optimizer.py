@@ -659,18 +659,17 @@ def between_windows(at_i: Sequence[int] | None, at_c: Sequence[int] | None, n_i:
     if 0 not in noise:
         return 0.0, 0.0
     if at_i is None or at_c is None:
-        places = [(k, -1.0 / n_i) for k in range(n_i)] + [(-1 - k, 1.0 / n_c) for k in range(n_c)]
-        lags_known = {0: noise[0]}
-    else:
-        places = [(p, -1.0 / n_i) for p in at_i] + [(p, 1.0 / n_c) for p in at_c]
-        lags_known = dict(noise)
+        pooled, df = noise[0]
+        total = pooled * (1.0 / n_i + 1.0 / n_c)
+        return (total, total * total / df) if total > 0 else (0.0, 0.0)
+    places = [(p, -1.0 / n_i) for p in at_i] + [(p, 1.0 / n_c) for p in at_c]
     coef: dict[int, float] = {}
     for j, (pj, cj) in enumerate(places):
         for pk, ck in places[j + 1:]:
             lag = abs(pj - pk)
-            key = lag if lag in lags_known else 0
+            key = lag if lag in noise else 0
             coef[key] = coef.get(key, 0.0) - 2.0 * cj * ck
-    parts = [(a * lags_known[key][0], lags_known[key][1]) for key, a in coef.items()]
+    parts = [(a * noise[key][0], noise[key][1]) for key, a in coef.items()]
     total = sum(v for v, _ in parts)
     if not total > 0:
         return 0.0, 0.0

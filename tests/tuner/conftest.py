@@ -93,7 +93,6 @@ def span_builders() -> tuple[Callable, Callable, Callable]:
     return envoy_attrs, make_span, make_export
 
 
-
 class FixedOrder:
     """Stands in for `Tuner.order_rng`: every evaluation's windows in one known order, the
     incumbent's first (I C for one pair, I C C I for two; a block added later, the same), for
