@@ -14,6 +14,7 @@ own past evaluations. Printed as the Markdown table in docs/tuner.md, "Measured 
 from __future__ import annotations
 
 import argparse
+import itertools
 
 import numpy as np
 
@@ -65,7 +66,7 @@ def main() -> None:
             for scale in SCALES:
                 rng = np.random.default_rng(args.seed)
                 n = args.null_trials if scale == 1.0 else args.trials
-                spreads: list[Spread] = []
+                spreads: list[tuple[Spread, ...]] = []
                 hits = sum(trial(rng, cfg, scale, bursty, spreads) for _ in range(n))
                 cells.append(f"{100.0 * hits / n:.1f} %")
             extra = ", spread" if learn else ""
@@ -73,14 +74,17 @@ def main() -> None:
 
 
 def trial(rng: np.random.Generator, cfg: OptimizerConfig, scale: float, bursty: bool,
-          spreads: list[Spread]) -> bool:
+          spreads: list[tuple[Spread, ...]]) -> bool:
     """One comparison, with the window noise the trials before it taught (``spreads``, which it
     extends: every arm's windows, like the tuner's, whatever the verdict)."""
     inc = windows(rng, INCUMBENT, 1.0, bursty)
     cand = windows(rng, CANDIDATE, scale, bursty)
-    accepted = compare(inc, cand, cfg, rng, noise=window_noise(spreads)).accepted
+    accepted = compare(inc, cand, cfg, rng,
+                       noise=window_noise(itertools.chain.from_iterable(spreads))).accepted
     if cfg.spread_history:
-        arms = [[score_values(w, cfg, None) for w in arm] for arm in (inc, cand)]
+        # independent draws, in no order: each arm's windows at places 0, 1 (compare, given no
+        # places, charges the noise pooled over lags)
+        arms = [[(k, score_values(w, cfg, None)) for k, w in enumerate(arm)] for arm in (inc, cand)]
         spreads.append(evaluation_spread(arms, cfg, rng))
         del spreads[:-cfg.spread_history]
     return accepted

@@ -23,7 +23,7 @@ from collections.abc import Callable
 import numpy as np
 
 from gorgo.sim.tunebench.stats import wilson
-from tuner.optimizer import OptimizerConfig, Tuner
+from tuner.optimizer import CANDIDATE, OptimizerConfig, Tuner
 from tuner.samples import Sample
 
 BASE_MS = 300.0
@@ -55,7 +55,7 @@ def run(load: Callable[[int], float], seed: int, requests: int, better: float,
     now = 0.0
     for i in range(requests):
         now += 0.01
-        factor = better if p.arm == "candidate" else 1.0
+        factor = better if p.arm == CANDIDATE else 1.0
         ttft = BASE_MS * rng.lognormal(0.0, 0.5) * load(i) * factor
         t.observe(Sample(ttft, ttft + 400.0, 200, "r0", "near", "gorgo", p.weights.version, ttft,
                          dict(TERMS), 0, 100, start_unix_s=now))
