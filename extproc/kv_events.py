@@ -176,7 +176,7 @@ class KVEventsClient:
                 self._failed(i, replica, exc)
             old = self.streams[i]
             self.streams[i] = EventStream(gaps=old.gaps, restarts=old.restarts, lost=old.lost,
-                                          repeats=old.repeats)
+                                          repeats=old.repeats, stale=old.stale)
             self._post(i, [], False)
             await asyncio.sleep(RETRY_S)
 
@@ -251,7 +251,7 @@ class KVEventsClient:
             self._post(i, state_ops, False)
             state_ops = []
             if replay is None:  # nothing to replay from: take the stream as it comes
-                pending += stream.replayed([])
+                pending += stream.unreplayable()
                 continue
             try:
                 batches = await self._replay(replay, a.seq)
@@ -328,7 +328,8 @@ class _KVCollector(Collector):
         gaps = CounterMetricFamily("gorgo_kv_event_gaps", "Sequence gaps filled by replay "
                                    "(gap), engine restarts, gaps the replay could not fill "
                                    "(lost), live batches dropped as repeats of replayed ones "
-                                   "(repeat)",
+                                   "(repeat), batches of an earlier engine process dropped "
+                                   "(stale)",
                                    labels=[*REPLICA_LABELS, "kind"])
         errors = CounterMetricFamily(
             "gorgo_kv_event_errors", "Failures that dropped a precise replica to its approximate "
@@ -352,7 +353,7 @@ class _KVCollector(Collector):
             blocks.add_metric(where, float(precise.blocks_held(i)))
             batches.add_metric(where, c.batches[i])
             for kind, n in (("gap", st.gaps), ("restart", st.restarts), ("lost", st.lost),
-                            ("repeat", st.repeats)):
+                            ("repeat", st.repeats), ("stale", st.stale)):
                 gaps.add_metric([*where, kind], n)
             for kind, n in c.errors[i].items():
                 errors.add_metric([*where, kind], n)

@@ -151,8 +151,9 @@ class EventStream:
 
     A subscriber starts by replaying from 0 (the engine's buffered history: a warm engine's blocks
     are known at once). Live batches are applied while their seq is the next one; a jump ahead is
-    a gap, filled from the replay socket, with live batches held meanwhile; a seq behind (a fresh
-    count) is an engine restart: its blocks are gone, so the set is cleared and filled from 0.
+    a gap, filled from the replay socket (the batch that showed it held for the answer); a seq
+    behind (a fresh count) is an engine restart: its blocks are gone, so the set is cleared and
+    filled from 0.
     A replay that no longer holds the first missing batch (its buffer moved on) cannot make the
     set whole: it is cleared and rebuilt from what the replay still has, so blocks stored before
     that and never removed stay unknown (under-counted, never invented).
@@ -166,6 +167,16 @@ class EventStream:
     it was queued on the socket while a replay answered it (one lost batch and a burst after it
     once read as nine engine restarts, each clearing the set).
 
+    A batch of the process before a restart can still wait on the socket when its successor's
+    history has been applied. Live, it is published before the newest batch applied (one process
+    publishes in time order), so it is dropped (``stale``) wherever its seq falls: at the next
+    seq it would have been applied as the new process's (an engine clock stepped back drops
+    batches until one past it, whose gap the replay fills). Held while a replay is asked, it is
+    missing from the answer or stamped otherwise there (an engine buffers each batch as it
+    publishes it), so it is dropped and the history replayed from 0 decides, as after a
+    reconnection, whether the batches applied are the answering process's: an empty answer had
+    cleared the set and applied that batch.
+
     ``synced`` is False until the first replay answered and while a gap is open: the router uses
     its approximate view of the replica then.
     """
@@ -178,6 +189,7 @@ class EventStream:
     lost: int = 0  # replays that could not fill their gap
     resyncing: bool = False
     repeats: int = 0  # live batches dropped as repeats of applied ones
+    stale: int = 0  # batches of an earlier engine process dropped
     # Publication times of the newest batches applied: seqs expected - len(recent) .. expected - 1.
     recent: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT_BATCHES))
 
@@ -199,17 +211,22 @@ class EventStream:
         return [Action(REPLAY, seq=0)]
 
     def live(self, batch: EventBatch) -> list[Action]:
+        """A batch from the socket; one that asks for a replay is held until its answer (the
+        driver asks it before it reads the socket again)."""
         if self.replaying:
             self.held.append(batch)
             return []
         assert self.expected is not None, "start() first"
+        if batch.seq < self.expected and self._applied_at(batch.seq) == batch.ts:
+            self.repeats += 1
+            return []
+        if self.recent and batch.ts < self.recent[-1]:
+            self.stale += 1
+            return []
         if batch.seq == self.expected:
             self.expected += 1
             self.recent.append(batch.ts)
             return [Action(APPLY, batch)]
-        if batch.seq < self.expected and self._applied_at(batch.seq) == batch.ts:
-            self.repeats += 1
-            return []
         self.held.append(batch)
         self.replaying = True
         if batch.seq < self.expected:
@@ -221,7 +238,27 @@ class EventStream:
         return [Action(REPLAY, seq=self.expected)]
 
     def replayed(self, batches: list[EventBatch]) -> list[Action]:
-        """The replay's answer (in seq order, end marker excluded); then the held live batches."""
+        """The replay's answer (in seq order, end marker excluded), asked after every held batch
+        was read: the answering engine holds each from the answer's first seq on, unless it is
+        another process than the one that published it (see the class)."""
+        first = batches[0].seq if batches else None
+        answered = {b.seq: b.ts for b in batches}
+        stale = sum(1 for h in self.held
+                    if (first is None or h.seq >= first) and answered.get(h.seq) != h.ts)
+        self.held.clear()
+        if stale:
+            self.stale += stale
+            if not self.resyncing:
+                self.resyncing = True
+                return [Action(REPLAY, seq=0)]
+        return self._sync(batches)
+
+    def unreplayable(self) -> list[Action]:
+        """No replay socket: the held live batches are all there is."""
+        return self._sync([])
+
+    def _sync(self, batches: list[EventBatch]) -> list[Action]:
+        """Apply a history (``batches``, then the held live batches) from the next seq on."""
         want = 0 if self.expected is None else self.expected
         out: list[Action] = []
         if self.resyncing and self._new_process(batches, want):

@@ -101,10 +101,10 @@ def test_gap_filled_by_replay() -> None:
     assert kinds(s.live(batch(0))) == [(APPLY, 0)]
     assert kinds(s.live(batch(3))) == [(REPLAY, 1)]
     assert not s.synced and s.gaps == 1
-    assert s.live(batch(4)) == []
     assert kinds(s.replayed([batch(1), batch(2), batch(3)])) == [
-        (APPLY, 1), (APPLY, 2), (APPLY, 3), (APPLY, 4)]
-    assert s.synced and s.expected == 5
+        (APPLY, 1), (APPLY, 2), (APPLY, 3)]
+    assert s.synced and s.expected == 4
+    assert kinds(s.live(batch(4))) == [(APPLY, 4)]  # read after the answer
 
 
 def test_gap_the_replay_cannot_fill_clears() -> None:
@@ -134,7 +134,7 @@ def test_no_replay_socket_takes_the_stream_as_it_comes() -> None:
     s = EventStream()
     s.start()
     s.live(batch(7))
-    assert kinds(s.replayed([])) == [(CLEAR, 0), (CLEAR, 0), (APPLY, 7)]
+    assert kinds(s.unreplayable()) == [(CLEAR, 0), (CLEAR, 0), (APPLY, 7)]
     assert s.synced and s.expected == 8
 
 
@@ -192,6 +192,52 @@ def test_reconnection_to_a_longer_history_of_a_new_process_is_a_restart() -> Non
     assert kinds(same.replayed([stamped(0, 1.0), stamped(1, 2.0), stamped(2, 3.0)])) == [
         (APPLY, 2)]
     assert same.restarts == 0
+
+
+def test_a_held_batch_of_the_process_before_is_not_merged_into_its_successors_history() -> None:
+    # Batches 0-40 applied; the engine restarts; a batch of the old process (45) was still on the
+    # socket: a gap. The new process answers the replay from 41 with nothing, and the set was
+    # cleared and the old batch applied as if it were the new process's.
+    s = EventStream()
+    s.start()
+    s.replayed([stamped(k, float(k)) for k in range(41)])
+    assert kinds(s.live(stamped(45, 45.0))) == [(REPLAY, 41)]
+    assert kinds(s.replayed([])) == [(REPLAY, 0)]
+    assert s.stale == 1 and not s.synced
+    new = [stamped(k, 100.0 + k) for k in range(3)]
+    assert kinds(s.replayed(new)) == [(CLEAR, 0), (APPLY, 0), (APPLY, 1), (APPLY, 2)]
+    assert s.restarts == 1 and s.lost == 0 and s.expected == 3 and s.synced
+    # The answer has the held seq, published at another time: the same.
+    t = EventStream()
+    t.start()
+    t.replayed([stamped(k, float(k)) for k in range(41)])
+    t.live(stamped(45, 45.0))
+    assert kinds(t.replayed([stamped(k, 200.0 + k) for k in range(41, 50)])) == [(REPLAY, 0)]
+    assert t.stale == 1
+    # A held batch the answer has, at the same time, is no sign of another process.
+    u = EventStream()
+    u.start()
+    u.replayed([stamped(k, float(k)) for k in range(41)])
+    u.live(stamped(45, 45.0))
+    assert kinds(u.replayed([stamped(k, float(k)) for k in range(43, 47)])) == [
+        (CLEAR, 0), (APPLY, 43), (APPLY, 44), (APPLY, 45), (APPLY, 46)]
+    assert u.stale == 0 and u.lost == 1
+
+
+def test_a_live_batch_of_the_process_before_is_dropped_after_its_successors_history() -> None:
+    # After a reconnection the new process's history (0-2) is applied; batches the old process
+    # published before it died were still queued on the socket. One at the next seq was applied
+    # as the new process's; one behind it read as another restart, clearing the set.
+    s = EventStream()
+    s.start()
+    s.replayed([stamped(k, float(k)) for k in range(10)])
+    s.reconnected()
+    s.replayed([stamped(k, 100.0 + k) for k in range(3)])
+    assert s.restarts == 1 and s.expected == 3
+    assert s.live(stamped(3, 3.0)) == []
+    assert s.live(stamped(1, 1.5)) == []
+    assert s.stale == 2 and s.restarts == 1 and s.expected == 3 and s.synced
+    assert kinds(s.live(stamped(3, 103.0))) == [(APPLY, 3)]
 
 
 def test_events_of_another_tier_are_ignored() -> None:
