@@ -151,7 +151,8 @@ class AdminApi:
                                                                     strict=True)},
                 "prefill_rate_hint": {r.name: float(r.prefill_rate)
                                       for r in self.router.spec.replicas},
-                "routed": {str(v): dict(c) for v, c in self.router.routed.items()}}
+                "routed": {str(v): dict(c) for v, c in self.router.routed.items()},
+                "router": self.router.router_id}
 
     async def get(self, request: web.Request) -> web.Response:
         denied = self._authorize(request)

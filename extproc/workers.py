@@ -15,7 +15,10 @@ The supervisor owns the HTTP port:
   answer is theirs when they agree, 502 naming each worker's status when not. The weights the
   workers then run are kept and replayed to a restarted worker before it counts as up, so every
   running worker has the same weights version.
-- ``GET /admin/weights`` is the first worker's answer with ``routed`` summed over all workers;
+- ``GET /admin/weights`` is the first worker's answer with ``routed`` summed over all workers,
+  each worker process counted as it last answered (a hung worker's decisions, and those of a
+  worker's run before a restart, still count: the tuner's census waits for them) and listed
+  by process under ``routed_by``;
   ``POST /admin/explain`` and any other admin read are answered by the first worker that is up,
   any other admin change goes to every worker like a weights update. A restarted worker, which
   starts from the fleet file, first takes on a peer's running fleet document
@@ -67,6 +70,7 @@ from gorgo import shutdown
 from gorgo.core.contract import WEIGHT_BOUNDS, WORKER_READ_TIMEOUT_S, WORKER_WRITE_TIMEOUT_S
 from gorgo.core.discovery import parse_discovered
 from gorgo.core.fleet import FleetSpec, Limits, parse_yaml
+from gorgo.core.router import ROUTED_VERSIONS
 from gorgo.errors import UserError, bind_error, check_port
 
 log = logging.getLogger("gorgo.workers")
@@ -174,6 +178,9 @@ class Supervisor:
         self._session: aiohttp.ClientSession | None = None
         self._lock = asyncio.Lock()  # one weights update at a time, replays included
         self._background: set[asyncio.Task] = set()
+        # router id -> version -> policy -> decisions: every worker process's counts as it last
+        # answered, a process that died or hangs included (`get_weights`).
+        self.routed_by: dict[str, dict[str, dict[str, int]]] = {}
 
     # --- lifecycle ------------------------------------------------------------------------------
 
@@ -494,18 +501,35 @@ class Supervisor:
         if status != 200:
             return self._pass(status, raw)
         merged = json.loads(raw)
-        routed: dict[str, Tally] = {}
         versions = []
         for w, (s, b) in zip(live, answers, strict=True):
             if s != 200:
                 continue
             doc = json.loads(b)
             versions.append({"worker": w.index, "version": doc["version"]})
-            for version, counts in doc.get("routed", {}).items():
+            self.routed_by[doc["router"]] = doc.get("routed", {})
+        self._forget_old_versions()
+        routed: dict[str, Tally] = {}
+        for by_version in self.routed_by.values():
+            for version, counts in by_version.items():
                 routed.setdefault(version, Tally()).update(counts)
+        merged.pop("router", None)  # one worker's: the supervisor answers for all of them
         merged["routed"] = {v: dict(c) for v, c in routed.items()}
+        merged["routed_by"] = self.routed_by
         merged["workers"] = versions
         return web.json_response(merged)
+
+    def _forget_old_versions(self) -> None:
+        """Keep the newest ``ROUTED_VERSIONS`` versions, as a router does, and the processes
+        that counted any of them."""
+        keep = set(sorted({int(v) for by in self.routed_by.values() for v in by},
+                          reverse=True)[:ROUTED_VERSIONS])
+        for rid, by_version in list(self.routed_by.items()):
+            kept = {v: c for v, c in by_version.items() if int(v) in keep}
+            if kept:
+                self.routed_by[rid] = kept
+            else:
+                del self.routed_by[rid]
 
     async def metrics(self, _: web.Request) -> web.Response:
         live = self._live()

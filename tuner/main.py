@@ -438,7 +438,8 @@ class TunerService:
         self.otlp_port = 0
         self.status_port = 0
         self.max_version_seen = -1
-        self._routed: dict[str, dict[int, int]] = {t.url: {} for t in cfg.routers}
+        # router URL -> router process id -> version -> decisions (`_count_routed`)
+        self._routed: dict[str, dict[str, dict[int, int]]] = {t.url: {} for t in cfg.routers}
         self._docs: dict[str, dict[str, Any]] = {}  # each router's last GET /admin/weights
         self._hinted: dict[str, dict[str, float]] = {}  # each router's hints at the last follow
         self.ticks = 0
@@ -637,19 +638,25 @@ class TunerService:
         policy = self.cfg.optimizer.policy
         wanted = set(versions)
         for t in self.cfg.routers:
-            counts = self._routed[t.url]
+            by_router = self._routed[t.url]
             doc = self._docs.get(t.url)
-            routed = doc.get("routed") if isinstance(doc, dict) else None
-            if isinstance(routed, dict):
+            for rid, routed in (_routed_by(doc) if isinstance(doc, dict) else {}).items():
+                if not isinstance(routed, dict):
+                    continue
+                counts = by_router.setdefault(str(rid), {})
                 for key, by_policy in routed.items():
                     n = by_policy.get(policy) if isinstance(by_policy, dict) else None
                     version = whole_number(key)
                     if isinstance(n, int) and version in wanted:
                         counts[version] = max(counts.get(version, 0), n)
-            for v in [v for v in counts if v not in wanted]:
-                del counts[v]
+            for rid, counts in list(by_router.items()):
+                for v in [v for v in counts if v not in wanted]:
+                    del counts[v]
+                if not counts:
+                    del by_router[rid]
         for v in versions:
-            self.tuner.routed(v, sum(c.get(v, 0) for c in self._routed.values()))
+            self.tuner.routed(v, sum(c.get(v, 0) for by_router in self._routed.values()
+                                     for c in by_router.values()))
 
     def _heard(self, docs: list[dict[str, Any] | None]) -> None:
         """Each router's GET /admin/weights (None: it did not answer), in config order."""
@@ -778,3 +785,15 @@ def main(args: argparse.Namespace) -> int:
     """Tune until SIGTERM/SIGINT (0); a bad config is a ConfigError (a UserError)."""
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(message)s")
     return asyncio.run(serve(load_config(args.config)))
+
+
+def _routed_by(doc: dict[str, Any]) -> dict[str, Any]:
+    """A router's GET /admin/weights decision counts by router process: a `--workers`
+    supervisor's ``routed_by``, else its ``routed`` under its ``router`` id. A restarted router
+    counts from 0 under a new id, and its earlier run's decisions still stand: the largest count
+    heard per process, summed over processes (two pods behind one URL sum alike)."""
+    by = doc.get("routed_by")
+    if isinstance(by, dict):
+        return by
+    routed, rid = doc.get("routed"), doc.get("router")
+    return {rid if isinstance(rid, str) else "": routed} if isinstance(routed, dict) else {}

@@ -116,14 +116,16 @@ def test_get_and_put_apply_weights_and_rates_to_routing() -> None:
         assert doc == {"rtt": 1.0, "queue": 1.0, "decode": 1.0, "interference": 0.25, "reuse": 1.0,
                        "version": 0,
                        "prefill_rate": {"a": 1000.0, "b": 2000.0},
-                       "prefill_rate_hint": {"a": 1000.0, "b": 2000.0}, "routed": {}}
+                       "prefill_rate_hint": {"a": 1000.0, "b": 2000.0}, "routed": {},
+                       "router": router.router_id}
         status, doc = await call("PUT", headers=AUTH, data={
             "rtt": 2.5, "queue": 0.25, "version": 7, "prefill_rate": {"b": 4000}})
         assert status == 200
         assert doc == {"rtt": 2.5, "queue": 0.25, "decode": 1.0, "interference": 0.25, "reuse": 1.0,
                        "version": 7,
                        "prefill_rate": {"a": 1000.0, "b": 4000.0},
-                       "prefill_rate_hint": {"a": 1000.0, "b": 2000.0}, "routed": {}}
+                       "prefill_rate_hint": {"a": 1000.0, "b": 2000.0}, "routed": {},
+                       "router": router.router_id}
         status, doc = await call("GET", headers={"authorization": f"bearer {TOKEN}"})
         assert status == 200 and doc["version"] == 7
         # null withdraws a rate: back to the fleet file's hint.

@@ -125,16 +125,26 @@ def test_weights_reach_every_worker_and_a_killed_worker_comes_back_with_them(
     status, _ = _http(stack, "PUT", "/admin/weights", {"rtt": 1.0, "version": 3})
     assert status == 409
 
+    assert [s for s, _ in _burst(stack, 16)] == [200] * 16
+    _, got = _http(stack, "GET", "/admin/weights")
+    routed_before, processes = sum(got["routed"]["7"].values()), set(got["routed_by"])
+    assert 0 < routed_before <= 16 and processes and "router" not in got
+
     victim = _workers(stack)[0]
     os.kill(victim, signal.SIGKILL)
     answers = _burst(stack, 16)  # while worker 0 is down: Envoy fails open or the other routes
     assert [s for s, _ in answers] == [200] * 16
+    routed_down = sum(REPLICA_HEADER in h for _, h in answers)
     assert wait_for(lambda: _metric(stack, "gorgo_workers_up").get("", 0) == 2, 60, 0.2)
     assert _metric(stack, "gorgo_worker_restarts_total") == {'{worker="0"}': 1.0}
     assert victim not in _workers(stack) and len(_workers(stack)) == 2
     _, got = _http(stack, "GET", "/admin/weights")
     assert got["workers"] == [{"worker": 0, "version": 7}, {"worker": 1, "version": 7}]
     assert got["rtt"] == 2.5
+    # The killed run's decisions still count (the tuner's census waits for their spans): the
+    # sum had dropped by them, the restarted worker counting from 0.
+    assert processes <= set(got["routed_by"])
+    assert sum(got["routed"]["7"].values()) >= routed_before + routed_down
     # Envoy routes to the restarted worker again once its health check passes.
     assert wait_for(lambda: all(REPLICA_HEADER in h for _, h in _burst(stack, 8)), 20, 0.5)
 

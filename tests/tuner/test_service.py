@@ -845,7 +845,44 @@ def test_a_routed_count_under_a_key_that_is_no_version_is_ignored(tmp_path: Path
                 assert doc is not None
                 svc._docs[a.url] = {**doc, "routed": {key: {"gorgo": 7}, **doc["routed"]}}
                 svc._count_routed()
-                assert all(key not in counts for counts in svc._routed.values())
+                assert all(key not in counts for by_router in svc._routed.values()
+                           for counts in by_router.values())
+            finally:
+                await b.stop()
+
+    run(body)
+
+
+def test_a_restarted_routers_decisions_still_count_for_the_census(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch
+                                                                  ) -> None:
+    """A restarted router counts a version's decisions from 0 again: the tuner kept the largest
+    count it had heard, so a window closed with the new run's requests still out (scored without
+    them). Counted per router process now, summed; a `--workers` supervisor names its processes."""
+    async def body() -> None:
+        async with two_routers(tmp_path) as (svc, a, b):
+            try:
+                heard: dict[int, int] = {}
+                monkeypatch.setattr(svc.tuner, "counting", lambda: [5])
+                monkeypatch.setattr(svc.tuner, "routed", heard.__setitem__)
+                doc = {k: v for k, v in (await svc.publisher.fetch(svc.cfg.routers[0])).items()
+                       if k not in ("routed", "router")}
+
+                def heard_from(url: str, **counts: Any) -> int:
+                    svc._docs[url] = {**doc, **counts}
+                    svc._count_routed()
+                    return heard[5]
+
+                assert heard_from(b.url, routed={}) == 0
+                assert heard_from(a.url, router="p1", routed={"5": {"gorgo": 7}}) == 7
+                assert heard_from(a.url, router="p1", routed={"5": {"gorgo": 6}}) == 7
+                assert heard_from(a.url, router="p2", routed={"5": {"gorgo": 3}}) == 10
+                assert heard_from(a.url, router="p1", routed={"5": {"gorgo": 8}}) == 11
+                assert heard_from(b.url, routed={"5": {"gorgo": 30}}, routed_by={
+                    "w0": {"5": {"gorgo": 4}}, "w1": {"5": {"gorgo": 2}}}) == 17
+                monkeypatch.setattr(svc.tuner, "counting", lambda: [6])
+                svc._count_routed()  # version 5 no longer scored: forgotten, processes too
+                assert svc._routed == {a.url: {}, b.url: {}}
             finally:
                 await b.stop()
 
