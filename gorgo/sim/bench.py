@@ -68,11 +68,13 @@ from gorgo.sim.traces import TraceRequest, load_trace, parse_spec
 from gorgo.sim.workload import (
     BOUND_OPTION,
     BOUNDS,
+    CLOSED,
     EXACT,
     ORACLE,
+    TURNS_OPTION,
     Workload,
     simulate,
-    split_client_bound,
+    split_client,
     tokenization,
     workload_from_requests,
 )
@@ -539,9 +541,10 @@ def _clock(s: float) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace", default="mooncake", metavar="SPEC",
-                        help="trace spec as for `gorgo replay`, its option "
-                        "NAME:[...,]max_tokens=exact|none|N included: what each client sends as "
-                        "its bound (docs/simulator.md) (default: mooncake)")
+                        help="trace spec as for `gorgo replay`, its client's options "
+                        "NAME:[...,]max_tokens=exact|none|N (what each client sends as its "
+                        "bound) and turns=open|closed (closed: a turn waits for the answer it "
+                        "continues) included (docs/simulator.md) (default: mooncake)")
     parser.add_argument("--fleet", default="paper",
                         help=f"preset ({', '.join(PRESETS)}) or fleet YAML path (default: paper)")
     parser.add_argument("--policies", default="all",
@@ -717,7 +720,7 @@ def load_windows(cmd: str, trace: str, spec: FleetSpec, requests: int | None, wi
     alone; UserError ``cannot load ...`` if the trace cannot be used (a bench exits 2 on it
     rather than with a traceback)."""
     try:
-        base, bound = split_client_bound(trace)
+        base, bound, closed = split_client(trace)
         slices = trace_windows(base, requests, windows)  # a bad trace fails before any progress
         if pick is not None:
             slices = slices[pick:pick + 1]
@@ -725,8 +728,10 @@ def load_windows(cmd: str, trace: str, spec: FleetSpec, requests: int | None, wi
         for label, reqs in slices:
             if bound != EXACT:
                 label += f" {BOUND_OPTION}={'none' if bound is None else bound}"
+            if closed:
+                label += f" {TURNS_OPTION}={CLOSED}"
             log(f"{cmd}: building request features for {label} ({len(reqs)} requests) ...")
-            workload = workload_from_requests(label, reqs, tokenization(spec), bound)
+            workload = workload_from_requests(label, reqs, tokenization(spec), bound, closed)
             _ = workload.mean_rate_rps
             out.append(workload)
     except (ValueError, OSError, RequestError) as exc:  # RequestError: a prompt no router reads

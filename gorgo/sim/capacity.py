@@ -253,6 +253,9 @@ def workload_digest(workload: Workload) -> str:
         # what the client says of its output (the router reads it; `--trace NAME:max_tokens=`)
         h.update((-1 if f.max_tokens is None else f.max_tokens).to_bytes(8, "little", signed=True))
         h.update(np.asarray(f.block_hashes, dtype=np.uint64).tobytes())
+    if workload.follows is not None:  # turns that wait for their answers (open: as before)
+        h.update(np.asarray([-1 if p is None else p for p in workload.follows],
+                            dtype=np.int64).tobytes())
     return h.hexdigest()
 
 

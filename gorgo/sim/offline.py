@@ -235,6 +235,7 @@ class Simulation:
         # Requests Envoy retried, each with the replica that refused its first attempt, until
         # the answer's headers tell the router (`_headers`).
         self._retried: dict[int, int] = {}
+        self._followers: dict[int, list[int]] = {}  # request -> the turns waiting on its answer
         # Times of future arrivals and submissions: the only events that can change an engine's
         # batch, so they bound how far an engine may fold decode steps ahead.
         self._inputs: list[float] = []
@@ -283,12 +284,25 @@ class Simulation:
         features: Sequence[RequestFeatures],
         output_tokens: Sequence[int],
         progress: Callable[[int], None] | None = None,
+        follows: Sequence[int | None] | None = None,
     ) -> SimResult:
+        """Replay the requests; with ``follows`` (the request each one continues, or None), a
+        turn is sent at its time or once the answer it continues has ended, whichever is later
+        (its record's arrival is when it was sent)."""
         n = len(arrivals)
         self.records = [
             RequestRecord(k, arrivals[k], features[k].prompt_tokens, output_tokens[k])
             for k in range(n)
         ]
+        self._followers = {}
+        for k, before in enumerate(follows or ()):
+            if before is not None:
+                self._followers.setdefault(before, []).append(k)
+        if self._followers:
+            # A turn sent when an answer ends is an input no fold could foresee: one reaching an
+            # engine inside a folded block would join it late.
+            self.fold = 1
+        waiting = {k for ks in self._followers.values() for k in ks}
         self.features = features
         regions = [s.region for s in self.sides]
         self.home = assign_routers(features, self.spec, regions, self.placement,
@@ -302,7 +316,8 @@ class Simulation:
         # them in: a tie the trace leaves open, broken alike by both drivers (bench/crosscheck.py
         # checks the live decision order; docs/results.md, Live cross-check).
         for k in arrival_order(arrivals, features):
-            self._push(arrivals[k], ARRIVE, k)
+            if k not in waiting:
+                self._push(arrivals[k], ARRIVE, k)
         sig = self.spec.signals
         for j, side in enumerate(self.sides):
             state, net = side.router.state, side.net
@@ -358,7 +373,7 @@ class Simulation:
             # Refused by the router (no replica, or shed): a failed request, as live.
             rec.status = d.status
             rec.ttft = rec.e2e = math.inf
-            self._done()
+            self._done(k)
             return
         rec.replica = d.replica
         rec.predicted_ms = d.predicted_ms
@@ -371,8 +386,13 @@ class Simulation:
         side.free_at = sent
         self._push(sent + side.net.one_way(d.replica), SUBMIT, k)
 
-    def _done(self) -> None:
+    def _done(self, k: int) -> None:
+        """Request ``k`` ended (answered, failed or refused): the turns that waited for it go."""
         self._open -= 1
+        for f in self._followers.pop(k, ()):
+            rec = self.records[f]
+            rec.arrival = max(rec.arrival, self.now)
+            self._push(rec.arrival, ARRIVE, f)
         if self._progress is not None and self._open % 250 == 0:
             self._progress(len(self.records) - self._open)
 
@@ -529,7 +549,7 @@ class Simulation:
         self._publish(self.home[k])
         if self.on_complete is not None:
             self.on_complete(self.records[k], d)
-        self._done()
+        self._done(k)
 
     def _publish(self, j: int) -> None:
         """Router j's new bookings, on their way to every other router (sharing on)."""

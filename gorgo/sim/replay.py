@@ -35,7 +35,15 @@ from gorgo.errors import UserError, at_least, header_pair, output_file, url_arg
 from gorgo.progress import StatusLine
 from gorgo.sim.stats import percentile, rate_per_s, summarize
 from gorgo.sim.traces import DESCRIPTION, TraceRequest, load_trace, parse_spec
-from gorgo.sim.workload import EXACT, ClientBound, generated, split_client_bound, with_client_bound
+from gorgo.sim.workload import (
+    CLOSED,
+    EXACT,
+    TURNS_OPTION,
+    ClientBound,
+    generated,
+    split_client,
+    with_client_bound,
+)
 
 ENDPOINT_PATHS: dict[str, str] = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 REPLICA_HEADERS: tuple[str, ...] = ("x-gorgo-replica", "x-gorgo-served-by")
@@ -588,10 +596,14 @@ def main(args: argparse.Namespace) -> int:
         if path is not None:
             output_file(path)
     try:
-        trace, bound = split_client_bound(args.trace)
+        trace, bound, closed = split_client(args.trace)
         check_bound(args.endpoint, bound)
     except ValueError as exc:
         raise UserError(str(exc)) from None
+    if closed:
+        raise UserError(f"{TURNS_OPTION}={CLOSED}: `gorgo replay` sends every request at its "
+                        "trace time; turns that wait for their answers are offline only "
+                        "(`gorgo bench sim`)")
     if args.ignore_eos and bound != EXACT:
         raise UserError("--ignore-eos needs the trace's exact max_tokens: an engine told to "
                         "ignore end of sequence generates the whole bound (or, with none, "

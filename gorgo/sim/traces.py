@@ -84,6 +84,9 @@ class TraceRequest:
     output_tokens: int
     session: str | None = None
     parts: tuple[tuple[str, int], ...] = ()
+    # The ``index`` of the request this one continues (its session's previous turn: this prompt
+    # is that prompt, its answer and a new message); None for a first turn or an unmarked trace.
+    follows: int | None = None
 
     def prompt(self, tok: Tokenization) -> str:
         """Prompt text with ``tok.count_tokens(len(text)) == input_tokens`` exactly."""
@@ -394,13 +397,16 @@ def chat_trace(
     n_convos = [0] * users
     turn = [0] * users
     last_out = [0] * users
+    last_index: list[int | None] = [None] * users
     out: list[TraceRequest] = []
     for j in range(n if limit is None else min(n, limit)):
         u = int(order[j])
         prefix = f"c{seed}u{u}"
         msg, answer = int(msgs[j]), int(outs[j])
         grown = convo_tokens[u] + last_out[u] + msg
+        follows = None
         if convo[u] and coin_continue[j] < p_continue and grown <= max_context:
+            follows = last_index[u]
             turn[u] += 1
             c, t = n_convos[u], turn[u]
             parts = (*convo[u], (f"{prefix}a{c}.{t - 1}", last_out[u]), (f"{prefix}m{c}.{t}", msg))
@@ -414,7 +420,7 @@ def chat_trace(
             parts = (sys_part, (f"{prefix}m{n_convos[u]}.1", msg))
         parts = tuple(p for p in parts if p[1] > 0)
         tokens = sum(p[1] for p in parts)
-        convo[u], convo_tokens[u], last_out[u] = parts, tokens, answer
+        convo[u], convo_tokens[u], last_out[u], last_index[u] = parts, tokens, answer, j
         out.append(
             TraceRequest(
                 index=j,
@@ -423,6 +429,7 @@ def chat_trace(
                 output_tokens=answer,
                 session=f"user-{u}",
                 parts=parts,
+                follows=follows,
             )
         )
     return out

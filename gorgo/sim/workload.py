@@ -39,6 +39,9 @@ class Workload:
     arrivals: np.ndarray
     features: tuple[RequestFeatures, ...]
     output_tokens: tuple[int, ...]
+    # Turns that wait for their answers (`TURNS_OPTION`): the position of the request each one
+    # continues, whose answer must have ended before it is sent; None: every request at its time.
+    follows: tuple[int | None, ...] | None = None
 
     @property
     def n(self) -> int:
@@ -66,7 +69,8 @@ class Workload:
     def head(self, n: int) -> Workload:
         """The first ``n`` requests (sharing the feature objects)."""
         return replace(self, arrivals=self.arrivals[:n], features=self.features[:n],
-                       output_tokens=self.output_tokens[:n])
+                       output_tokens=self.output_tokens[:n],
+                       follows=None if self.follows is None else self.follows[:n])
 
 
 def build_workload(trace: str, tok: Tokenization, requests: int | None = None) -> Workload:
@@ -98,25 +102,37 @@ def parse_client_bound(value: str) -> ClientBound:
     return n
 
 
-def split_client_bound(trace: str) -> tuple[str, ClientBound]:
-    """``trace`` without its ``max_tokens=`` option (the client's, not the trace's: the loaders
-    do not know it), and the bound it names (EXACT when absent)."""
+# How a replayed client sends a conversation's turns (`--trace NAME:[...,]turns=`): OPEN, each at
+# its trace time (the default: a follow-up may leave before the answer it continues has ended,
+# 24.7-81.8 % of `chat`'s at loads 0.5-0.95, docs/simulator.md); CLOSED, no earlier than that
+# answer's end, as a person in a chat does (offline only; the traces that mark turns: `chat`).
+TURNS_OPTION, OPEN, CLOSED = "turns", "open", "closed"
+
+
+def split_client(trace: str) -> tuple[str, ClientBound, bool]:
+    """``trace`` without the client's options (``max_tokens=``, ``turns=``: the loaders do not
+    know them), the bound it names (EXACT when absent) and whether its turns are CLOSED."""
     name, sep, rest = trace.partition(":")
     if not sep or "=" not in rest:
-        return trace, EXACT
+        return trace, EXACT, False
     kept: list[str] = []
-    bounds: list[str] = []
+    given: dict[str, list[str]] = {BOUND_OPTION: [], TURNS_OPTION: []}
     for item in rest.split(","):
         key, _, value = item.partition("=")
-        if key.strip() == BOUND_OPTION:
-            bounds.append(value)
+        if key.strip() in given:
+            given[key.strip()].append(value)
         else:
             kept.append(item)
-    if not bounds:
-        return trace, EXACT
-    if len(bounds) > 1:
-        raise ValueError(f"{trace}: {BOUND_OPTION} given {len(bounds)} times")
-    return (f"{name}:{','.join(kept)}" if kept else name), parse_client_bound(bounds[0])
+    for key, values in given.items():
+        if len(values) > 1:
+            raise ValueError(f"{trace}: {key} given {len(values)} times")
+    turns = [v.strip().lower() for v in given[TURNS_OPTION]]
+    if turns and turns[0] not in (OPEN, CLOSED):
+        raise ValueError(f"{TURNS_OPTION}={given[TURNS_OPTION][0]!r}: expected {OPEN} or {CLOSED}")
+    bound = parse_client_bound(given[BOUND_OPTION][0]) if given[BOUND_OPTION] else EXACT
+    base = trace if len(kept) == len(rest.split(",")) else (
+        f"{name}:{','.join(kept)}" if kept else name)
+    return base, bound, turns == [CLOSED]
 
 
 def with_client_bound(body: dict[str, Any], bound: ClientBound) -> dict[str, Any]:
@@ -136,12 +152,21 @@ def generated(output_tokens: int, bound: ClientBound) -> int:
 
 
 def workload_from_requests(
-    name: str, reqs: Sequence[TraceRequest], tok: Tokenization, bound: ClientBound = EXACT
+    name: str, reqs: Sequence[TraceRequest], tok: Tokenization, bound: ClientBound = EXACT,
+    closed: bool = False,
 ) -> Workload:
     """Parse each request's chat body as the router would; ``name`` labels the workload,
-    ``bound`` is the max_tokens its client sends (see EXACT)."""
+    ``bound`` is the max_tokens its client sends (see EXACT), ``closed`` whether its turns wait
+    for their answers (a turn whose previous one is not among ``reqs`` is sent at its time)."""
     if not reqs:
         raise ValueError(f"{name}: no requests")
+    follows = None
+    if closed:
+        if not any(r.follows is not None for r in reqs):
+            raise ValueError(f"{name}: {TURNS_OPTION}={CLOSED} needs a trace that marks its "
+                             "turns (chat)")
+        at = {r.index: k for k, r in enumerate(reqs)}
+        follows = tuple(None if r.follows is None else at.get(r.follows) for r in reqs)
     outputs = [generated(r.output_tokens, bound) for r in reqs]
     bodies = (with_client_bound(r.chat_body(tok, MODEL), bound) for r in reqs)
     features = tuple(
@@ -152,6 +177,7 @@ def workload_from_requests(
         arrivals=arrivals - arrivals[0],
         features=features,
         output_tokens=tuple(outputs),
+        follows=follows,
     )
 
 
@@ -173,4 +199,5 @@ def simulate(
     factory = BOUNDS.get(policy)
     sim = Simulation(spec, policy, seed=seed, policy_factory=factory, routers=routers,
                      placement=placement)
-    return sim.run((workload.arrivals * scale).tolist(), workload.features, workload.output_tokens)
+    return sim.run((workload.arrivals * scale).tolist(), workload.features, workload.output_tokens,
+                   follows=workload.follows)

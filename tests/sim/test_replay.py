@@ -388,6 +388,7 @@ def test_a_clients_own_metadata_is_kept_beside_the_stop_point(server: SSEServer,
     # a completion without max_tokens gets 16 tokens, not the trace's output
     (("--trace", "chat:max_tokens=none", "--endpoint", "completions"),
      r"max_tokens=none cannot be replayed on the completions endpoint"),
+    (("--trace", "chat:turns=closed"), r"turns=closed: `gorgo replay` sends every request at"),
 ])
 def test_a_bad_client_bound_is_one_line(args: tuple[str, ...], error: str) -> None:
     with pytest.raises(UserError, match=error):

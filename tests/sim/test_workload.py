@@ -3,6 +3,8 @@ the router learns the typical output from the engines' counters offline as it do
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -11,18 +13,21 @@ from gorgo.sim.bench import load_windows
 from gorgo.sim.offline import Simulation
 from gorgo.sim.presets import fleet_document
 from gorgo.sim.traces import TraceError, chat_trace, load_trace
-from gorgo.sim.workload import EXACT, split_client_bound, tokenization, workload_from_requests
+from gorgo.sim.workload import EXACT, simulate, split_client, tokenization, workload_from_requests
 
 
-@pytest.mark.parametrize("spec, base, bound", [
-    ("mooncake", "mooncake", EXACT),
-    ("azure:limit=50", "azure:limit=50", EXACT),
-    ("azure:max_tokens=none", "azure", None),
-    ("chat:seed=3,max_tokens=4096,users=9", "chat:seed=3,users=9", 4096),
-    ("chat:max_tokens=EXACT", "chat", EXACT),
+@pytest.mark.parametrize("spec, base, bound, closed", [
+    ("mooncake", "mooncake", EXACT, False),
+    ("azure:limit=50", "azure:limit=50", EXACT, False),
+    ("azure:max_tokens=none", "azure", None, False),
+    ("chat:seed=3,max_tokens=4096,users=9", "chat:seed=3,users=9", 4096, False),
+    ("chat:max_tokens=EXACT", "chat", EXACT, False),
+    ("chat:seed=1,turns=closed", "chat:seed=1", EXACT, True),
+    ("chat:turns=Open,max_tokens=none", "chat", None, False),
 ])
-def test_the_bound_option_is_split_off_the_trace_spec(spec: str, base: str, bound) -> None:
-    assert split_client_bound(spec) == (base, bound)
+def test_the_clients_options_are_split_off_the_trace_spec(spec: str, base: str, bound,
+                                                           closed: bool) -> None:
+    assert split_client(spec) == (base, bound, closed)
 
 
 @pytest.mark.parametrize("spec", ["chat:max_tokens=0", "chat:max_tokens=-3", "chat:max_tokens=",
@@ -30,7 +35,61 @@ def test_the_bound_option_is_split_off_the_trace_spec(spec: str, base: str, boun
                                   "chat:max_tokens=lots", "chat:max_tokens=1,max_tokens=2"])
 def test_a_bad_bound_is_refused(spec: str) -> None:
     with pytest.raises(ValueError, match="max_tokens"):
-        split_client_bound(spec)
+        split_client(spec)
+
+
+@pytest.mark.parametrize("spec", ["chat:turns=shut", "chat:turns=", "chat:turns=open,turns=closed"])
+def test_a_bad_turns_option_is_refused(spec: str) -> None:
+    with pytest.raises(ValueError, match="turns"):
+        split_client(spec)
+
+
+def test_chat_marks_each_continuation_with_the_turn_it_continues() -> None:
+    reqs = chat_trace(seed=2, users=20, rate=4.0, limit=300)
+    by_index = {r.index: r for r in reqs}
+    continued = [r for r in reqs if r.follows is not None]
+    assert len(continued) > 100
+    for r in continued:
+        before = by_index[r.follows]
+        assert before.session == r.session and before.index < r.index
+        # this prompt is that prompt, its answer, and a new message
+        assert r.parts[:len(before.parts)] == before.parts
+        assert r.parts[len(before.parts)][1] == before.output_tokens
+
+
+def test_closed_turns_wait_for_the_answer_they_continue() -> None:
+    # Open loop, a follow-up left before the answer it continues had ended (most of them at this
+    # load) and found its prompt uncached; closed, none leaves before that answer.
+    spec = parse_fleet(fleet_document({"us-east": 1}))
+    reqs = chat_trace(seed=4, users=8, rate=40.0, limit=120)
+    tok = tokenization(spec)
+    open_ = workload_from_requests("x", reqs, tok)
+    closed = workload_from_requests("x", reqs, tok, closed=True)
+    assert open_.follows is None and closed.follows is not None
+    runs = {}
+    for name, wl in (("open", open_), ("closed", closed)):
+        res = simulate(spec, "round-robin", wl, 1.0, seed=1)
+        assert all(r.status == 200 for r in res.records)
+        runs[name] = res.records
+    early = sum(runs["open"][k].arrival < runs["open"][p].arrival + runs["open"][p].e2e
+                for k, p in enumerate(closed.follows) if p is not None)
+    assert early > 10
+    for k, p in enumerate(closed.follows):
+        rec = runs["closed"][k]
+        assert rec.arrival >= closed.arrivals[k]
+        if p is not None:
+            before = runs["closed"][p]
+            assert rec.arrival >= before.arrival + before.e2e - 1e-9
+    # a turn waited for its answer finds its prompt cached more often
+    hit = {name: sum(r.cached_tokens for r in recs) for name, recs in runs.items()}
+    assert hit["closed"] > hit["open"]
+
+
+def test_closed_turns_need_a_trace_that_marks_them() -> None:
+    spec = parse_fleet(fleet_document({"us-east": 1}))
+    reqs = [replace(r, follows=None) for r in chat_trace(seed=1, users=3, limit=10)]
+    with pytest.raises(ValueError, match="turns=closed needs a trace that marks its turns"):
+        workload_from_requests("x", reqs, tokenization(spec), closed=True)
 
 
 def test_only_the_offline_bench_knows_the_option() -> None:

@@ -60,9 +60,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     shape = ",".join(k.upper() for k in KEYS)
     parser.add_argument("--trace", default="mooncake", metavar="SPEC",
-                        help="trace spec as for `gorgo replay`, its option "
-                        "NAME:[...,]max_tokens=exact|none|N included (docs/simulator.md) "
-                        "(default: mooncake)")
+                        help="trace spec as for `gorgo replay`, its client's options "
+                        "NAME:[...,]max_tokens=exact|none|N and turns=open|closed included "
+                        "(docs/simulator.md) (default: mooncake)")
     parser.add_argument("--fleet", default="paper",
                         help=f"preset ({', '.join(PRESETS)}) or fleet YAML path (default: paper)")
     parser.add_argument("--load", type=float, default=0.8,

@@ -208,7 +208,7 @@ def tuned_run(
     if settings.tick_s > 0:
         sim.call_at(settings.tick_s, tick)
     res = sim.run((workload.arrivals * scale).tolist(), workload.features,
-                  workload.output_tokens)
+                  workload.output_tokens, follows=workload.follows)
     trace.status = tuner.status()
     return res, trace
 
