@@ -507,7 +507,9 @@ class Supervisor:
                 continue
             doc = json.loads(b)
             versions.append({"worker": w.index, "version": doc["version"]})
-            self.routed_by[doc["router"]] = doc.get("routed", {})
+            rid = doc.get("router")
+            self.routed_by[rid if isinstance(rid, str) else f"worker-{w.index}"] = \
+                doc.get("routed", {})
         self._forget_old_versions()
         routed: dict[str, Tally] = {}
         for by_version in self.routed_by.values():
