@@ -88,6 +88,10 @@ def parse_sources(body: Any) -> KVEventsSpec:
             or cfg.get("publisher") != "zmq" or not isinstance(cfg.get("endpoint"), str):
         raise ValueError(f"KV events not published over zmq: {cfg!r:.200}")
     replay = cfg.get("replay_endpoint")
+    if cfg.get("buffer_steps") == 0:
+        # A replay socket that keeps no batch answers every replay with nothing, which reads as
+        # another process's history (`EventStream.replayed`): the stream is taken as it comes.
+        replay = None
     return KVEventsSpec(cfg["endpoint"], replay if isinstance(replay, str) else None,
                         str(cfg.get("topic") or ""))
 

@@ -18,7 +18,7 @@ The supervisor owns the HTTP port:
 - ``GET /admin/weights`` is the first worker's answer with ``routed`` summed over all workers,
   each worker process counted as it last answered (a hung worker's decisions, and those of a
   worker's run before a restart, still count: the tuner's census waits for them) and listed
-  by process under ``routed_by``;
+  by process under ``routed_by`` (the runs restarts replaced summed under ``retired``);
   ``POST /admin/explain`` and any other admin read are answered by the first worker that is up,
   any other admin change goes to every worker like a weights update. A restarted worker, which
   starts from the fleet file, first takes on a peer's running fleet document
@@ -80,6 +80,7 @@ BODY_READ_S = 10.0  # an admin call's whole body, before the supervisor acts on 
 BACKOFF_BASE_S = 0.5
 BACKOFF_MAX_S = 10.0
 STABLE_S = 10.0  # a worker that ran this long resets the restart backoff
+RETIRED = "retired"  # `routed_by`'s entry for the worker processes restarts replaced
 _FORWARDED = ("authorization", "content-type")  # the request headers a worker gets
 
 
@@ -93,6 +94,7 @@ class Worker:
     runs: int = 0  # starts so far: a restart takes on the fleet its peers run
     started_at: float = 0.0
     failures: int = 0  # consecutive short-lived runs, for the backoff
+    router_id: str | None = None  # its running process's, as it last answered
     tasks: list[asyncio.Task] = field(default_factory=list)
 
     @property
@@ -179,7 +181,8 @@ class Supervisor:
         self._lock = asyncio.Lock()  # one weights update at a time, replays included
         self._background: set[asyncio.Task] = set()
         # router id -> version -> policy -> decisions: every worker process's counts as it last
-        # answered, a process that died or hangs included (`get_weights`).
+        # answered, a process that hangs included, those restarts replaced summed under RETIRED
+        # (`get_weights`).
         self.routed_by: dict[str, dict[str, dict[str, int]]] = {}
 
     # --- lifecycle ------------------------------------------------------------------------------
@@ -507,9 +510,7 @@ class Supervisor:
                 continue
             doc = json.loads(b)
             versions.append({"worker": w.index, "version": doc["version"]})
-            rid = doc.get("router")
-            self.routed_by[rid if isinstance(rid, str) else f"worker-{w.index}"] = \
-                doc.get("routed", {})
+            self.heard_routed(w, doc)
         self._forget_old_versions()
         routed: dict[str, Tally] = {}
         for by_version in self.routed_by.values():
@@ -520,6 +521,24 @@ class Supervisor:
         merged["routed_by"] = self.routed_by
         merged["workers"] = versions
         return web.json_response(merged)
+
+    def heard_routed(self, w: Worker, doc: dict[str, Any]) -> None:
+        """Worker ``w``'s GET /admin/weights: its process's decision counts."""
+        rid = doc.get("router")
+        rid = rid if isinstance(rid, str) and rid != RETIRED else f"worker-{w.index}"
+        if w.router_id not in (None, rid):
+            self._retire(w.router_id)
+        w.router_id = rid
+        self.routed_by[rid] = doc.get("routed", {})
+
+    def _retire(self, rid: str) -> None:
+        """A worker process replaced by a restart: its final counts join the retired ones (one
+        entry however often workers restart; only growing, as the tuner's census needs)."""
+        retired = self.routed_by.setdefault(RETIRED, {})
+        for version, counts in self.routed_by.pop(rid, {}).items():
+            merged = Tally(retired.get(version, {}))
+            merged.update(counts)
+            retired[version] = dict(merged)
 
     def _forget_old_versions(self) -> None:
         """Keep the newest ``ROUTED_VERSIONS`` versions, as a router does, and the processes

@@ -175,7 +175,9 @@ class EventStream:
     missing from the answer or stamped otherwise there (an engine buffers each batch as it
     publishes it), so it is dropped and the history replayed from 0 decides, as after a
     reconnection, whether the batches applied are the answering process's: an empty answer had
-    cleared the set and applied that batch.
+    cleared the set and applied that batch. (An empty answer proves another process only where
+    the engine keeps a history: a replay socket of vLLM's ``buffer_steps`` 0 is no replay socket,
+    `extproc.kv_events.parse_sources`.)
 
     ``synced`` is False until the first replay answered and while a gap is open: the router uses
     its approximate view of the replica then.

@@ -73,6 +73,7 @@ from gorgo.sim.workload import (
     ORACLE,
     TURNS_OPTION,
     Workload,
+    refuse_with_closed_turns,
     simulate,
     split_client,
     tokenization,
@@ -637,6 +638,9 @@ def main(args: argparse.Namespace) -> int:
             raise ValueError(f"--routers {args.routers}: {ORACLE} and {LOOKAHEAD} are bounds "
                              "with the whole fleet's view, one router only; leave them out of "
                              "--policies")
+        if split_client(args.trace)[2]:
+            for p in policies:
+                refuse_with_closed_turns(p)
     except ValueError as exc:
         raise UserError(str(exc)) from None
     if args.report_only:

@@ -297,6 +297,8 @@ class Simulation:
         self._followers = {}
         for k, before in enumerate(follows or ()):
             if before is not None:
+                if not 0 <= before < k:  # a later or missing turn would hold k for ever
+                    raise ValueError(f"request {k} follows {before}, not an earlier request")
                 self._followers.setdefault(before, []).append(k)
         if self._followers:
             # A turn sent when an answer ends is an input no fold could foresee: one reaching an

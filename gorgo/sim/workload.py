@@ -181,6 +181,16 @@ def workload_from_requests(
     )
 
 
+def refuse_with_closed_turns(policy: str) -> None:
+    """ValueError for a policy that cannot run on turns that wait for their answers: the
+    lookahead bound rolls the trace's next arrivals forward at their trace times, and a turn held
+    for its answer leaves later (its index of the arrivals then ran past its end)."""
+    if policy.startswith(LOOKAHEAD):
+        raise ValueError(f"{policy} rolls the trace's arrivals forward at their own times, and a "
+                         f"turn held for its answer leaves later: leave it out with "
+                         f"{TURNS_OPTION}={CLOSED}")
+
+
 def tokenization(spec: FleetSpec) -> Tokenization:
     return Tokenization(spec.chars_per_token, spec.block_tokens)
 
@@ -195,6 +205,8 @@ def simulate(
     The fleet is renamed per seed because policies seed their own generators from the fleet name
     (random does): the seed then changes the link jitter and every policy RNG together.
     """
+    if workload.follows is not None:
+        refuse_with_closed_turns(policy)
     spec = replace(spec, name=f"{spec.name}/seed{seed}")
     factory = BOUNDS.get(policy)
     sim = Simulation(spec, policy, seed=seed, policy_factory=factory, routers=routers,

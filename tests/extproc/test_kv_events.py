@@ -93,6 +93,11 @@ def test_endpoint_rules() -> None:
     src = parse_sources({"0": {"enable_kv_cache_events": True, "publisher": "zmq",
                                "endpoint": "tcp://*:1", "replay_endpoint": None, "topic": "t"}})
     assert (src.endpoint, src.replay_endpoint, src.topic) == ("tcp://*:1", None, "t")
+    # vLLM's buffer_steps 0: its replay socket keeps nothing, so every answer would be empty
+    kept = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:1",
+            "replay_endpoint": "tcp://*:2", "topic": "t"}
+    assert parse_sources({"0": {**kept, "buffer_steps": 10000}}).replay_endpoint == "tcp://*:2"
+    assert parse_sources({"0": {**kept, "buffer_steps": 0}}).replay_endpoint is None
     with pytest.raises(ValueError, match="no KV event publisher"):
         parse_sources({})
 

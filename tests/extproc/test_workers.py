@@ -53,3 +53,28 @@ def test_every_worker_is_told_the_fleet_envoy_was_rendered_from(tmp_path: Path) 
         w.runs = 2  # started again, after the edit: told the document of the start on stdin
         assert "--rendered-fleet-stdin" in sup._command(w)
     assert sup.rendered == start
+
+
+def test_the_counts_of_worker_processes_restarts_replaced_are_kept_in_one_entry(
+        tmp_path: Path) -> None:
+    # The tuner's census waits for every decision a version made; a restarted worker counts from
+    # 0 again. Kept per process, a worker crash-looping under one version grew the answer (and
+    # the tuner's table) by one entry a restart: 5,000 entries after 5,000 restarts.
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text(yaml.safe_dump({
+        "regions": {"a": {}}, "replicas": [{"name": "r0", "region": "a", "engine": "sglang",
+                                            "address": "10.0.0.1:8000"}]}))
+    sup = Supervisor(argparse.Namespace(fleet=str(fleet), port=0, metrics_port=0), 2, "token")
+    w0, w1 = sup.workers
+    sup.heard_routed(w0, {"router": "a0", "routed": {"7": {"gorgo": 3}}})
+    sup.heard_routed(w1, {"router": "b0", "routed": {"7": {"gorgo": 5}}})
+    sup.heard_routed(w0, {"router": "a0", "routed": {"7": {"gorgo": 4}}})
+    assert sup.routed_by == {"a0": {"7": {"gorgo": 4}}, "b0": {"7": {"gorgo": 5}}}
+    for n in range(1, 1001):  # worker 0 restarted 1,000 times, each run routing 2
+        sup.heard_routed(w0, {"router": f"a{n}", "routed": {"7": {"gorgo": 2}}})
+    assert sup.routed_by == {"retired": {"7": {"gorgo": 4 + 999 * 2}},
+                             "a1000": {"7": {"gorgo": 2}}, "b0": {"7": {"gorgo": 5}}}
+    # an answer without an id is counted under its worker's index
+    sup.heard_routed(w1, {"routed": {"8": {"gorgo": 1}}})
+    assert sup.routed_by["worker-1"] == {"8": {"gorgo": 1}}
+    assert sup.routed_by["retired"]["7"] == {"gorgo": 4 + 999 * 2 + 5}

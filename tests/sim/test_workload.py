@@ -4,11 +4,13 @@ the router learns the typical output from the engines' counters offline as it do
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from gorgo.core.fleet import parse_fleet
+from gorgo.cli import main as cli_main
+from gorgo.core.fleet import Shedding, parse_fleet
 from gorgo.sim.bench import load_windows
 from gorgo.sim.offline import Simulation
 from gorgo.sim.presets import fleet_document
@@ -83,6 +85,39 @@ def test_closed_turns_wait_for_the_answer_they_continue() -> None:
     # a turn waited for its answer finds its prompt cached more often
     hit = {name: sum(r.cached_tokens for r in recs) for name, recs in runs.items()}
     assert hit["closed"] > hit["open"]
+
+
+def test_a_refused_turn_releases_the_turn_that_waits_for_it() -> None:
+    # Shedding at twice the fleet's capacity refuses turns (429, no answer): the turns after them
+    # must still be sent, at their time, or the run never ends.
+    spec = replace(parse_fleet(fleet_document({"us-east": 1})), shedding=Shedding(slo_ms=300.0))
+    reqs = chat_trace(seed=4, users=8, rate=40.0, limit=150)
+    wl = workload_from_requests("x", reqs, tokenization(spec), closed=True)
+    assert wl.follows is not None
+    recs = simulate(spec, "gorgo", wl, 1.0, seed=1).records
+    refused = [k for k, r in enumerate(recs) if r.status == 429]
+    waited = [k for k, p in enumerate(wl.follows) if p in refused]
+    assert refused and waited
+    assert all(recs[k].status in (200, 429) for k in range(len(recs)))
+    for k in waited:
+        before = recs[wl.follows[k]]
+        assert recs[k].arrival >= wl.arrivals[k]
+        assert recs[k].arrival <= max(wl.arrivals[k], before.arrival + 1.0)  # decided at once
+
+
+def test_the_lookahead_bound_is_refused_with_closed_turns(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # It rolls the trace's arrivals forward at their times: a held turn ran its index past the
+    # end (IndexError in the bench's pool).
+    argv = ["bench", "sim", "--trace", "chat:seed=1,turns=closed", "--requests", "50",
+            "--policies", "gorgo,oracle-lookahead", "--out", str(tmp_path), "--jobs", "1"]
+    assert cli_main(argv) == 2
+    assert "oracle-lookahead rolls the trace's arrivals forward" in capsys.readouterr().err
+    spec = parse_fleet(fleet_document({"us-east": 1}))
+    wl = workload_from_requests("x", chat_trace(seed=1, users=3, limit=30),
+                                tokenization(spec), closed=True)
+    with pytest.raises(ValueError, match="turns=closed"):
+        simulate(spec, "oracle-lookahead@e2e", wl, 1.0, seed=1)
 
 
 def test_closed_turns_need_a_trace_that_marks_them() -> None:
