@@ -4,6 +4,9 @@ Open loop means every request is sent at its trace time (times ``--time-scale``)
 to earlier ones: one task per request, started by its own timer, no worker pool and no connection
 cap, so a slow fleet shows up as latency instead of silently lowering the offered load. Each
 record keeps its slip (actual send time minus scheduled time) to prove the client kept up.
+With ``turns=closed`` (`--trace chat:...,turns=closed`) a follow-up turn is held until the
+answer it continues has ended, as a person in a chat waits; its record keeps how long
+(``held_ms``), and its slip counts from when it was let go.
 
 Request bodies are built ``PREBUILD_S`` before their send time so long prompts do not delay the
 send itself. Failures are recorded, never raised; Ctrl-C/SIGTERM cancels in-flight requests
@@ -76,6 +79,7 @@ class RequestRecord:
     scheduled_s: float
     sent_s: float | None = None
     slip_ms: float | None = None
+    held_ms: float | None = None  # closed turns: how long it waited past its time for its answer
     status: int | None = None
     outcome: str = "pending"
     error: str | None = None
@@ -174,6 +178,7 @@ def summarize_records(records: Sequence[RequestRecord], wall_s: float) -> dict[s
         "e2e_ms": summarize(r.e2e_ms for r in ok).to_dict(),
         "itl_ms": summarize(r.itl_ms for r in ok).to_dict(),
         "slip_ms": summarize(r.slip_ms for r in records).to_dict(),
+        "held": sum(r.held_ms is not None for r in records),
         "prompt_tokens": prompt,
         "cached_tokens": cached,
         "cache_hit_ratio": cached / prompt if prompt else None,
@@ -233,8 +238,11 @@ async def replay(
     on_result: Callable[[RequestRecord], None] | None = None,
     progress: IO[str] | None = None,
     stop: asyncio.Event | None = None,
+    closed: bool = False,
 ) -> ReplayResult:
-    """Send ``requests`` open-loop at ``arrival_s * time_scale`` seconds from now.
+    """Send ``requests`` open-loop at ``arrival_s * time_scale`` seconds from now; ``closed``
+    (`gorgo.sim.workload.CLOSED`): a turn that continues another of ``requests``
+    (`TraceRequest.follows`) waits for that one's answer to end (or fail) first.
 
     ``on_result`` is called with every finished record (ok, failed or cancelled). Setting
     ``stop`` ends the replay early: unsent requests are dropped, in-flight ones cancelled.
@@ -258,6 +266,10 @@ async def replay(
     # microseconds of noise (mostly shortest first: the larger bodies took longer to build), and
     # that order, read at the router, was once taken for Envoy's.
     ordered = sorted(requests, key=lambda r: (r.arrival_s, r.input_tokens, r.index))
+    # closed turns: the answers some turn waits for, set once each has ended
+    indexes = {r.index for r in ordered}
+    answered = {r.follows: asyncio.Event() for r in ordered
+                if closed and r.follows is not None and r.follows in indexes}
 
     def finish(rec: RequestRecord) -> None:
         records.append(rec)
@@ -311,6 +323,13 @@ async def replay(
             return g
 
         async def one(req: TraceRequest, at: float) -> None:
+            try:
+                await send_one(req, at)
+            finally:  # answered, failed, unbuilt or cancelled: a turn waiting for it goes
+                if req.index in answered:
+                    answered[req.index].set()
+
+        async def send_one(req: TraceRequest, at: float) -> None:
             rec = RequestRecord(
                 index=req.index,
                 session=req.session,
@@ -324,6 +343,13 @@ async def replay(
                 rec.outcome, rec.error = "error", f"building the request failed: {exc!r}"
                 finish(rec)
                 return
+            before = answered.get(req.follows) if req.follows is not None else None
+            if before is not None and not before.is_set():
+                await before.wait()
+                now = loop.time()
+                if now > at:  # held past its time: it leaves now, its slip measured from now
+                    rec.held_ms = (now - at) * 1000.0
+                    at = now
             opened = gate(at)
             if not opened.is_set():
                 await opened.wait()
@@ -537,7 +563,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--trace", required=True, metavar="SPEC",
         help="mooncake[:PATH] | azure[:PATH] | chat[:seed=S,users=U,rate=R,...] "
         "(options as k=v; limit=N keeps the first N requests; max_tokens=exact|none|N: what "
-        "each client sends as max_tokens, the simulated engine still told each output)",
+        "each client sends as max_tokens, the simulated engine still told each output; "
+        "turns=open|closed: closed holds a chat turn until the answer it continues ended)",
     )
     parser.add_argument("--url", required=True, type=url_arg,
                         help="base URL (endpoint path added) or full URL")
@@ -600,16 +627,14 @@ def main(args: argparse.Namespace) -> int:
         check_bound(args.endpoint, bound)
     except ValueError as exc:
         raise UserError(str(exc)) from None
-    if closed:
-        raise UserError(f"{TURNS_OPTION}={CLOSED}: `gorgo replay` sends every request at its "
-                        "trace time; turns that wait for their answers are offline only "
-                        "(`gorgo bench sim`)")
     if args.ignore_eos and bound != EXACT:
         raise UserError("--ignore-eos needs the trace's exact max_tokens: an engine told to "
                         "ignore end of sequence generates the whole bound (or, with none, "
                         "up to its context)")
     source, _ = parse_spec(trace)
     requests = load_trace(trace, root=args.traces_dir)
+    if closed and not any(r.follows is not None for r in requests):
+        raise UserError(f"{TURNS_OPTION}={CLOSED} needs a trace that marks its turns (chat)")
     selected = select_window(
         requests, args.offset, args.duration, args.max_requests, args.time_scale
     )
@@ -635,7 +660,7 @@ def main(args: argparse.Namespace) -> int:
                 selected, args.url, args.time_scale, tok=tok, model=args.model,
                 endpoint=args.endpoint, timeout_s=args.timeout, headers=headers,
                 extra_body=extra, bound=bound, on_result=write,
-                progress=sys.stderr if show_progress else None, stop=stop,
+                progress=sys.stderr if show_progress else None, stop=stop, closed=closed,
             )
         finally:
             undo()

@@ -105,7 +105,7 @@ def parse_client_bound(value: str) -> ClientBound:
 # How a replayed client sends a conversation's turns (`--trace NAME:[...,]turns=`): OPEN, each at
 # its trace time (the default: a follow-up may leave before the answer it continues has ended,
 # 24.7-81.8 % of `chat`'s at loads 0.5-0.95, docs/simulator.md); CLOSED, no earlier than that
-# answer's end, as a person in a chat does (offline only; the traces that mark turns: `chat`).
+# answer's end, as a person in a chat does (the traces that mark turns: `chat`).
 TURNS_OPTION, OPEN, CLOSED = "turns", "open", "closed"
 
 

@@ -388,11 +388,31 @@ def test_a_clients_own_metadata_is_kept_beside_the_stop_point(server: SSEServer,
     # a completion without max_tokens gets 16 tokens, not the trace's output
     (("--trace", "chat:max_tokens=none", "--endpoint", "completions"),
      r"max_tokens=none cannot be replayed on the completions endpoint"),
-    (("--trace", "chat:turns=closed"), r"turns=closed: `gorgo replay` sends every request at"),
+    (("--trace", "azure:turns=closed"), r"turns=closed needs a trace that marks its turns"),
 ])
 def test_a_bad_client_bound_is_one_line(args: tuple[str, ...], error: str) -> None:
     with pytest.raises(UserError, match=error):
         main(_args(*args, "--url", f"http://{HOST}:{_closed_port()}"))
+
+
+def test_closed_turns_wait_for_the_answer_they_continue(server: SSEServer) -> None:
+    # A chain of six turns all due at once, each continuing the one before; turn 3 fails (503):
+    # its follower still goes. Open, every turn leaves at its time.
+    reqs = [TraceRequest(i, 0.0, 200, 3, session="fail" if i == 3 else "s",
+                         parts=((f"r{i}", 200),), follows=i - 1 if i else None) for i in range(6)]
+    url = f"http://{HOST}:{server.port}"
+    closed = asyncio.run(replay(reqs, url, closed=True)).records
+    by = {r.index: r for r in closed}
+    assert [by[i].outcome for i in range(6)] == ["ok", "ok", "ok", "http_error", "ok", "ok"]
+    for i in range(1, 6):
+        before = by[i - 1]
+        ended = before.sent_s + (before.e2e_ms if before.e2e_ms is not None else 0.0) / 1000.0
+        assert by[i].sent_s >= ended - 1e-3
+        assert by[i].held_ms is not None and by[i].held_ms > 0
+    assert by[0].held_ms is None
+    opened = {r.index: r for r in asyncio.run(replay(reqs, url)).records}
+    assert all(r.held_ms is None for r in opened.values())
+    assert opened[1].sent_s < opened[0].sent_s + opened[0].e2e_ms / 1000.0  # went at its time
 
 
 @pytest.mark.slow
