@@ -18,7 +18,8 @@ The supervisor owns the HTTP port:
 - ``GET /admin/weights`` is the first worker's answer with ``routed`` summed over all workers,
   each worker process counted as it last answered (a hung worker's decisions, and those of a
   worker's run before a restart, still count: the tuner's census waits for them) and listed
-  by process under ``routed_by`` (the runs restarts replaced summed under ``retired``);
+  by process under ``routed_by`` (the runs restarts replaced summed under ``retired``, their
+  ids listed in ``retired_ids``);
   ``POST /admin/explain`` and any other admin read are answered by the first worker that is up,
   any other admin change goes to every worker like a weights update. A restarted worker, which
   starts from the fleet file, first takes on a peer's running fleet document
@@ -48,6 +49,7 @@ import signal
 import sys
 import time
 from collections import Counter as Tally
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -81,6 +83,7 @@ BACKOFF_BASE_S = 0.5
 BACKOFF_MAX_S = 10.0
 STABLE_S = 10.0  # a worker that ran this long resets the restart backoff
 RETIRED = "retired"  # `routed_by`'s entry for the worker processes restarts replaced
+RETIRED_IDS_KEPT = 256  # far more restarts than one tuner tick sees
 _FORWARDED = ("authorization", "content-type")  # the request headers a worker gets
 
 
@@ -184,6 +187,9 @@ class Supervisor:
         # answered, a process that hangs included, those restarts replaced summed under RETIRED
         # (`get_weights`).
         self.routed_by: dict[str, dict[str, dict[str, int]]] = {}
+        # The ids whose counts went into RETIRED, newest last: a reader that kept them (the
+        # tuner's census) drops its own copies, or it would count those runs twice.
+        self.retired_ids: deque[str] = deque(maxlen=RETIRED_IDS_KEPT)
 
     # --- lifecycle ------------------------------------------------------------------------------
 
@@ -519,6 +525,7 @@ class Supervisor:
         merged.pop("router", None)  # one worker's: the supervisor answers for all of them
         merged["routed"] = {v: dict(c) for v, c in routed.items()}
         merged["routed_by"] = self.routed_by
+        merged["retired_ids"] = list(self.retired_ids)
         merged["workers"] = versions
         return web.json_response(merged)
 
@@ -535,6 +542,7 @@ class Supervisor:
         """A worker process replaced by a restart: its final counts join the retired ones (one
         entry however often workers restart; only growing, as the tuner's census needs)."""
         retired = self.routed_by.setdefault(RETIRED, {})
+        self.retired_ids.append(rid)
         for version, counts in self.routed_by.pop(rid, {}).items():
             merged = Tally(retired.get(version, {}))
             merged.update(counts)

@@ -640,6 +640,9 @@ class TunerService:
         for t in self.cfg.routers:
             by_router = self._routed[t.url]
             doc = self._docs.get(t.url)
+            retired = doc.get("retired_ids") if isinstance(doc, dict) else None
+            for rid in retired if isinstance(retired, list) else ():
+                by_router.pop(str(rid), None)  # its counts are in the supervisor's `retired`
             for rid, routed in (_routed_by(doc) if isinstance(doc, dict) else {}).items():
                 if not isinstance(routed, dict):
                     continue
@@ -791,7 +794,9 @@ def _routed_by(doc: dict[str, Any]) -> dict[str, Any]:
     """A router's GET /admin/weights decision counts by router process: a `--workers`
     supervisor's ``routed_by``, else its ``routed`` under its ``router`` id. A restarted router
     counts from 0 under a new id, and its earlier run's decisions still stand: the largest count
-    heard per process, summed over processes (two pods behind one URL sum alike)."""
+    heard per process, summed over processes (two pods behind one URL sum alike); the
+    supervisor's ``retired_ids`` are runs a restart replaced, whose counts its ``retired``
+    entry holds."""
     by = doc.get("routed_by")
     if isinstance(by, dict):
         return by

@@ -298,12 +298,18 @@ class EventStream:
 
     def _new_process(self, batches: list[EventBatch], want: int) -> bool:
         """Whether a history replayed from 0 is another process's than the batches applied: it
-        ends before them, or its batch at the last seq applied was published at another time."""
+        ends before them, or its batch at the last seq applied was published at another time,
+        or that batch cannot be compared (the buffer moved past it, or its time is no longer
+        kept): then the set is rebuilt from the history, under-counted rather than keeping
+        another process's blocks (a new process that had published exactly as many batches as
+        its buffer holds past the last seq applied was taken for the same one)."""
+        if want == 0:
+            return False
         if (batches[-1].seq if batches else -1) < want - 1:
             return True
-        last = self._applied_at(want - 1) if want > 0 else None
+        last = self._applied_at(want - 1)
         same = next((b for b in batches if b.seq == want - 1), None)
-        return last is not None and same is not None and same.ts != last
+        return last is None or same is None or same.ts != last
 
     def replay_failed(self) -> list[Action]:
         """No answer from the replay socket: try again; live batches stay held meanwhile."""

@@ -139,10 +139,18 @@ def test_no_replay_socket_takes_the_stream_as_it_comes() -> None:
 
 
 def test_reconnection_tells_a_new_engine_from_the_same_one() -> None:
-    same = EventStream(expected=3)
+    same = EventStream()
+    same.start()
+    same.replayed([batch(0), batch(1), batch(2)])
     assert kinds(same.reconnected()) == [(REPLAY, 0)]
     assert kinds(same.replayed([batch(0), batch(1), batch(2), batch(3)])) == [(APPLY, 3)]
     assert same.restarts == 0 and same.expected == 4
+    # Nothing to compare the last seq applied with (its time no longer kept): rebuilt.
+    unknown = EventStream(expected=3)
+    unknown.reconnected()
+    assert kinds(unknown.replayed([batch(0), batch(1), batch(2), batch(3)])) == [
+        (CLEAR, 0), (APPLY, 0), (APPLY, 1), (APPLY, 2), (APPLY, 3)]
+    assert unknown.restarts == 1
     new = EventStream(expected=3)
     new.reconnected()
     assert kinds(new.replayed([batch(0)])) == [(CLEAR, 0), (APPLY, 0)]  # history ends early
@@ -222,6 +230,19 @@ def test_a_held_batch_of_the_process_before_is_not_merged_into_its_successors_hi
     assert kinds(u.replayed([stamped(k, float(k)) for k in range(43, 47)])) == [
         (CLEAR, 0), (APPLY, 43), (APPLY, 44), (APPLY, 45), (APPLY, 46)]
     assert u.stale == 0 and u.lost == 1
+
+
+def test_a_new_process_whose_buffer_starts_at_the_next_seq_is_not_taken_for_the_old_one() -> None:
+    # A reconnection to a process that published exactly as many batches as its buffer holds past
+    # the last seq applied: the answer starts at the next seq, the batch to compare is gone, and
+    # the old process's blocks were kept as the new one's.
+    s = EventStream()
+    s.start()
+    s.replayed([stamped(k, 100.0 + k) for k in range(5)])
+    s.reconnected()
+    out = s.replayed([stamped(k, 200.0 + k) for k in range(5, 7)])  # buffer_steps 2
+    assert kinds(out)[0] == (CLEAR, 0) and s.restarts == 1
+    assert s.expected == 7 and s.synced
 
 
 def test_a_live_batch_of_the_process_before_is_dropped_after_its_successors_history() -> None:

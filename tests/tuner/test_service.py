@@ -880,6 +880,11 @@ def test_a_restarted_routers_decisions_still_count_for_the_census(tmp_path: Path
                 assert heard_from(a.url, router="p1", routed={"5": {"gorgo": 8}}) == 11
                 assert heard_from(b.url, routed={"5": {"gorgo": 30}}, routed_by={
                     "w0": {"5": {"gorgo": 4}}, "w1": {"5": {"gorgo": 2}}}) == 17
+                # Worker 0 restarted: the supervisor moved its run's 4 into `retired`; kept
+                # under its id too, they were counted twice (22).
+                assert heard_from(b.url, retired_ids=["w0"], routed_by={
+                    "retired": {"5": {"gorgo": 4}}, "w0b": {"5": {"gorgo": 1}},
+                    "w1": {"5": {"gorgo": 2}}}) == 18
                 monkeypatch.setattr(svc.tuner, "counting", lambda: [6])
                 svc._count_routed()  # version 5 no longer scored: forgotten, processes too
                 assert svc._routed == {a.url: {}, b.url: {}}
