@@ -58,6 +58,11 @@ log = logging.getLogger("gorgo.kv_events")
 SOURCES_PATH = "/kv_event_sources"
 RETRY_S = 1.0
 REPLAY_TIMEOUT_S = 2.0
+# Replays that time out in a row before the stream is taken as it comes (`EventStream.
+# unreplayable`): a replay socket the router cannot reach (a firewall that lets the PUB port
+# through) kept the replica on its approximate view for good, its live batches unread. The view
+# then tracks what is published from there on; the next gap asks the replay socket again.
+REPLAY_TRIES = 3
 # The largest answer of /kv_event_sources read (a few hundred bytes), and the largest KV-event
 # message taken from a socket (a batch of one step's stores; a peer past it is disconnected): a
 # 400 MB frame on the subscriber's port was once received whole before it was refused.
@@ -117,10 +122,11 @@ class KVEventsClient:
         self.replicas = [i for i, r in enumerate(router.spec.replicas) if r.precise is not None]
         self.streams: dict[int, EventStream] = {i: EventStream() for i in self.replicas}
         self.batches: dict[int, int] = dict.fromkeys(self.replicas, 0)
-        # failures that dropped a replica to its approximate view, by kind: "format" (what the
-        # engine sent could not be read), "subscribe" (no publisher, engine down, a bind refused)
+        # failures, by kind: "format" (what the engine sent could not be read) and "subscribe"
+        # (no publisher, engine down, a bind refused), which drop a replica to its approximate
+        # view until it resubscribes, and "replay" (a replay unanswered for REPLAY_TIMEOUT_S)
         self.errors: dict[int, dict[str, int]] = {
-            i: {"format": 0, "subscribe": 0} for i in self.replicas}
+            i: {"format": 0, "subscribe": 0, "replay": 0} for i in self.replicas}
         self._log_failure = RepeatedFailures(log, "kv_events_failed")
         self._loop: asyncio.AbstractEventLoop | None = None  # the router's
         self._thread = LoopThread("gorgo-kv-events")
@@ -247,6 +253,7 @@ class KVEventsClient:
         changes posted to the router's loop in one batch."""
         state_ops: list[Action] = []
         pending = list(actions)
+        unanswered = 0
         while pending:
             a = pending.pop(0)
             if a.kind != REPLAY:
@@ -254,15 +261,21 @@ class KVEventsClient:
                 continue
             self._post(i, state_ops, False)
             state_ops = []
-            if replay is None:  # nothing to replay from: take the stream as it comes
-                pending += stream.unreplayable()
+            if replay is None or unanswered >= REPLAY_TRIES:
+                pending += stream.unreplayable()  # nothing to replay from: as it comes
                 continue
             try:
                 batches = await self._replay(replay, a.seq)
             except TimeoutError:
+                unanswered += 1
+                self.errors[i]["replay"] += 1
+                silent = TimeoutError(f"no answer from {replay} in {REPLAY_TIMEOUT_S:g} s")
+                self._log_failure(silent, i, replica=self.router.spec.replicas[i].name,
+                                  kind="replay", tries=unanswered, retry_s=RETRY_S)
                 await asyncio.sleep(RETRY_S)
                 pending += stream.replay_failed()
                 continue
+            unanswered = 0
             pending += stream.replayed(batches)
         self._post(i, state_ops, stream.synced)
 
@@ -336,9 +349,11 @@ class _KVCollector(Collector):
                                    "(stale)",
                                    labels=[*REPLICA_LABELS, "kind"])
         errors = CounterMetricFamily(
-            "gorgo_kv_event_errors", "Failures that dropped a precise replica to its approximate "
-            "view until the next subscription: format (an event that could not be read), "
-            "subscribe (no publisher, engine down, bind refused)", labels=[*REPLICA_LABELS, "kind"])
+            "gorgo_kv_event_errors", "Failures of a precise replica's events: format (an event "
+            "that could not be read) and subscribe (no publisher, engine down, bind refused), "
+            "which drop it to its approximate view until the next subscription; replay (a "
+            "replay unanswered; after 3 in a row the stream is taken as it comes)",
+            labels=[*REPLICA_LABELS, "kind"])
         config = GaugeMetricFamily(
             "gorgo_kv_cache_config_info", "A precise replica's cache as its engine reports it "
             "(cache_config_info): block size, hash algorithm, capacity in tokens",

@@ -196,6 +196,39 @@ def test_batches_of_the_process_before_a_restart_are_dropped_not_applied() -> No
     asyncio.run(go())
 
 
+def test_a_replay_socket_that_never_answers_is_given_up_after_a_few_tries(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    # A replay port the router cannot reach (a firewall letting the PUB port through): the
+    # replica stayed on its approximate view for good, its live batches unread, and nothing said
+    # why. Now counted and warned, and after REPLAY_TRIES the stream is taken as it comes.
+    monkeypatch.setattr(kv_events_module, "REPLAY_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(kv_events_module, "RETRY_S", 0.05)
+
+    async def go() -> None:
+        router, fake = _precise_replica()
+        s = router.state
+        fake.task.cancel()  # its replay socket stays bound and never answers
+        client = KVEventsClient(router, RouterMetrics(s, lambda: 0))
+        await client.start()
+        try:
+            await until(lambda: client.errors[0]["replay"] == kv_events_module.REPLAY_TRIES,
+                        "the unanswered replays")
+            await until(lambda: s.precise.live(0), "the stream taken as it comes")
+            await asyncio.sleep(0.3)  # the SUB connection is up by now (it joined late)
+            await fake.publish([1, 2])
+            await until(lambda: s.precise.blocks_held(0) == 2, "a live batch")
+            text = (await asyncio.to_thread(_metrics, client))
+            assert 'gorgo_kv_event_errors_total{kind="replay",region="a",replica="v"} 3.0' in text
+        finally:
+            await client.stop()
+            await fake.close()
+
+    with caplog.at_level("WARNING", logger="gorgo.kv_events"):
+        asyncio.run(go())
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any("event=kv_events_failed" in m and "kind=replay" in m for m in warned), warned
+
+
 @pytest.mark.slow
 def test_an_unreadable_batch_is_counted_and_warned_and_the_view_comes_back(
         caplog: pytest.LogCaptureFixture) -> None:
