@@ -8,6 +8,8 @@ import asyncio
 import json
 import time
 from collections import deque
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 import aiohttp
 import msgpack
@@ -223,9 +225,7 @@ def test_a_replay_socket_that_never_answers_is_given_up_after_a_few_tries(
             await client.stop()
             await fake.close()
 
-    with caplog.at_level("WARNING", logger="gorgo.kv_events"):
-        asyncio.run(go())
-    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    warned = _warnings_of(go, caplog)
     assert any("event=kv_events_failed" in m and "kind=replay" in m for m in warned), warned
 
 
@@ -248,9 +248,7 @@ def test_an_unreadable_batch_is_counted_and_warned_and_the_view_comes_back(
             await client.stop()
             await fake.close()
 
-    with caplog.at_level("WARNING", logger="gorgo.kv_events"):
-        asyncio.run(go())
-    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    warned = _warnings_of(go, caplog)
     assert any("event=kv_events_failed replica=v kind=format" in m and "token_ids" in m
                for m in warned), warned
 
@@ -292,6 +290,14 @@ async def _chat(port: int, text: str) -> dict:
         assert resp.status == 200
         await resp.read()
     return body
+
+
+def _warnings_of(go: Callable[[], Coroutine[Any, Any, None]],
+                 caplog: pytest.LogCaptureFixture) -> list[str]:
+    """``go()`` run with the KV client's warnings captured: their messages."""
+    with caplog.at_level("WARNING", logger="gorgo.kv_events"):
+        asyncio.run(go())
+    return [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
 
 
 def _metrics(client: KVEventsClient) -> str:
