@@ -39,11 +39,10 @@ from gorgo.progress import StatusLine
 from gorgo.sim.stats import percentile, rate_per_s, summarize
 from gorgo.sim.traces import DESCRIPTION, TraceRequest, load_trace, parse_spec
 from gorgo.sim.workload import (
-    CLOSED,
     EXACT,
-    TURNS_OPTION,
     ClientBound,
     generated,
+    require_marked_turns,
     split_client,
     with_client_bound,
 )
@@ -633,8 +632,11 @@ def main(args: argparse.Namespace) -> int:
                         "up to its context)")
     source, _ = parse_spec(trace)
     requests = load_trace(trace, root=args.traces_dir)
-    if closed and not any(r.follows is not None for r in requests):
-        raise UserError(f"{TURNS_OPTION}={CLOSED} needs a trace that marks its turns (chat)")
+    if closed:
+        try:
+            require_marked_turns(args.trace, requests)
+        except ValueError as exc:
+            raise UserError(str(exc)) from None
     selected = select_window(
         requests, args.offset, args.duration, args.max_requests, args.time_scale
     )

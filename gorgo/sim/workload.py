@@ -115,9 +115,10 @@ def split_client(trace: str) -> tuple[str, ClientBound, bool]:
     name, sep, rest = trace.partition(":")
     if not sep or "=" not in rest:
         return trace, EXACT, False
+    items = rest.split(",")
     kept: list[str] = []
     given: dict[str, list[str]] = {BOUND_OPTION: [], TURNS_OPTION: []}
-    for item in rest.split(","):
+    for item in items:
         key, _, value = item.partition("=")
         if key.strip() in given:
             given[key.strip()].append(value)
@@ -130,8 +131,7 @@ def split_client(trace: str) -> tuple[str, ClientBound, bool]:
     if turns and turns[0] not in (OPEN, CLOSED):
         raise ValueError(f"{TURNS_OPTION}={given[TURNS_OPTION][0]!r}: expected {OPEN} or {CLOSED}")
     bound = parse_client_bound(given[BOUND_OPTION][0]) if given[BOUND_OPTION] else EXACT
-    base = trace if len(kept) == len(rest.split(",")) else (
-        f"{name}:{','.join(kept)}" if kept else name)
+    base = trace if len(kept) == len(items) else (f"{name}:{','.join(kept)}" if kept else name)
     return base, bound, turns == [CLOSED]
 
 
@@ -162,9 +162,7 @@ def workload_from_requests(
         raise ValueError(f"{name}: no requests")
     follows = None
     if closed:
-        if not any(r.follows is not None for r in reqs):
-            raise ValueError(f"{name}: {TURNS_OPTION}={CLOSED} needs a trace that marks its "
-                             "turns (chat)")
+        require_marked_turns(name, reqs)
         at = {r.index: k for k, r in enumerate(reqs)}
         follows = tuple(None if r.follows is None else at.get(r.follows) for r in reqs)
     outputs = [generated(r.output_tokens, bound) for r in reqs]
@@ -179,6 +177,14 @@ def workload_from_requests(
         output_tokens=tuple(outputs),
         follows=follows,
     )
+
+
+def require_marked_turns(name: str, reqs: Sequence[TraceRequest]) -> None:
+    """ValueError unless some of ``reqs`` continue another (`TraceRequest.follows`): closed
+    turns on a trace that marks none would silently replay it open."""
+    if not any(r.follows is not None for r in reqs):
+        raise ValueError(f"{name}: {TURNS_OPTION}={CLOSED} needs a trace that marks its turns "
+                         "(chat)")
 
 
 def refuse_with_closed_turns(policy: str) -> None:
