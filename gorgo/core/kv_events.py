@@ -177,7 +177,10 @@ class EventStream:
     reconnection, whether the batches applied are the answering process's: an empty answer had
     cleared the set and applied that batch. (An empty answer proves another process only where
     the engine keeps a history: a replay socket of vLLM's ``buffer_steps`` 0 is no replay socket,
-    `extproc.kv_events.parse_sources`.)
+    `extproc.kv_events.parse_sources`.) With no batch applied since the set was last cleared (an
+    empty history), a live batch has nothing to be compared with, even at the next seq: it is
+    held and checked against the replay like the batch of a gap, so a late batch of a process
+    between two restarts is not applied as the first of the one answering.
 
     ``synced`` is False until the first replay answered and while a gap is open: the router uses
     its approximate view of the replica then.
@@ -225,7 +228,7 @@ class EventStream:
         if self.recent and batch.ts < self.recent[-1]:
             self.stale += 1
             return []
-        if batch.seq == self.expected:
+        if batch.seq == self.expected and self.recent:
             self.expected += 1
             self.recent.append(batch.ts)
             return [Action(APPLY, batch)]
@@ -236,7 +239,8 @@ class EventStream:
             self.expected = 0
             self.recent.clear()
             return [Action(CLEAR), Action(REPLAY, seq=0)]
-        self.gaps += 1
+        if batch.seq > self.expected:
+            self.gaps += 1
         return [Action(REPLAY, seq=self.expected)]
 
     def replayed(self, batches: list[EventBatch]) -> list[Action]:
