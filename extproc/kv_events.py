@@ -61,8 +61,7 @@ REPLAY_TIMEOUT_S = 2.0
 # Replays that time out in a row before the stream is taken as it comes (`EventStream.
 # unreplayable`): a replay socket the router cannot reach (a firewall that lets the PUB port
 # through) kept the replica on its approximate view for good, its live batches unread. The view
-# then tracks what is published from there on; while the socket stays silent, each later replay
-# (a gap, a batch to check) is tried once before the stream is taken as it comes again.
+# then tracks what is published from there on; the next gap asks the replay socket again.
 REPLAY_TRIES = 3
 # The largest answer of /kv_event_sources read (a few hundred bytes), and the largest KV-event
 # message taken from a socket (a batch of one step's stores; a peer past it is disconnected): a
@@ -128,7 +127,6 @@ class KVEventsClient:
         # view until it resubscribes, and "replay" (a replay unanswered for REPLAY_TIMEOUT_S)
         self.errors: dict[int, dict[str, int]] = {
             i: {"format": 0, "subscribe": 0, "replay": 0} for i in self.replicas}
-        self.unanswered: dict[int, int] = dict.fromkeys(self.replicas, 0)  # replays, in a row
         self._log_failure = RepeatedFailures(log, "kv_events_failed")
         self._loop: asyncio.AbstractEventLoop | None = None  # the router's
         self._thread = LoopThread("gorgo-kv-events")
@@ -255,7 +253,7 @@ class KVEventsClient:
         changes posted to the router's loop in one batch."""
         state_ops: list[Action] = []
         pending = list(actions)
-        self.unanswered[i] = min(self.unanswered[i], REPLAY_TRIES - 1)  # one more try at least
+        unanswered = 0
         while pending:
             a = pending.pop(0)
             if a.kind != REPLAY:
@@ -263,21 +261,21 @@ class KVEventsClient:
                 continue
             self._post(i, state_ops, False)
             state_ops = []
-            if replay is None or self.unanswered[i] >= REPLAY_TRIES:
+            if replay is None or unanswered >= REPLAY_TRIES:
                 pending += stream.unreplayable()  # nothing to replay from: as it comes
                 continue
             try:
                 batches = await self._replay(replay, a.seq)
             except TimeoutError:
-                self.unanswered[i] += 1
+                unanswered += 1
                 self.errors[i]["replay"] += 1
                 silent = TimeoutError(f"no answer from {replay} in {REPLAY_TIMEOUT_S:g} s")
                 self._log_failure(silent, i, replica=self.router.spec.replicas[i].name,
-                                  kind="replay", tries=self.unanswered[i], retry_s=RETRY_S)
+                                  kind="replay", tries=unanswered, retry_s=RETRY_S)
                 await asyncio.sleep(RETRY_S)
                 pending += stream.replay_failed()
                 continue
-            self.unanswered[i] = 0
+            unanswered = 0
             pending += stream.replayed(batches)
         self._post(i, state_ops, stream.synced)
 
