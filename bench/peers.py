@@ -1,27 +1,32 @@
 """Live against the real peer routers: Envoy + gorgo, sglang-router and vllm-router, one fleet.
 
 Every router gets the same simulated fleet (`gorgo sim fleet`, the `paper` preset: 3 regions x 2
-replicas behind emulated WAN links), started fresh for each run, and the same Mooncake slice,
-replayed open loop (`gorgo.sim.replay`) at each load. The peers are the real routers from PyPI,
-installed by this script into their own virtual environment (``--peers-venv``, default
-``build/peers/venv``: bench-only, not project dependencies) and given the link-emulated replica
-URLs, so every router pays the same RTTs; each listens on loopback only (the SGLang router binds
-0.0.0.0 by default, so ``--host`` and ``--prometheus-host`` are passed). The simulated engines
-answer what the peers call on real engines (`gorgo/sim/engine_server.py`): SGLang-flavoured for
-sglang-router (``/get_load`` for power_of_two, ``/server_info``, ``/model_info``), vLLM-flavoured
-for vllm-router (``/v1/chat/completions/render`` for cache_aware); gorgo runs on the preset's
-engines. Flavour changes the API only, not the engine model.
+replicas behind emulated WAN links), started fresh for each run, and the same slice of a trace
+(``--trace``: Mooncake by default, or the Azure trace or the `chat` generator, as `gorgo bench
+sim` names them), replayed open loop (`gorgo.sim.replay`) at each load. The peers are the real
+routers from PyPI, installed by this script into their own virtual environment
+(``--peers-venv``, default ``build/peers/venv``: bench-only, not project dependencies) and given
+the link-emulated replica URLs, so every router pays the same RTTs; each listens on loopback
+only (the SGLang router binds 0.0.0.0 by default, so ``--host`` and ``--prometheus-host`` are
+passed). The simulated engines answer what the peers call on real engines
+(`gorgo/sim/engine_server.py`): SGLang-flavoured for sglang-router (``/get_load`` for
+power_of_two, ``/server_info``, ``/model_info``), vLLM-flavoured for vllm-router
+(``/v1/chat/completions/render`` for cache_aware); gorgo runs on the preset's engines. Flavour
+changes the API only, not the engine model.
 
-Load: the slice's mean rate over ``--capacity`` (the paper fleet's round-robin capacity on
-Mooncake, `gorgo bench sim`: 5.416 req/s); the replay's time scale is set to give each load, the
-same scale for every router. Each (router, load) is repeated ``--repeats`` times (link-jitter seed
-= repeat); intervals are 95 % t-intervals over the runs' p95s (`gorgo.sim.bench.ci95`). Regions'
+Load: the slice's mean rate over ``--capacity`` (by default, on Mooncake the paper fleet's
+round-robin capacity on the whole trace, `gorgo bench sim`: 5.416 req/s; on another trace the
+slice's own, searched offline as the offline matrix searches each window's,
+`gorgo.sim.capacity`); the replay's time scale is set to give each load, the same scale for every
+router. Each (router, load) is repeated ``--repeats`` times (link-jitter seed = repeat);
+intervals are 95 % t-intervals over the runs' p95s (`gorgo.sim.bench.ci95`). Regions'
 shares come from the engines' own finished-request counts. The offline simulator runs the same
 slice with the project's `cache-aware` (the current SGLang rule) and `cache-aware-tree` (the
 older one) to check that the offline peer matches the real router.
 
 Usage: .venv/bin/python bench/peers.py [--duration 30] [--repeats 2] [--write-docs]
        .venv/bin/python bench/peers.py --render RUN.json --write-docs  (a saved --out run)
+       .venv/bin/python bench/peers.py --across A.json B.json C.json  (saved runs of 3 slices)
 """
 
 from __future__ import annotations
@@ -62,12 +67,12 @@ from gorgo.harness.procs import (
 )
 from gorgo.harness.stack import LiveStack, StackOptions, start_sim_fleet, with_free_ports
 from gorgo.sim.bench import ci95, pct
-from gorgo.sim.capacity import code_digest
+from gorgo.sim.capacity import code_digest, find_capacity
 from gorgo.sim.offline import Simulation
 from gorgo.sim.presets import PRESETS
 from gorgo.sim.replay import RequestRecord, replay, select_window
 from gorgo.sim.stats import percentile
-from gorgo.sim.traces import TraceRequest, load_trace
+from gorgo.sim.traces import TraceError, TraceRequest, load_trace, parse_spec
 from gorgo.sim.workload import EXACT, ClientBound, parse_client_bound, workload_from_requests
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -335,6 +340,27 @@ def run_live(router: Router, fleet_doc: dict[str, Any], requests: Sequence[Trace
     )
 
 
+def slice_capacity(fleet_doc: dict[str, Any], requests: Sequence[TraceRequest],
+                   tok: Tokenization, log: Callable[[str], None]) -> float:
+    """The paper fleet's round-robin capacity on the slice (req/s), searched as the offline matrix
+    searches each window's (`gorgo.sim.capacity`), with each client's exact bound: a capped run
+    gets the time scales of the exact one."""
+    try:
+        cap = find_capacity(parse_fleet(fleet_doc),
+                            workload_from_requests("slice", requests, tok), key="the slice")
+    except RuntimeError as exc:  # the fleet cannot serve it, or the search did not converge
+        raise UserError(f"{exc} (see --offset, --duration, or give --capacity)") from None
+    log(f"[peers] the slice's round-robin capacity: {cap.rate_rps:.3f} req/s")
+    return cap.rate_rps
+
+
+def trace_words(trace: str) -> str:
+    """How the report names the trace a slice is cut from (``trace`` as `load_trace` took it)."""
+    name = parse_spec(trace)[0]
+    return {"mooncake": "Mooncake trace", "azure": "Azure conversation trace"}.get(
+        name, f"`{trace}` generator")
+
+
 def run_offline(policy: str, fleet_doc: dict[str, Any], requests: Sequence[TraceRequest],
                 time_scale: float, seed: int, tok: Tokenization,
                 bound: ClientBound = EXACT) -> dict[str, float]:
@@ -400,13 +426,17 @@ def render(runs: Sequence[Run], offline: dict[str, dict[str, list[dict[str, floa
         f"before and {cfg['load_after']:.1f} after, wall time {cfg['wall_s'] / 60:.1f} min; "
         f"command: `{cfg['command']}`.",
         "",
-        f"Slice: Mooncake trace time {cfg['offset_s']:g}-{cfg['offset_s'] + cfg['trace_s']:g} s "
+        f"Slice: {trace_words(cfg.get('trace', 'mooncake'))} time {cfg['offset_s']:g}-"
+        f"{cfg['offset_s'] + cfg['trace_s']:g} s "
         f"({cfg['requests']} requests, {cfg['rate']:.2f} req/s at trace speed, mean prompt "
         f"{cfg['mean_prompt']:,.0f} tokens), fleet `paper` (3 regions x 2 replicas, RTT "
         f"37/279/456 ms), fresh fleet per run, `--stream-interval {STREAM_INTERVAL}`, clients "
         f"sending {_bound_words(cfg.get('max_tokens', EXACT))}, code "
         f"{cfg.get('code', 'not recorded')}. Load = slice "
-        f"rate / {cfg['capacity']:g} req/s (time scale "
+        f"rate / {cfg['capacity']:g} req/s"
+        + (" (the slice's own round-robin capacity, searched offline)"
+           if cfg.get("capacity_searched") else "")
+        + " (time scale "
         + ", ".join(f"{s:.3f} at {load:g}" for load, s in cfg["time_scales"])
         + f"). Runs per cell: {cfg['repeats']} (link-jitter seeds 0..{cfg['repeats'] - 1}); "
         "values are the mean over runs ± the 95 % t-interval half-width. Peers: "
@@ -492,15 +522,74 @@ def load_saved(path: Path) -> tuple[list[Run], dict[str, Any], dict[str, Any]]:
     missing --render file was a FileNotFoundError traceback)."""
     try:
         data = json.loads(path.read_text())
-        return [Run(**r) for r in data["runs"]], data["offline"], data["config"]
+        cfg = data["config"]
+        if not isinstance(cfg, dict) or not all(
+                isinstance(cfg.get(k), int | float) for k in ("offset_s", "trace_s")):
+            raise ValueError("its config has no slice (offset_s, trace_s)")
+        return [Run(**r) for r in data["runs"]], data["offline"], cfg
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise UserError(f"cannot read a saved run from {path}: {exc}") from None
+
+
+def across(paths: Sequence[Path]) -> str:
+    """Envoy + gorgo over the reference peer across several saved runs, one slice each: each
+    run's p95s divided by the peer's of the same slice, load and seed, averaged per slice, and a
+    Student t interval over the slices, so that the interval covers the workload's variation and
+    not only the links' jitter (within one slice the runs differ by their link seeds alone)."""
+    if len(paths) < 2:
+        raise UserError("--across: name two saved runs (--out files) or more, one slice each")
+    per: dict[tuple[str, float], list[tuple[str, float, float]]] = {}
+    names: list[str] = []
+    spans: list[tuple[str, float, float]] = []
+    bounds: set[str] = set()
+    for path in paths:
+        runs, _, cfg = load_saved(path)
+        bounds.add(str(cfg.get("max_tokens", EXACT)))
+        if len(bounds) > 1:
+            raise UserError(f"--across: {path}'s clients sent another max_tokens than the "
+                            "files before it (--bound)")
+        trace, start = str(cfg.get("trace", "mooncake")), float(cfg["offset_s"])
+        end = start + float(cfg["trace_s"])
+        label = f"{trace} {start:g}-{end:g} s"
+        if any(t == trace and start < e and s < end for t, s, e in spans):
+            raise UserError(f"--across: {path}'s slice ({label}) overlaps another file's: the "
+                            "interval takes the slices as independent")
+        spans.append((trace, start, end))
+        names.append(label)
+        by = {(r.router, r.load, r.seed): r for r in runs}
+        pairs: dict[tuple[str, float], list[tuple[float, float]]] = {}
+        for (key, load, seed), r in by.items():
+            ref = by.get((REFERENCE, load, seed))
+            if key != REFERENCE and ref is not None:
+                pairs.setdefault((key, load), []).append(
+                    (r.ttft_p95_ms / ref.ttft_p95_ms, r.e2e_p95_ms / ref.e2e_p95_ms))
+        for cell, ratios in pairs.items():
+            ttft, e2e = np.mean(ratios, axis=0)
+            per.setdefault(cell, []).append((label, float(ttft), float(e2e)))
+    if not per:
+        raise UserError(f"--across: no run of {REFERENCE} to pair with in these files")
+    ref_name = parse_router(REFERENCE).name
+    lines = [f"Over {len(paths)} slices ({'; '.join(names)}): each router's p95 over "
+             f"`{ref_name}`'s of the same slice, load and link seed, averaged per slice; mean ± "
+             "95 % t half-width over the slices.", "",
+             f"| load | router | slices | p95 TTFT / {ref_name} | E2E p95 / {ref_name} | "
+             "per slice, TTFT / E2E |", "|---:|---|---:|---:|---:|---|"]
+    for (key, load), cells in sorted(per.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        t, e = ci95([c[1] for c in cells]), ci95([c[2] for c in cells])
+        each = "; ".join(f"{c[1]:.2f} / {c[2]:.2f}" for c in cells)
+        # a slice where both p95s were unbounded has no ratio: the interval is over the others
+        used = min(t.n, e.n)
+        lines.append(f"| {load:g} | {parse_router(key).name} | "
+                     f"{used if used == len(cells) else f'{used} of {len(cells)}'} | "
+                     f"{t.mean:.2f} ± {t.ci95:.2f} | {e.mean:.2f} ± {e.ci95:.2f} | {each} |")
+    return "\n".join(lines) + "\n"
 
 
 def result_args(cfg: dict[str, Any]) -> dict[str, Any]:
     """A run's values of the flags that change what it measures (the slice, the loads and the
     capacity also fix every load's time scale); None where the run did not record one."""
-    return {"--offset": cfg.get("offset_s"), "--duration": cfg.get("trace_s"),
+    return {"--trace": cfg.get("trace", "mooncake"),
+            "--offset": cfg.get("offset_s"), "--duration": cfg.get("trace_s"),
             "--loads": [load for load, _ in cfg.get("time_scales", [])],
             "--capacity": cfg.get("capacity"), "--timeout": cfg.get("timeout_s"),
             "--bound": cfg.get("max_tokens", EXACT)}
@@ -541,14 +630,19 @@ def client_bound(text: str) -> ClientBound:
 
 def main(argv: list[str] | None = None) -> int:
     p = OneLineParser(prog="bench/peers.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--trace", default="mooncake",
+                   help="the trace the slice is cut from, as gorgo bench sim names it: mooncake, "
+                        "azure, chat[:seed=N] (default mooncake)")
     p.add_argument("--offset", type=at_least(0.0, float), default=1200.0,
                    help="trace time of the slice (s)")
     p.add_argument("--duration", type=positive_number, default=30.0,
                    help="seconds of trace time in the slice")
     p.add_argument("--loads", type=load_list, default="0.6,0.75",
                    help="loads, as fractions of --capacity")
-    p.add_argument("--capacity", type=positive_number, default=PAPER_MOONCAKE_CAPACITY_RPS,
-                   help="the fleet's capacity on the trace (req/s), the unit of --loads")
+    p.add_argument("--capacity", type=positive_number, default=None,
+                   help="the fleet's capacity on the trace (req/s), the unit of --loads; "
+                        f"default {PAPER_MOONCAKE_CAPACITY_RPS:g} on mooncake (the whole "
+                        "trace's), else the slice's own round-robin capacity, searched offline")
     p.add_argument("--routers", type=router_list, default=",".join(DEFAULT_ROUTERS),
                    help="gorgo[:POLICY][@OBJECTIVE], sglang:POLICY, vllm:POLICY, comma-separated")
     p.add_argument("--repeats", type=at_least(0), default=2, help="runs per (router, load)")
@@ -565,8 +659,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="write the runs as JSON here (after every run)")
     p.add_argument("--resume", action="store_true",
                    help="keep the runs already in --out and do only the missing ones (refused "
-                        "when they had another --offset, --duration, --loads, --capacity, "
-                        "--timeout or --bound)")
+                        "when they had another --trace, --offset, --duration, --loads, "
+                        "--capacity, --timeout or --bound)")
+    p.add_argument("--across", type=Path, nargs="+", default=None, metavar="RUN.json",
+                   help="paired ratios to sglang-router cache_aware over several saved runs, one "
+                        "slice each, with intervals over the slices (prints; no run)")
     p.add_argument("--write-docs", action="store_true",
                    help=f"write the tables into '{SECTION}' of {DOC.relative_to(ROOT)}")
     p.add_argument("--render", type=Path, default=None, metavar="RUN.json",
@@ -577,6 +674,11 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         args = p.parse_args(argv)
+        if args.across:
+            if args.write_docs or args.render is not None:
+                raise UserError("--across prints its table; it takes no --write-docs or --render")
+            print(across(args.across))
+            return 0
         if args.render is not None:
             block = render(*load_saved(args.render))
         else:
@@ -602,16 +704,27 @@ def bench(args: argparse.Namespace, log: Callable[[str], None]) -> str:
     fleet_doc = PRESETS["paper"]
     spec = parse_fleet(fleet_doc)
     tok = Tokenization(spec.chars_per_token, spec.block_tokens)
-    requests = select_window(load_trace("mooncake"), args.offset, args.duration)
+    try:
+        trace = load_trace(args.trace)
+        source = parse_spec(args.trace)[0]
+    except TraceError as exc:
+        raise UserError(f"--trace: {exc}") from None
+    requests = select_window(trace, args.offset, args.duration)
     if not requests:
         raise UserError(f"no requests in trace time {args.offset:g}-"
                         f"{args.offset + args.duration:g} s (see --offset, --duration)")
     rate = len(requests) / args.duration
-    scales = {load: rate / (load * args.capacity) for load in loads}
+    capacity = args.capacity
+    searched = capacity is None and source != "mooncake"
+    if capacity is None:
+        capacity = slice_capacity(fleet_doc, requests, tok, log) if searched else \
+            PAPER_MOONCAKE_CAPACITY_RPS
+    scales = {load: rate / (load * capacity) for load in loads}
     cfg: dict[str, Any] = {
+        "trace": args.trace,
         "offset_s": args.offset, "trace_s": args.duration, "requests": len(requests),
         "rate": rate, "mean_prompt": float(np.mean([r.input_tokens for r in requests])),
-        "capacity": args.capacity, "timeout_s": args.timeout,
+        "capacity": capacity, "capacity_searched": searched, "timeout_s": args.timeout,
         "time_scales": list(scales.items()), "repeats": args.repeats,
         "sim_seeds": args.sim_seeds, "command": command, "load_before": os.getloadavg()[0],
         "max_tokens": "none" if args.bound is None else args.bound,

@@ -51,6 +51,8 @@ def _refused(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
     (["--repeats", "-1"], "--repeats: must be >= 0"),
     (["--offset", "1e9", "--sim-seeds", "1"], "no requests in trace time 1e+09-1e+09 s"),
     (["--bound", "lots"], "--bound: expected exact, none or a number of tokens"),
+    (["--trace", "nope"], "--trace: unknown trace source 'nope'"),
+    (["--trace", "chat:seed=x"], "--trace: bad value for seed: 'x'"),
 ])
 def test_a_bad_argument_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[str],
                                                argv: list[str], says: str) -> None:
@@ -90,6 +92,31 @@ def test_resume_keeps_the_runs_of_the_same_slice(capsys: pytest.CaptureFixture[s
     out = _saved(tmp_path, capsys)
     assert peers.main([*SLICE, "--repeats", "1", "--out", str(out), "--resume"]) == 0
     assert "- Envoy + gorgo, 0.6, 0: 4,321 / 9,876, 8/8" in capsys.readouterr().out
+
+
+def test_another_trace_is_run_at_its_slices_own_capacity(capsys: pytest.CaptureFixture[str],
+                                                         tmp_path: Path) -> None:
+    # The slice's round-robin capacity, searched offline as the matrix searches a window's, is
+    # the unit of --loads; the report names the trace, and --resume keeps to it.
+    out = tmp_path / "chat.json"
+    argv = ["--trace", "chat:seed=1", "--offset", "0", "--duration", "40", "--routers", "gorgo",
+            "--loads", "0.6", "--sim-seeds", "0", "--repeats", "0", "--out", str(out)]
+    assert peers.main(argv) == 0
+    report = capsys.readouterr().out
+    cfg = json.loads(out.read_text())["config"]
+    assert cfg["trace"] == "chat:seed=1" and cfg["requests"] > 50
+    capacity = peers.slice_capacity(peers.PRESETS["paper"], peers.select_window(
+        peers.load_trace("chat:seed=1"), 0.0, 40.0), peers.Tokenization(
+        peers.parse_fleet(peers.PRESETS["paper"]).chars_per_token,
+        peers.parse_fleet(peers.PRESETS["paper"]).block_tokens), lambda _: None)
+    assert cfg["capacity"] == capacity != peers.PAPER_MOONCAKE_CAPACITY_RPS
+    assert "Slice: `chat:seed=1` generator time 0-40 s" in report
+    assert "(the slice's own round-robin capacity, searched offline)" in report
+    assert peers.main([*argv[:-2], "--trace", "chat:seed=2", "--out", str(out),
+                       "--resume"]) == 2
+    searched, refused = capsys.readouterr().err.splitlines()
+    assert searched.startswith("[peers] the slice's round-robin capacity: ")
+    assert "was run with --trace chat:seed=1 (here chat:seed=2)" in refused
 
 
 @pytest.mark.parametrize(("argv", "says"), [
@@ -143,3 +170,73 @@ def test_a_run_whose_answers_are_not_the_traces_lengths_fails() -> None:
     # an answer without usage proves nothing: a router dropped it
     with pytest.raises(RuntimeError, match=r"1 of 2 answers .* None tokens for 7"):
         peers.check_lengths([rec(0, 40, 40), rec(1, 7, None)], "some router")
+
+
+def _run(router: str, seed: int, ttft: float, e2e: float) -> dict[str, Any]:
+    return asdict(peers.Run(router=router, load=0.6, seed=seed, n=8, ok=8, ttft_p50_ms=1.0,
+                            ttft_p95_ms=ttft, e2e_p95_ms=e2e, cache_hit=3.0,
+                            regions={"us-east": 100.0}, wall_s=5.0))
+
+
+def test_across_pairs_each_run_with_the_peers_of_its_slice_and_seed(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    files = []
+    for k, (offset, runs) in enumerate([
+            (0.0, [_run("gorgo", 0, 800, 900), _run("sglang:cache_aware", 0, 1000, 1000),
+                   _run("gorgo", 1, 600, 1100), _run("sglang:cache_aware", 1, 1000, 1000)]),
+            (60.0, [_run("gorgo", 0, 450, 2000), _run("sglang:cache_aware", 0, 500, 2000),
+                    _run("gorgo", 1, 9000, 9000)])]):  # seed 1: no peer run to pair with
+        files.append(tmp_path / f"slice{k}.json")
+        files[-1].write_text(json.dumps({"config": {"trace": "chat:seed=1", "offset_s": offset,
+                                                    "trace_s": 60.0},
+                                         "offline": {}, "runs": runs}))
+    assert peers.main(["--across", *map(str, files)]) == 0
+    out = capsys.readouterr().out
+    assert "Over 2 slices (chat:seed=1 0-60 s; chat:seed=1 60-120 s)" in out
+    # slice 0: TTFT (0.8 + 0.6) / 2 = 0.7, E2E (0.9 + 1.1) / 2 = 1.0; slice 1: 0.9 and 1.0
+    assert "| 0.6 | Envoy + gorgo | 2 | 0.80 ± 1.27 | 1.00 ± 0.00 | 0.70 / 1.00; 0.90 / 1.00 |" \
+        in out
+    err = _refused(capsys, ["--across", str(files[0])])
+    assert "--across: name two saved runs" in err
+    err = _refused(capsys, ["--across", str(files[0]), str(files[0])])
+    assert "slice (chat:seed=1 0-60 s) overlaps another file's" in err
+    assert "--across prints its table" in _refused(
+        capsys, ["--across", *map(str, files), "--write-docs"])
+    # a slice where both routers' p95 was unbounded has no ratio: counted out, and said
+    unbounded = json.loads(files[1].read_text())
+    for r in unbounded["runs"][:2]:
+        r["ttft_p95_ms"] = r["e2e_p95_ms"] = float("inf")
+    files[1].write_text(json.dumps(unbounded))
+    assert peers.main(["--across", *map(str, files)]) == 0
+    assert "| 0.6 | Envoy + gorgo | 1 of 2 | 0.70 ± inf | 1.00 ± inf |" in capsys.readouterr().out
+    capped = json.loads(files[1].read_text())
+    capped["config"]["max_tokens"] = 4096
+    files[1].write_text(json.dumps(capped))
+    err = _refused(capsys, ["--across", *map(str, files)])
+    assert "clients sent another max_tokens than the files before it" in err
+    overlapping = json.loads(files[0].read_text())
+    overlapping["config"]["offset_s"] = 30.0
+    files[1].write_text(json.dumps(overlapping))
+    err = _refused(capsys, ["--across", *map(str, files)])
+    assert "slice (chat:seed=1 30-90 s) overlaps another file's" in err
+    alone = json.loads(files[0].read_text())
+    alone["runs"] = [r for r in alone["runs"] if r["router"] == "gorgo"]
+    alone["config"]["offset_s"] = 200.0
+    files[1].write_text(json.dumps(alone))
+    files[0].write_text(json.dumps({**alone, "config": {**alone["config"], "offset_s": 300.0}}))
+    err = _refused(capsys, ["--across", *map(str, files)])
+    assert "no run of sglang:cache_aware to pair with" in err
+    files[1].write_text(json.dumps({**alone, "config": {"trace": "chat"}}))  # no slice
+    err = _refused(capsys, ["--across", *map(str, files)])
+    assert "its config has no slice (offset_s, trace_s)" in err
+
+
+def test_a_mooncake_spec_keeps_the_whole_traces_capacity(capsys: pytest.CaptureFixture[str],
+                                                        tmp_path: Path) -> None:
+    # Compared as text, "MOONCAKE" or "mooncake:limit=N" had the slice's capacity searched and
+    # were reported as a generator.
+    out = tmp_path / "m.json"
+    assert peers.main([*SLICE, "--trace", "MOONCAKE", "--repeats", "0", "--out", str(out)]) == 0
+    assert "Slice: Mooncake trace time 1200-1205 s" in capsys.readouterr().out
+    cfg = json.loads(out.read_text())["config"]
+    assert cfg["capacity"] == peers.PAPER_MOONCAKE_CAPACITY_RPS and not cfg["capacity_searched"]
