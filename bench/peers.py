@@ -52,7 +52,7 @@ from typing import Any
 import numpy as np
 import yaml
 
-from gorgo.core.fleet import parse_fleet
+from gorgo.core.fleet import FleetSpec, parse_fleet
 from gorgo.core.terms import OBJECTIVES
 from gorgo.core.tokens import Tokenization
 from gorgo.errors import OneLineParser, UserError, at_least, output_file, positive_number
@@ -66,14 +66,20 @@ from gorgo.harness.procs import (
     wait_for,
 )
 from gorgo.harness.stack import LiveStack, StackOptions, start_sim_fleet, with_free_ports
-from gorgo.sim.bench import ci95, pct
+from gorgo.sim.bench import ci95, paired_ratio, pct
 from gorgo.sim.capacity import code_digest, find_capacity
 from gorgo.sim.offline import Simulation
 from gorgo.sim.presets import PRESETS
 from gorgo.sim.replay import RequestRecord, replay, select_window
 from gorgo.sim.stats import percentile
 from gorgo.sim.traces import TraceError, TraceRequest, load_trace, parse_spec
-from gorgo.sim.workload import EXACT, ClientBound, parse_client_bound, workload_from_requests
+from gorgo.sim.workload import (
+    EXACT,
+    ClientBound,
+    parse_client_bound,
+    tokenization,
+    workload_from_requests,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "results.md"
@@ -85,6 +91,7 @@ DEFAULT_VENV = ROOT / "build" / "peers" / "venv"
 DEFAULT_ROUTERS = ("gorgo", "gorgo:cache-aware", "sglang:cache_aware", "sglang:power_of_two",
                    "sglang:round_robin", "vllm:cache_aware", "vllm:round_robin")
 REFERENCE = "sglang:cache_aware"  # the peer the acceptance compares gorgo with
+ACROSS_METRICS = ("ttft_p95_ms", "e2e_p95_ms")  # the p95s --across pairs
 TARGETS = {"ttft": 0.8, "e2e": 1.0}  # gorgo / reference, at most
 PAPER_MOONCAKE_CAPACITY_RPS = 5.416  # docs/results.md, "Offline ranking: sim-paper"
 OFFLINE_POLICIES = ("cache-aware", "cache-aware-tree", "gorgo")
@@ -340,14 +347,14 @@ def run_live(router: Router, fleet_doc: dict[str, Any], requests: Sequence[Trace
     )
 
 
-def slice_capacity(fleet_doc: dict[str, Any], requests: Sequence[TraceRequest],
+def slice_capacity(spec: FleetSpec, requests: Sequence[TraceRequest],
                    tok: Tokenization, log: Callable[[str], None]) -> float:
     """The paper fleet's round-robin capacity on the slice (req/s), searched as the offline matrix
     searches each window's (`gorgo.sim.capacity`), with each client's exact bound: a capped run
     gets the time scales of the exact one."""
     try:
-        cap = find_capacity(parse_fleet(fleet_doc),
-                            workload_from_requests("slice", requests, tok), key="the slice")
+        cap = find_capacity(spec, workload_from_requests("slice", requests, tok),
+                            key="the slice")
     except RuntimeError as exc:  # the fleet cannot serve it, or the search did not converge
         raise UserError(f"{exc} (see --offset, --duration, or give --capacity)") from None
     log(f"[peers] the slice's round-robin capacity: {cap.rate_rps:.3f} req/s")
@@ -534,15 +541,18 @@ def load_saved(path: Path) -> tuple[list[Run], dict[str, Any], dict[str, Any]]:
 def across(paths: Sequence[Path]) -> str:
     """Envoy + gorgo over the reference peer across several saved runs, one slice each: each
     run's p95s divided by the peer's of the same slice, load and seed, averaged per slice, and a
-    Student t interval over the slices, so that the interval covers the workload's variation and
-    not only the links' jitter (within one slice the runs differ by their link seeds alone)."""
+    Student t interval over the slices (each slice paired as `gorgo.sim.bench.paired_ratio`
+    pairs the offline matrix's runs, a slice standing for a trace window), so that the interval
+    covers the workload's variation and not only the links' jitter (within one slice the runs
+    differ by their link seeds alone)."""
     if len(paths) < 2:
         raise UserError("--across: name two saved runs (--out files) or more, one slice each")
-    per: dict[tuple[str, float], list[tuple[str, float, float]]] = {}
+    # (router, load) -> p95 key -> (slice, link seed) -> ms
+    values: dict[tuple[str, float], dict[str, dict[tuple[int, int], float]]] = {}
     names: list[str] = []
     spans: list[tuple[str, float, float]] = []
     bounds: set[str] = set()
-    for path in paths:
+    for k, path in enumerate(paths):
         runs, _, cfg = load_saved(path)
         bounds.add(str(cfg.get("max_tokens", EXACT)))
         if len(bounds) > 1:
@@ -556,32 +566,37 @@ def across(paths: Sequence[Path]) -> str:
                             "interval takes the slices as independent")
         spans.append((trace, start, end))
         names.append(label)
-        by = {(r.router, r.load, r.seed): r for r in runs}
-        pairs: dict[tuple[str, float], list[tuple[float, float]]] = {}
-        for (key, load, seed), r in by.items():
-            ref = by.get((REFERENCE, load, seed))
-            if key != REFERENCE and ref is not None:
-                pairs.setdefault((key, load), []).append(
-                    (r.ttft_p95_ms / ref.ttft_p95_ms, r.e2e_p95_ms / ref.e2e_p95_ms))
-        for cell, ratios in pairs.items():
-            ttft, e2e = np.mean(ratios, axis=0)
-            per.setdefault(cell, []).append((label, float(ttft), float(e2e)))
-    if not per:
+        for r in runs:
+            cell = values.setdefault((r.router, r.load), {m: {} for m in ACROSS_METRICS})
+            for m in ACROSS_METRICS:
+                cell[m][(k, r.seed)] = getattr(r, m)
+    rows = []
+    for (key, load), cell in sorted(values.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        ref = values.get((REFERENCE, load))
+        if key == REFERENCE or ref is None:
+            continue
+        slices = sorted({s for s, _ in cell[ACROSS_METRICS[0]].keys() & ref[ACROSS_METRICS[0]]})
+        if not slices:
+            continue  # no run of this router paired with the peer's
+        # Each slice's runs paired and averaged (a ratio that is not a number, both p95s
+        # unbounded, left out); the interval over the slices' means, not over one slice's seeds
+        # as nested_ci falls back to: a slice alone says nothing of the workload's spread.
+        each = [[paired_ratio({w: v for w, v in cell[m].items() if w[0] == s}, ref[m]).mean
+                 for m in ACROSS_METRICS] for s in slices]
+        stats = [ci95([e[j] for e in each]) for j in range(len(ACROSS_METRICS))]
+        used = sum(not any(math.isnan(x) for x in e) for e in each)
+        rows.append(f"| {load:g} | {parse_router(key).name} | "
+                    f"{used if used == len(slices) else f'{used} of {len(slices)}'} | "
+                    + " | ".join(f"{st.mean:.2f} ± {st.ci95:.2f}" for st in stats)
+                    + " | " + "; ".join(f"{t:.2f} / {e:.2f}" for t, e in each) + " |")
+    if not rows:
         raise UserError(f"--across: no run of {REFERENCE} to pair with in these files")
     ref_name = parse_router(REFERENCE).name
     lines = [f"Over {len(paths)} slices ({'; '.join(names)}): each router's p95 over "
              f"`{ref_name}`'s of the same slice, load and link seed, averaged per slice; mean ± "
              "95 % t half-width over the slices.", "",
              f"| load | router | slices | p95 TTFT / {ref_name} | E2E p95 / {ref_name} | "
-             "per slice, TTFT / E2E |", "|---:|---|---:|---:|---:|---|"]
-    for (key, load), cells in sorted(per.items(), key=lambda kv: (kv[0][1], kv[0][0])):
-        t, e = ci95([c[1] for c in cells]), ci95([c[2] for c in cells])
-        each = "; ".join(f"{c[1]:.2f} / {c[2]:.2f}" for c in cells)
-        # a slice where both p95s were unbounded has no ratio: the interval is over the others
-        used = min(t.n, e.n)
-        lines.append(f"| {load:g} | {parse_router(key).name} | "
-                     f"{used if used == len(cells) else f'{used} of {len(cells)}'} | "
-                     f"{t.mean:.2f} ± {t.ci95:.2f} | {e.mean:.2f} ± {e.ci95:.2f} | {each} |")
+             "per slice, TTFT / E2E |", "|---:|---|---:|---:|---:|---|", *rows]
     return "\n".join(lines) + "\n"
 
 
@@ -703,7 +718,7 @@ def bench(args: argparse.Namespace, log: Callable[[str], None]) -> str:
         f" {a}" for a in public_args(sys.argv[1:]) if a != "--resume")
     fleet_doc = PRESETS["paper"]
     spec = parse_fleet(fleet_doc)
-    tok = Tokenization(spec.chars_per_token, spec.block_tokens)
+    tok = tokenization(spec)
     try:
         trace = load_trace(args.trace)
         source = parse_spec(args.trace)[0]
@@ -717,7 +732,7 @@ def bench(args: argparse.Namespace, log: Callable[[str], None]) -> str:
     capacity = args.capacity
     searched = capacity is None and source != "mooncake"
     if capacity is None:
-        capacity = slice_capacity(fleet_doc, requests, tok, log) if searched else \
+        capacity = slice_capacity(spec, requests, tok, log) if searched else \
             PAPER_MOONCAKE_CAPACITY_RPS
     scales = {load: rate / (load * capacity) for load in loads}
     cfg: dict[str, Any] = {

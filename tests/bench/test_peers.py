@@ -105,10 +105,9 @@ def test_another_trace_is_run_at_its_slices_own_capacity(capsys: pytest.CaptureF
     report = capsys.readouterr().out
     cfg = json.loads(out.read_text())["config"]
     assert cfg["trace"] == "chat:seed=1" and cfg["requests"] > 50
-    capacity = peers.slice_capacity(peers.PRESETS["paper"], peers.select_window(
-        peers.load_trace("chat:seed=1"), 0.0, 40.0), peers.Tokenization(
-        peers.parse_fleet(peers.PRESETS["paper"]).chars_per_token,
-        peers.parse_fleet(peers.PRESETS["paper"]).block_tokens), lambda _: None)
+    spec = peers.parse_fleet(peers.PRESETS["paper"])
+    capacity = peers.slice_capacity(spec, peers.select_window(
+        peers.load_trace("chat:seed=1"), 0.0, 40.0), peers.tokenization(spec), lambda _: None)
     assert cfg["capacity"] == capacity != peers.PAPER_MOONCAKE_CAPACITY_RPS
     assert "Slice: `chat:seed=1` generator time 0-40 s" in report
     assert "(the slice's own round-robin capacity, searched offline)" in report
