@@ -219,7 +219,8 @@ def _duration(seconds: float) -> str:
 
 
 def _cluster(name: str, addresses: list[tuple[str, int]], connect_ms: int,
-             http2: bool = False, http2_options: dict | None = None) -> dict:
+             http2: bool = False, http2_options: dict | None = None,
+             preconnect_ratio: float = 1.0) -> dict:
     """A round-robin cluster of ``addresses`` (one replica; or every `gorgo extproc` worker)."""
     try:
         for host, _ in addresses:
@@ -240,6 +241,7 @@ def _cluster(name: str, addresses: list[tuple[str, int]], connect_ms: int,
                 for host, port in addresses]}],
         },
         "circuit_breakers": _circuit_breakers(max_retries=100),
+        **_preconnect(preconnect_ratio),
     }
     if http2:
         c["typed_extension_protocol_options"] = {
@@ -249,6 +251,13 @@ def _cluster(name: str, addresses: list[tuple[str, int]], connect_ms: int,
             }
         }
     return c
+
+
+def _preconnect(ratio: float) -> dict:
+    """A replica cluster's connections opened ahead of the requests (fleet `upstream`): one
+    stream per HTTP/1.1 connection, so a request that finds none idle pays a handshake, a
+    round trip to its region; nothing at 1, Envoy's default."""
+    return {"preconnect_policy": {"per_upstream_preconnect_ratio": ratio}} if ratio > 1 else {}
 
 
 def _circuit_breakers(**extra: Any) -> dict:
@@ -294,6 +303,7 @@ def _fleet_cluster(spec: FleetSpec) -> dict:
         "circuit_breakers": _circuit_breakers(
             retry_budget={"budget_percent": {"value": r.budget_percent},
                           "min_retry_concurrency": r.min_retry_concurrency}),
+        **_preconnect(spec.upstream.preconnect_ratio),
     }
 
 
@@ -702,6 +712,7 @@ def render_bootstrap(
             # Envoy's defaults (1,024 requests) held the 1,025th concurrent stream of the whole
             # fleet behind another: the same thresholds as every replica cluster.
             "circuit_breakers": _circuit_breakers(),
+            **_preconnect(spec.upstream.preconnect_ratio),
         })
     return {
         "admin": {"address": {"socket_address": {"address": ahost, "port_value": aport}}},
@@ -754,7 +765,8 @@ def replica_clusters(spec: FleetSpec) -> list[dict]:
     """One cluster per replica, and with retries the override-host cluster of them all: what
     changes with the fleet's membership."""
     t = spec.timeouts
-    clusters = [_cluster(r.cluster, [(unbracketed(r.host), r.port)], t.connect_ms)
+    clusters = [_cluster(r.cluster, [(unbracketed(r.host), r.port)], t.connect_ms,
+                         preconnect_ratio=spec.upstream.preconnect_ratio)
                 for r in spec.replicas]
     if spec.retries.enabled:
         clusters.append(_fleet_cluster(spec))

@@ -201,6 +201,23 @@ class Penalties:
     half_life_s: float = field(default=10.0, metadata=POSITIVE)  # 0: a 0/0 decay
 
 
+# Envoy's bounds for a cluster's `preconnect_policy.per_upstream_preconnect_ratio`.
+PRECONNECT_RATIO_MAX = 3.0
+
+
+@dataclass(frozen=True, slots=True)
+class Upstream:
+    """How Envoy holds its connections to the replicas. HTTP/1.1 (what vLLM and SGLang serve)
+    carries one stream per connection, so a request that finds no idle connection to its
+    replica waits a handshake first: one more round trip to a far region. With
+    ``preconnect_ratio`` r, Envoy keeps r connections to a replica per stream it has open
+    there (Envoy's `per_upstream_preconnect_ratio`), opened before the requests that will need
+    them; 1 opens a connection only when a request needs one."""
+
+    preconnect_ratio: float = field(default=2.0, metadata={"minimum": 1.0,
+                                                           "maximum": PRECONNECT_RATIO_MAX})
+
+
 @dataclass(frozen=True, slots=True)
 class Retries:
     """Envoy retries a failed attempt (connect failure, reset or 503 before any response byte)
@@ -339,6 +356,7 @@ class FleetSpec:
     slo: Slo = field(default_factory=Slo)
     penalties: Penalties = field(default_factory=Penalties)
     retries: Retries = field(default_factory=Retries)
+    upstream: Upstream = field(default_factory=Upstream)
     observability: Observability = field(default_factory=Observability)
     routes: Routes = field(default_factory=Routes)
     control_headers: ControlHeaders = field(default_factory=ControlHeaders)
@@ -964,8 +982,8 @@ def parse_fleet(raw: Any, source: str = "fleet") -> FleetSpec:
          "allow_policy_override", "models",
          "weights", "block_tokens", "chars_per_token", "media_tokens", "default_cluster",
          "timeouts", "signals",
-         "limits", "endpoint_picker", "shedding", "slo", "penalties", "retries", "routes",
-         "control_headers", "observability", "extproc", "sharing"},
+         "limits", "endpoint_picker", "shedding", "slo", "penalties", "retries", "upstream",
+         "routes", "control_headers", "observability", "extproc", "sharing"},
         source,
     )
     regions_raw = _mapping(raw.get("regions"), f"{source}.regions")
@@ -1021,6 +1039,7 @@ def parse_fleet(raw: Any, source: str = "fleet") -> FleetSpec:
         slo=_section(raw, "slo", Slo, source),
         penalties=_section(raw, "penalties", Penalties, source),
         retries=_retries(raw, replicas, f"{source}.retries"),
+        upstream=_section(raw, "upstream", Upstream, source),
         observability=_observability(raw, f"{source}.observability"),
         routes=_routes(raw, f"{source}.routes"),
         control_headers=_control_headers(raw, f"{source}.control_headers"),

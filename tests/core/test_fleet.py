@@ -246,6 +246,14 @@ def _del(path: list) -> Any:
         (_set(["timeouts"], {"message_ms": 3_600_001}), "fleet.timeouts.message_ms: must be <="),
         (_set(["retries"], {"min_retry_concurrency": 2**40}),
          "fleet.retries.min_retry_concurrency: must be <="),
+        # Envoy's range for per_upstream_preconnect_ratio is [1, 3]
+        (_set(["upstream"], {"preconnect_ratio": 0.5}),
+         "fleet.upstream.preconnect_ratio: must be >= 1.0"),
+        (_set(["upstream"], {"preconnect_ratio": 3.5}),
+         "fleet.upstream.preconnect_ratio: must be <= 3"),
+        (_set(["upstream"], {"preconnect_ratio": float("nan")}),
+         "fleet.upstream.preconnect_ratio: expected a finite number"),
+        (_set(["upstream"], {"preconnect": 2}), "fleet.upstream.preconnect: unknown field"),
         (_set(["sharing"], {"nats": "nats://127.0.0.1:99999"}), "fleet.sharing.nats: expected"),
         # required strings
         (_del(["replicas", 0, "name"]), "fleet.replicas[0].name: required"),

@@ -659,8 +659,12 @@ def test_dropin_envoy_validates_and_agrees_with_the_renderer() -> None:
             k: ref_route["route"][k] for k in ("timeout", "idle_timeout")}
         assert r["typed_per_filter_config"] == ref_route["typed_per_filter_config"]
     clusters, ref_clusters = _clusters(boot), _clusters(ref)
-    for key in ("type", "lb_policy", "original_dst_lb_config", "circuit_breakers"):
+    for key in ("type", "lb_policy", "original_dst_lb_config", "circuit_breakers",
+                "preconnect_policy"):
         assert clusters[PICKER_CLUSTER][key] == ref_clusters[PICKER_CLUSTER][key], key
+    # The replica clusters keep connections ahead of the requests as rendered ones do.
+    for name in ("llm-a", "llm-b"):
+        assert clusters[name]["preconnect_policy"] == ref_clusters["use-0"]["preconnect_policy"]
     assert (clusters[EXTPROC_CLUSTER]["typed_extension_protocol_options"]
             == ref_clusters[EXTPROC_CLUSTER]["typed_extension_protocol_options"])  # HTTP/2
 

@@ -19,6 +19,7 @@ import pytest
 from gorgo.core.contract import DECISION_FIELDS, PROXY_REGION_ATTR
 from gorgo.core.contract import TTFT_ATTR as TTFT_TAG
 from gorgo.core.fleet import load_fleet
+from gorgo.envoy_config import EXTPROC_CLUSTER, OTLP_CLUSTER
 from gorgo.harness.procs import wait_for
 from tests.support.e2e import (
     CHUNK_GAP_S,
@@ -254,3 +255,34 @@ def test_a_header_value_that_is_not_utf8_is_routed_or_refused_never_unrouted(
         assert json.loads(answer)["error"]["code"] == "invalid_header"
     else:
         assert status == 200 and headers["x-gorgo-replica"] == headers["x-served-by"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ratio", [1, 3])
+def test_envoy_keeps_the_fleets_connections_to_a_replica_per_open_stream(tmp_path: Path,
+                                                                         ratio: int) -> None:
+    """One stream open on the only replica: with `upstream.preconnect_ratio` 3 Envoy opens two
+    more connections to it for the requests to come (one stream per HTTP/1.1 connection; on a
+    WAN each new one costs a round trip), with 1 only the stream's own."""
+    st = start_stack(tmp_path, n=1, upstream={"preconnect_ratio": ratio})
+    hold = st.lt.run(_event())
+    st.upstreams[0].hold = hold  # the stream stays open while the pool is read
+
+    def replica_connections() -> int:
+        stats = st.envoy.stats("upstream_cx_total")
+        return sum(v for k, v in stats.items()
+                   if k.split(".")[1] not in (EXTPROC_CLUSTER, OTLP_CLUSTER))
+
+    try:
+        answer = asyncio.run_coroutine_threadsafe(
+            post(st.url + "/v1/chat/completions", chat("one request"), {}), st.lt.loop)
+        assert wait_for(lambda: st.upstreams[0].served, 10)
+        assert wait_for(lambda: replica_connections() >= ratio, 10)
+    finally:
+        st.lt.loop.call_soon_threadsafe(hold.set)
+    try:
+        status, _, body, _ = answer.result(timeout=30)
+        assert status == 200 and body.endswith(b"data: [DONE]\n\n")
+        assert replica_connections() == ratio
+    finally:
+        stop_stack(st)

@@ -168,6 +168,30 @@ def test_retries_off_keeps_single_cluster_routing() -> None:
         CLUSTER_HEADER, CLUSTER_HEADER, spec.default_cluster]
 
 
+@pytest.mark.parametrize("ratio", [1.0, 2.0, 3.0])
+def test_replica_clusters_open_connections_ahead_as_the_fleet_says(ratio: float) -> None:
+    """Every cluster a request can reach a replica through keeps ``ratio`` connections per open
+    stream (one stream per HTTP/1.1 connection: a request that finds none idle waits a handshake,
+    a round trip to a far region); 1 renders Envoy's default, nothing; the router's own HTTP/2
+    cluster never preconnects."""
+    spec = load_fleet(EXAMPLE)
+    spec = replace(spec, upstream=replace(spec.upstream, preconnect_ratio=ratio))
+    boot = render_bootstrap(spec, picker=True)
+    clusters = {c["name"]: c for c in boot["static_resources"]["clusters"]}
+    upstream = [*(r.cluster for r in spec.replicas), FLEET_CLUSTER, PICKER_CLUSTER]
+    want = {"per_upstream_preconnect_ratio": ratio} if ratio > 1 else None
+    assert {n: clusters[n].get("preconnect_policy") for n in upstream} == dict.fromkeys(
+        upstream, want)
+    assert "preconnect_policy" not in clusters[EXTPROC_CLUSTER]
+
+
+@pytest.mark.envoy
+def test_the_largest_preconnect_ratio_passes_envoy_validate(tmp_path: Path) -> None:
+    spec = load_fleet(EXAMPLE)
+    spec = replace(spec, upstream=replace(spec.upstream, preconnect_ratio=3.0))
+    _validate(tmp_path, render_yaml(spec, picker=True))
+
+
 def _routes(hcm: dict) -> list[dict]:
     return hcm["route_config"]["virtual_hosts"][0]["routes"]
 
