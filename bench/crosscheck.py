@@ -16,7 +16,9 @@ non-empty content token: the engine server flushes the first token at once whate
 The simulation runs ``--sim-seeds`` seeds (link jitter) and reports their mean; the live run is
 one sample, so the seed spread of the simulation is shown as the noise band of a single run.
 Live-side diagnostics come with it: the engines' step lag (CPU contention in the fleet process),
-the upstream connections Envoy opened (each paid a link handshake), and, in a short extra
+the upstream connections Envoy opened (a request that found none open waited its link's
+handshake; with the fleet's `upstream.preconnect_ratio` above 1 Envoy opens some ahead of the
+requests), and, in a short extra
 round-robin run, the order in which the router decided requests sent at the same instant.
 
 Usage: .venv/bin/python bench/crosscheck.py [--duration 300] [--write-docs]
@@ -49,7 +51,7 @@ from scipy import stats
 
 import gorgo.sim.replay as replay_module
 from gorgo.core.contract import DECISION_HEADER
-from gorgo.core.fleet import FleetSpec, load_fleet
+from gorgo.core.fleet import FleetSpec, load_fleet, parse_fleet
 from gorgo.core.tokens import Tokenization
 from gorgo.envoy_config import render_bootstrap
 from gorgo.harness.docblock import public_args, stop_on_signals, write_block
@@ -168,8 +170,9 @@ def _metric_value(text: str, name: str) -> float:
 
 
 def upstream_connections(admin_url: str, spec: FleetSpec) -> dict[str, int]:
-    """Upstream connections Envoy opened to each replica (any cluster): each one paid a
-    handshake round trip on the emulated link before its first request byte."""
+    """Upstream connections Envoy opened to each replica (any cluster): the emulated link holds
+    each one's first byte for a handshake round trip, which a request waits for unless Envoy
+    opened the connection ahead of it (`upstream.preconnect_ratio`)."""
     by_address: dict[str, int] = {}
     for line in _get(admin_url + "/clusters").splitlines():
         parts = line.split("::")
@@ -423,9 +426,13 @@ def render(comps: Sequence[PolicyComparison], cfg: dict[str, Any], command: str)
         lines.append(f"| served | {c.live.ok}/{c.live.n}{f' ({err_text})' if errs else ''}"
                      f" | {c.sims[0].ok}/{c.sims[0].n} | |")
         lines.append("")
+    ratio = cfg.get("preconnect_ratio", 1.0)  # a run saved before the option: Envoy's default
     lines += ["Live-side diagnostics (per policy run): engine steps that ended > 5 ms late (the "
-              "fleet process's loop lag), Envoy upstream connections opened (each paid one "
-              "extra link RTT before its first request), replay send slip p99.", "",
+              "fleet process's loop lag), Envoy upstream connections opened (the link holds a "
+              "new one's first byte for a handshake round trip; Envoy opened "
+              + (f"up to {ratio:g} per stream open on a replica, ahead of the requests"
+                 if ratio > 1 else "each when a request needed it") + "), replay send slip p99.",
+              "",
               "| policy | steps late > 5 ms | connections opened | send slip p99 (ms) |",
               "|---|---:|---:|---:|"]
     for c in comps:
@@ -523,6 +530,8 @@ def main(argv: list[str] | None = None) -> int:
         "stream_interval": args.stream_interval, "sim_seeds": args.sim_seeds,
         "live_seed": args.seed, "policies": policies, "command": command,
         "load_before": os.getloadavg()[0],
+        "preconnect_ratio": parse_fleet(
+            live_fleet_document(policies[0])).upstream.preconnect_ratio if policies else 1.0,
     }
     comps: list[PolicyComparison] = []
     t_start = time.perf_counter()

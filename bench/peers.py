@@ -24,6 +24,13 @@ shares come from the engines' own finished-request counts. The offline simulator
 slice with the project's `cache-aware` (the current SGLang rule) and `cache-aware-tree` (the
 older one) to check that the offline peer matches the real router.
 
+``--warmup S`` replays the S seconds of trace before the slice first, at the same time scale,
+to every router and to the offline runs, and measures only the slice: the engines' caches and
+the proxy's upstream connections then start as those of a fleet that has been serving, where a
+fresh stack's empty connection pools cost the slice's first streams a handshake each (a round
+trip to their region; docs/results.md). The regions' shares then come from each measured
+answer's replica header.
+
 Usage: .venv/bin/python bench/peers.py [--duration 30] [--repeats 2] [--write-docs]
        .venv/bin/python bench/peers.py --render RUN.json --write-docs  (a saved --out run)
        .venv/bin/python bench/peers.py --across A.json B.json C.json  (saved runs of 3 slices)
@@ -44,7 +51,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -52,7 +59,7 @@ from typing import Any
 import numpy as np
 import yaml
 
-from gorgo.core.fleet import FleetSpec, parse_fleet
+from gorgo.core.fleet import FleetError, FleetSpec, Upstream, parse_fleet
 from gorgo.core.terms import OBJECTIVES
 from gorgo.core.tokens import Tokenization
 from gorgo.errors import OneLineParser, UserError, at_least, output_file, positive_number
@@ -313,9 +320,11 @@ def check_lengths(ok: Sequence[RequestRecord], name: str) -> None:
 
 def run_live(router: Router, fleet_doc: dict[str, Any], requests: Sequence[TraceRequest],
              time_scale: float, load: float, seed: int, bin_dir: Path | None,
-             timeout_s: float, tok: Tokenization, bound: ClientBound = EXACT) -> Run:
+             timeout_s: float, tok: Tokenization, bound: ClientBound = EXACT,
+             measured: Collection[int] | None = None) -> Run:
+    """One replay of ``requests``; ``measured``: the trace indices the figures are taken over
+    (None: every request), the rest a warm-up sent before them (`--warmup`)."""
     region_of = {r["name"]: r["region"] for r in fleet_doc["replicas"]}
-    regions = list(dict.fromkeys(region_of.values()))
     with (tempfile.TemporaryDirectory(prefix="gorgo-peers-") as d,
           serving(router, with_free_ports(fleet_doc), Path(d), seed, bin_dir) as (url, status)):
         t0 = time.perf_counter()
@@ -323,25 +332,41 @@ def run_live(router: Router, fleet_doc: dict[str, Any], requests: Sequence[Trace
                                  bound=bound))
         wall = time.perf_counter() - t0
         finished = {name: s["finished"] for name, s in status().items()}
-    ok = [r for r in res.records if r.outcome == "ok"]
-    check_lengths(ok, router.name)
+    check_lengths([r for r in res.records if r.outcome == "ok"], router.name)
+    return summarize_run(router.key, load, seed, res.records, finished, region_of, wall,
+                         measured)
+
+
+def summarize_run(router: str, load: float, seed: int, records: Sequence[RequestRecord],
+                  finished: dict[str, int], region_of: dict[str, str], wall: float,
+                  measured: Collection[int] | None = None) -> Run:
+    """A replay's `Run`: its figures over the ``measured`` trace indices (None: every request);
+    regions' shares from the engines' ``finished`` counts, or with a warm-up (whose requests
+    those count too) from each measured answer's replica, NaN where an answer did not say."""
+    regions = list(dict.fromkeys(region_of.values()))
+    records = [r for r in records if measured is None or r.index in measured]
+    ok = [r for r in records if r.outcome == "ok"]
+    if measured is not None:
+        known = all(r.replica in region_of for r in ok)
+        finished = {name: sum(r.replica == name for r in ok) if known else 0
+                    for name in region_of}
     errors: dict[str, int] = {}
-    for r in res.records:
+    for r in records:
         if r.outcome != "ok":
             key = f"{r.outcome} {r.status}" if r.status else r.outcome
             errors[key] = errors.get(key, 0) + 1
-    total = sum(finished.values()) or 1
+    total = sum(finished.values())
     prompt = sum(r.prompt_tokens or 0 for r in ok)
     return Run(
-        router=router.key, load=load, seed=seed, n=len(res.records), ok=len(ok),
-        ttft_p50_ms=_p_all([r.first_answer_ms for r in res.records], 50),
-        ttft_p95_ms=_p_all([r.first_answer_ms for r in res.records], 95),
-        e2e_p95_ms=_p_all([r.e2e_ms if r.outcome == "ok" else None for r in res.records], 95),
+        router=router, load=load, seed=seed, n=len(records), ok=len(ok),
+        ttft_p50_ms=_p_all([r.first_answer_ms for r in records], 50),
+        ttft_p95_ms=_p_all([r.first_answer_ms for r in records], 95),
+        e2e_p95_ms=_p_all([r.e2e_ms if r.outcome == "ok" else None for r in records], 95),
         cache_hit=100.0 * sum(r.cached_tokens or 0 for r in ok) / prompt if prompt else math.nan,
         regions={g: 100.0 * sum(n for name, n in finished.items() if region_of[name] == g)
-                 / total for g in regions},
+                 / total if total else math.nan for g in regions},
         wall_s=wall, errors=errors,
-        slip_p99_ms=_p([r.slip_ms for r in res.records], 99),
+        slip_p99_ms=_p([r.slip_ms for r in records], 99),
         ttft_ms=[round(r.first_answer_ms or math.nan, 1) for r in ok],
         e2e_ms=[round(r.e2e_ms or math.nan, 1) for r in ok],
     )
@@ -370,12 +395,15 @@ def trace_words(trace: str) -> str:
 
 def run_offline(policy: str, fleet_doc: dict[str, Any], requests: Sequence[TraceRequest],
                 time_scale: float, seed: int, tok: Tokenization,
-                bound: ClientBound = EXACT) -> dict[str, float]:
-    """The slice through the offline simulator, arrivals scaled like the live replay's."""
+                bound: ClientBound = EXACT,
+                measured: Collection[int] | None = None) -> dict[str, float]:
+    """The slice through the offline simulator, arrivals scaled like the live replay's;
+    ``measured`` as `run_live` takes it."""
     wl = workload_from_requests("slice", requests, tok, bound)
     sim = Simulation(parse_fleet(fleet_doc), policy, seed=seed)
-    records = sim.run((wl.arrivals * time_scale).tolist(), wl.features,
-                      wl.output_tokens).records
+    records = [rec for rec, req in zip(
+        sim.run((wl.arrivals * time_scale).tolist(), wl.features, wl.output_tokens).records,
+        requests, strict=True) if measured is None or req.index in measured]
     ok = [r.status == 200 for r in records]
     return {"ttft_p95_ms": _p_all([r.ttft * 1000.0 if s else None
                                    for r, s in zip(records, ok, strict=True)], 95),
@@ -437,7 +465,14 @@ def render(runs: Sequence[Run], offline: dict[str, dict[str, list[dict[str, floa
         f"{cfg['offset_s'] + cfg['trace_s']:g} s "
         f"({cfg['requests']} requests, {cfg['rate']:.2f} req/s at trace speed, mean prompt "
         f"{cfg['mean_prompt']:,.0f} tokens), fleet `paper` (3 regions x 2 replicas, RTT "
-        f"37/279/456 ms), fresh fleet per run, `--stream-interval {STREAM_INTERVAL}`, clients "
+        f"37/279/456 ms), fresh fleet per run, "
+        + (f"Envoy keeping {cfg.get('preconnect_ratio', 1.0):g} upstream connections per open "
+           "stream (`upstream.preconnect_ratio`)" if cfg.get("preconnect_ratio", 1.0) > 1
+           else "Envoy opening an upstream connection when a request needs one")
+        + (f", after a warm-up of the {cfg['warmup_s']:g} s of trace before the slice "
+           f"({cfg['warmup_requests']} requests, replayed at the same time scale and not "
+           "measured)" if cfg.get("warmup_s") else "")
+        + f", `--stream-interval {STREAM_INTERVAL}`, clients "
         f"sending {_bound_words(cfg.get('max_tokens', EXACT))}, code "
         f"{cfg.get('code', 'not recorded')}. Load = slice "
         f"rate / {cfg['capacity']:g} req/s"
@@ -552,12 +587,17 @@ def across(paths: Sequence[Path]) -> str:
     names: list[str] = []
     spans: list[tuple[str, float, float]] = []
     bounds: set[str] = set()
+    warmups: set[tuple[float, float]] = set()  # (--warmup, --preconnect-ratio)
     for k, path in enumerate(paths):
         runs, _, cfg = load_saved(path)
         bounds.add(str(cfg.get("max_tokens", EXACT)))
         if len(bounds) > 1:
             raise UserError(f"--across: {path}'s clients sent another max_tokens than the "
                             "files before it (--bound)")
+        warmups.add((float(cfg.get("warmup_s", 0.0)), float(cfg.get("preconnect_ratio", 1.0))))
+        if len(warmups) > 1:
+            raise UserError(f"--across: {path} was run with another --warmup or "
+                            "--preconnect-ratio than the files before it")
         trace, start = str(cfg.get("trace", "mooncake")), float(cfg["offset_s"])
         end = start + float(cfg["trace_s"])
         label = f"{trace} {start:g}-{end:g} s"
@@ -607,7 +647,9 @@ def result_args(cfg: dict[str, Any]) -> dict[str, Any]:
             "--offset": cfg.get("offset_s"), "--duration": cfg.get("trace_s"),
             "--loads": [load for load, _ in cfg.get("time_scales", [])],
             "--capacity": cfg.get("capacity"), "--timeout": cfg.get("timeout_s"),
-            "--bound": cfg.get("max_tokens", EXACT)}
+            "--bound": cfg.get("max_tokens", EXACT), "--warmup": cfg.get("warmup_s", 0.0),
+            # a run saved before the option ran on Envoy's default, 1
+            "--preconnect-ratio": cfg.get("preconnect_ratio", 1.0)}
 
 
 def check_resumable(saved: dict[str, Any], cfg: dict[str, Any], path: Path) -> None:
@@ -652,6 +694,15 @@ def main(argv: list[str] | None = None) -> int:
                    help="trace time of the slice (s)")
     p.add_argument("--duration", type=positive_number, default=30.0,
                    help="seconds of trace time in the slice")
+    p.add_argument("--preconnect-ratio", type=positive_number, default=None, metavar="R",
+                   help="the fleet's upstream.preconnect_ratio, the connections Envoy keeps to a "
+                        "replica per stream open there (1-3; default: the fleet file's default, "
+                        f"{Upstream().preconnect_ratio:g})")
+    p.add_argument("--warmup", type=at_least(0.0, float), default=0.0,
+                   help="seconds of trace time before --offset replayed first, at the same time "
+                        "scale, and not measured: the engines' caches and the proxy's "
+                        "connections then start as a fleet that has been serving (default 0: "
+                        "from a fresh stack)")
     p.add_argument("--loads", type=load_list, default="0.6,0.75",
                    help="loads, as fractions of --capacity")
     p.add_argument("--capacity", type=positive_number, default=None,
@@ -674,8 +725,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="write the runs as JSON here (after every run)")
     p.add_argument("--resume", action="store_true",
                    help="keep the runs already in --out and do only the missing ones (refused "
-                        "when they had another --trace, --offset, --duration, --loads, "
-                        "--capacity, --timeout or --bound)")
+                        "when they had another --trace, --offset, --duration, --warmup, "
+                        "--loads, --capacity, --timeout, --bound or --preconnect-ratio)")
     p.add_argument("--across", type=Path, nargs="+", default=None, metavar="RUN.json",
                    help="paired ratios to sglang-router cache_aware over several saved runs, one "
                         "slice each, with intervals over the slices (prints; no run)")
@@ -717,7 +768,12 @@ def bench(args: argparse.Namespace, log: Callable[[str], None]) -> str:
     command = ".venv/bin/python bench/peers.py" + "".join(
         f" {a}" for a in public_args(sys.argv[1:]) if a != "--resume")
     fleet_doc = PRESETS["paper"]
-    spec = parse_fleet(fleet_doc)
+    if args.preconnect_ratio is not None:
+        fleet_doc = {**fleet_doc, "upstream": {"preconnect_ratio": args.preconnect_ratio}}
+    try:
+        spec = parse_fleet(fleet_doc)
+    except FleetError as exc:  # the ratio out of Envoy's range
+        raise UserError(f"--preconnect-ratio: {exc}") from None
     tok = tokenization(spec)
     try:
         trace = load_trace(args.trace)
@@ -728,6 +784,12 @@ def bench(args: argparse.Namespace, log: Callable[[str], None]) -> str:
     if not requests:
         raise UserError(f"no requests in trace time {args.offset:g}-"
                         f"{args.offset + args.duration:g} s (see --offset, --duration)")
+    if args.warmup > args.offset:
+        raise UserError(f"--warmup {args.warmup:g} reaches before the trace's start (--offset "
+                        f"{args.offset:g})")
+    measured = {r.index for r in requests} if args.warmup > 0 else None
+    played = select_window(trace, args.offset - args.warmup, args.duration + args.warmup) \
+        if measured is not None else requests
     rate = len(requests) / args.duration
     capacity = args.capacity
     searched = capacity is None and source != "mooncake"
@@ -738,6 +800,8 @@ def bench(args: argparse.Namespace, log: Callable[[str], None]) -> str:
     cfg: dict[str, Any] = {
         "trace": args.trace,
         "offset_s": args.offset, "trace_s": args.duration, "requests": len(requests),
+        "warmup_s": args.warmup, "warmup_requests": len(played) - len(requests),
+        "preconnect_ratio": spec.upstream.preconnect_ratio,
         "rate": rate, "mean_prompt": float(np.mean([r.input_tokens for r in requests])),
         "capacity": capacity, "capacity_searched": searched, "timeout_s": args.timeout,
         "time_scales": list(scales.items()), "repeats": args.repeats,
@@ -767,8 +831,8 @@ def bench(args: argparse.Namespace, log: Callable[[str], None]) -> str:
         if str(load) in offline:
             continue
         offline[str(load)] = {
-            policy: [run_offline(policy, fleet_doc, requests, scale, seed, tok,
-                                 args.bound)
+            policy: [run_offline(policy, fleet_doc, played, scale, seed, tok,
+                                 args.bound, measured)
                      for seed in range(args.sim_seeds)]
             for policy in (OFFLINE_POLICIES if args.sim_seeds > 0 else ())}
         for policy, sims in offline[str(load)].items():
@@ -783,8 +847,8 @@ def bench(args: argparse.Namespace, log: Callable[[str], None]) -> str:
                 if (router.key, load, seed) in done:
                     continue
                 try:
-                    run = run_live(router, fleet_doc, requests, scale, load, seed, bin_dir,
-                                   args.timeout, tok, args.bound)
+                    run = run_live(router, fleet_doc, played, scale, load, seed, bin_dir,
+                                   args.timeout, tok, args.bound, measured)
                 except (RuntimeError, OSError) as exc:  # one broken run must not lose the rest
                     failed.append(f"{router.name}, load {load:g}, seed {seed}: {exc}")
                     log(f"[peers] FAILED {failed[-1]}")

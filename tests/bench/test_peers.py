@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,8 @@ from gorgo.sim.replay import RequestRecord
 
 SLICE = ["--routers", "gorgo", "--duration", "5", "--loads", "0.6", "--sim-seeds", "0"]
 
+
+_RUN_OFFLINE = peers.run_offline  # the real one; every test's fixture replaces it
 
 # The Mooncake trace parsed once for the module's tests (0.8 s a parse; its requests are frozen)
 _TRACE = functools.cache(peers.load_trace)
@@ -53,6 +56,10 @@ def _refused(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
     (["--bound", "lots"], "--bound: expected exact, none or a number of tokens"),
     (["--trace", "nope"], "--trace: unknown trace source 'nope'"),
     (["--trace", "chat:seed=x"], "--trace: bad value for seed: 'x'"),
+    (["--warmup", "-1"], "--warmup: must be >= 0"),
+    (["--preconnect-ratio", "5"],
+     "--preconnect-ratio: fleet.upstream.preconnect_ratio: must be <= 3, got 5.0"),
+    (["--offset", "10", "--warmup", "20"], "--warmup 20 reaches before the trace's start"),
 ])
 def test_a_bad_argument_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[str],
                                                argv: list[str], says: str) -> None:
@@ -124,6 +131,8 @@ def test_another_trace_is_run_at_its_slices_own_capacity(capsys: pytest.CaptureF
     (["--loads", "0.6,0.75"], "--loads 0.6 (here 0.6,0.75)"),
     (["--timeout", "60"], "--timeout 300 (here 60)"),
     (["--bound", "4096"], "--bound exact (here 4096)"),
+    (["--warmup", "10"], "--warmup 0 (here 10)"),
+    (["--preconnect-ratio", "3"], "--preconnect-ratio 2 (here 3)"),
 ])
 def test_resume_refuses_a_run_of_other_arguments(capsys: pytest.CaptureFixture[str],
                                                  tmp_path: Path, argv: list[str],
@@ -213,6 +222,18 @@ def test_across_pairs_each_run_with_the_peers_of_its_slice_and_seed(
     files[1].write_text(json.dumps(capped))
     err = _refused(capsys, ["--across", *map(str, files)])
     assert "clients sent another max_tokens than the files before it" in err
+    warmed = json.loads(files[0].read_text())
+    warmed["config"]["warmup_s"] = 60.0
+    files[1].write_text(json.dumps({**warmed, "config": {**warmed["config"], "offset_s": 60.0}}))
+    err = _refused(capsys, ["--across", *map(str, files)])
+    assert "was run with another --warmup or --preconnect-ratio than the files before it" in err
+    # a file saved before the option ran on Envoy's default: not pooled with one at 2
+    preconnected = json.loads(files[0].read_text())
+    preconnected["config"]["preconnect_ratio"] = 2.0
+    files[1].write_text(json.dumps({**preconnected,
+                                    "config": {**preconnected["config"], "offset_s": 60.0}}))
+    err = _refused(capsys, ["--across", *map(str, files)])
+    assert "another --warmup or --preconnect-ratio" in err
     overlapping = json.loads(files[0].read_text())
     overlapping["config"]["offset_s"] = 30.0
     files[1].write_text(json.dumps(overlapping))
@@ -239,3 +260,94 @@ def test_a_mooncake_spec_keeps_the_whole_traces_capacity(capsys: pytest.CaptureF
     assert "Slice: Mooncake trace time 1200-1205 s" in capsys.readouterr().out
     cfg = json.loads(out.read_text())["config"]
     assert cfg["capacity"] == peers.PAPER_MOONCAKE_CAPACITY_RPS and not cfg["capacity_searched"]
+
+
+def test_a_warmup_is_replayed_first_and_left_out_of_the_figures(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+        tmp_path: Path) -> None:
+    """--warmup sends the trace before the slice first, at the slice's time scale, to every
+    router and to the offline twin; only the slice's requests are measured."""
+    calls: list[tuple[list, set | None]] = []
+
+    def offline(policy, fleet_doc, requests, scale, seed, tok, bound, measured):
+        calls.append((list(requests), measured))
+        return {"ttft_p95_ms": 1.0, "e2e_p95_ms": 2.0}
+
+    monkeypatch.setattr(peers, "run_offline", offline)
+    out = tmp_path / "w.json"
+    argv = [*SLICE, "--sim-seeds", "1", "--repeats", "0", "--warmup", "10", "--out", str(out)]
+    assert peers.main(argv) == 0
+    trace = peers.load_trace("mooncake")
+    sliced = peers.select_window(trace, 1200.0, 5.0)
+    played, measured = calls[0]
+    assert measured == {r.index for r in sliced}
+    assert [r.index for r in played] == [r.index for r in peers.select_window(trace, 1190, 15)]
+    assert [r.index for r in played[-len(sliced):]] == [r.index for r in sliced]
+    assert min(r.arrival_s for r in played[-len(sliced):]) >= 10.0  # after the warm-up
+    cfg = json.loads(out.read_text())["config"]
+    assert cfg["requests"] == len(sliced) and cfg["warmup_requests"] == len(played) - len(sliced)
+    report = capsys.readouterr().out
+    assert (f"after a warm-up of the 10 s of trace before the slice ({len(played) - len(sliced)} "
+            "requests, replayed at the same time scale and not measured)") in report
+    assert "Envoy keeping 2 upstream connections per open stream" in report
+
+
+def _record(index: int, replica: str | None, ttft: float, outcome: str = "ok") -> RequestRecord:
+    return RequestRecord(index=index, session=None, input_tokens=100, max_tokens=10,
+                         scheduled_s=0.0, outcome=outcome, ttft_ms=ttft, e2e_ms=ttft + 100.0,
+                         replica=replica, prompt_tokens=100, cached_tokens=0)
+
+
+def test_a_runs_figures_and_shares_are_of_the_measured_requests() -> None:
+    region_of = {"a": "near", "b": "far"}
+    records = [_record(0, "b", 5000.0), _record(1, "b", 5000.0),  # the warm-up
+               _record(2, "a", 100.0), _record(3, "a", 200.0), _record(4, "b", 300.0)]
+    finished = {"a": 2, "b": 3}  # the engines count the warm-up too
+    whole = peers.summarize_run("gorgo", 0.6, 0, records, finished, region_of, 1.0)
+    assert whole.n == 5 and whole.ttft_p95_ms == 5000.0
+    assert whole.regions == {"near": 40.0, "far": 60.0}
+    warm = peers.summarize_run("gorgo", 0.6, 0, records, finished, region_of, 1.0, {2, 3, 4})
+    assert warm.n == warm.ok == 3 and warm.ttft_p95_ms < 300.0
+    assert warm.regions == pytest.approx({"near": 200 / 3, "far": 100 / 3})
+    # a router that did not pass the engine's replica header on: no share, rather than a guess
+    records[4] = _record(4, None, 300.0)
+    unknown = peers.summarize_run("gorgo", 0.6, 0, records, finished, region_of, 1.0, {2, 3, 4})
+    assert all(math.isnan(v) for v in unknown.regions.values())
+
+
+def test_the_offline_twin_measures_the_same_requests() -> None:
+    spec = peers.parse_fleet(peers.PRESETS["paper"])
+    tok = peers.tokenization(spec)
+    played = peers.select_window(peers.load_trace("mooncake"), 1190.0, 15.0)
+    measured = {r.index for r in played if r.arrival_s >= 10.0}
+    assert 0 < len(measured) < len(played)
+    doc = peers.PRESETS["paper"]
+    every = _RUN_OFFLINE("gorgo", doc, played, 1.0, 0, tok)
+    assert _RUN_OFFLINE("gorgo", doc, played, 1.0, 0, tok, measured={r.index for r in played}) \
+        == every
+    wl = peers.workload_from_requests("slice", played, tok)
+    records = peers.Simulation(peers.parse_fleet(doc), "gorgo", seed=0).run(
+        wl.arrivals.tolist(), wl.features, wl.output_tokens).records
+    ttfts = [rec.ttft * 1000.0 for rec, req in zip(records, played, strict=True)
+             if req.index in measured]
+    got = _RUN_OFFLINE("gorgo", doc, played, 1.0, 0, tok, measured=measured)
+    assert got["ttft_p95_ms"] == peers._p_all(ttfts, 95) != every["ttft_p95_ms"]
+
+
+def test_the_preconnect_ratio_reaches_the_fleet_every_run_gets(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+        tmp_path: Path) -> None:
+    docs: list[dict] = []
+
+    def offline(policy, fleet_doc, *_: Any) -> dict[str, float]:
+        docs.append(fleet_doc)
+        return {"ttft_p95_ms": 1.0, "e2e_p95_ms": 2.0}
+
+    monkeypatch.setattr(peers, "run_offline", offline)
+    out = tmp_path / "r.json"
+    assert peers.main([*SLICE, "--sim-seeds", "1", "--repeats", "0", "--preconnect-ratio", "1",
+                       "--out", str(out)]) == 0
+    assert docs and all(peers.parse_fleet(d).upstream.preconnect_ratio == 1.0 for d in docs)
+    assert json.loads(out.read_text())["config"]["preconnect_ratio"] == 1.0
+    assert "Envoy opening an upstream connection when a request needs one" in \
+        capsys.readouterr().out
