@@ -426,13 +426,14 @@ def render(comps: Sequence[PolicyComparison], cfg: dict[str, Any], command: str)
         lines.append(f"| served | {c.live.ok}/{c.live.n}{f' ({err_text})' if errs else ''}"
                      f" | {c.sims[0].ok}/{c.sims[0].n} | |")
         lines.append("")
-    ratio = cfg.get("preconnect_ratio", 1.0)  # a run saved before the option: Envoy's default
+    ratio = cfg.get("preconnect_ratio")  # None: a run saved before it was recorded
+    opened = ("at a preconnect ratio not recorded" if ratio is None
+              else f"up to {ratio:g} per stream open on a replica, ahead of the requests"
+              if ratio > 1 else "each when a request needed it")
     lines += ["Live-side diagnostics (per policy run): engine steps that ended > 5 ms late (the "
               "fleet process's loop lag), Envoy upstream connections opened (the link holds a "
-              "new one's first byte for a handshake round trip; Envoy opened "
-              + (f"up to {ratio:g} per stream open on a replica, ahead of the requests"
-                 if ratio > 1 else "each when a request needed it") + "), replay send slip p99.",
-              "",
+              f"new one's first byte for a handshake round trip; Envoy opened them {opened}), "
+              "replay send slip p99.", "",
               "| policy | steps late > 5 ms | connections opened | send slip p99 (ms) |",
               "|---|---:|---:|---:|"]
     for c in comps:
@@ -530,8 +531,7 @@ def main(argv: list[str] | None = None) -> int:
         "stream_interval": args.stream_interval, "sim_seeds": args.sim_seeds,
         "live_seed": args.seed, "policies": policies, "command": command,
         "load_before": os.getloadavg()[0],
-        "preconnect_ratio": parse_fleet(
-            live_fleet_document(policies[0])).upstream.preconnect_ratio if policies else 1.0,
+        "preconnect_ratio": parse_fleet(PRESETS["paper"]).upstream.preconnect_ratio,
     }
     comps: list[PolicyComparison] = []
     t_start = time.perf_counter()

@@ -52,7 +52,7 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Callable, Collection, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -448,6 +448,17 @@ def _bound_words(mode: int | str) -> str:
     return f"{said} (the engines stop at the trace's output)"
 
 
+def _preconnect_words(ratio: float | None) -> str:
+    """How the report names the run's `upstream.preconnect_ratio`; None: a run saved before it
+    was recorded (1, Envoy's default, until commit 1a1aa94 made 2 the fleet's, unrecorded)."""
+    if ratio is None:
+        return "Envoy's upstream preconnect ratio not recorded"
+    if ratio > 1:
+        return (f"Envoy keeping {ratio:g} upstream connections per open stream "
+                "(`upstream.preconnect_ratio`)")
+    return "Envoy opening an upstream connection when a request needs one"
+
+
 def render(runs: Sequence[Run], offline: dict[str, dict[str, list[dict[str, float]]]],
            cfg: dict[str, Any]) -> str:
     loads = sorted({r.load for r in runs})
@@ -466,9 +477,7 @@ def render(runs: Sequence[Run], offline: dict[str, dict[str, list[dict[str, floa
         f"({cfg['requests']} requests, {cfg['rate']:.2f} req/s at trace speed, mean prompt "
         f"{cfg['mean_prompt']:,.0f} tokens), fleet `paper` (3 regions x 2 replicas, RTT "
         f"37/279/456 ms), fresh fleet per run, "
-        + (f"Envoy keeping {cfg.get('preconnect_ratio', 1.0):g} upstream connections per open "
-           "stream (`upstream.preconnect_ratio`)" if cfg.get("preconnect_ratio", 1.0) > 1
-           else "Envoy opening an upstream connection when a request needs one")
+        + _preconnect_words(cfg.get("preconnect_ratio"))
         + (f", after a warm-up of the {cfg['warmup_s']:g} s of trace before the slice "
            f"({cfg['warmup_requests']} requests, replayed at the same time scale and not "
            "measured)" if cfg.get("warmup_s") else "")
@@ -587,14 +596,15 @@ def across(paths: Sequence[Path]) -> str:
     names: list[str] = []
     spans: list[tuple[str, float, float]] = []
     bounds: set[str] = set()
-    warmups: set[tuple[float, float]] = set()  # (--warmup, --preconnect-ratio)
+    # (--warmup, --preconnect-ratio; None: not recorded)
+    warmups: set[tuple[float, float | None]] = set()
     for k, path in enumerate(paths):
         runs, _, cfg = load_saved(path)
         bounds.add(str(cfg.get("max_tokens", EXACT)))
         if len(bounds) > 1:
             raise UserError(f"--across: {path}'s clients sent another max_tokens than the "
                             "files before it (--bound)")
-        warmups.add((float(cfg.get("warmup_s", 0.0)), float(cfg.get("preconnect_ratio", 1.0))))
+        warmups.add((float(cfg.get("warmup_s", 0.0)), cfg.get("preconnect_ratio")))
         if len(warmups) > 1:
             raise UserError(f"--across: {path} was run with another --warmup or "
                             "--preconnect-ratio than the files before it")
@@ -648,8 +658,8 @@ def result_args(cfg: dict[str, Any]) -> dict[str, Any]:
             "--loads": [load for load, _ in cfg.get("time_scales", [])],
             "--capacity": cfg.get("capacity"), "--timeout": cfg.get("timeout_s"),
             "--bound": cfg.get("max_tokens", EXACT), "--warmup": cfg.get("warmup_s", 0.0),
-            # a run saved before the option ran on Envoy's default, 1
-            "--preconnect-ratio": cfg.get("preconnect_ratio", 1.0)}
+            # None: a run saved before the ratio was recorded (1 or 2: not known)
+            "--preconnect-ratio": cfg.get("preconnect_ratio")}
 
 
 def check_resumable(saved: dict[str, Any], cfg: dict[str, Any], path: Path) -> None:
@@ -788,8 +798,14 @@ def bench(args: argparse.Namespace, log: Callable[[str], None]) -> str:
         raise UserError(f"--warmup {args.warmup:g} reaches before the trace's start (--offset "
                         f"{args.offset:g})")
     measured = {r.index for r in requests} if args.warmup > 0 else None
-    played = select_window(trace, args.offset - args.warmup, args.duration + args.warmup) \
-        if measured is not None else requests
+    played = requests
+    if measured is not None:
+        # On the trace's own times: a window rebased to offset - warmup recomputed the slice's
+        # end in floating point and let requests at exactly offset + duration through.
+        start = args.offset - args.warmup
+        played = [replace(r, arrival_s=r.arrival_s - start)
+                  for r in sorted(trace, key=lambda r: r.arrival_s)
+                  if r.index in measured or start <= r.arrival_s < args.offset]
     rate = len(requests) / args.duration
     capacity = args.capacity
     searched = capacity is None and source != "mooncake"

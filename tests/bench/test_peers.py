@@ -351,3 +351,35 @@ def test_the_preconnect_ratio_reaches_the_fleet_every_run_gets(
     assert json.loads(out.read_text())["config"]["preconnect_ratio"] == 1.0
     assert "Envoy opening an upstream connection when a request needs one" in \
         capsys.readouterr().out
+
+
+def test_a_fractional_warmup_replays_nothing_after_the_slice(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    # Rebased to offset - warmup, the slice's end was recomputed in floating point: 15 requests
+    # at exactly trace time 1710 were replayed (unmeasured) after this 1700-1710 s slice.
+    calls: list[tuple[list, set]] = []
+    monkeypatch.setattr(peers, "run_offline", lambda _p, _d, requests, *a: calls.append(
+        (list(requests), a[-1])) or {"ttft_p95_ms": 1.0, "e2e_p95_ms": 2.0})
+    assert peers.main(["--routers", "gorgo", "--offset", "1700", "--duration", "10",
+                       "--warmup", "2.3", "--loads", "0.6", "--sim-seeds", "1",
+                       "--repeats", "0"]) == 0
+    played, measured = calls[0]
+    trace = {r.index: r for r in peers.load_trace("mooncake")}
+    assert measured == {r.index for r in peers.select_window(list(trace.values()), 1700, 10)}
+    assert all(r.index in measured or 1697.7 <= trace[r.index].arrival_s < 1700 for r in played)
+    assert measured <= {r.index for r in played}
+    assert [r.arrival_s for r in played] == sorted(r.arrival_s for r in played)
+
+
+def test_a_run_saved_before_the_ratio_was_recorded_says_so(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    # Missing, it read as 1: commit 1a1aa94 ran at 2 without recording it.
+    out = _saved(tmp_path, capsys)
+    data = json.loads(out.read_text())
+    del data["config"]["preconnect_ratio"]
+    data["config"].update(finished_at="then", load_after=0.0, wall_s=1.0)
+    out.write_text(json.dumps(data))
+    assert peers.main(["--render", str(out)]) == 0
+    assert "Envoy's upstream preconnect ratio not recorded" in capsys.readouterr().out
+    err = _refused(capsys, [*SLICE, "--out", str(out), "--resume"])
+    assert "--preconnect-ratio not recorded (here 2)" in err
