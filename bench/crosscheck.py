@@ -51,7 +51,7 @@ from scipy import stats
 
 import gorgo.sim.replay as replay_module
 from gorgo.core.contract import DECISION_HEADER
-from gorgo.core.fleet import FleetSpec, load_fleet, parse_fleet
+from gorgo.core.fleet import FleetSpec, load_fleet
 from gorgo.core.tokens import Tokenization
 from gorgo.envoy_config import render_bootstrap
 from gorgo.harness.docblock import public_args, stop_on_signals, write_block
@@ -531,7 +531,6 @@ def main(argv: list[str] | None = None) -> int:
         "stream_interval": args.stream_interval, "sim_seeds": args.sim_seeds,
         "live_seed": args.seed, "policies": policies, "command": command,
         "load_before": os.getloadavg()[0],
-        "preconnect_ratio": parse_fleet(PRESETS["paper"]).upstream.preconnect_ratio,
     }
     comps: list[PolicyComparison] = []
     t_start = time.perf_counter()
@@ -541,6 +540,8 @@ def main(argv: list[str] | None = None) -> int:
                 path = Path(d) / f"fleet-{policy}.yaml"
                 path.write_text(yaml.safe_dump(live_fleet_document(policy), sort_keys=False))
                 spec = load_fleet(path)
+                # the ratio Envoy is rendered with for this run (every policy's fleet alike)
+                cfg["preconnect_ratio"] = spec.upstream.preconnect_ratio
                 sims = []
                 for seed in range(args.sim_seeds):
                     sims.append(run_sim(spec, policy, requests, args.time_scale, seed))

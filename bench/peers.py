@@ -600,11 +600,12 @@ def across(paths: Sequence[Path]) -> str:
     warmups: set[tuple[float, float | None]] = set()
     for k, path in enumerate(paths):
         runs, _, cfg = load_saved(path)
-        bounds.add(str(cfg.get("max_tokens", EXACT)))
+        recorded = result_args(cfg)  # an older file's missing settings read as --resume reads them
+        bounds.add(str(recorded["--bound"]))
         if len(bounds) > 1:
             raise UserError(f"--across: {path}'s clients sent another max_tokens than the "
                             "files before it (--bound)")
-        warmups.add((float(cfg.get("warmup_s", 0.0)), cfg.get("preconnect_ratio")))
+        warmups.add((float(recorded["--warmup"]), recorded["--preconnect-ratio"]))
         if len(warmups) > 1:
             raise UserError(f"--across: {path} was run with another --warmup or "
                             "--preconnect-ratio than the files before it")
